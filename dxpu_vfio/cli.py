@@ -1,0 +1,117 @@
+"""The ``dxpu`` command. Each subcommand is a thin layer over a module; ``--json``
+prints machine-readable output; errors print what went wrong and what to run, exit 1."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable
+
+from .errors import DxpuError
+
+
+def _emit(args: argparse.Namespace, data: Any, text: Callable[[Any], str]) -> None:
+    print(json.dumps(data, indent=2, default=str) if getattr(args, "json", False) else text(data))
+
+
+def cmd_setup(args: argparse.Namespace) -> int:
+    from . import images, qemu
+    log = (lambda _msg: None) if args.json else (lambda msg: print(msg, flush=True))
+    out: dict[str, Any] = {}
+    if args.what in ("all", "qemu"):
+        q = qemu.install_sysroot(log=log)
+        out["qemu"] = {"binary": str(q.binary), "version": q.version_text, "source": q.source}
+    if args.what in ("all", "images"):
+        names = args.names or list(images.IMAGE_NAMES)
+        out["images"] = {}
+        for name in names:
+            img = images.build_image(name, rebuild=args.rebuild, log=log)
+            out["images"][name] = {"directory": str(img.directory), "kernel": img.kernel_release}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import run_checks
+    checks = run_checks(accel=args.accel)
+    _emit(args, [c.as_dict() for c in checks],
+          lambda rows: "\n".join(
+              f"{'ok ' if r['ok'] else 'BAD'} {r['name']:<14} {r['detail']}"
+              + ("" if r["ok"] or not r["fix"] else f"\n    fix: {r['fix']}") for r in rows))
+    return 0 if all(c.ok or c.optional for c in checks) else 1
+
+
+def cmd_vm_run(args: argparse.Namespace) -> int:
+    from .vm import Vm, VmConfig
+    config = VmConfig(image=args.image, name=args.name, accel=args.accel,
+                      memory_mib=args.memory, cpus=args.cpus, edu=args.edu)
+    with Vm(config) as vm:
+        vm.boot()
+        result = vm.run(args.command, timeout=args.timeout, check=False)
+        vm.shutdown()
+    if args.json:
+        print(json.dumps({"rc": result.rc, "stdout": result.stdout, "stderr": result.stderr,
+                          "boot_seconds": vm.boot_seconds, "workdir": str(vm.workdir)}))
+    else:
+        sys.stdout.write(result.stdout)
+        sys.stderr.write(result.stderr)
+    return result.rc
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+    return run_demo(image=args.image, accel=args.accel, as_json=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dxpu", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, func: Callable, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.set_defaults(func=func)
+        return p
+
+    p = add("setup", cmd_setup, "install the QEMU sysroot and build guest images (idempotent)")
+    p.add_argument("what", choices=["all", "qemu", "images"], nargs="?", default="all")
+    p.add_argument("names", nargs="*", help="images to build (default: all)")
+    p.add_argument("--rebuild", action="store_true", help="rebuild images even if up to date")
+
+    p = add("doctor", cmd_doctor, "check this host: QEMU, accelerators, images, libvirtd, netns")
+    p.add_argument("--accel", default="tcg", choices=["tcg", "kvm"])
+
+    vm = sub.add_parser("vm", help="run guests").add_subparsers(dest="vm_command", required=True)
+    p = vm.add_parser("run", help="boot a guest, run one command in it, print its output; exit with its code")
+    p.add_argument("command")
+    p.add_argument("--image", default="tiny", choices=["tiny", "full"])
+    p.add_argument("--name", default="dxpu-run")
+    p.add_argument("--accel", default="tcg", choices=["tcg", "kvm"])
+    p.add_argument("--memory", type=int, default=1024, help="MiB")
+    p.add_argument("--cpus", type=int, default=2)
+    p.add_argument("--edu", action="store_true", help="add QEMU's edu device")
+    p.add_argument("--timeout", type=float, default=120)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_vm_run)
+
+    p = add("demo", cmd_demo, "the main demo on the embedded defaults")
+    p.add_argument("--image", default="tiny", choices=["tiny", "full"])
+    p.add_argument("--accel", default="tcg", choices=["tcg", "kvm"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DxpuError as exc:
+        print(f"dxpu: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

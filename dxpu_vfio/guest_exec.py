@@ -1,0 +1,226 @@
+"""Running commands in a guest and getting output and exit code back.
+
+Two channels, one interface (:class:`GuestChannel`):
+
+* :class:`SerialChannel` for the ``tiny`` image: a busybox script on the guest's
+  second serial port (``vm_images/tiny/dxpu-serial-agent``), lines framed as
+  ``<id> OUT|ERR <base64>`` and ``<id> RC <code>``.
+* :class:`AgentChannel` for the ``full`` image: qemu-guest-agent's ``guest-exec``.
+
+Both wait with a timeout and check that QEMU is still alive while they wait, so a
+guest that panics (QEMU exits, ``-no-reboot``) is reported at once, never a hang.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+from .errors import GuestCommandTimeout, VmError
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What a guest command did."""
+
+    rc: int
+    stdout: str
+    stderr: str
+
+    def __str__(self) -> str:
+        return f"exit {self.rc}; stdout {self.stdout[-400:]!r}; stderr {self.stderr[-400:]!r}"
+
+
+class GuestDied(VmError):
+    """QEMU exited while we were waiting for the guest (the VM turns it into a better error)."""
+
+
+class GuestChannel(Protocol):
+    def ping(self, timeout: float) -> bool: ...
+    def run(self, script: str, timeout: float) -> CommandResult: ...
+    def request_poweroff(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class _LineSocket:
+    """A UNIX stream socket read line by line, each wait bounded and checking liveness."""
+
+    def __init__(self, path: Path, alive: Callable[[], bool]) -> None:
+        self.path = path
+        self.alive = alive
+        self.sock: socket.socket | None = None
+        self.buffer = b""
+
+    def connect(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect(str(self.path))
+                sock.settimeout(0.2)
+                self.sock = sock
+                return
+            except OSError as exc:
+                sock.close()
+                if not self.alive():
+                    raise GuestDied("QEMU exited before its guest channel opened") from exc
+                if time.monotonic() > deadline:
+                    raise VmError(f"cannot connect to guest channel {self.path}: {exc}") from exc
+                time.sleep(0.05)
+
+    def send(self, data: bytes) -> None:
+        assert self.sock is not None
+        try:
+            self.sock.sendall(data)
+        except OSError as exc:
+            raise GuestDied(f"guest channel {self.path} closed: {exc}") from exc
+
+    def readline(self, deadline: float) -> bytes | None:
+        """One line without its newline, or None when the deadline passes."""
+        assert self.sock is not None
+        while b"\n" not in self.buffer:
+            if time.monotonic() > deadline:
+                return None
+            try:
+                chunk = self.sock.recv(65536)
+            except socket.timeout:
+                if not self.alive():
+                    raise GuestDied("QEMU exited while waiting for the guest")
+                continue
+            except OSError as exc:
+                raise GuestDied(f"guest channel {self.path} failed: {exc}") from exc
+            if not chunk:
+                raise GuestDied(f"guest channel {self.path} closed by QEMU")
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line.rstrip(b"\r")
+
+    def close(self) -> None:
+        if self.sock:
+            self.sock.close()
+            self.sock = None
+
+
+class SerialChannel:
+    """Commands over the tiny guest's ttyS1 (see ``vm_images/tiny/dxpu-serial-agent``)."""
+
+    def __init__(self, path: Path, alive: Callable[[], bool]) -> None:
+        self._io = _LineSocket(path, alive)
+        self._ids = itertools.count(1)
+
+    def open(self, timeout: float) -> None:
+        self._io.connect(timeout)
+
+    def _request(self, script: str, deadline: float) -> CommandResult | None:
+        tag = f"DXPU{next(self._ids)}"
+        payload = base64.b64encode(script.encode()).decode()
+        self._io.send(f"\n{tag} {payload}\n".encode())
+        out, err = [], []
+        while (line := self._io.readline(deadline)) is not None:
+            parts = line.decode(errors="replace").split(" ", 2)
+            if len(parts) < 3 or parts[0] != tag:
+                continue  # an earlier request's late answer, or noise
+            kind, data = parts[1], parts[2]
+            if kind == "OUT":
+                out.append(data)
+            elif kind == "ERR":
+                err.append(data)
+            elif kind == "RC":
+                return CommandResult(int(data), _b64_text(out), _b64_text(err))
+        return None
+
+    def ping(self, timeout: float) -> bool:
+        return self._request("echo pong", time.monotonic() + timeout) is not None
+
+    def request_poweroff(self) -> None:
+        """Ask the guest to power off; it will not answer, QEMU just exits."""
+        self._io.send(f"\nDXPU0 {base64.b64encode(b'poweroff -f').decode()}\n".encode())
+
+    def run(self, script: str, timeout: float) -> CommandResult:
+        result = self._request(script, time.monotonic() + timeout)
+        if result is None:
+            raise GuestCommandTimeout(f"guest command did not finish within {timeout:.0f} s: {script!r}")
+        return result
+
+    def close(self) -> None:
+        self._io.close()
+
+
+def _b64_text(lines: list[str]) -> str:
+    return base64.b64decode("".join(lines)).decode(errors="replace")
+
+
+class AgentChannel:
+    """Commands through qemu-guest-agent (``guest-exec`` + ``guest-exec-status``)."""
+
+    def __init__(self, path: Path, alive: Callable[[], bool]) -> None:
+        self._io = _LineSocket(path, alive)
+        self._ids = itertools.count(1000)
+
+    def open(self, timeout: float) -> None:
+        self._io.connect(timeout)
+
+    def _call(self, command: str, arguments: dict | None, deadline: float) -> dict | None:
+        msg = {"execute": command}
+        if arguments:
+            msg["arguments"] = arguments
+        self._io.send(json.dumps(msg).encode() + b"\n")
+        while (line := self._io.readline(deadline)) is not None:
+            line = line.strip(b"\xff").strip()
+            if not line:
+                continue
+            reply = json.loads(line)
+            if "error" in reply:
+                raise VmError(f"guest agent {command} failed: {reply['error']}")
+            if "return" in reply:
+                return reply["return"]
+        return None
+
+    def _sync(self, deadline: float) -> bool:
+        """guest-sync-delimited: flushes stale replies, proves the agent is there."""
+        token = next(self._ids)
+        self._io.buffer = b""
+        self._io.send(b"\xff" + json.dumps({"execute": "guest-sync-delimited",
+                                            "arguments": {"id": token}}).encode() + b"\n")
+        while (line := self._io.readline(deadline)) is not None:
+            line = line.split(b"\xff")[-1].strip()
+            if line:
+                try:
+                    if json.loads(line).get("return") == token:
+                        return True
+                except ValueError:
+                    continue
+        return False
+
+    def ping(self, timeout: float) -> bool:
+        return self._sync(time.monotonic() + timeout)
+
+    def request_poweroff(self) -> None:
+        """guest-shutdown: systemd powers off; the agent sends no reply on success."""
+        self._io.send(json.dumps({"execute": "guest-shutdown", "arguments": {"mode": "powerdown"}}).encode() + b"\n")
+
+    def run(self, script: str, timeout: float) -> CommandResult:
+        deadline = time.monotonic() + timeout
+        if not self._sync(min(deadline, time.monotonic() + 10)):
+            raise GuestCommandTimeout("guest agent does not answer guest-sync")
+        started = self._call("guest-exec", {"path": "/bin/sh", "arg": ["-c", script],
+                                            "capture-output": True}, deadline)
+        if started is None:
+            raise GuestCommandTimeout(f"guest-exec not acknowledged: {script!r}")
+        while time.monotonic() < deadline:
+            status = self._call("guest-exec-status", {"pid": started["pid"]}, deadline)
+            if status and status.get("exited"):
+                decode = lambda key: base64.b64decode(status.get(key, "")).decode(errors="replace")  # noqa: E731
+                return CommandResult(status.get("exitcode", -status.get("signal", 0) or -1),
+                                     decode("out-data"), decode("err-data"))
+            time.sleep(0.05)
+        raise GuestCommandTimeout(f"guest command did not finish within {timeout:.0f} s: {script!r}")
+
+    def close(self) -> None:
+        self._io.close()

@@ -1,0 +1,139 @@
+"""pytest support: the VM ladder (image -> configured VM -> booted VM) and the factory
+that owns every VM a test starts.
+
+The factory kills every VM at teardown, by pid. When a test fails, the serial log,
+QEMU's stderr and command line, and the QMP event history of each of its VMs are
+copied to ``results/<test>/`` and the failure report names that directory.
+Registered as a pytest plugin by ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from .images import Image, load_image
+from .paths import PROJECT_ROOT, run_dir
+from .vm import Vm, VmConfig
+
+RESULTS_DIR = Path(os.environ.get("DXPU_RESULTS", PROJECT_ROOT / "results"))
+_ids = itertools.count(1)
+
+
+def save_vm_logs(vm: Vm, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("serial.log", "qemu.stderr", "qemu.cmdline"):
+        src = vm.workdir / name
+        if src.exists():
+            shutil.copy2(src, dest / name)
+    (dest / "qmp-events.json").write_text(json.dumps(vm.qmp.history, indent=1, default=str))
+
+
+class VmFactory:
+    """Creates VMs for one test (or one module) and guarantees their end."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.vms: list[Vm] = []
+
+    def build(self, image: str = "tiny", **overrides) -> Vm:
+        """A configured, not yet started VM (first rung of the ladder)."""
+        n = next(_ids)
+        config = VmConfig(image=image, name=overrides.pop("name", f"t{n}"), **overrides)
+        # Socket paths must stay under 108 bytes: keep the workdir short.
+        vm = Vm(config, workdir=run_dir() / f"t{os.getpid()}-{n}")
+        self.vms.append(vm)
+        return vm
+
+    def booted(self, image: str = "tiny", **overrides) -> Vm:
+        """A VM whose guest answers commands (top rung)."""
+        return self.build(image, **overrides).boot()
+
+    def save_logs(self, dest: Path) -> list[Path]:
+        saved = []
+        for vm in self.vms:
+            target = dest / vm.config.name
+            save_vm_logs(vm, target)
+            saved.append(target)
+        return saved
+
+    def kill_all(self) -> None:
+        for vm in self.vms:
+            vm.kill()
+            shutil.rmtree(vm.workdir, ignore_errors=True)
+        self.vms.clear()
+
+
+def _test_dir(nodeid: str) -> Path:
+    return RESULTS_DIR / re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid).strip("_")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    factories: list[VmFactory] = getattr(item, "_dxpu_factories", [])
+    if report.failed and factories:
+        dest = _test_dir(item.nodeid)
+        saved = [p for f in factories for p in f.save_logs(dest)]
+        if saved:
+            report.sections.append(("dxpu VM logs", f"serial log, QEMU stderr and QMP events saved in {dest}"))
+
+
+def register(request: pytest.FixtureRequest, factory: VmFactory) -> None:
+    """Make a (possibly shared) factory's VMs part of this test's failure logs."""
+    node = request.node
+    if not hasattr(node, "_dxpu_factories"):
+        node._dxpu_factories = []
+    node._dxpu_factories.append(factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_image() -> Image:
+    """The built tiny image; fails naming the setup command if it is missing."""
+    return load_image("tiny")
+
+
+@pytest.fixture(scope="session")
+def full_image() -> Image:
+    return load_image("full")
+
+
+@pytest.fixture
+def vm_factory(request: pytest.FixtureRequest, tiny_image: Image) -> Iterator[VmFactory]:
+    factory = VmFactory(request.node.name)
+    register(request, factory)
+    yield factory
+    factory.kill_all()
+
+
+@pytest.fixture
+def tiny_vm(vm_factory: VmFactory) -> Vm:
+    """A booted tiny guest of its own, with QEMU's edu device as a local baseline."""
+    return vm_factory.booted("tiny", edu=True)
+
+
+@pytest.fixture(scope="module")
+def _shared_full_factory(full_image: Image) -> Iterator[VmFactory]:
+    factory = VmFactory("shared-full")
+    yield factory
+    factory.kill_all()
+
+
+@pytest.fixture
+def full_vm(request: pytest.FixtureRequest, _shared_full_factory: VmFactory) -> Vm:
+    """One booted full guest shared by the tests of a module (its boot takes ~30 s)."""
+    register(request, _shared_full_factory)
+    if not _shared_full_factory.vms:
+        _shared_full_factory.booted("full", name="full", boot_timeout=240)
+    vm = _shared_full_factory.vms[0]
+    if not vm.alive():
+        pytest.fail(f"the shared full guest died earlier; logs in {vm.workdir}")
+    return vm

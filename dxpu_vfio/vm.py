@@ -1,0 +1,266 @@
+"""The VM runner: one QEMU (q35) guest, from start to a guaranteed end.
+
+Lifecycle, each step with a timeout: ``start()`` (QEMU running, QMP connected),
+``wait_booted()`` (guest shell or agent answers), ``run()`` commands, then
+``shutdown()`` which falls back to SIGKILL. QEMU is always ended by its pid.
+
+Guest RAM is a shared memfd so that vfio-user DMA_MAP messages carry fds, and the
+VM gets N ``pcie-root-port``s (rp1..rpN) to hot-plug into, each reserving windows
+big enough for multi-GiB 64-bit prefetchable BARs.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from .errors import GuestBootTimeout, GuestCommandFailed, GuestPanic, QemuStartError, VmError
+from .guest_exec import AgentChannel, CommandResult, GuestChannel, GuestDied, SerialChannel
+from .images import Image, load_image
+from .paths import run_dir
+from .qemu import Qemu, find_qemu
+from .qmp_session import QmpSession
+
+PANIC_MARKERS = ("Kernel panic - not syncing", "---[ end Kernel panic")
+
+
+@dataclass
+class VmConfig:
+    """Everything that decides how QEMU is started."""
+
+    image: str = "tiny"
+    name: str = "dxpu-vm"
+    memory_mib: int = 1024
+    cpus: int = 2
+    accel: str = "tcg"  # "kvm" where KVM can run stock kernels
+    root_ports: int = 4
+    pref64_reserve: str = "16G"  # per root port: room for multi-GiB prefetchable BARs
+    mem32_reserve: str = "64M"
+    edu: bool = False  # QEMU's own 'edu' test device, a local baseline for benchmarks
+    cmdline: str | None = None  # kernel command line; None: the image's own
+    extra_args: list[str] = field(default_factory=list)
+    boot_timeout: float = 120.0
+
+
+class VmState(Enum):
+    CREATED = "created"
+    RUNNING = "running"  # QEMU up, QMP connected
+    BOOTED = "booted"  # guest answers commands
+    STOPPED = "stopped"
+
+
+class Vm:
+    """A QEMU guest owned by this process; logs live in ``workdir``."""
+
+    def __init__(self, config: VmConfig, workdir: Path | None = None,
+                 qemu: Qemu | None = None, image: Image | None = None) -> None:
+        self.config = config
+        self.workdir = Path(workdir) if workdir else run_dir() / f"vm-{config.name}-{os.getpid()}"
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.qemu = qemu or find_qemu()
+        self.image = image or load_image(config.image)
+        self.state = VmState.CREATED
+        self.process: subprocess.Popen | None = None
+        self.qmp = QmpSession(config.name)
+        self.channel: GuestChannel | None = None
+        self.boot_seconds: float | None = None
+        self._started_at = 0.0
+
+    # --- paths -------------------------------------------------------------------
+    @property
+    def serial_log(self) -> Path:
+        return self.workdir / "serial.log"
+
+    @property
+    def stderr_log(self) -> Path:
+        return self.workdir / "qemu.stderr"
+
+    @property
+    def qmp_path(self) -> Path:
+        return self.workdir / "qmp.sock"
+
+    @property
+    def channel_path(self) -> Path:
+        return self.workdir / "guest.sock"
+
+    @property
+    def logs(self) -> list[Path]:
+        return [self.serial_log, self.stderr_log]
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def root_port_ids(self) -> list[str]:
+        return [f"rp{i}" for i in range(1, self.config.root_ports + 1)]
+
+    # --- command line ------------------------------------------------------------
+    def command_line(self) -> list[str]:
+        c, img = self.config, self.image
+        args = [
+            str(self.qemu.binary), "-name", c.name,
+            "-machine", f"q35,accel={c.accel},memory-backend=mem",
+            "-cpu", "max" if c.accel == "tcg" else "host",
+            "-smp", str(c.cpus), "-m", f"{c.memory_mib}M",
+            "-object", f"memory-backend-memfd,id=mem,size={c.memory_mib}M,share=on",
+            "-nodefaults", "-no-user-config", "-display", "none", "-vga", "none",
+            "-no-reboot",  # a guest panic (panic=-1) ends QEMU instead of looping
+            "-kernel", str(img.kernel), "-initrd", str(img.initrd), "-append", c.cmdline or img.cmdline,
+            "-serial", f"file:{self.serial_log}",
+            "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
+        ]
+        for i, port in enumerate(self.root_port_ids(), start=1):
+            args += ["-device", f"pcie-root-port,id={port},bus=pcie.0,chassis={i},slot={i},"
+                                f"addr={0x10 + i:#x},io-reserve=0,mem-reserve={c.mem32_reserve},"
+                                f"pref64-reserve={c.pref64_reserve}"]
+        chardev = f"socket,id=guestch,path={self.channel_path},server=on,wait=off"
+        if img.kind == "disk":
+            args += ["-drive", f"file={img.disk},if=none,id=root,format=raw,snapshot=on",
+                     "-device", "virtio-blk-pci,drive=root,addr=0x3",
+                     "-chardev", chardev, "-device", "virtio-serial-pci,id=vser,addr=0x4",
+                     "-device", "virtserialport,chardev=guestch,name=org.qemu.guest_agent.0"]
+        else:
+            args += ["-chardev", chardev, "-serial", "chardev:guestch"]
+        if c.edu:
+            args += ["-device", "edu,addr=0x5"]
+        return args + list(c.extra_args)
+
+    # --- lifecycle ---------------------------------------------------------------
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self) -> "Vm":
+        """Start QEMU and connect QMP; raises :class:`QemuStartError` naming the logs."""
+        if self.state is not VmState.CREATED:
+            raise VmError(f"VM {self.config.name} was already started")
+        for stale in (self.qmp_path, self.channel_path):
+            stale.unlink(missing_ok=True)
+        argv = self.command_line()
+        (self.workdir / "qemu.cmdline").write_text(shlex.join(argv) + "\n")
+        self._started_at = time.monotonic()
+        with open(self.stderr_log, "wb") as err:
+            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
+                                            stdout=err, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        try:
+            self.qmp.connect(self.qmp_path, timeout=30, alive=self.alive)
+        except VmError as exc:
+            self.kill()
+            raise QemuStartError(f"QEMU failed to start: {self._stderr_tail() or exc.message}",
+                                 logs=[self.stderr_log, self.workdir / "qemu.cmdline"]) from exc
+        self.state = VmState.RUNNING
+        return self
+
+    def wait_booted(self, timeout: float | None = None) -> "Vm":
+        """Wait until the guest runs commands; a panic or QEMU exit fails at once."""
+        timeout = timeout or self.config.boot_timeout
+        deadline = self._started_at + timeout
+        kind = AgentChannel if self.image.kind == "disk" else SerialChannel
+        channel = kind(self.channel_path, self.alive)
+        try:
+            channel.open(max(1.0, deadline - time.monotonic()))
+            while time.monotonic() < deadline:
+                if channel.ping(min(3.0, max(0.5, deadline - time.monotonic()))):
+                    self.channel = channel
+                    self.state = VmState.BOOTED
+                    self.boot_seconds = time.monotonic() - self._started_at
+                    return self
+        except GuestDied as exc:
+            raise self._death_error("while booting") from exc
+        channel.close()
+        if not self.alive():
+            raise self._death_error("while booting")
+        raise GuestBootTimeout(f"guest {self.config.name} ({self.image.name}) did not reach its "
+                               f"{'agent' if kind is AgentChannel else 'shell'} within {timeout:.0f} s",
+                               logs=self.logs)
+
+    def boot(self, timeout: float | None = None) -> "Vm":
+        return self.start().wait_booted(timeout)
+
+    def run(self, script: str, timeout: float = 60, check: bool = True) -> CommandResult:
+        """Run a shell script in the guest; ``check`` raises on a non-zero exit."""
+        if self.state is not VmState.BOOTED or self.channel is None:
+            raise VmError(f"VM {self.config.name} is not booted (state {self.state.value})")
+        try:
+            result = self.channel.run(script, timeout)
+        except GuestDied as exc:
+            raise self._death_error(f"while running {script!r}") from exc
+        if check and result.rc != 0:
+            raise GuestCommandFailed(script, result, logs=self.logs)
+        return result
+
+    def serial_text(self) -> str:
+        try:
+            return self.serial_log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def _stderr_tail(self) -> str:
+        try:
+            return self.stderr_log.read_text(errors="replace").strip()[-600:]
+        except OSError:
+            return ""
+
+    def _death_error(self, when: str) -> VmError:
+        """Explain why QEMU is gone: a guest panic, or QEMU itself."""
+        if self.process:
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        self.state = VmState.STOPPED
+        serial = self.serial_text()
+        if any(marker in serial for marker in PANIC_MARKERS):
+            line = next(l for l in serial.splitlines() if "Kernel panic" in l)
+            return GuestPanic(f"guest {self.config.name} panicked {when}: {line.strip()}", logs=self.logs)
+        code = self.process.returncode if self.process else None
+        return VmError(f"QEMU of {self.config.name} exited (code {code}) {when}: "
+                       f"{self._stderr_tail()}", logs=self.logs)
+
+    def shutdown(self, timeout: float = 30) -> bool:
+        """Power the guest off from inside; if it does not stop in time, kill QEMU.
+
+        Returns True if the guest powered off by itself. Idempotent.
+        """
+        clean = False
+        if self.alive() and self.channel is not None:
+            try:
+                self.channel.request_poweroff()
+                self.process.wait(timeout)
+                clean = True
+            except Exception:  # noqa: BLE001 - any failure falls back to kill
+                pass
+        self.kill()
+        return clean
+
+    def kill(self) -> None:
+        """End QEMU by its pid (SIGTERM, then SIGKILL) and release everything."""
+        if self.channel:
+            self.channel.close()
+            self.channel = None
+        if self.process and self.process.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
+                try:
+                    os.kill(self.process.pid, sig)
+                    self.process.wait(wait)
+                    break
+                except ProcessLookupError:
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self.qmp.close()
+        for sock in (self.qmp_path, self.channel_path):
+            sock.unlink(missing_ok=True)
+        self.state = VmState.STOPPED
+
+    def __enter__(self) -> "Vm":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Everything a fresh Debian machine of this kind lacks, idempotent and with visible
+# progress: Debian packages, the Python venv (.venv) with the project installed,
+# a QEMU with vfio-user-pci (private sysroot from Debian testing when the system one
+# is too old) and the guest images. Re-running it does only what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n==> %s\n' "$*"; }
+
+PACKAGES=(
+    mmdebstrap            # QEMU sysroot and the full guest rootfs
+    cpio gzip xz-utils    # tiny initramfs
+    e2fsprogs             # mke2fs -d for the full guest disk
+    gcc make libc6-dev    # static guest tools
+    iproute2              # network namespaces for the lab
+    libvirt-daemon-system libvirt-clients libvirt-dev pkg-config  # libvirt + what libvirt-python builds against
+    python3-venv
+)
+
+step "Debian packages"
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    echo "installing: ${missing[*]}"
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+    echo "all present"
+fi
+
+step "Python environment (.venv)"
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+stamp=.venv/.dxpu-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    .venv/bin/pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+    .venv/bin/pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
+    .venv/bin/python -c 'import dxpu_vfio, qemu.qmp, libvirt, pyudev, pyroute2, pytest' \
+        || { echo "setup: Python dependencies failed to install" >&2; exit 1; }
+    echo "$want" > "$stamp"
+else
+    echo "up to date"
+fi
+
+step "QEMU with vfio-user-pci"
+.venv/bin/dxpu setup qemu
+
+step "Guest images"
+.venv/bin/dxpu setup images "$@"
+
+step "Done"
+.venv/bin/dxpu doctor || true
