@@ -37,6 +37,9 @@ class CommandResult:
         return f"exit {self.rc}; stdout {self.stdout[-400:]!r}; stderr {self.stderr[-400:]!r}"
 
 
+GUEST_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
 class GuestDied(VmError):
     """QEMU exited while we were waiting for the guest (the VM turns it into a better error)."""
 
@@ -210,7 +213,7 @@ class AgentChannel:
         if not self._sync(min(deadline, time.monotonic() + 10)):
             raise GuestCommandTimeout("guest agent does not answer guest-sync")
         started = self._call("guest-exec", {"path": "/bin/sh", "arg": ["-c", script],
-                                            "capture-output": True}, deadline)
+                                            "env": [GUEST_PATH], "capture-output": True}, deadline)
         if started is None:
             raise GuestCommandTimeout(f"guest-exec not acknowledged: {script!r}")
         while time.monotonic() < deadline:

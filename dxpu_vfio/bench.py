@@ -1,0 +1,38 @@
+"""Shared pieces of the benchmark scripts: a plain-text table and a JSON record with
+enough context (host, QEMU, accelerator) to compare runs. Benchmarks are scripts, not tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from .paths import PROJECT_ROOT
+
+
+def summary(samples: Sequence[float]) -> dict[str, float]:
+    return {"n": len(samples), "median": statistics.median(samples), "min": min(samples),
+            "max": max(samples), "mean": statistics.fmean(samples)}
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(name: str, data: dict[str, Any], out: Path | None = None) -> Path:
+    """Write ``results/bench/<name>.json`` (or ``out``) with the run's context."""
+    path = out or PROJECT_ROOT / "results" / "bench" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "host": {"node": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release()},
+              **data}
+    path.write_text(json.dumps(record, indent=2, default=str))
+    return path

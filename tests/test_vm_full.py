@@ -1,0 +1,42 @@
+"""The full image: systemd guest with the generic kernel, commands through qemu-guest-agent.
+One booted guest is shared by this module's tests (a TCG boot takes tens of seconds)."""
+
+import pytest
+
+from dxpu_vfio.errors import GuestCommandFailed, GuestCommandTimeout
+
+pytestmark = pytest.mark.vm
+
+
+def test_generic_kernel_and_agent(full_vm, full_image):
+    assert full_vm.run("uname -r").stdout.strip() == full_image.kernel_release
+
+
+def test_exit_code_and_streams_through_guest_exec(full_vm):
+    result = full_vm.run("echo out; echo err >&2; exit 5", check=False)
+    assert (result.rc, result.stdout, result.stderr) == (5, "out\n", "err\n")
+    with pytest.raises(GuestCommandFailed):
+        full_vm.run("false")
+
+
+def test_guest_userland_has_the_test_tools(full_vm):
+    out = full_vm.run("python3 -c 'import pyudev; print(pyudev.__version__)'; "
+                      "nvme version; fio --version; for t in lspci dxpu-mmio dxpu-dmabuf; do command -v $t; done").stdout
+    assert "nvme version" in out and "fio-" in out
+    assert "/usr/local/bin/dxpu-mmio" in out and "/usr/bin/lspci" in out
+
+
+def test_generic_kernel_has_drm_and_gpio_modules(full_vm):
+    out = full_vm.run("modinfo -F filename bochs virtio-gpu gpio-pci-idio-16 uio_pci_generic").stdout
+    assert out.count(".ko") == 4, out
+
+
+def test_lspci_shows_the_hotplug_root_ports(full_vm):
+    out = full_vm.run("lspci -n").stdout
+    assert out.count("1b36:000c") == 4, out
+
+
+def test_agent_command_timeout(full_vm):
+    with pytest.raises(GuestCommandTimeout):
+        full_vm.run("sleep 20", timeout=2)
+    assert full_vm.run("echo still-alive").stdout == "still-alive\n"
