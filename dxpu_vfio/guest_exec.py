@@ -208,22 +208,36 @@ class AgentChannel:
         """guest-shutdown: systemd powers off; the agent sends no reply on success."""
         self._io.send(json.dumps({"execute": "guest-shutdown", "arguments": {"mode": "powerdown"}}).encode() + b"\n")
 
-    def run(self, script: str, timeout: float) -> CommandResult:
+    def spawn(self, script: str, timeout: float = 10) -> int:
+        """Start a script in the guest and return its pid without waiting for it."""
         deadline = time.monotonic() + timeout
-        if not self._sync(min(deadline, time.monotonic() + 10)):
+        if not self._sync(deadline):
             raise GuestCommandTimeout("guest agent does not answer guest-sync")
         started = self._call("guest-exec", {"path": "/bin/sh", "arg": ["-c", script],
                                             "env": [GUEST_PATH], "capture-output": True}, deadline)
         if started is None:
             raise GuestCommandTimeout(f"guest-exec not acknowledged: {script!r}")
+        return started["pid"]
+
+    def wait(self, pid: int, timeout: float) -> CommandResult:
+        """Wait for a spawned script; :class:`GuestCommandTimeout` if it runs on."""
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            status = self._call("guest-exec-status", {"pid": started["pid"]}, deadline)
+            status = self._call("guest-exec-status", {"pid": pid}, deadline)
             if status and status.get("exited"):
                 decode = lambda key: base64.b64decode(status.get(key, "")).decode(errors="replace")  # noqa: E731
                 return CommandResult(status.get("exitcode", -status.get("signal", 0) or -1),
                                      decode("out-data"), decode("err-data"))
             time.sleep(0.05)
-        raise GuestCommandTimeout(f"guest command did not finish within {timeout:.0f} s: {script!r}")
+        raise GuestCommandTimeout(f"guest process {pid} did not finish within {timeout:.0f} s")
+
+    def run(self, script: str, timeout: float) -> CommandResult:
+        deadline = time.monotonic() + timeout
+        pid = self.spawn(script, min(timeout, 10))
+        try:
+            return self.wait(pid, max(0.1, deadline - time.monotonic()))
+        except GuestCommandTimeout as exc:
+            raise GuestCommandTimeout(f"guest command did not finish within {timeout:.0f} s: {script!r}") from exc
 
     def close(self) -> None:
         self._io.close()

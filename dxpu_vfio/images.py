@@ -241,6 +241,7 @@ def _build_full(recipe: dict, work: Path, dest: Path, log: Log) -> dict:
     kernel_debs = [fetch_package(p, log) for p in recipe["package"]]
     tools = work / "tools"
     build_tools(tools)
+    shutil.copy2(recipe_dir("full") / "dxpu-guest-events", tools / "dxpu-guest-events")
     rootfs = work / "rootfs"
     log(f"images: mmdebstrap {recipe['suite']} rootfs (~60-90 s)")
     _run(["mmdebstrap", "--variant=minbase", "--include=" + ",".join(recipe["include"]),

@@ -144,7 +144,7 @@ class QmpSession:
             self._loop.call_soon_threadsafe(self._client.remove_listener, listener)
 
     async def _register(self, listener: EventListener) -> None:
-        self._client.add_listener(listener)
+        self._client.register_listener(listener)
 
     def close(self) -> None:
         """Disconnect and stop the loop thread; safe to call more than once."""

@@ -195,6 +195,23 @@ class Vm:
             raise GuestCommandFailed(script, result, logs=self.logs)
         return result
 
+    def spawn(self, script: str) -> int:
+        """Start a script in the guest without waiting (full image: guest agent only)."""
+        if not isinstance(self.channel, AgentChannel):
+            raise VmError(f"VM {self.config.name}: background guest commands need the full image")
+        try:
+            return self.channel.spawn(script)
+        except GuestDied as exc:
+            raise self._death_error(f"while starting {script!r}") from exc
+
+    def wait(self, pid: int, timeout: float) -> CommandResult:
+        """Wait for a script started with :meth:`spawn`."""
+        assert isinstance(self.channel, AgentChannel)
+        try:
+            return self.channel.wait(pid, timeout)
+        except GuestDied as exc:
+            raise self._death_error(f"while waiting for guest pid {pid}") from exc
+
     def serial_text(self) -> str:
         try:
             return self.serial_log.read_text(errors="replace")

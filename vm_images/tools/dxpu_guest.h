@@ -169,6 +169,50 @@ static inline void dx_bar_map(struct dx_bar *b, const char *bdf, unsigned n)
 	b->size = st.st_size;
 }
 
+/* Size in bytes of BAR n (st_size of sysfs resource<n>), without mapping it. */
+static inline dx_u64 dx_bar_size(const char *bdf, unsigned n)
+{
+	char file[16], path[96];
+	struct stat st;
+	int fd;
+
+	snprintf(file, sizeof(file), "resource%u", n);
+	fd = dx_sysfs_open(path, sizeof(path), bdf, file, O_RDONLY);
+	if (fstat(fd, &st) < 0)
+		dx_fail("fstat %s: %s", path, dx_err());
+	close(fd);
+	return st.st_size;
+}
+
+/*
+ * mmap only [off, off + len) of BAR n, for BARs too large to map whole.
+ * off must be page aligned and the window inside the BAR; b->base is the
+ * window start and b->size its length.
+ */
+static inline void dx_bar_map_window(struct dx_bar *b, const char *bdf, unsigned n,
+				     dx_u64 off, size_t len)
+{
+	char file[16];
+	struct stat st;
+	void *p;
+	int fd;
+
+	snprintf(file, sizeof(file), "resource%u", n);
+	fd = dx_sysfs_open(b->path, sizeof(b->path), bdf, file, O_RDWR | O_SYNC);
+	if (fstat(fd, &st) < 0)
+		dx_fail("fstat %s: %s", b->path, dx_err());
+	if (!len || off % sysconf(_SC_PAGESIZE) || off > (dx_u64)st.st_size ||
+	    len > (dx_u64)st.st_size - off)
+		dx_fail("%s: window 0x%llx+0x%zx is unaligned or outside the BAR (size 0x%llx)",
+			b->path, off, len, (dx_u64)st.st_size);
+	p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, off);
+	if (p == MAP_FAILED)
+		dx_fail("mmap %s at 0x%llx: %s", b->path, off, dx_err());
+	close(fd);
+	b->base = p;
+	b->size = len;
+}
+
 /* ---- config space (sysfs config file, little-endian) ---- */
 
 struct dx_cfg {

@@ -1,0 +1,167 @@
+"""A device model served over vfio-user in a process of its own.
+
+Hot-plug needs the server to outlive the command that plugged it, and a server in its
+own process keeps its latency away from the caller's Python threads. The parent talks
+to it only through the process: it starts it, waits for its socket, asks for counters
+with SIGUSR1 (written to ``--stats``), and ends it by pid with SIGTERM (then SIGKILL).
+
+    python -m dxpu_vfio.device_server --model testdev --socket /tmp/d.sock [--set k=v ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .errors import DxpuError
+
+
+class DeviceServerError(DxpuError):
+    """The device server process failed to start or to stop."""
+
+
+def _parse_settings(items: list[str]) -> dict:
+    settings = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set wants key=value, got {item!r}")
+        try:
+            settings[key] = json.loads(value)
+        except ValueError:
+            settings[key] = value  # a bare string typed by hand
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    from qemu_device.models import create_model
+
+    from .vfio_user.server import ServerOptions, VfioUserServer
+
+    parser = argparse.ArgumentParser(description="serve one device model over vfio-user")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--socket", required=True, type=Path)
+    parser.add_argument("--name", default=None)
+    parser.add_argument("--stats", type=Path, help="where SIGUSR1 and exit write counters (JSON)")
+    parser.add_argument("--set", action="append", default=[], help="model option key=value")
+    parser.add_argument("--allow-msix", action="store_true")
+    parser.add_argument("--write-multiple", action="store_true")
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
+
+    device = create_model(args.model, **_parse_settings(args.set))
+    server = VfioUserServer(device, args.socket, name=args.name or args.model,
+                            options=ServerOptions(advertise_write_multiple=args.write_multiple,
+                                                  allow_msix=args.allow_msix))
+    done = threading.Event()
+
+    def write_stats(*_: object) -> None:
+        if args.stats:
+            tmp = args.stats.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"pid": os.getpid(), "server": server.snapshot(),
+                                       "device": {"suppressed_interrupts": device.suppressed_interrupts}}, indent=1))
+            tmp.rename(args.stats)
+
+    signal.signal(signal.SIGUSR1, write_stats)
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    server.start()
+    while not done.wait(1.0):
+        pass
+    write_stats()
+    server.stop()
+    return 0
+
+
+class DeviceServerProcess:
+    """Parent-side handle on a device server process: start, stats, stop by pid."""
+
+    def __init__(self, model: str, socket_path: Path, *, settings: dict | None = None,
+                 log_path: Path | None = None, allow_msix: bool = False,
+                 write_multiple: bool = False, name: str | None = None) -> None:
+        self.model = model
+        self.socket_path = Path(socket_path)
+        self.settings = settings or {}
+        self.stats_path = self.socket_path.with_suffix(".stats.json")
+        self.log_path = log_path or self.socket_path.with_suffix(".log")
+        self.allow_msix = allow_msix
+        self.write_multiple = write_multiple
+        self.name = name or model
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, timeout: float = 15.0) -> "DeviceServerProcess":
+        from .vfio_user.server import claim_socket_path
+        try:
+            claim_socket_path(self.socket_path)
+        except OSError as exc:
+            raise DeviceServerError(str(exc), hint="detach the device using it, or pick another socket path") from exc
+        argv = [sys.executable, "-m", "dxpu_vfio.device_server", "--model", self.model,
+                "--socket", str(self.socket_path), "--stats", str(self.stats_path), "--name", self.name]
+        argv += [a for k, v in self.settings.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+        argv += ["--allow-msix"] * self.allow_msix + ["--write-multiple"] * self.write_multiple
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not self.socket_path.exists():
+            if not self.alive() or time.monotonic() > deadline:
+                self.stop()
+                raise DeviceServerError(f"device server {self.model} did not open {self.socket_path}",
+                                        logs=[self.log_path])
+            time.sleep(0.02)
+        return self
+
+    def stats(self, timeout: float = 5.0) -> dict:
+        """Ask the server for its counters (SIGUSR1) and read them."""
+        if not self.alive():
+            raise DeviceServerError(f"device server {self.model} is not running", logs=[self.log_path])
+        before = self.stats_path.stat().st_mtime_ns if self.stats_path.exists() else 0
+        os.kill(self.process.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.stats_path.exists() and self.stats_path.stat().st_mtime_ns != before:
+                return json.loads(self.stats_path.read_text())
+            time.sleep(0.01)
+        raise DeviceServerError("device server did not write its stats", logs=[self.log_path])
+
+    def stop(self, timeout: float = 5.0) -> dict | None:
+        """SIGTERM, then SIGKILL; returns the final counters if the server wrote them."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5)):
+                try:
+                    os.kill(self.process.pid, sig)
+                    self.process.wait(wait)
+                    break
+                except ProcessLookupError:
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self.socket_path.unlink(missing_ok=True)
+        try:
+            return json.loads(self.stats_path.read_text())
+        except (OSError, ValueError):
+            return None
+        finally:
+            self.stats_path.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Hot-plugging vfio-user devices into a running VM through QMP.
+
+``attach`` starts the device's server, picks a free root port, runs ``device_add``
+(synchronous: QEMU does the whole vfio-user handshake inside it, so the server must
+already listen) and returns once the *guest* has the device. ``detach`` runs
+``device_del`` and waits for ``DEVICE_DELETED`` (listener registered first), then
+stops the server. Every failure leaves the VM and the attachment in a state that is
+reported and can be retried.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .device_server import DeviceServerProcess
+from .errors import DxpuError, VmError
+from .qmp_session import QmpError, QmpTimeout
+from .vm import Vm
+
+_ids = itertools.count(0)
+
+
+class HotplugError(DxpuError):
+    """A hot-plug step failed; the message says which and what state things are in."""
+
+
+class NoFreeRootPort(HotplugError):
+    pass
+
+
+class UnplugTimeout(HotplugError):
+    """The guest did not release the device in time; it is still plugged and served."""
+
+
+@dataclass
+class Attachment:
+    """One device plugged into one VM."""
+
+    vm: Vm
+    device_id: str
+    port: str
+    server: DeviceServerProcess
+    guest_bdf: str = ""
+    guest_events: list = field(default_factory=list)  # udev events seen in the guest (full image)
+    plugged_at: float = field(default_factory=time.monotonic)
+    state: str = "plugged"  # plugged, unplug-pending, detached
+
+    @property
+    def socket_path(self) -> Path:
+        return self.server.socket_path
+
+
+def port_bdf(vm: Vm, port: str) -> str:
+    """Guest BDF of root port ``rpN`` (the VM runner puts rpN at slot 0x10+N)."""
+    n = int(port.removeprefix("rp"))
+    return f"0000:00:{0x10 + n:02x}.0"
+
+
+def used_root_ports(vm: Vm) -> set[str]:
+    """Root ports with a device below them, from QEMU's own view (query-pci)."""
+    used = set()
+    for bus in vm.qmp.execute("query-pci"):
+        for dev in bus["devices"]:
+            bridge = dev.get("pci_bridge")
+            if bridge and dev.get("qdev_id") and bridge.get("devices"):
+                used.add(dev["qdev_id"])
+    return used
+
+
+def device_present(vm: Vm, device_id: str) -> bool:
+    return any(p["name"] == device_id for p in vm.qmp.execute("qom-list", {"path": "/machine/peripheral"}))
+
+
+def free_root_port(vm: Vm) -> str:
+    used = used_root_ports(vm)
+    for port in vm.root_port_ids():
+        if port not in used:
+            return port
+    raise NoFreeRootPort(f"VM {vm.config.name} has no free root port "
+                         f"({len(vm.root_port_ids())} ports, all used: {sorted(used)})",
+                         hint="detach a device, or start the VM with more root ports")
+
+
+def _guest_wait_for_child(vm: Vm, bridge: str, present: bool, timeout: float) -> str:
+    """Poll sysfs in the guest until a device appears under (or leaves) ``bridge``."""
+    test = "[ -n \"$d\" ]" if present else "[ -z \"$d\" ]"
+    script = (f"i=0; while [ $i -lt {int(timeout * 10)} ]; do "
+              f"d=$(cd /sys/bus/pci/devices/{bridge} 2>/dev/null && ls -d 0000:[0-9a-f][0-9a-f]:[0-9a-f][0-9a-f].[0-7] 2>/dev/null | head -n1); "
+              f"{test} && {{ echo \"$d\"; exit 0; }}; sleep 0.1; i=$((i+1)); done; exit 1")
+    result = vm.run(script, timeout=timeout + 10, check=False)
+    if result.rc != 0:
+        raise HotplugError(f"guest did not {'see' if present else 'drop'} the device under "
+                           f"{bridge} within {timeout:.0f} s", logs=vm.logs)
+    return result.stdout.strip()
+
+
+class _GuestWatch:
+    """Guest-side confirmation of a plug: udev events on full, sysfs polling on tiny.
+
+    On the full image the pyudev watcher must be listening *before* device_add, so it
+    is started first and confirmed ready; on tiny, sysfs is polled afterwards.
+    """
+
+    READY = "/run/dxpu-guest-events.ready"
+
+    def __init__(self, vm: Vm, bridge: str, timeout: float) -> None:
+        self.vm, self.bridge, self.timeout = vm, bridge, timeout
+        self.pid: int | None = None
+        self.events: list[dict] = []
+
+    def arm(self) -> None:
+        if self.vm.image.kind != "disk":
+            return
+        self.vm.run(f"rm -f {self.READY}")
+        self.pid = self.vm.spawn(f"dxpu-guest-events --bridge {self.bridge} --want add,bind "
+                                 f"--timeout {self.timeout:.0f}")
+        self.vm.run(f"i=0; while [ ! -e {self.READY} ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i+1)); done; "
+                    f"test -e {self.READY}", timeout=15)
+
+    def confirm(self) -> str:
+        if self.pid is None:
+            return _guest_wait_for_child(self.vm, self.bridge, True, self.timeout)
+        result = self.vm.wait(self.pid, self.timeout + 10)
+        self.events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+        adds = [e for e in self.events if e.get("action") == "add"]
+        if result.rc != 0 or not adds:
+            raise HotplugError(f"guest reported no PCI add below {self.bridge}: {self.events}",
+                               logs=self.vm.logs)
+        return adds[0]["bdf"]
+
+
+def attach(vm: Vm, model: str = "testdev", *, settings: dict | None = None, port: str | None = None,
+           device_id: str | None = None, timeout: float = 30.0, allow_msix: bool = False,
+           extra_props: dict | None = None) -> Attachment:
+    """Serve ``model`` and plug it into ``vm``; returns when the guest sees it."""
+    if not vm.alive():
+        raise VmError(f"VM {vm.config.name} is not running", logs=vm.logs)
+    port = port or free_root_port(vm)
+    device_id = device_id or f"dxpu{next(_ids)}"
+    server = DeviceServerProcess(model, vm.workdir / f"{device_id}.sock", settings=settings,
+                                 allow_msix=allow_msix, name=device_id)
+    watch = _GuestWatch(vm, port_bdf(vm, port), timeout)
+    server.start()
+    try:
+        watch.arm()
+    except DxpuError:
+        server.stop()
+        raise
+    args = {"driver": "vfio-user-pci", "id": device_id, "bus": port,
+            "socket": {"type": "unix", "path": str(server.socket_path)}, **(extra_props or {})}
+    try:
+        vm.qmp.execute("device_add", args, timeout=timeout)
+    except QmpError as exc:
+        server.stop()
+        raise HotplugError(f"device_add of {device_id} on {port} failed: {exc.message}",
+                           logs=vm.logs + [server.log_path]) from exc
+    attachment = Attachment(vm, device_id, port, server)
+    try:
+        attachment.guest_bdf = watch.confirm()
+        attachment.guest_events = watch.events
+    except DxpuError:
+        detach(attachment, timeout=timeout)  # roll back: never a plugged device nobody tracks
+        raise
+    return attachment
+
+
+def detach(attachment: Attachment, timeout: float = 15.0) -> dict | None:
+    """Unplug and stop the server; returns the server's final counters.
+
+    Raises :class:`UnplugTimeout` if the guest holds on: the device then stays plugged
+    and served (``attachment.state == "unplug-pending"``), and QEMU will finish the
+    removal if the guest lets go later; call ``detach`` again to wait for it.
+    """
+    vm = attachment.vm
+    if attachment.state == "detached":
+        return None
+    if vm.alive():
+        deleted = lambda ev: ev.get("data", {}).get("device") == attachment.device_id  # noqa: E731
+        with vm.qmp.listen("DEVICE_DELETED") as events:
+            if attachment.state == "plugged":
+                try:
+                    vm.qmp.execute("device_del", {"id": attachment.device_id}, timeout=timeout)
+                except QmpError as exc:
+                    if "not found" not in str(exc).lower():
+                        raise HotplugError(f"device_del of {attachment.device_id} failed: {exc.message}") from exc
+                    events = None  # QEMU no longer has it: nothing to wait for
+                attachment.state = "unplug-pending"
+            elif not device_present(vm, attachment.device_id):
+                events = None  # the removal finished between two detach calls
+            if events is not None:
+                try:
+                    events.wait(timeout, deleted)
+                except QmpTimeout as exc:
+                    raise UnplugTimeout(
+                        f"guest of {vm.config.name} did not release {attachment.device_id} within "
+                        f"{timeout:.0f} s; it stays plugged and served", logs=vm.logs,
+                        hint="check the guest; detach again to keep waiting, or stop the VM") from exc
+    attachment.state = "detached"
+    return attachment.server.stop()
+

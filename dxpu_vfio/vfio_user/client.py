@@ -1,0 +1,171 @@
+"""A vfio-user client: the QEMU side of the protocol, in Python.
+
+Used to drive vfio-user servers without a VM (tests of our server, and the remote
+proxy driving an external server). Guest memory is whatever the caller maps with
+:meth:`VfioUserClient.dma_map`; the server's DMA_READ/DMA_WRITE requests for windows
+mapped without a descriptor are answered from ``memory`` (a writable buffer).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import socket
+import threading
+from pathlib import Path
+
+from . import protocol as p
+from .connection import Connection, ConnectionClosed, Message
+
+
+class ClientError(Exception):
+    """The server answered with an error (``errno``) or went away."""
+
+    def __init__(self, message: str, err: int = errno.EIO) -> None:
+        super().__init__(message)
+        self.errno = err
+
+
+class VfioUserClient:
+    def __init__(self, path: Path, *, timeout: float = 5.0) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(path))
+        self.conn = Connection(sock)
+        self.timeout = timeout
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[threading.Event, list]] = {}
+        self._lock = threading.Lock()
+        self.memory: dict[int, bytearray] = {}  # address -> buffer, for fd-less windows
+        self.dma_requests = 0
+        self.server_caps: dict = {}
+        self._reader = threading.Thread(target=self._read_loop, daemon=True, name="vfio-user-client")
+        self._reader.start()
+
+    # --- plumbing ----------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = self.conn.receive()
+                if msg.header.is_reply:
+                    with self._lock:
+                        waiter = self._pending.pop(msg.header.msg_id, None)
+                    if waiter:
+                        waiter[1].append(msg)
+                        waiter[0].set()
+                    else:
+                        msg.close_fds()
+                else:
+                    self._serve_dma(msg)
+        except (ConnectionClosed, p.ProtocolError):
+            pass
+        finally:
+            with self._lock:
+                waiters, self._pending = list(self._pending.values()), {}
+            for event, _ in waiters:
+                event.set()
+
+    def _find(self, address: int, count: int) -> tuple[bytearray, int]:
+        for base, buf in self.memory.items():
+            if base <= address and address + count <= base + len(buf):
+                return buf, address - base
+        raise ClientError(f"DMA {address:#x}+{count} outside client memory", errno.EFAULT)
+
+    def _serve_dma(self, msg: Message) -> None:
+        hdr = msg.header
+        self.dma_requests += 1
+        try:
+            if hdr.command == p.Command.DMA_READ:
+                req = p.DmaAccess.unpack(msg.payload, with_data=False)
+                buf, off = self._find(req.address, req.count)
+                reply = p.DmaAccess(req.address, req.count, bytes(buf[off:off + req.count])).pack()
+            elif hdr.command == p.Command.DMA_WRITE:
+                req = p.DmaAccess.unpack(msg.payload, with_data=True)
+                buf, off = self._find(req.address, req.count)
+                buf[off:off + req.count] = req.data
+                reply = p.DmaAccess(req.address, req.count).pack()
+            else:
+                raise ClientError(f"server sent command {hdr.command}", errno.ENOSYS)
+            self.conn.send(p.message(hdr.msg_id, hdr.command, reply, reply=True))
+        except (ClientError, p.ProtocolError) as exc:
+            self.conn.send(p.error_reply(hdr.msg_id, hdr.command, getattr(exc, "errno", errno.EINVAL)))
+
+    def request(self, command: int, payload: bytes = b"", fds: list[int] | None = None,
+                no_reply: bool = False) -> memoryview | None:
+        msg_id = next(self._ids) & 0xFFFF
+        waiter: tuple[threading.Event, list] = (threading.Event(), [])
+        if not no_reply:
+            with self._lock:
+                self._pending[msg_id] = waiter
+        self.conn.send(p.message(msg_id, command, payload, no_reply=no_reply), fds)
+        if no_reply:
+            return None
+        if not waiter[0].wait(self.timeout):
+            raise ClientError(f"no reply to command {command} in {self.timeout} s", errno.ETIMEDOUT)
+        if not waiter[1]:
+            raise ClientError("server closed the connection", errno.ECONNRESET)
+        reply: Message = waiter[1][0]
+        if reply.header.is_error:
+            raise ClientError(f"command {command}: {os.strerror(reply.header.error)}", reply.header.error)
+        return reply.payload
+
+    # --- the protocol ----------------------------------------------------------------
+    def negotiate(self, caps: dict | None = None) -> dict:
+        caps = caps if caps is not None else {"max_msg_fds": p.MAX_MSG_FDS, "max_data_xfer_size": p.MAX_DATA_XFER}
+        reply = self.request(p.Command.VERSION, p.Version(0, 0, caps).pack())
+        self.server_caps = p.Version.unpack(reply).capabilities
+        return self.server_caps
+
+    def dma_map(self, address: int, size: int, *, fd: int | None = None, offset: int = 0,
+                flags: int = p.DMA_FLAG_READ | p.DMA_FLAG_WRITE) -> None:
+        if fd is None:
+            self.memory.setdefault(address, bytearray(size))
+        self.request(p.Command.DMA_MAP, p.DmaMap(flags, offset, address, size).pack(),
+                     [fd] if fd is not None else None)
+
+    def dma_unmap(self, address: int, size: int) -> None:
+        self.request(p.Command.DMA_UNMAP, p.DmaUnmap(0, address, size).pack())
+        self.memory.pop(address, None)
+
+    def device_info(self) -> tuple[int, int, int]:
+        reply = self.request(p.Command.DEVICE_GET_INFO, p.DEVICE_INFO.pack(p.DEVICE_INFO.size, 0, 0, 0))
+        _argsz, flags, regions, irqs = p.DEVICE_INFO.unpack_from(reply)
+        return flags, regions, irqs
+
+    def region_info(self, index: int) -> tuple[int, int]:
+        """(size, flags) of region ``index``."""
+        reply = self.request(p.Command.DEVICE_GET_REGION_INFO,
+                             p.REGION_INFO.pack(p.REGION_INFO.size, 0, index, 0, 0, 0))
+        _argsz, flags, _index, _cap, size, _offset = p.REGION_INFO.unpack_from(reply)
+        return size, flags
+
+    def irq_info(self, index: int) -> tuple[int, int]:
+        """(count, flags) of irq ``index``."""
+        reply = self.request(p.Command.DEVICE_GET_IRQ_INFO, p.IRQ_INFO.pack(p.IRQ_INFO.size, 0, index, 0))
+        _argsz, flags, _index, count = p.IRQ_INFO.unpack_from(reply)
+        return count, flags
+
+    def set_irqs(self, index: int, fds: list[int], start: int = 0) -> None:
+        flags = p.IRQ_DATA_EVENTFD | p.IRQ_ACTION_TRIGGER
+        self.request(p.Command.DEVICE_SET_IRQS, p.SetIrqs(flags, index, start, len(fds)).pack(), fds)
+
+    def read(self, region: int, offset: int, count: int) -> bytes:
+        reply = self.request(p.Command.REGION_READ, p.RegionAccess(region, offset, count).pack())
+        return bytes(p.RegionAccess.unpack(reply, write=True).data)
+
+    def write(self, region: int, offset: int, data: bytes, posted: bool = False) -> None:
+        self.request(p.Command.REGION_WRITE, p.RegionAccess(region, offset, len(data), data).pack(),
+                     no_reply=posted)
+
+    def read32(self, region: int, offset: int) -> int:
+        return int.from_bytes(self.read(region, offset, 4), "little")
+
+    def write32(self, region: int, offset: int, value: int, posted: bool = False) -> None:
+        self.write(region, offset, value.to_bytes(4, "little"), posted)
+
+    def reset(self) -> None:
+        self.request(p.Command.DEVICE_RESET)
+
+    def close(self) -> None:
+        self.conn.close()
+        self._reader.join(5)

@@ -1,0 +1,448 @@
+"""A vfio-user server endpoint: one device, one UNIX socket, one client at a time.
+
+QEMU's ``vfio-user-pci`` connects (inside ``device_add``), negotiates, maps guest
+memory, and then sends config and region accesses; the device answers through this
+endpoint and reaches guest memory and interrupts through the ports the endpoint gives
+it (:class:`DmaTable`, :class:`EventfdIrqs`). After the client goes (unplug, or QEMU
+died) every descriptor, mapping and thread of that session is released and the device
+is reset, so the next ``device_add`` (replug) starts clean.
+
+Threads: an accept thread, and one reader thread per session that handles QEMU's
+requests in order (so a read never passes an earlier write) and routes the replies to
+our own DMA_READ/DMA_WRITE requests to the device thread that waits for them. A reply
+to a region access is therefore never held up by a DMA in flight.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from qemu_device.device import PciFunction
+from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
+
+from . import protocol as p
+from .connection import Connection, ConnectionClosed, Message
+from .dma import DmaTable
+from .irq import EventfdIrqs
+
+log = logging.getLogger("dxpu.vfio_user.server")
+
+DMA_REPLY_TIMEOUT = 5.0
+
+
+class SocketInUse(OSError):
+    """Another live server already listens on this path."""
+
+
+@dataclass
+class CommandStats:
+    count: int = 0
+    errors: int = 0
+    total_ns: int = 0
+    max_ns: int = 0
+
+    def add(self, ns: int, error: bool) -> None:
+        self.count += 1
+        self.errors += error
+        self.total_ns += ns
+        self.max_ns = max(self.max_ns, ns)
+
+    def as_dict(self) -> dict:
+        return {"count": self.count, "errors": self.errors,
+                "mean_us": round(self.total_ns / self.count / 1000, 3) if self.count else None,
+                "max_us": round(self.max_ns / 1000, 3)}
+
+
+@dataclass
+class ServerOptions:
+    advertise_write_multiple: bool = False
+    allow_msix: bool = False  # QEMU 11.1 aborts on device_del of MSI-X vfio-user devices
+
+
+IRQ_INDEX = {"intx": p.IRQ_INTX, "msi": p.IRQ_MSI, "msix": p.IRQ_MSIX, "err": p.IRQ_ERR, "req": p.IRQ_REQ}
+
+
+def irq_vector_counts(device: PciFunction) -> dict[int, int]:
+    """The device's vector counts keyed by vfio-user IRQ index."""
+    return {IRQ_INDEX[name]: count for name, count in device.irq_counts().items()}
+
+
+def claim_socket_path(path: Path) -> None:
+    """Remove a stale socket file, or refuse if a live server still answers there."""
+    if not path.exists() and not path.is_symlink():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()  # nobody listens: a leftover of a dead server
+        return
+    finally:
+        probe.close()
+    raise SocketInUse(errno.EADDRINUSE, f"a server is already listening on {path}")
+
+
+class _Session:
+    """One client connection: its DMA table, its eventfds, its reader thread."""
+
+    def __init__(self, server: "VfioUserServer", conn: Connection) -> None:
+        self.server = server
+        self.conn = conn
+        self.dma = DmaTable(fallback=self._dma_by_message)
+        self.irqs = EventfdIrqs(irq_vector_counts(server.device))
+        self._ids = itertools.count(0x8000)  # our requests; QEMU numbers its own
+        self._pending: dict[int, tuple[threading.Event, list]] = {}
+        self._pending_lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name=f"vfio-user-{server.name}",
+                                       daemon=True)
+        self.version_seen = False
+
+    # --- reader loop ---------------------------------------------------------------------
+    def _run(self) -> None:
+        device = self.server.device
+        device.attach(self.dma, self.irqs)
+        try:
+            while True:
+                try:
+                    msg = self.conn.receive()
+                except p.ProtocolError as exc:
+                    log.warning("%s: dropping client: %s", self.server.name, exc)
+                    self.server.protocol_errors += 1
+                    break
+                if msg.header.is_reply:
+                    self._complete(msg)
+                    continue
+                self._handle(msg)
+        except ConnectionClosed:
+            pass
+        finally:
+            device.attach(NullDmaPort(), NullIrqPort())
+            self._fail_pending()
+            self.irqs.close()
+            self.dma.clear()
+            self.conn.close()
+            with device.lock:
+                device.reset()
+            self.server._session_ended(self)
+
+    def _handle(self, msg: Message) -> None:
+        hdr = msg.header
+        started = time.perf_counter_ns()
+        error = False
+        try:
+            handler = self.server.handlers.get(hdr.command)
+            if handler is None:
+                raise p.ProtocolError(f"unknown command {hdr.command}", errno.ENOSYS)
+            if hdr.command != p.Command.VERSION and not self.version_seen:
+                raise p.ProtocolError("VERSION must come first", errno.EPROTO)
+            reply = handler(self, msg)
+            if not hdr.no_reply:
+                self.conn.send(p.message(hdr.msg_id, hdr.command, reply or b"", reply=True))
+        except (p.ProtocolError, ValueError, DmaError, OSError) as exc:
+            error = True
+            err = getattr(exc, "errno", None) or (errno.EFAULT if isinstance(exc, DmaError) else errno.EINVAL)
+            log.info("%s: %s failed: %s", self.server.name, _name(hdr.command), exc)
+            self.server.protocol_errors += isinstance(exc, p.ProtocolError)
+            if not hdr.no_reply:
+                self.conn.send(p.error_reply(hdr.msg_id, hdr.command, err))
+        finally:
+            msg.close_fds()
+            self.server.stats_for(hdr.command).add(time.perf_counter_ns() - started, error)
+
+    # --- our requests to QEMU (DMA without a descriptor) ---------------------------------
+    def _dma_by_message(self, address: int, what: int | bytes, write: bool) -> bytes | None:
+        if threading.current_thread() is self.thread:
+            raise DmaError("message DMA from the reader thread would deadlock")
+        out = bytearray()
+        total = len(what) if write else what
+        for pos in range(0, total, p.MAX_DATA_XFER):
+            n = min(p.MAX_DATA_XFER, total - pos)
+            if write:
+                req = p.DmaAccess(address + pos, n, bytes(what[pos:pos + n])).pack()
+                self._request(p.Command.DMA_WRITE, req)
+            else:
+                reply = self._request(p.Command.DMA_READ, p.DmaAccess(address + pos, n).pack())
+                out += p.DmaAccess.unpack(reply, with_data=True).data
+        return bytes(out) if not write else None
+
+    def _request(self, command: int, payload: bytes) -> memoryview:
+        msg_id = next(self._ids) & 0xFFFF
+        done: tuple[threading.Event, list] = (threading.Event(), [])
+        with self._pending_lock:
+            self._pending[msg_id] = done
+        try:
+            self.conn.send(p.message(msg_id, command, payload))
+        except ConnectionClosed as exc:
+            raise DmaError(f"client gone: {exc}") from exc
+        if not done[0].wait(DMA_REPLY_TIMEOUT):
+            with self._pending_lock:
+                self._pending.pop(msg_id, None)
+            raise DmaError(f"{_name(command)} got no reply in {DMA_REPLY_TIMEOUT} s")
+        reply: Message | None = done[1][0] if done[1] else None
+        if reply is None:
+            raise DmaError("client disconnected during DMA")
+        if reply.header.is_error:
+            raise DmaError(f"{_name(command)} refused by the client: "
+                           f"{os.strerror(reply.header.error)}")
+        return reply.payload
+
+    def _complete(self, msg: Message) -> None:
+        with self._pending_lock:
+            waiter = self._pending.pop(msg.header.msg_id, None)
+        msg.close_fds()
+        if waiter is None:
+            log.info("%s: unexpected reply id %d", self.server.name, msg.header.msg_id)
+            return
+        waiter[1].append(msg)
+        waiter[0].set()
+
+    def _fail_pending(self) -> None:
+        with self._pending_lock:
+            waiters, self._pending = list(self._pending.values()), {}
+        for event, _ in waiters:
+            event.set()
+
+
+# --- request handlers: (session, message) -> reply payload ---------------------------------
+
+def _version(s: _Session, msg: Message) -> bytes:
+    theirs = p.Version.unpack(msg.payload)
+    if theirs.major != 0:
+        raise p.ProtocolError(f"unsupported vfio-user major version {theirs.major}", errno.ENOTSUP)
+    s.version_seen = True
+    caps = {"max_msg_fds": p.MAX_MSG_FDS, "max_data_xfer_size": p.MAX_DATA_XFER,
+            "pgsizes": p.PAGE_SIZE, "max_dma_maps": s.dma.max_maps}
+    if s.server.options.advertise_write_multiple:
+        caps["write_multiple"] = True
+    return p.Version(0, 0, caps).pack()
+
+
+def _dma_map(s: _Session, msg: Message) -> bytes:
+    req = p.DmaMap.unpack(msg.payload)
+    if len(msg.fds) > 1:
+        raise p.ProtocolError(f"DMA_MAP with {len(msg.fds)} descriptors")
+    fd = msg.fds.pop() if msg.fds else None
+    s.dma.add(req.address, req.size, req.flags, fd, req.offset)
+    return b""
+
+
+def _dma_unmap(s: _Session, msg: Message) -> bytes:
+    req = p.DmaUnmap.unpack(msg.payload)
+    if req.flags & p.DMA_UNMAP_ALL:
+        s.dma.clear()
+    else:
+        s.dma.remove(req.address, req.size)
+    return req.pack()
+
+
+def _device_info(s: _Session, msg: Message) -> bytes:
+    return p.device_info_reply()
+
+
+def _region_info(s: _Session, msg: Message) -> bytes:
+    index = p.unpack_index(msg.payload, "GET_REGION_INFO")
+    if index >= p.NUM_REGIONS:
+        raise p.ProtocolError(f"region {index} does not exist")
+    region = s.server.device.regions()[index]
+    flags = (p.REGION_FLAG_READ if region.readable else 0) | (p.REGION_FLAG_WRITE if region.writable else 0)
+    return p.region_info_reply(index, region.size, flags)
+
+
+IRQ_FLAGS = {p.IRQ_INTX: p.IRQ_INFO_EVENTFD | p.IRQ_INFO_MASKABLE | p.IRQ_INFO_AUTOMASKED,
+             p.IRQ_MSI: p.IRQ_INFO_EVENTFD | p.IRQ_INFO_NORESIZE,
+             p.IRQ_MSIX: p.IRQ_INFO_EVENTFD | p.IRQ_INFO_NORESIZE,
+             p.IRQ_ERR: p.IRQ_INFO_EVENTFD, p.IRQ_REQ: p.IRQ_INFO_EVENTFD}
+
+
+def _irq_info(s: _Session, msg: Message) -> bytes:
+    index = p.unpack_index(msg.payload, "GET_IRQ_INFO")
+    if index >= p.NUM_IRQS:
+        raise p.ProtocolError(f"irq index {index} does not exist")
+    return p.irq_info_reply(index, s.irqs.counts.get(index, 0), IRQ_FLAGS[index])
+
+
+def _set_irqs(s: _Session, msg: Message) -> bytes:
+    req = p.SetIrqs.unpack(msg.payload)
+    fds, msg.fds = msg.fds, []
+    try:
+        leftover = s.irqs.set_irqs(req, fds)
+    except p.ProtocolError:
+        msg.fds = fds  # closed by the caller
+        raise
+    for fd in leftover:
+        os.close(fd)
+    return b""
+
+
+def _region_read(s: _Session, msg: Message) -> bytes:
+    req = p.RegionAccess.unpack(msg.payload, write=False)
+    device = s.server.device
+    with device.lock:
+        data = device.region_read(req.region, req.offset, req.count)
+    return p.RegionAccess(req.region, req.offset, req.count, data).pack()
+
+
+def _region_write(s: _Session, msg: Message) -> bytes:
+    req = p.RegionAccess.unpack(msg.payload, write=True)
+    device = s.server.device
+    with device.lock:
+        device.region_write(req.region, req.offset, req.data)
+    return p.RegionAccess(req.region, req.offset, req.count).pack()
+
+
+def _region_write_multi(s: _Session, msg: Message) -> bytes:
+    device = s.server.device
+    with device.lock:
+        for w in p.unpack_write_multi(msg.payload):
+            device.region_write(w.region, w.offset, w.data)
+    return b""
+
+
+def _reset(s: _Session, msg: Message) -> bytes:
+    with s.server.device.lock:
+        s.server.device.reset()
+    return b""
+
+
+def _not_supported(s: _Session, msg: Message) -> bytes:
+    raise p.ProtocolError(f"{_name(msg.header.command)} is not supported", errno.ENOTSUP)
+
+
+HANDLERS: dict[int, Callable[[_Session, Message], bytes]] = {
+    p.Command.VERSION: _version,
+    p.Command.DMA_MAP: _dma_map,
+    p.Command.DMA_UNMAP: _dma_unmap,
+    p.Command.DEVICE_GET_INFO: _device_info,
+    p.Command.DEVICE_GET_REGION_INFO: _region_info,
+    p.Command.DEVICE_GET_REGION_IO_FDS: _not_supported,
+    p.Command.DEVICE_GET_IRQ_INFO: _irq_info,
+    p.Command.DEVICE_SET_IRQS: _set_irqs,
+    p.Command.REGION_READ: _region_read,
+    p.Command.REGION_WRITE: _region_write,
+    p.Command.REGION_WRITE_MULTI: _region_write_multi,
+    p.Command.DEVICE_RESET: _reset,
+    p.Command.DIRTY_PAGES: _not_supported,
+}
+
+
+def _name(command: int) -> str:
+    try:
+        return p.Command(command).name
+    except ValueError:
+        return f"command {command}"
+
+
+class VfioUserServer:
+    """Serves ``device`` on ``socket_path`` until :meth:`stop`."""
+
+    def __init__(self, device: PciFunction, socket_path: Path, *, name: str = "dev",
+                 options: ServerOptions | None = None) -> None:
+        self.device = device
+        self.socket_path = Path(socket_path)
+        self.name = name
+        self.options = options or ServerOptions()
+        if device.irq_counts().get("msix") and not self.options.allow_msix:
+            raise ValueError("device offers MSI-X, which makes QEMU 11.1 abort on device_del; "
+                             "use MSI or pass ServerOptions(allow_msix=True)")
+        self.handlers = dict(HANDLERS)
+        self.stats: dict[str, CommandStats] = {}
+        self.sessions_served = 0
+        self.rejected_connections = 0
+        self.protocol_errors = 0
+        self._listener: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._session: _Session | None = None
+        self._lock = threading.Lock()
+        self._session_done = threading.Condition(self._lock)
+        self._stopping = False
+
+    def stats_for(self, command: int) -> CommandStats:
+        key = _name(command)
+        if key not in self.stats:
+            self.stats[key] = CommandStats()
+        return self.stats[key]
+
+    @property
+    def session(self) -> _Session | None:
+        return self._session
+
+    def start(self) -> "VfioUserServer":
+        claim_socket_path(self.socket_path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self.socket_path))
+        listener.listen(4)
+        self._listener = listener
+        self._accept_thread = threading.Thread(target=self._accept_loop,
+                                               name=f"vfio-user-accept-{self.name}", daemon=True)
+        self._accept_thread.start()
+        return self
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopping:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                break  # listener closed by stop()
+            with self._lock:
+                if self._session is not None or self._stopping:
+                    self.rejected_connections += 1
+                    sock.close()  # one client per device, like one slot per card
+                    continue
+                self._session = _Session(self, Connection(sock))
+                self.sessions_served += 1
+                self._session.thread.start()
+
+    def _session_ended(self, session: _Session) -> None:
+        with self._lock:
+            if self._session is session:
+                self._session = None
+            self._session_done.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no client is connected (e.g. after device_del)."""
+        with self._lock:
+            return self._session_done.wait_for(lambda: self._session is None, timeout)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close the socket, drop the client, join every thread. Idempotent."""
+        self._stopping = True
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+            self._listener = None
+        session = self._session
+        if session is not None:
+            session.conn.close()
+            session.thread.join(timeout)
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout)
+        self.socket_path.unlink(missing_ok=True)
+        close = getattr(self.device, "close", None)
+        if close:
+            close()
+
+    def snapshot(self) -> dict:
+        """Counters for ``dxpu stats`` and benchmarks."""
+        s = self._session
+        return {"name": self.name, "sessions": self.sessions_served,
+                "rejected_connections": self.rejected_connections,
+                "protocol_errors": self.protocol_errors,
+                "commands": {k: v.as_dict() for k, v in sorted(self.stats.items())},
+                "dma": None if s is None else {"windows": len(s.dma.windows()), "refused": s.dma.refused,
+                                               "bytes_read": s.dma.bytes_read,
+                                               "bytes_written": s.dma.bytes_written},
+                "irqs": None if s is None else {**s.irqs.delivered, "dropped": s.irqs.dropped,
+                                                "eventfds": s.irqs.fd_count()}}

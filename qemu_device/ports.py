@@ -1,0 +1,79 @@
+"""The two ports a device model uses to reach the guest: DMA and interrupts.
+
+A device model never knows whether it is served locally or through the remote
+proxy; whoever serves it attaches objects that satisfy these protocols. Until
+then the null ports stand in, so a device can be built and probed without a
+guest, and a stray DMA fails cleanly instead of touching nothing silently.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+
+class DmaError(Exception):
+    """A DMA to an unmapped or forbidden guest address: the device must fail cleanly."""
+
+
+class DmaPort(Protocol):
+    """Device-initiated reads and writes of guest memory (guest-physical / IOVA addresses)."""
+
+    def read(self, addr: int, length: int) -> bytes:
+        """Return ``length`` bytes at ``addr`` or raise DmaError."""
+        ...
+
+    def write(self, addr: int, data: bytes) -> None:
+        """Write ``data`` at ``addr`` or raise DmaError."""
+        ...
+
+
+class IrqPort(Protocol):
+    """Interrupt delivery: edge messages for MSI/MSI-X, a level for INTx.
+
+    Called with the device lock held (so an interrupt stays ordered after the
+    state change that caused it): implementations must not block on the guest.
+    """
+
+    def msi(self, vector: int) -> None:
+        """Edge interrupt on MSI vector ``vector``."""
+        ...
+
+    def msix(self, vector: int) -> None:
+        """Edge interrupt on MSI-X vector ``vector``."""
+        ...
+
+    def intx(self, level: bool) -> None:
+        """Set the INTx line level (True = asserted)."""
+        ...
+
+
+class NullDmaPort:
+    """No DMA port attached yet: every access is a DMA fault."""
+
+    def read(self, addr: int, length: int) -> bytes:
+        raise DmaError("no DMA port attached")
+
+    def write(self, addr: int, data: bytes) -> None:
+        raise DmaError("no DMA port attached")
+
+
+class NullIrqPort:
+    """No interrupt port attached yet: interrupts are dropped, but counted for diagnosis."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.dropped: dict[str, int] = {"msi": 0, "msix": 0, "intx": 0}
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.dropped[kind] += 1
+
+    def msi(self, vector: int) -> None:
+        self._count("msi")
+
+    def msix(self, vector: int) -> None:
+        self._count("msix")
+
+    def intx(self, level: bool) -> None:
+        self._count("intx")

@@ -1,0 +1,65 @@
+"""Backing store for large BARs that costs memory only for pages written.
+
+A device can advertise a 64 GiB BAR (a GPU's VRAM, say) on a host with far
+less RAM: pages are allocated on the first write of non-zero data, and
+unwritten bytes read as zero, like freshly cleared device memory.
+"""
+
+from __future__ import annotations
+
+PAGE_SIZE = 4096
+
+
+class SparseMemory:
+    """``size`` bytes of zero-initialised memory, stored as a dict of 4 KiB pages."""
+
+    def __init__(self, size: int) -> None:
+        if size <= 0:
+            raise ValueError(f"memory size must be positive, not {size}")
+        self.size = size
+        self._pages: dict[int, bytearray] = {}
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes actually allocated (whole pages)."""
+        return len(self._pages) * PAGE_SIZE
+
+    def read(self, offset: int, length: int) -> bytes:
+        self._check(offset, length)
+        out = bytearray(length)
+        for pos, page_index, page_offset, chunk in self._chunks(offset, length):
+            page = self._pages.get(page_index)
+            if page is not None:
+                out[pos:pos + chunk] = page[page_offset:page_offset + chunk]
+        return bytes(out)
+
+    def write(self, offset: int, data: bytes) -> None:
+        self._check(offset, len(data))
+        view = memoryview(data)
+        for pos, page_index, page_offset, chunk in self._chunks(offset, len(data)):
+            piece = view[pos:pos + chunk]
+            page = self._pages.get(page_index)
+            if page is None:
+                if not any(piece):
+                    continue   # zeros onto an absent page change nothing: stay sparse
+                page = self._pages[page_index] = bytearray(PAGE_SIZE)
+            page[page_offset:page_offset + chunk] = piece
+
+    def clear(self) -> None:
+        """Back to all zeros, releasing every page."""
+        self._pages.clear()
+
+    def _chunks(self, offset: int, length: int):
+        """Yield (position in buffer, page index, offset in page, chunk length)."""
+        pos = 0
+        while pos < length:
+            address = offset + pos
+            page_index, page_offset = divmod(address, PAGE_SIZE)
+            chunk = min(PAGE_SIZE - page_offset, length - pos)
+            yield pos, page_index, page_offset, chunk
+            pos += chunk
+
+    def _check(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise ValueError(
+                f"memory access [{offset:#x}, +{length:#x}) outside {self.size:#x}-byte memory")
