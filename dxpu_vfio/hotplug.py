@@ -48,6 +48,7 @@ class Attachment:
     guest_events: list = field(default_factory=list)  # udev events seen in the guest (full image)
     plugged_at: float = field(default_factory=time.monotonic)
     state: str = "plugged"  # plugged, unplug-pending, detached
+    own_server: bool = True  # detach stops the server
 
     @property
     def socket_path(self) -> Path:
@@ -116,7 +117,7 @@ class _GuestWatch:
         if self.vm.image.kind != "disk":
             return
         self.vm.run(f"rm -f {self.READY}")
-        self.pid = self.vm.spawn(f"dxpu-guest-events --bridge {self.bridge} --want add,bind "
+        self.pid = self.vm.spawn(f"dxpu-guest-events --bridge {self.bridge} --want add "
                                  f"--timeout {self.timeout:.0f}")
         self.vm.run(f"i=0; while [ ! -e {self.READY} ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i+1)); done; "
                     f"test -e {self.READY}", timeout=15)
@@ -135,30 +136,38 @@ class _GuestWatch:
 
 def attach(vm: Vm, model: str = "testdev", *, settings: dict | None = None, port: str | None = None,
            device_id: str | None = None, timeout: float = 30.0, allow_msix: bool = False,
-           extra_props: dict | None = None) -> Attachment:
-    """Serve ``model`` and plug it into ``vm``; returns when the guest sees it."""
+           extra_props: dict | None = None, server: DeviceServerProcess | None = None) -> Attachment:
+    """Serve ``model`` and plug it into ``vm``; returns when the guest sees it.
+
+    ``server``: plug a device server that already runs (its device is then served to
+    one VM after another); by default a new one is started and detach stops it.
+    """
     if not vm.alive():
         raise VmError(f"VM {vm.config.name} is not running", logs=vm.logs)
     port = port or free_root_port(vm)
     device_id = device_id or f"dxpu{next(_ids)}"
-    server = DeviceServerProcess(model, vm.workdir / f"{device_id}.sock", settings=settings,
-                                 allow_msix=allow_msix, name=device_id)
+    own_server = server is None
+    if server is None:
+        server = DeviceServerProcess(model, vm.workdir / f"{device_id}.sock", settings=settings,
+                                     allow_msix=allow_msix, name=device_id)
+        server.start()
     watch = _GuestWatch(vm, port_bdf(vm, port), timeout)
-    server.start()
     try:
         watch.arm()
     except DxpuError:
-        server.stop()
+        if own_server:
+            server.stop()
         raise
     args = {"driver": "vfio-user-pci", "id": device_id, "bus": port,
             "socket": {"type": "unix", "path": str(server.socket_path)}, **(extra_props or {})}
     try:
         vm.qmp.execute("device_add", args, timeout=timeout)
     except QmpError as exc:
-        server.stop()
+        if own_server:
+            server.stop()
         raise HotplugError(f"device_add of {device_id} on {port} failed: {exc.message}",
                            logs=vm.logs + [server.log_path]) from exc
-    attachment = Attachment(vm, device_id, port, server)
+    attachment = Attachment(vm, device_id, port, server, own_server=own_server)
     try:
         attachment.guest_bdf = watch.confirm()
         attachment.guest_events = watch.events
@@ -200,5 +209,7 @@ def detach(attachment: Attachment, timeout: float = 15.0) -> dict | None:
                         f"{timeout:.0f} s; it stays plugged and served", logs=vm.logs,
                         hint="check the guest; detach again to keep waiting, or stop the VM") from exc
     attachment.state = "detached"
+    if not attachment.own_server:
+        return None
     return attachment.server.stop()
 

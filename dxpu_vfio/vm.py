@@ -71,6 +71,8 @@ class Vm:
         self.channel: GuestChannel | None = None
         self.boot_seconds: float | None = None
         self._started_at = 0.0
+        self._serial_pos = 0
+        self._panic_line: str | None = None
 
     # --- paths -------------------------------------------------------------------
     @property
@@ -110,7 +112,6 @@ class Vm:
             "-smp", str(c.cpus), "-m", f"{c.memory_mib}M",
             "-object", f"memory-backend-memfd,id=mem,size={c.memory_mib}M,share=on",
             "-nodefaults", "-no-user-config", "-display", "none", "-vga", "none",
-            "-no-reboot",  # a guest panic (panic=-1) ends QEMU instead of looping
             "-kernel", str(img.kernel), "-initrd", str(img.initrd), "-append", c.cmdline or img.cmdline,
             "-serial", f"file:{self.serial_log}",
             "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
@@ -134,6 +135,30 @@ class Vm:
     # --- lifecycle ---------------------------------------------------------------
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def panicked(self) -> bool:
+        """True once the serial log shows a kernel panic (the guest then hangs, panic=0).
+
+        Reads only what the log gained since the last call, so waits can ask often.
+        """
+        if self._panic_line is None:
+            try:
+                with open(self.serial_log, "rb") as f:
+                    f.seek(max(0, self._serial_pos - 200))  # a marker may straddle reads
+                    chunk = f.read()
+                    self._serial_pos = f.tell()
+            except OSError:
+                return False
+            text = chunk.decode(errors="replace")
+            for line in text.splitlines():
+                if any(marker in line for marker in PANIC_MARKERS):
+                    self._panic_line = line.strip()
+                    break
+        return self._panic_line is not None
+
+    def guest_alive(self) -> bool:
+        """QEMU runs and its guest has not panicked: what every wait checks."""
+        return self.alive() and not self.panicked()
 
     def start(self) -> "Vm":
         """Start QEMU and connect QMP; raises :class:`QemuStartError` naming the logs."""
@@ -162,7 +187,7 @@ class Vm:
         timeout = timeout or self.config.boot_timeout
         deadline = self._started_at + timeout
         kind = AgentChannel if self.image.kind == "disk" else SerialChannel
-        channel = kind(self.channel_path, self.alive)
+        channel = kind(self.channel_path, self.guest_alive)
         try:
             channel.open(max(1.0, deadline - time.monotonic()))
             while time.monotonic() < deadline:
@@ -174,11 +199,27 @@ class Vm:
         except GuestDied as exc:
             raise self._death_error("while booting") from exc
         channel.close()
-        if not self.alive():
+        if not self.guest_alive():
             raise self._death_error("while booting")
         raise GuestBootTimeout(f"guest {self.config.name} ({self.image.name}) did not reach its "
                                f"{'agent' if kind is AgentChannel else 'shell'} within {timeout:.0f} s",
                                logs=self.logs)
+
+    def reset(self, timeout: float | None = None) -> "Vm":
+        """QMP system_reset, then wait until the guest answers again."""
+        if self.channel is None:
+            raise VmError(f"VM {self.config.name} is not booted")
+        self.qmp.execute("system_reset")
+        self._started_at = time.monotonic()
+        timeout = timeout or self.config.boot_timeout
+        try:
+            while time.monotonic() - self._started_at < timeout:
+                if self.channel.ping(3.0):
+                    return self
+        except GuestDied as exc:
+            raise self._death_error("while rebooting") from exc
+        raise GuestBootTimeout(f"guest {self.config.name} did not come back within {timeout:.0f} s "
+                               "of system_reset", logs=self.logs)
 
     def boot(self, timeout: float | None = None) -> "Vm":
         return self.start().wait_booted(timeout)
@@ -225,17 +266,16 @@ class Vm:
             return ""
 
     def _death_error(self, when: str) -> VmError:
-        """Explain why QEMU is gone: a guest panic, or QEMU itself."""
+        """Explain why the guest is gone: a kernel panic (QEMU is then killed), or QEMU itself."""
+        if self.panicked():
+            self.kill()
+            return GuestPanic(f"guest {self.config.name} panicked {when}: {self._panic_line}", logs=self.logs)
         if self.process:
             try:
                 self.process.wait(5)
             except subprocess.TimeoutExpired:
                 pass
         self.state = VmState.STOPPED
-        serial = self.serial_text()
-        if any(marker in serial for marker in PANIC_MARKERS):
-            line = next(l for l in serial.splitlines() if "Kernel panic" in l)
-            return GuestPanic(f"guest {self.config.name} panicked {when}: {line.strip()}", logs=self.logs)
         code = self.process.returncode if self.process else None
         return VmError(f"QEMU of {self.config.name} exited (code {code}) {when}: "
                        f"{self._stderr_tail()}", logs=self.logs)

@@ -40,3 +40,18 @@ def test_agent_command_timeout(full_vm):
     with pytest.raises(GuestCommandTimeout):
         full_vm.run("sleep 20", timeout=2)
     assert full_vm.run("echo still-alive").stdout == "still-alive\n"
+
+
+def test_hotplug_reported_by_the_guest_udev_agent(full_vm):
+    """On the full image the guest's own udev (pyudev agent) confirms the plug."""
+    from dxpu_vfio import hotplug
+    att = hotplug.attach(full_vm, "testdev")
+    try:
+        add = next(e for e in att.guest_events if e["action"] == "add")
+        assert (add["bdf"], add["vendor"], add["device"]) == (att.guest_bdf, "0x1b36", "0x10f0")
+        lspci = full_vm.run(f"lspci -n -s {att.guest_bdf[5:]}").stdout
+        assert "ff00: 1b36:10f0" in lspci
+        assert "match=yes" in full_vm.run(f"dxpu-testdev {att.guest_bdf} dma-copy 4096").stdout
+    finally:
+        hotplug.detach(att)
+    assert full_vm.run(f"lspci -n -s {att.guest_bdf[5:]}").stdout == ""

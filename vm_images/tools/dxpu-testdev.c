@@ -504,13 +504,18 @@ static int cmd_irq(const char *bdf, dx_u64 count)
 	uint32_t isr;
 
 	snprintf(dev, sizeof(dev), "/dev/%s", name);
-	dx_cfg_open(&c, bdf, O_RDONLY); /* for diagnostics */
+	dx_cfg_open(&c, bdf, O_RDWR); /* diagnostics, and INTx re-enable below */
 	isr = rd(R_ISR);
 	if (isr)
 		wr(R_ISR, isr); /* start with the line low */
 	for (i = 1; i <= count; i++) {
-		if (write(fd, &one, sizeof(one)) != sizeof(one))
-			dx_fail("write %s (re-enable INTx): %s", dev, dx_err());
+		/* uio re-enables INTx on write; where the driver has no irqcontrol
+		 * (ENOSYS) do what it would do: clear Command.INTx-Disable ourselves. */
+		if (write(fd, &one, sizeof(one)) != sizeof(one)) {
+			if (errno != ENOSYS)
+				dx_fail("write %s (re-enable INTx): %s", dev, dx_err());
+			dx_cfg_write(&c, 0x04, 2, dx_cfg_read(&c, 0x04, 2) & ~0x400u);
+		}
 		wr(R_DOORBELL, 0);
 		if (uio_wait(fd, dev, IRQ_TIMEOUT_MS)) {
 			ssize_t r = read(fd, &n, sizeof(n));
