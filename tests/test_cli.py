@@ -42,9 +42,14 @@ def test_wrong_image_name_is_a_usage_error():
 
 
 @pytest.mark.vm
-def test_demo_shows_kernel_and_pci_devices():
+def test_demo_plugs_uses_and_returns_the_test_device():
     proc = dxpu("demo", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["kernel"].startswith("6.12")
     assert list(data["pci"].values()).count("0x1b36:0x000c class=0x060400 driver=pcieport") == 4
+    assert "0x1b36:0x10f0 class=0xff0000 driver=-" in data["pci"].values()
+    guest = data["guest"]
+    assert guest["dma_copy_64k"]["match"] == "yes" and guest["intx"]["received"] == "10"
+    assert guest["dma_checksum_64k"]["device_crc"] == guest["dma_checksum_64k"]["tool_crc"]
+    assert data["server"]["commands"]["REGION_READ"]["count"] > 2000

@@ -135,28 +135,33 @@ class _Session:
             self.server._session_ended(self)
 
     def _handle(self, msg: Message) -> None:
+        """Answer one request. The time recorded is the server's own work (decode, device,
+        encode), not the send: a send may switch to the woken peer before it returns."""
         hdr = msg.header
         started = time.perf_counter_ns()
+        out: bytes | None = None
         error = False
         try:
             handler = self.server.handlers.get(hdr.command)
             if handler is None:
                 raise p.ProtocolError(f"unknown command {hdr.command}", errno.ENOSYS)
-            if hdr.command != p.Command.VERSION and not self.version_seen:
+            if not self.version_seen and hdr.command != p.Command.VERSION:
                 raise p.ProtocolError("VERSION must come first", errno.EPROTO)
             reply = handler(self, msg)
             if not hdr.no_reply:
-                self.conn.send(p.message(hdr.msg_id, hdr.command, reply or b"", reply=True))
+                out = p.message(hdr.msg_id, hdr.command, reply or b"", reply=True)
         except (p.ProtocolError, ValueError, DmaError, OSError) as exc:
             error = True
             err = getattr(exc, "errno", None) or (errno.EFAULT if isinstance(exc, DmaError) else errno.EINVAL)
             log.info("%s: %s failed: %s", self.server.name, _name(hdr.command), exc)
             self.server.protocol_errors += isinstance(exc, p.ProtocolError)
             if not hdr.no_reply:
-                self.conn.send(p.error_reply(hdr.msg_id, hdr.command, err))
+                out = p.error_reply(hdr.msg_id, hdr.command, err)
         finally:
             msg.close_fds()
-            self.server.stats_for(hdr.command).add(time.perf_counter_ns() - started, error)
+        self.server.record(hdr.command, time.perf_counter_ns() - started, error)
+        if out is not None:
+            self.conn.send(out)
 
     # --- our requests to QEMU (DMA without a descriptor) ---------------------------------
     def _dma_by_message(self, address: int, what: int | bytes, write: bool) -> bytes | None:
@@ -354,7 +359,7 @@ class VfioUserServer:
             raise ValueError("device offers MSI-X, which makes QEMU 11.1 abort on device_del; "
                              "use MSI or pass ServerOptions(allow_msix=True)")
         self.handlers = dict(HANDLERS)
-        self.stats: dict[str, CommandStats] = {}
+        self.stats: dict[int, CommandStats] = {}  # by command number
         self.sessions_served = 0
         self.rejected_connections = 0
         self.protocol_errors = 0
@@ -365,11 +370,11 @@ class VfioUserServer:
         self._session_done = threading.Condition(self._lock)
         self._stopping = False
 
-    def stats_for(self, command: int) -> CommandStats:
-        key = _name(command)
-        if key not in self.stats:
-            self.stats[key] = CommandStats()
-        return self.stats[key]
+    def record(self, command: int, ns: int, error: bool) -> None:
+        stats = self.stats.get(command)
+        if stats is None:
+            stats = self.stats[command] = CommandStats()
+        stats.add(ns, error)
 
     @property
     def session(self) -> _Session | None:
@@ -440,7 +445,7 @@ class VfioUserServer:
         return {"name": self.name, "sessions": self.sessions_served,
                 "rejected_connections": self.rejected_connections,
                 "protocol_errors": self.protocol_errors,
-                "commands": {k: v.as_dict() for k, v in sorted(self.stats.items())},
+                "commands": {_name(k): v.as_dict() for k, v in sorted(self.stats.items())},
                 "dma": None if s is None else {"windows": len(s.dma.windows()), "refused": s.dma.refused,
                                                "bytes_read": s.dma.bytes_read,
                                                "bytes_written": s.dma.bytes_written},
