@@ -65,6 +65,53 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(image=args.image, accel=args.accel, as_json=args.json)
 
 
+def cmd_remote_serve(args: argparse.Namespace) -> int:
+    """Run a remote proxy until SIGTERM/SIGINT; counters to --stats on SIGUSR1 and at exit."""
+    import signal
+    import threading
+    from pathlib import Path
+
+    from .link.remote import BoxConfig, RemoteProxy
+    try:
+        config = BoxConfig.load(Path(args.config))
+    except (OSError, ValueError) as exc:
+        print(f"dxpu: error: {exc}", file=sys.stderr)
+        return 1
+    proxy = RemoteProxy(config).start()
+    done = threading.Event()
+
+    def write_stats(*_: object) -> None:
+        if args.stats:
+            tmp = Path(args.stats).with_suffix(".tmp")
+            tmp.write_text(json.dumps(proxy.snapshot(), indent=1))
+            tmp.rename(args.stats)
+
+    signal.signal(signal.SIGUSR1, write_stats)
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    print(f"remote proxy {config.name}: serving {', '.join(config_ids(config))} on "
+          f"{config.listen}:{proxy.port} ({'plaintext' if config.plaintext else 'mutual TLS'})", flush=True)
+    while not done.wait(1.0):
+        pass
+    write_stats()
+    proxy.stop()
+    return 0
+
+
+def config_ids(config) -> list[str]:
+    return [f"{d.id} ({d.model})" for d in config.devices]
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .link.transport import make_certs
+    made = make_certs(Path(args.dir), args.roles)
+    _emit(args, {"dir": args.dir, "made": [str(p) for p in made]},
+          lambda d: "\n".join(f"made {p}" for p in d["made"]) or f"certificates in {d['dir']} are up to date")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dxpu", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_vm_run)
+
+    remote = sub.add_parser("remote", help="the remote proxy of a GPU box").add_subparsers(
+        dest="remote_command", required=True)
+    p = remote.add_parser("serve", help="serve a box's devices over the link (TCP + mutual TLS)")
+    p.add_argument("--config", required=True, help="BOX.toml")
+    p.add_argument("--stats", help="write counters here on SIGUSR1 and at exit (JSON)")
+    p.set_defaults(func=cmd_remote_serve)
+
+    p = add("certs", cmd_certs, "make a lab CA and certificates for hosts and boxes (openssl)")
+    p.add_argument("dir")
+    p.add_argument("roles", nargs="*", default=["host", "box1"], help="one certificate each (default: host box1)")
 
     p = add("demo", cmd_demo, "the main demo on the embedded defaults")
     p.add_argument("--image", default="tiny", choices=["tiny", "full"])

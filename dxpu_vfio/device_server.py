@@ -41,6 +41,26 @@ def _parse_settings(items: list[str]) -> dict:
     return settings
 
 
+def remote_device(settings: dict):
+    """Forward mode: the served device is a link to a remote proxy.
+
+    settings: address "host:port", device, lease, and tls_dir (with tls_role, default
+    "host") or plaintext=true; completion_timeout in seconds.
+    """
+    from .link.hostside import connect_remote
+    from .link.transport import TlsFiles
+
+    try:
+        plaintext = bool(settings.get("plaintext", False))
+        tls = None if plaintext else TlsFiles.in_dir(Path(settings["tls_dir"]), settings.get("tls_role", "host"))
+        return connect_remote(settings["address"], settings["device"], str(settings["lease"]), tls,
+                              completion_timeout=float(settings.get("completion_timeout", 1.0)),
+                              on_down=lambda reason: logging.getLogger("dxpu.hostproxy").warning(
+                                  "link down: %s", reason))
+    except KeyError as exc:
+        raise SystemExit(f"remote device needs setting {exc}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from qemu_device.models import create_model
 
@@ -58,7 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
 
-    device = create_model(args.model, **_parse_settings(args.set))
+    settings = _parse_settings(args.set)
+    try:
+        device = remote_device(settings) if args.model == "remote" else create_model(args.model, **settings)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent through the log
+        print(f"device server: cannot create {args.model}: {exc}", file=sys.stderr, flush=True)
+        return 3
     server = VfioUserServer(device, args.socket, name=args.name or args.model,
                             options=ServerOptions(advertise_write_multiple=args.write_multiple,
                                                   allow_msix=args.allow_msix))
@@ -68,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.stats:
             tmp = args.stats.with_suffix(".tmp")
             tmp.write_text(json.dumps({"pid": os.getpid(), "server": server.snapshot(),
-                                       "device": {"suppressed_interrupts": device.suppressed_interrupts}}, indent=1))
+                                       "device": device.stats() if hasattr(device, "stats") else
+                                       {"suppressed_interrupts": device.suppressed_interrupts}}, indent=1))
             tmp.rename(args.stats)
 
     signal.signal(signal.SIGUSR1, write_stats)
@@ -87,7 +113,7 @@ class DeviceServerProcess:
 
     def __init__(self, model: str, socket_path: Path, *, settings: dict | None = None,
                  log_path: Path | None = None, allow_msix: bool = False,
-                 write_multiple: bool = False, name: str | None = None) -> None:
+                 write_multiple: bool = False, name: str | None = None, netns: str | None = None) -> None:
         self.model = model
         self.socket_path = Path(socket_path)
         self.settings = settings or {}
@@ -96,6 +122,7 @@ class DeviceServerProcess:
         self.allow_msix = allow_msix
         self.write_multiple = write_multiple
         self.name = name or model
+        self.netns = netns  # run inside this network namespace (the lab's host node)
         self.process: subprocess.Popen | None = None
 
     @property
@@ -115,6 +142,8 @@ class DeviceServerProcess:
                 "--socket", str(self.socket_path), "--stats", str(self.stats_path), "--name", self.name]
         argv += [a for k, v in self.settings.items() for a in ("--set", f"{k}={json.dumps(v)}")]
         argv += ["--allow-msix"] * self.allow_msix + ["--write-multiple"] * self.write_multiple
+        if self.netns:
+            argv = ["ip", "netns", "exec", self.netns, *argv]  # execs: the pid stays the server's
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)

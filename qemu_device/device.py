@@ -196,8 +196,12 @@ class PciFunction:
                                    f"{len(data)} bytes")
             return data
 
-    def region_write(self, index: int, offset: int, data: bytes) -> None:
-        """Guest write; ValueError for absent regions or out of range."""
+    def region_write(self, index: int, offset: int, data: bytes, posted: bool = False) -> None:
+        """Guest write; ValueError for absent regions or out of range.
+
+        ``posted`` (no completion awaited) changes nothing for a model; a proxy that
+        carries the write elsewhere keeps it posted.
+        """
         if not data:
             raise ValueError(f"empty write to region {index}")
         with self.lock:

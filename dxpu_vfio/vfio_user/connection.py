@@ -1,4 +1,7 @@
-"""Whole vfio-user messages (and their file descriptors) over one UNIX stream socket.
+"""Whole vfio-user messages (and their file descriptors) over one stream socket.
+
+On a UNIX socket descriptors travel with messages; the network link (TCP or TLS)
+uses the same framing without them.
 
 QEMU sends requests and expects replies on the same socket, and both sides may send
 requests (we send DMA_READ/DMA_WRITE). Reading is greedy (up to 256 KiB a call) to save
@@ -46,6 +49,8 @@ class Connection:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        # fds travel only on UNIX sockets; TCP and TLS streams carry bytes alone
+        self._with_fds = sock.family == socket.AF_UNIX and not hasattr(sock, "cipher")
         self._buffer = bytearray()
         self._fds: list[tuple[int, list[int]]] = []  # (buffer position, fds) from reads
         self._send_lock = threading.Lock()
@@ -53,7 +58,10 @@ class Connection:
 
     def _fill(self) -> None:
         try:
-            data, ancdata, msg_flags, _ = self.sock.recvmsg(READ_CHUNK, _ANC_SPACE)
+            if self._with_fds:
+                data, ancdata, msg_flags, _ = self.sock.recvmsg(READ_CHUNK, _ANC_SPACE)
+            else:
+                data, ancdata, msg_flags = self.sock.recv(READ_CHUNK), [], 0
         except OSError as exc:
             raise ConnectionClosed(str(exc)) from exc
         fds: list[int] = []

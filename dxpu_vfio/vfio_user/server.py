@@ -300,7 +300,7 @@ def _region_write(s: _Session, msg: Message) -> bytes:
     req = p.RegionAccess.unpack(msg.payload, write=True)
     device = s.server.device
     with device.lock:
-        device.region_write(req.region, req.offset, req.data)
+        device.region_write(req.region, req.offset, req.data, posted=msg.header.no_reply)
     return p.RegionAccess(req.region, req.offset, req.count).pack()
 
 
@@ -308,7 +308,7 @@ def _region_write_multi(s: _Session, msg: Message) -> bytes:
     device = s.server.device
     with device.lock:
         for w in p.unpack_write_multi(msg.payload):
-            device.region_write(w.region, w.offset, w.data)
+            device.region_write(w.region, w.offset, w.data, posted=True)
     return b""
 
 

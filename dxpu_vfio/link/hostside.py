@@ -1,0 +1,180 @@
+"""The host proxy in forward mode: the vfio-user server's device is the link.
+
+:class:`RemoteFunction` looks like a device model to :class:`VfioUserServer` but carries
+every access to the remote proxy. What it does that a plain forwarder would not:
+
+* DMA from the remote is served only through the session's :class:`DmaTable` (QEMU's
+  DMA_MAP windows and their rights): anything else is refused and counted.
+* A read with no completion within ``completion_timeout`` answers all-ones, like a
+  PCIe master abort, and the link is marked down; every later read answers all-ones at
+  once, writes are dropped, the VM keeps running, and ``on_down`` tells the control
+  plane, which can ``device_del`` and re-attach once the box is back.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from typing import Callable
+
+from qemu_device.device import RegionInfo
+from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
+
+from ..vfio_user import protocol as vp
+from ..vfio_user.connection import Connection
+from .endpoint import LinkDown, LinkEndpoint, LinkError
+from .protocol import IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello, LinkCommand, unpack_irq
+from .transport import TlsFiles, connect
+
+DEFAULT_COMPLETION_TIMEOUT = 1.0  # far below QEMU's 5 s x-msg-timeout
+
+
+class RemoteAttachError(Exception):
+    def __init__(self, message: str, err: int = errno.EIO) -> None:
+        super().__init__(message)
+        self.errno = err
+
+
+class RemoteFunction:
+    """A device reached over the link; the vfio-user server serves it like any model."""
+
+    def __init__(self, conn: Connection, description: DeviceDescription, name: str, *,
+                 completion_timeout: float = DEFAULT_COMPLETION_TIMEOUT,
+                 on_down: Callable[[str], None] | None = None, heartbeat: float = 0.25,
+                 dead_after: float = 3.0) -> None:
+        self.description = description
+        self.completion_timeout = completion_timeout
+        self.lock = threading.RLock()
+        self.dma = NullDmaPort()
+        self.irq = NullIrqPort()
+        self.suppressed_interrupts = 0
+        self.counters = {"reads": 0, "writes_posted": 0, "writes_nonposted": 0, "master_aborts": 0,
+                         "dma_bytes_read": 0, "dma_bytes_written": 0, "dma_refused": 0, "irqs": 0}
+        self._on_down = on_down
+        self.endpoint = LinkEndpoint(conn, name, {
+            LinkCommand.DMA_READ: self._dma_read,
+            LinkCommand.DMA_WRITE: self._dma_write,
+            LinkCommand.IRQ: self._irq,
+        }, heartbeat=heartbeat, dead_after=dead_after, on_down=self._link_down)
+
+    @property
+    def link_up(self) -> bool:
+        return self.endpoint.up
+
+    def _link_down(self, reason: str) -> None:
+        if self._on_down:
+            self._on_down(reason)
+
+    # --- device model face (what VfioUserServer calls) -------------------------------
+    def attach(self, dma, irq) -> None:
+        self.dma, self.irq = dma, irq
+
+    def regions(self) -> list[RegionInfo]:
+        return [RegionInfo(i, size, r, w, False) for i, size, r, w in self.description.regions]
+
+    def irq_counts(self) -> dict[str, int]:
+        return dict(self.description.irqs)
+
+    def region_read(self, index: int, offset: int, size: int) -> bytes:
+        self.counters["reads"] += 1
+        if not self.endpoint.up:
+            self.counters["master_aborts"] += 1
+            return b"\xff" * size
+        try:
+            reply = self.endpoint.request(LinkCommand.REGION_READ, vp.RegionAccess(index, offset, size).pack(),
+                                          self.completion_timeout)
+        except LinkDown:
+            self.counters["master_aborts"] += 1
+            return b"\xff" * size  # completion timeout: master abort semantics
+        except LinkError as exc:
+            raise ValueError(f"remote refused read of region {index}+{offset:#x}: {exc}") from exc
+        return vp.RegionAccess.unpack(reply, write=True).data
+
+    def region_write(self, index: int, offset: int, data: bytes, posted: bool = False) -> None:
+        payload = vp.RegionAccess(index, offset, len(data), bytes(data)).pack()
+        if posted:
+            self.counters["writes_posted"] += 1
+            self.endpoint.post(LinkCommand.REGION_WRITE, payload)
+            return
+        self.counters["writes_nonposted"] += 1
+        if not self.endpoint.up:
+            return  # dropped, like a write to a device that fell off the bus
+        try:
+            self.endpoint.request(LinkCommand.REGION_WRITE, payload, self.completion_timeout)
+        except LinkDown:
+            pass
+        except LinkError as exc:
+            raise ValueError(f"remote refused write to region {index}+{offset:#x}: {exc}") from exc
+
+    def reset(self) -> None:
+        if self.endpoint.up:
+            try:
+                self.endpoint.request(LinkCommand.DEVICE_RESET, b"", max(self.completion_timeout, 2.0))
+            except (LinkDown, LinkError):
+                pass
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+    def stats(self) -> dict:
+        return {**self.counters, "link": self.endpoint.stats()}
+
+    # --- the remote's requests (link reader thread, stream order) --------------------
+    def _dma_read(self, msg) -> bytes:
+        req = vp.DmaAccess.unpack(msg.payload, with_data=False)
+        try:
+            data = self.dma.read(req.address, req.count)
+        except DmaError as exc:
+            self.counters["dma_refused"] += 1
+            raise LinkError(str(exc), errno.EFAULT) from exc
+        self.counters["dma_bytes_read"] += req.count
+        return vp.DmaAccess(req.address, req.count, data).pack()
+
+    def _dma_write(self, msg) -> None:
+        req = vp.DmaAccess.unpack(msg.payload, with_data=True)
+        try:
+            self.dma.write(req.address, req.data)
+        except DmaError as exc:  # posted: the remote is not told, like an unsupported request
+            self.counters["dma_refused"] += 1
+            raise LinkError(str(exc), errno.EFAULT) from exc
+        self.counters["dma_bytes_written"] += req.count
+
+    def _irq(self, msg) -> None:
+        kind, vector, level = unpack_irq(msg.payload)
+        self.counters["irqs"] += 1
+        if kind == IRQ_MSI:
+            self.irq.msi(vector)
+        elif kind == IRQ_MSIX:
+            self.irq.msix(vector)
+        elif kind == IRQ_INTX:
+            self.irq.intx(level)
+
+
+def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, *,
+                   completion_timeout: float = DEFAULT_COMPLETION_TIMEOUT,
+                   on_down: Callable[[str], None] | None = None, timeout: float = 5.0) -> RemoteFunction:
+    """Open the link to ``device`` on the box at ``host:port`` and return the device."""
+    host, _, port = address.rpartition(":")
+    try:
+        sock = connect(host, int(port), tls, timeout)
+    except OSError as exc:
+        raise RemoteAttachError(f"cannot reach remote proxy {address}: {exc}", getattr(exc, "errno", 0) or errno.EIO) from exc
+    conn = Connection(sock)
+    sock.settimeout(timeout)
+    try:
+        conn.send(vp.message(1, LinkCommand.HELLO, Hello(device, lease).pack()))
+        reply = conn.receive()
+    except Exception as exc:  # noqa: BLE001 - TLS refusals surface here
+        conn.close()
+        raise RemoteAttachError(f"remote proxy {address} closed the link during HELLO: {exc}") from exc
+    if reply.header.is_error:
+        conn.close()
+        err = reply.header.error
+        what = {errno.EACCES: "lease token refused", errno.ENODEV: "no such device",
+                errno.EBUSY: "device is in use by another host", errno.EPROTO: "link version mismatch"}
+        raise RemoteAttachError(f"remote proxy {address} refused device {device!r}: {what.get(err, err)}", err)
+    sock.settimeout(None)
+    function = RemoteFunction(conn, DeviceDescription.unpack(reply.payload), f"{address}/{device}",
+                              completion_timeout=completion_timeout, on_down=on_down)
+    function.endpoint.start()
+    return function

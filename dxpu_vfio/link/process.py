@@ -1,0 +1,80 @@
+"""Parent-side handle on a remote proxy process (``dxpu remote serve``): start it
+(optionally inside a lab namespace), read its counters, stop it by pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..errors import DxpuError
+
+
+class RemoteProxyError(DxpuError):
+    pass
+
+
+class RemoteProxyProcess:
+    def __init__(self, config: Path, *, netns: str | None = None, log_path: Path | None = None) -> None:
+        self.config = Path(config)
+        self.netns = netns
+        self.log_path = log_path or self.config.with_suffix(".log")
+        self.stats_path = self.config.with_suffix(".stats.json")
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, timeout: float = 15.0) -> "RemoteProxyProcess":
+        argv = [sys.executable, "-m", "dxpu_vfio.cli", "remote", "serve", "--config", str(self.config),
+                "--stats", str(self.stats_path)]
+        if self.netns:
+            argv = ["ip", "netns", "exec", self.netns, *argv]
+        with open(self.log_path, "ab") as log:
+            start_at = log.tell()
+            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while b"serving" not in self.log_path.read_bytes()[start_at:]:
+            if not self.alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RemoteProxyError(f"remote proxy for {self.config} did not start", logs=[self.log_path])
+            time.sleep(0.05)
+        return self
+
+    def stats(self, timeout: float = 5.0) -> dict:
+        before = self.stats_path.stat().st_mtime_ns if self.stats_path.exists() else 0
+        os.kill(self.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.stats_path.exists() and self.stats_path.stat().st_mtime_ns != before:
+                return json.loads(self.stats_path.read_text())
+            time.sleep(0.01)
+        raise RemoteProxyError("remote proxy did not write its stats", logs=[self.log_path])
+
+    def signal(self, sig: int) -> None:
+        """For failure tests: SIGKILL, SIGSTOP, SIGCONT."""
+        os.kill(self.pid, sig)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            for sig, wait in ((signal.SIGCONT, 0), (signal.SIGTERM, timeout), (signal.SIGKILL, 5)):
+                try:
+                    os.kill(self.process.pid, sig)
+                    if wait:
+                        self.process.wait(wait)
+                        break
+                except ProcessLookupError:
+                    break
+                except subprocess.TimeoutExpired:
+                    continue

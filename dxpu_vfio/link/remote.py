@@ -1,0 +1,286 @@
+"""The remote proxy (DxPU_PROXY in the GPU box): serves a box's devices over the link.
+
+``dxpu remote serve --config BOX.toml``. Each device of the box is one model instance
+that lives as long as the proxy; one host link at a time may drive it, after a HELLO
+naming the device and a lease token the box accepts. The link's reader thread performs
+region accesses in stream order; the device reaches guest memory through
+:class:`LinkDmaPort` (DMA reads wait for the host's completion, DMA writes are posted)
+and raises interrupts through :class:`LinkIrqPort` (posted, after the DMA writes).
+
+BOX.toml::
+
+    name = "box1"
+    listen = "198.18.0.2"
+    port = 7000
+    tls_dir = "/path/to/certs"   # ca.pem + box1.pem/key; or: plaintext = true
+    [[device]]
+    id = "td0"
+    model = "testdev"
+    lease = "secret-token"       # the token a host must present
+    settings = { memory_size = 4294967296 }
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import ssl
+import threading
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qemu_device.device import PciFunction
+from qemu_device.models import create_model
+from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
+
+from ..vfio_user import protocol as vp
+from ..vfio_user.connection import Connection, ConnectionClosed
+from .endpoint import LinkDown, LinkEndpoint, LinkError
+from .protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, LINK_VERSION, DeviceDescription, Hello,
+                       LinkCommand, pack_irq)
+from .transport import TlsFiles, server_context, tune
+
+log = logging.getLogger("dxpu.remote")
+
+DMA_TIMEOUT = 2.0
+CHUNK = vp.MAX_DATA_XFER
+
+
+@dataclass
+class BoxDevice:
+    id: str
+    model: str
+    lease: str
+    settings: dict = field(default_factory=dict)
+
+
+@dataclass
+class BoxConfig:
+    name: str
+    listen: str
+    port: int
+    devices: list[BoxDevice]
+    tls_dir: Path | None = None
+    plaintext: bool = False
+
+    @classmethod
+    def load(cls, path: Path) -> "BoxConfig":
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+        try:
+            devices = [BoxDevice(d["id"], d["model"], str(d["lease"]), d.get("settings", {}))
+                       for d in raw.get("device", [])]
+            config = cls(raw["name"], raw.get("listen", "127.0.0.1"), int(raw.get("port", 7000)), devices,
+                         Path(raw["tls_dir"]) if raw.get("tls_dir") else None, bool(raw.get("plaintext", False)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: bad box config: {exc}") from exc
+        if config.tls_dir is None and not config.plaintext:
+            raise ValueError(f"{path}: set tls_dir, or plaintext = true to run without TLS")
+        return config
+
+
+class LinkDmaPort:
+    """The device's DMA port on the box: guest memory is on the other end of the link."""
+
+    def __init__(self, endpoint: LinkEndpoint) -> None:
+        self.endpoint = endpoint
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def read(self, addr: int, length: int) -> bytes:
+        out = bytearray()
+        for pos in range(0, length, CHUNK):
+            n = min(CHUNK, length - pos)
+            try:
+                reply = self.endpoint.request(LinkCommand.DMA_READ, vp.DmaAccess(addr + pos, n).pack(), DMA_TIMEOUT)
+            except LinkError as exc:
+                raise DmaError(f"host refused DMA read at {addr + pos:#x}: {exc}") from exc
+            except LinkDown as exc:
+                raise DmaError(f"link down during DMA read: {exc}") from exc
+            out += vp.DmaAccess.unpack(reply, with_data=True).data
+        self.bytes_read += length
+        return bytes(out)
+
+    def write(self, addr: int, data: bytes) -> None:
+        if not self.endpoint.up:
+            raise DmaError(f"link down: {self.endpoint.down_reason}")
+        for pos in range(0, len(data), CHUNK):
+            chunk = data[pos:pos + CHUNK]
+            self.endpoint.post(LinkCommand.DMA_WRITE, vp.DmaAccess(addr + pos, len(chunk), chunk).pack())
+        self.bytes_written += len(data)
+
+
+class LinkIrqPort:
+    def __init__(self, endpoint: LinkEndpoint) -> None:
+        self.endpoint = endpoint
+        self.sent = 0
+
+    def _post(self, kind: int, vector: int, level: bool = True) -> None:
+        self.sent += 1
+        self.endpoint.post(LinkCommand.IRQ, pack_irq(kind, vector, level))
+
+    def msi(self, vector: int) -> None:
+        self._post(IRQ_MSI, vector)
+
+    def msix(self, vector: int) -> None:
+        self._post(IRQ_MSIX, vector)
+
+    def intx(self, level: bool) -> None:
+        self._post(IRQ_INTX, 0, level)
+
+
+def describe(model: str, device: PciFunction) -> DeviceDescription:
+    return DeviceDescription(model, [(r.index, r.size, r.readable, r.writable) for r in device.regions()],
+                             device.irq_counts())
+
+
+class _Slot:
+    """One device of the box and the link that drives it now (if any)."""
+
+    def __init__(self, spec: BoxDevice) -> None:
+        self.spec = spec
+        self.device = create_model(spec.model, **spec.settings)
+        self.endpoint: LinkEndpoint | None = None
+        self.links_served = 0
+        self.dma: LinkDmaPort | None = None
+        self.irq: LinkIrqPort | None = None
+
+
+class RemoteProxy:
+    def __init__(self, config: BoxConfig) -> None:
+        self.config = config
+        self.slots = {d.id: _Slot(d) for d in config.devices}
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._tls = None if config.plaintext else server_context(TlsFiles.in_dir(config.tls_dir, config.name))
+        self.refused: dict[str, int] = {"tls": 0, "hello": 0, "lease": 0, "busy": 0}
+        self.port = config.port
+
+    def start(self) -> "RemoteProxy":
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.config.listen, self.config.port))
+        listener.listen(16)
+        self.port = listener.getsockname()[1]
+        self._listener = listener
+        threading.Thread(target=self._accept_loop, name="remote-accept", daemon=True).start()
+        return self
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._admit, args=(sock, peer), name=f"remote-admit-{peer}",
+                             daemon=True).start()
+
+    def _admit(self, sock: socket.socket, peer: tuple) -> None:
+        """TLS handshake, HELLO, lease check; then the device belongs to this link."""
+        tune(sock)
+        sock.settimeout(5)
+        try:
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_side=True)
+        except (ssl.SSLError, OSError) as exc:
+            self.refused["tls"] += 1
+            log.warning("refused %s: TLS: %s", peer, exc)
+            sock.close()
+            return
+        conn = Connection(sock)
+        try:
+            msg = conn.receive()
+            if msg.header.command != LinkCommand.HELLO:
+                raise vp.ProtocolError("first message must be HELLO")
+            hello = Hello.unpack(msg.payload)
+        except (vp.ProtocolError, ConnectionClosed, OSError) as exc:
+            self.refused["hello"] += 1
+            log.warning("refused %s: %s", peer, exc)
+            conn.close()
+            return
+        slot = self.slots.get(hello.device)
+        err = None
+        if hello.version != LINK_VERSION:
+            err = errno.EPROTO
+        elif slot is None:
+            err = errno.ENODEV
+        elif hello.lease != slot.spec.lease:
+            err, self.refused["lease"] = errno.EACCES, self.refused["lease"] + 1
+        if err is None:
+            with self._lock:
+                if slot.endpoint is not None and slot.endpoint.up:
+                    err, self.refused["busy"] = errno.EBUSY, self.refused["busy"] + 1
+                else:
+                    slot.endpoint = LinkEndpoint(conn, f"{self.config.name}/{slot.spec.id}",
+                                                 self._handlers(slot), on_down=lambda r, s=slot: self._released(s, r))
+        if err is not None:
+            log.warning("refused %s for device %r: %s", peer, hello.device, errno.errorcode[err])
+            try:
+                conn.send(vp.error_reply(msg.header.msg_id, msg.header.command, err))
+            finally:
+                conn.close()
+            return
+        sock.settimeout(None)
+        slot.links_served += 1
+        slot.dma, slot.irq = LinkDmaPort(slot.endpoint), LinkIrqPort(slot.endpoint)
+        with slot.device.lock:
+            slot.device.attach(slot.dma, slot.irq)
+        conn.send(vp.message(msg.header.msg_id, msg.header.command,
+                             describe(slot.spec.model, slot.device).pack(), reply=True))
+        slot.endpoint.start()
+
+    def _released(self, slot: _Slot, reason: str) -> None:
+        """The link went down: the device forgets its host and is reset for the next lease."""
+        with slot.device.lock:
+            slot.device.attach(NullDmaPort(), NullIrqPort())
+            slot.device.reset()
+
+    def _handlers(self, slot: _Slot) -> dict:
+        device = slot.device
+
+        def region_read(msg):
+            req = vp.RegionAccess.unpack(msg.payload, write=False)
+            with device.lock:
+                data = device.region_read(req.region, req.offset, req.count)
+            return vp.RegionAccess(req.region, req.offset, req.count, data).pack()
+
+        def region_write(msg):
+            req = vp.RegionAccess.unpack(msg.payload, write=True)
+            with device.lock:
+                device.region_write(req.region, req.offset, req.data, posted=msg.header.no_reply)
+            return vp.RegionAccess(req.region, req.offset, req.count).pack()
+
+        def reset(msg):
+            with device.lock:
+                device.reset()
+            return b""
+
+        return {LinkCommand.REGION_READ: region_read, LinkCommand.REGION_WRITE: region_write,
+                LinkCommand.DEVICE_RESET: reset}
+
+    def snapshot(self) -> dict:
+        return {"box": self.config.name, "port": self.port, "refused": dict(self.refused),
+                "devices": {sid: {"model": s.spec.model, "links": s.links_served,
+                                  "link": s.endpoint.stats() if s.endpoint else None,
+                                  "dma_bytes_read": s.dma.bytes_read if s.dma else 0,
+                                  "dma_bytes_written": s.dma.bytes_written if s.dma else 0,
+                                  "irqs_sent": s.irq.sent if s.irq else 0}
+                            for sid, s in self.slots.items()}}
+
+    def stop(self) -> None:
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+            self._listener = None
+        for slot in self.slots.values():
+            if slot.endpoint is not None:
+                slot.endpoint.close()
+            close = getattr(slot.device, "close", None)
+            if close:
+                close()

@@ -1,0 +1,92 @@
+"""TCP + mutual TLS for the link, and ``dxpu certs``: a lab CA and its certificates.
+
+Both ends present a certificate signed by the lab CA and check the other's against it
+(mutual TLS); the names in certificates are not checked, the CA is the trust root.
+Plaintext happens only when a caller passes ``tls=None`` explicitly.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SetupError
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    ca: Path
+    cert: Path
+    key: Path
+
+    @classmethod
+    def in_dir(cls, directory: Path, role: str) -> "TlsFiles":
+        """The files ``dxpu certs`` wrote for ``role`` (e.g. "host", "box1")."""
+        d = Path(directory)
+        return cls(d / "ca.pem", d / f"{role}.pem", d / f"{role}.key")
+
+
+def server_context(files: TlsFiles) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(files.cert, files.key)
+    ctx.load_verify_locations(files.ca)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def client_context(files: TlsFiles) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(files.cert, files.key)
+    ctx.load_verify_locations(files.ca)
+    ctx.check_hostname = False  # the lab CA is the trust root; boxes move between addresses
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def tune(sock: socket.socket) -> socket.socket:
+    """Small messages must not wait for Nagle: every read is a round trip."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def connect(host: str, port: int, tls: TlsFiles | None, timeout: float = 5.0) -> socket.socket:
+    sock = tune(socket.create_connection((host, port), timeout=timeout))
+    if tls is not None:
+        sock = client_context(tls).wrap_socket(sock)
+    sock.settimeout(None)
+    return sock
+
+
+def make_certs(directory: Path, roles: list[str], days: int = 365) -> list[Path]:
+    """A lab CA plus one key and certificate per role, with openssl; idempotent per file."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        proc = subprocess.run(["openssl", *args], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SetupError(f"openssl {args[0]} failed: {proc.stderr.strip()[-400:]}",
+                             hint="apt-get install openssl")
+
+    made = []
+    if not (d / "ca.pem").exists():
+        run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"), "-days", str(days),
+            "-subj", "/CN=dxpu lab CA")
+        made.append(d / "ca.pem")
+    for role in roles:
+        if (d / f"{role}.pem").exists():
+            continue
+        run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", str(d / f"{role}.key"), "-out", str(d / f"{role}.csr"), "-subj", f"/CN={role}")
+        run("x509", "-req", "-in", str(d / f"{role}.csr"), "-CA", str(d / "ca.pem"), "-CAkey",
+            str(d / "ca.key"), "-CAcreateserial", "-out", str(d / f"{role}.pem"), "-days", str(days))
+        (d / f"{role}.csr").unlink()
+        (d / f"{role}.key").chmod(0o600)
+        made.append(d / f"{role}.pem")
+    return made

@@ -1,0 +1,187 @@
+"""The network link without a VM: a real remote proxy process on loopback (TCP + mutual
+TLS), the host proxy's vfio-user server in forward mode, and our vfio-user client in
+QEMU's place with a real memfd for guest memory."""
+
+import mmap
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from dxpu_vfio.link.hostside import RemoteAttachError, connect_remote
+from dxpu_vfio.link.process import RemoteProxyProcess
+from dxpu_vfio.link.transport import TlsFiles, make_certs
+from dxpu_vfio.vfio_user import protocol as p
+from dxpu_vfio.vfio_user.client import VfioUserClient
+from dxpu_vfio.vfio_user.server import VfioUserServer
+
+BAR0 = 0
+GUEST = 0x100000
+MEM = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("certs")
+    make_certs(d, ["host", "box1"])
+    other = tmp_path_factory.mktemp("other-ca")
+    make_certs(other, ["host"])  # a host certificate from a CA the box does not trust
+    return d, other
+
+
+@pytest.fixture
+def box(tmp_path, certs):
+    port = free_port()
+    config = tmp_path / "box1.toml"
+    config.write_text(f'name = "box1"\nlisten = "127.0.0.1"\nport = {port}\ntls_dir = "{certs[0]}"\n'
+                      '[[device]]\nid = "td0"\nmodel = "testdev"\nlease = "lease-td0"\n'
+                      'settings = { memory_size = 1048576 }\n')
+    proc = RemoteProxyProcess(config).start()
+    proc.address = f"127.0.0.1:{port}"
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def forwarded(tmp_path, box, certs):
+    """Host proxy in forward mode with a client in QEMU's place and a memfd as guest RAM."""
+    down = []
+    device = connect_remote(box.address, "td0", "lease-td0", TlsFiles.in_dir(certs[0], "host"),
+                            completion_timeout=0.5, on_down=down.append)
+    device.endpoint.dead_after = 1.0
+    server = VfioUserServer(device, tmp_path / "host.sock", name="fwd").start()
+    client = VfioUserClient(server.socket_path)
+    client.negotiate()
+    fd = os.memfd_create("guest")
+    os.ftruncate(fd, MEM)
+    ram = mmap.mmap(fd, MEM)
+    client.dma_map(GUEST, MEM, fd=fd)
+    os.close(fd)
+    cmd = int.from_bytes(client.read(p.REGION_CONFIG, 4, 2), "little")
+    client.write(p.REGION_CONFIG, 4, (cmd | 6).to_bytes(2, "little"))
+    yield client, ram, device, down
+    client.close()
+    server.stop()
+    ram.close()
+
+
+def start_dma(client, src, dst, length, op=1):
+    for reg, value in ((0x20, src), (0x24, src >> 32), (0x28, dst), (0x2C, dst >> 32), (0x30, length), (0x34, op)):
+        client.write32(BAR0, reg, value, posted=True)
+
+
+def eventually(predicate, timeout=5.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        time.sleep(0.02)
+
+
+def wait_dma(client, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while (status := client.read32(BAR0, 0x38)) == 1:
+        assert time.monotonic() < deadline
+    return status
+
+
+def test_registers_and_posted_write_ordering_over_tls(forwarded):
+    client, _, device, _ = forwarded
+    assert client.read32(BAR0, 0) == 0xD0C50001
+    for v in range(50):
+        client.write32(BAR0, 0x08, v, posted=True)
+    assert client.read32(BAR0, 0x08) == 49  # the read came after all posted writes
+    assert device.counters["writes_posted"] >= 50
+
+
+def test_remote_dma_lands_in_guest_memory(forwarded):
+    client, ram, device, _ = forwarded
+    data = os.urandom(300_000)
+    ram[0:len(data)] = data
+    start_dma(client, GUEST, GUEST + 0x60000, len(data))
+    assert wait_dma(client) == 2
+    assert ram[0x60000:0x60000 + len(data)] == data
+    assert device.counters["dma_bytes_read"] == len(data) and device.counters["dma_bytes_written"] == len(data)
+
+
+def test_rogue_dma_outside_the_windows_is_refused_and_memory_untouched(forwarded):
+    """The host proxy checks every remote DMA against QEMU's windows (guard pages around)."""
+    client, ram, device, _ = forwarded
+    ram[:] = b"\xaa" * MEM
+    start_dma(client, GUEST - 4096, GUEST, 8192)  # read starts in the guard page below
+    assert wait_dma(client) == 3
+    start_dma(client, GUEST, GUEST + MEM - 4096, 8192)  # write runs into the guard page above
+    assert wait_dma(client) == 2  # posted: the device is not told ...
+    assert device.counters["dma_refused"] == 2  # ... but the host refused and counted it
+    assert ram[:] == b"\xaa" * MEM  # nothing in the window was written either
+
+
+def test_wrong_lease_unknown_device_and_busy_device_are_refused(box, certs, forwarded):
+    tls = TlsFiles.in_dir(certs[0], "host")
+    with pytest.raises(RemoteAttachError, match="lease token refused"):
+        connect_remote(box.address, "td0", "stolen", tls)
+    with pytest.raises(RemoteAttachError, match="no such device"):
+        connect_remote(box.address, "gpu9", "x", tls)
+    with pytest.raises(RemoteAttachError, match="in use by another host"):
+        connect_remote(box.address, "td0", "lease-td0", tls)
+    refused = box.stats()["refused"]
+    assert refused["lease"] == 1 and refused["busy"] == 1
+
+
+def test_peer_without_a_valid_certificate_is_refused(box, certs):
+    with pytest.raises(RemoteAttachError):
+        connect_remote(box.address, "td0", "lease-td0", TlsFiles.in_dir(certs[1], "host"))  # untrusted CA
+    with pytest.raises(RemoteAttachError):
+        connect_remote(box.address, "td0", "lease-td0", None)  # plaintext to a TLS box
+    assert box.stats()["refused"]["tls"] == 2
+
+
+def test_killed_remote_reads_all_ones_and_link_goes_down(forwarded, box):
+    client, _, device, down = forwarded
+    assert client.read32(BAR0, 0) == 0xD0C50001
+    box.signal(signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while client.read32(BAR0, 0) != 0xFFFFFFFF:
+        assert time.monotonic() < deadline, "reads never became all-ones"
+    assert not device.link_up
+    eventually(lambda: down, what="the control plane's link-down notice")
+    assert client.read32(BAR0, 0x08) == 0xFFFFFFFF  # every later read too, at once
+    client.write32(BAR0, 0x08, 1)  # and writes are dropped without an error
+
+
+def test_stopped_remote_completion_timeout_then_heartbeat(forwarded, box):
+    client, _, device, down = forwarded
+    box.signal(signal.SIGSTOP)
+    started = time.monotonic()
+    assert client.read32(BAR0, 0) == 0xFFFFFFFF  # completion timeout answers all-ones
+    assert time.monotonic() - started < 3  # ... well before QEMU's 5 s
+    eventually(lambda: down, what="the control plane's link-down notice")
+    assert device.counters["master_aborts"] == 1 and "completion timeout" in down[0]
+    box.signal(signal.SIGCONT)
+
+
+def test_heartbeats_catch_a_stopped_peer_without_traffic(forwarded, box):
+    _, _, device, down = forwarded
+    box.signal(signal.SIGSTOP)
+    eventually(lambda: down, what="the heartbeat watchdog")
+    assert "heartbeats stopped" in down[0]
+    box.signal(signal.SIGCONT)
+
+
+def test_reattach_after_the_box_comes_back(tmp_path, box, certs):
+    tls = TlsFiles.in_dir(certs[0], "host")
+    first = connect_remote(box.address, "td0", "lease-td0", tls)
+    box.stop()
+    box.start()
+    eventually(lambda: not first.link_up, what="the old link going down")
+    second = connect_remote(box.address, "td0", "lease-td0", tls)
+    assert int.from_bytes(second.region_read(0, 0, 4), "little") == 0xD0C50001
+    second.close()
+    first.close()
