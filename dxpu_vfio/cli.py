@@ -112,6 +112,53 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lab(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .lab import lab
+    name = args.name
+    if args.lab_command == "down":
+        removed = lab.down(name)
+        _emit(args, {"removed": removed}, lambda d: "\n".join(f"removed {r}" for r in d["removed"]) or "nothing to remove")
+        return 0
+    if args.lab_command == "status":
+        info = lab.status(name)
+        _emit(args, info, _lab_text)
+        return 0 if info["up"] else 1
+    topology = lab.Topology.load(Path(args.topology) if args.topology else None)
+    if args.name_given:
+        topology.name = name
+    state = lab.up(topology)
+    if not args.no_vm:
+        from .vm import Vm, VmConfig
+        vm = Vm(VmConfig(image=args.image, name=f"lab-{topology.name}", accel=args.accel),
+                workdir=Path(state.directory) / "vm")
+        state.pids.append(vm.start().pid)
+        state.save()
+        vm.wait_booted()
+        info_vm = {"pid": vm.pid, "qmp": str(vm.qmp_path), "serial_log": str(vm.serial_log),
+                   "boot_seconds": vm.boot_seconds}
+        vm.release()
+        (Path(state.directory) / "vm.json").write_text(json.dumps(info_vm))
+    _emit(args, lab.status(topology.name), _lab_text)
+    return 0
+
+
+def _lab_text(info: dict) -> str:
+    if not info["up"]:
+        return f"lab {info['name']} is down"
+    lines = [f"lab {info['name']}: host namespace {info['host_netns']}, state in {info['directory']}"]
+    for b in info["boxes"]:
+        lines.append(f"  box {b['name']:<8} netns {b['netns']:<14} {b['address']}  proxy pid {b['proxy_pid']} "
+                     f"({'alive' if b['proxy_alive'] else 'DEAD'})  delay {b['delay_us']:.0f} µs ({b['delay_mode']})  "
+                     f"devices: {', '.join(f'{k} ({v})' for k, v in b['devices'].items())}")
+    vm_file = __import__("pathlib").Path(info["directory"]) / "vm.json"
+    if vm_file.exists():
+        vm = json.loads(vm_file.read_text())
+        lines.append(f"  vm pid {vm['pid']}, QMP {vm['qmp']}, serial log {vm['serial_log']}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dxpu", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -154,6 +201,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("roles", nargs="*", default=["host", "box1"], help="one certificate each (default: host box1)")
 
+    lab_parser = sub.add_parser("lab", help="the lab network: host node and GPU boxes in namespaces")
+    lab_sub = lab_parser.add_subparsers(dest="lab_command", required=True)
+    for verb, text in (("up", "bring up boxes (namespaces, veth, remote proxies) and a VM"),
+                       ("status", "show the lab"), ("down", "remove every process, namespace and file of the lab")):
+        p = lab_sub.add_parser(verb, help=text, description=text)
+        p.add_argument("--json", action="store_true")
+        p.add_argument("--name", default=None, help="lab name (default: the topology's, or 'lab')")
+        p.set_defaults(func=cmd_lab)
+        if verb == "up":
+            p.add_argument("--topology", help="LAB.toml (default: one box with one test device)")
+            p.add_argument("--no-vm", action="store_true", help="boxes only")
+            p.add_argument("--image", default="tiny", choices=["tiny", "full"])
+            p.add_argument("--accel", default="tcg", choices=["tcg", "kvm"])
+
     p = add("demo", cmd_demo, "the main demo on the embedded defaults")
     p.add_argument("--image", default="tiny", choices=["tiny", "full"])
     p.add_argument("--accel", default="tcg", choices=["tcg", "kvm"])
@@ -162,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "lab_command", None):
+        args.name_given = args.name is not None
+        args.name = args.name or "lab"
     try:
         return args.func(args)
     except DxpuError as exc:

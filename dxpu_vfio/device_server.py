@@ -47,16 +47,27 @@ def remote_device(settings: dict):
     settings: address "host:port", device, lease, and tls_dir (with tls_role, default
     "host") or plaintext=true; completion_timeout in seconds.
     """
-    from .link.hostside import connect_remote
+    import errno
+    import time
+
+    from .link.hostside import RemoteAttachError, connect_remote
     from .link.transport import TlsFiles
 
     try:
         plaintext = bool(settings.get("plaintext", False))
         tls = None if plaintext else TlsFiles.in_dir(Path(settings["tls_dir"]), settings.get("tls_role", "host"))
-        return connect_remote(settings["address"], settings["device"], str(settings["lease"]), tls,
-                              completion_timeout=float(settings.get("completion_timeout", 1.0)),
-                              on_down=lambda reason: logging.getLogger("dxpu.hostproxy").warning(
-                                  "link down: %s", reason))
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                return connect_remote(settings["address"], settings["device"], str(settings["lease"]), tls,
+                                      completion_timeout=float(settings.get("completion_timeout", 1.0)),
+                                      on_down=lambda reason: logging.getLogger("dxpu.hostproxy").warning(
+                                          "link down: %s", reason))
+            except RemoteAttachError as exc:
+                # the previous holder's link may be closing right now: busy is transient
+                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
     except KeyError as exc:
         raise SystemExit(f"remote device needs setting {exc}")
 

@@ -136,11 +136,15 @@ class _GuestWatch:
 
 def attach(vm: Vm, model: str = "testdev", *, settings: dict | None = None, port: str | None = None,
            device_id: str | None = None, timeout: float = 30.0, allow_msix: bool = False,
-           extra_props: dict | None = None, server: DeviceServerProcess | None = None) -> Attachment:
+           extra_props: dict | None = None, server: DeviceServerProcess | None = None,
+           netns: str | None = None) -> Attachment:
     """Serve ``model`` and plug it into ``vm``; returns when the guest sees it.
 
     ``server``: plug a device server that already runs (its device is then served to
     one VM after another); by default a new one is started and detach stops it.
+    ``model="remote"`` with ``settings`` from ``LabState.remote_settings`` serves a device
+    of a GPU box (host proxy in forward mode); ``netns`` runs the server in the lab's
+    host namespace.
     """
     if not vm.alive():
         raise VmError(f"VM {vm.config.name} is not running", logs=vm.logs)
@@ -149,7 +153,7 @@ def attach(vm: Vm, model: str = "testdev", *, settings: dict | None = None, port
     own_server = server is None
     if server is None:
         server = DeviceServerProcess(model, vm.workdir / f"{device_id}.sock", settings=settings,
-                                     allow_msix=allow_msix, name=device_id)
+                                     allow_msix=allow_msix, name=device_id, netns=netns)
         server.start()
     watch = _GuestWatch(vm, port_bdf(vm, port), timeout)
     try:

@@ -296,6 +296,17 @@ class Vm:
         self.kill()
         return clean
 
+    def release(self) -> int:
+        """Let QEMU run on without this object (``dxpu lab up``); returns its pid."""
+        pid = self.pid
+        if self.channel:
+            self.channel.close()
+            self.channel = None
+        self.qmp.close()
+        self.process = None  # never killed by this object again
+        self.state = VmState.STOPPED
+        return pid
+
     def kill(self) -> None:
         """End QEMU by its pid (SIGTERM, then SIGKILL) and release everything."""
         if self.channel:

@@ -1,5 +1,9 @@
 """The test device hot-plugged through QMP into a real guest (tiny image, trixie cloud
-kernel): identity, registers, DMA, interrupts, replug, reset, errors."""
+kernel): identity, registers, DMA, interrupts, replug, reset, errors.
+
+Every test runs twice: ``local`` (our vfio-user server runs the model) and ``remote``
+(the model runs in a remote proxy in a GPU-box network namespace, reached over veth
+with mutual TLS by a host proxy in the lab's host namespace). The tests are the same."""
 
 import json
 import os
@@ -15,8 +19,50 @@ from dxpu_vfio.errors import VmError
 pytestmark = pytest.mark.vm
 
 
+LAB_TOPOLOGY = """
+name = "t"
+[[box]]
+name = "box1"
+[[box.device]]
+id = "td0"
+model = "testdev"
+[[box.device]]
+id = "td1"
+model = "testdev"
+[[box]]
+name = "box2"
+[[box.device]]
+id = "td2"
+model = "testdev"
+"""
+REMOTE_DEVICES = [("box1", "td0"), ("box2", "td2"), ("box1", "td1")]
+
+
+@pytest.fixture(scope="session")
+def lab_state():
+    from dxpu_vfio.lab import lab
+    state = lab.up(lab.Topology.parse(LAB_TOPOLOGY))
+    yield state
+    lab.down(state.name)
+
+
+@pytest.fixture(scope="module", params=["local", "remote"])
+def mode(request):
+    return request.param
+
+
+@pytest.fixture
+def device(mode, request):
+    """device(n) -> attach() arguments for the n-th device of this mode."""
+    if mode == "local":
+        return lambda n=0: {"model": "testdev"}
+    state = request.getfixturevalue("lab_state")
+    return lambda n=0: {"model": "remote", "settings": state.remote_settings(*REMOTE_DEVICES[n]),
+                        "netns": state.host_netns}
+
+
 @pytest.fixture(scope="module")
-def shared_vm(tiny_image):
+def shared_vm(tiny_image, mode):
     """One tiny guest for the plug tests of this module; each test unplugs what it plugs."""
     from dxpu_vfio.testing import VmFactory
     factory = VmFactory("hotplug")
@@ -36,8 +82,8 @@ def vm(request, shared_vm):
 
 
 @pytest.fixture
-def plugged(vm):
-    att = hotplug.attach(vm, "testdev")
+def plugged(vm, device):
+    att = hotplug.attach(vm, **device())
     yield att
     hotplug.detach(att)
 
@@ -108,8 +154,10 @@ def _fds(pid: int) -> list[str]:
     return sorted(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
 
 
-def test_unplug_and_replug_20_times_leaks_nothing(vm):
-    server = DeviceServerProcess("testdev", vm.workdir / "replug.sock", name="replug").start()
+def test_unplug_and_replug_20_times_leaks_nothing(vm, device):
+    spec = device()
+    server = DeviceServerProcess(spec["model"], vm.workdir / "replug.sock", name="replug",
+                                 settings=spec.get("settings"), netns=spec.get("netns")).start()
     try:
         baseline = None
         for cycle in range(20):
@@ -132,9 +180,9 @@ def test_unplug_and_replug_20_times_leaks_nothing(vm):
     assert not (vm.workdir / "replug.sock").exists()
 
 
-def test_two_devices_in_one_vm(vm):
-    first = hotplug.attach(vm, "testdev")
-    second = hotplug.attach(vm, "testdev")
+def test_two_devices_in_one_vm(vm, device):
+    first = hotplug.attach(vm, **device(0))
+    second = hotplug.attach(vm, **device(1))  # remote: from the other GPU box
     try:
         assert first.port != second.port and first.guest_bdf != second.guest_bdf
         vm.run(f"dxpu-mmio {first.guest_bdf} 0 write 0x08 0x11111111 && "
@@ -159,8 +207,8 @@ def test_socket_path_in_use_is_refused(vm):
         squatter.stop()
 
 
-def test_guest_that_never_lets_go_times_out_and_stays_consistent(vm):
-    att = hotplug.attach(vm, "testdev")
+def test_guest_that_never_lets_go_times_out_and_stays_consistent(vm, device):
+    att = hotplug.attach(vm, **device())
     vm.qmp.execute("stop")  # a guest whose CPUs do not run never acknowledges the eject
     try:
         with pytest.raises(hotplug.UnplugTimeout, match="did not release"):
@@ -175,9 +223,9 @@ def test_guest_that_never_lets_go_times_out_and_stays_consistent(vm):
 
 # --- tests with a VM of their own -------------------------------------------------------
 
-def test_system_reset_with_device_attached(vm_factory):
+def test_system_reset_with_device_attached(vm_factory, device):
     vm = vm_factory.booted("tiny")
-    att = hotplug.attach(vm, "testdev")
+    att = hotplug.attach(vm, **device())
     vm.run(f"dxpu-mmio {att.guest_bdf} 0 write 0x08 0x5a5a5a5a")
     vm.reset()
     assert float(vm.run("cat /proc/uptime").stdout.split()[0]) < 30  # it really rebooted
@@ -187,21 +235,21 @@ def test_system_reset_with_device_attached(vm_factory):
     hotplug.detach(att)
 
 
-def test_no_free_root_port(vm_factory):
+def test_no_free_root_port(vm_factory, device):
     vm = vm_factory.booted("tiny", root_ports=1)
-    first = hotplug.attach(vm, "testdev")
+    first = hotplug.attach(vm, **device(0))
     with pytest.raises(hotplug.NoFreeRootPort, match="no free root port") as err:
-        hotplug.attach(vm, "testdev")
+        hotplug.attach(vm, **device(1))
     assert "detach a device" in str(err.value)
     assert vm.run(f"dxpu-testdev {first.guest_bdf} scratch").rc == 0  # the first is untouched
     hotplug.detach(first)
 
 
-def test_unreachable_vm(vm_factory):
+def test_unreachable_vm(vm_factory, device):
     vm = vm_factory.booted("tiny")
     vm.kill()
     with pytest.raises(VmError, match="not running"):
-        hotplug.attach(vm, "testdev")
+        hotplug.attach(vm, **device())
 
 
 def test_msix_unplug_still_aborts_this_qemu(vm_factory):

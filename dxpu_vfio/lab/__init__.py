@@ -1,0 +1,1 @@
+"""The lab: namespaces, veth links, delay injection, remote proxies; one command up, one down."""
