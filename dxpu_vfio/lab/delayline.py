@@ -12,65 +12,88 @@ delay) and reports it on SIGUSR1 / exit, so every benchmark can print the true v
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import signal
 import socket
 import statistics
 import sys
+import threading
 import time
+from collections import deque
 from pathlib import Path
 
 
 class DelayLine:
+    """Threads, not asyncio: epoll's millisecond timeouts cannot hold a chunk for 50 µs,
+    ``time.sleep`` (clock_nanosleep) can, to within the scheduler's wake-up time."""
+
     def __init__(self, listen: tuple[str, int], upstream: tuple[str, int], delay_us: float) -> None:
         self.listen = listen
         self.upstream = upstream
         self.delay = delay_us / 1e6
-        self.achieved: list[float] = []  # seconds each chunk really waited (sampled)
+        self.achieved: deque[float] = deque(maxlen=100000)  # seconds chunks really waited
         self.chunks = 0
         self.bytes = 0
+        self._stop = threading.Event()
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        queue: deque = deque()
+        ready = threading.Condition()
 
-        async def sender() -> None:
+        def sender() -> None:
             while True:
-                due, arrived, data = await queue.get()
+                with ready:
+                    while not queue:
+                        ready.wait()
+                    due, arrived, data = queue.popleft()
                 if data is None:
                     break
-                wait = due - loop.time()
+                wait = due - time.monotonic()
                 if wait > 0:
-                    await asyncio.sleep(wait)
-                writer.write(data)
-                if self.chunks % 16 == 0 and len(self.achieved) < 100000:
-                    self.achieved.append(loop.time() - arrived)
-            writer.close()
+                    time.sleep(wait)
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    break
+                self.achieved.append(time.monotonic() - arrived)
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
 
-        task = asyncio.create_task(sender())
+        thread = threading.Thread(target=sender, daemon=True)
+        thread.start()
         try:
-            while data := await reader.read(65536):
-                now = loop.time()
+            while data := src.recv(65536):
+                now = time.monotonic()
                 self.chunks += 1
                 self.bytes += len(data)
-                queue.put_nowait((now + self.delay, now, data))
-        except ConnectionError:
+                with ready:
+                    queue.append((now + self.delay, now, data))
+                    ready.notify()
+        except OSError:
             pass
         finally:
-            queue.put_nowait((0, 0, None))
-            await task
+            with ready:
+                queue.append((0, 0, None))
+                ready.notify()
+            thread.join()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _serve(self, client: socket.socket) -> None:
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+            upstream = socket.create_connection(self.upstream, timeout=5)
         except OSError:
-            writer.close()
+            client.close()
             return
-        for w in (writer, up_writer):
-            w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer),
-                             return_exceptions=True)
+        upstream.settimeout(None)
+        for sock in (client, upstream):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        back = threading.Thread(target=self._pump, args=(upstream, client), daemon=True)
+        back.start()
+        self._pump(client, upstream)
+        back.join()
+        client.close()
+        upstream.close()
 
     def report(self) -> dict:
         got = sorted(self.achieved)
@@ -78,10 +101,20 @@ class DelayLine:
                 "achieved_median_us": statistics.median(got) * 1e6 if got else None,
                 "achieved_p99_us": got[int(len(got) * 0.99)] * 1e6 if got else None}
 
-    async def run(self, stop: asyncio.Event) -> None:
-        server = await asyncio.start_server(self._serve, *self.listen)
-        async with server:
-            await stop.wait()
+    def run(self) -> None:
+        listener = socket.create_server(self.listen, reuse_port=False)
+        listener.settimeout(0.5)
+        while not self._stop.is_set():
+            try:
+                client, _ = listener.accept()
+            except socket.timeout:
+                continue
+            client.settimeout(None)
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+        listener.close()
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,22 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     split = lambda s: (s.rpartition(":")[0], int(s.rpartition(":")[2]))  # noqa: E731
     line = DelayLine(split(args.listen), split(args.to), args.delay_us)
 
-    def write_report() -> None:
+    def write_report(*_: object) -> None:
         if args.report:
             tmp = args.report.with_suffix(".tmp")
             tmp.write_text(json.dumps(line.report()))
             tmp.rename(args.report)
 
-    async def runner() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        loop.add_signal_handler(signal.SIGINT, stop.set)
-        loop.add_signal_handler(signal.SIGUSR1, write_report)
-        print(f"delay line {args.listen} -> {args.to}, {args.delay_us} µs each way", flush=True)
-        await line.run(stop)
-
-    asyncio.run(runner())
+    signal.signal(signal.SIGUSR1, write_report)
+    signal.signal(signal.SIGTERM, lambda *_: line.stop())
+    signal.signal(signal.SIGINT, lambda *_: line.stop())
+    print(f"delay line {args.listen} -> {args.to}, {args.delay_us} µs each way", flush=True)
+    line.run()
     write_report()
     return 0
 

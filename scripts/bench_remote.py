@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Local vs remote, same device model, at several added link delays.
+
+One lab (host namespace + one GPU box namespace over veth, mutual TLS), one tiny guest.
+For the local test device and then the remote one at each added one-way delay, the
+guest measures: MMIO read latency (median), posted-write rate, DMA bandwidth (1 MiB
+copies between guest buffers: every byte crosses the link twice) and interrupt round
+trip (doorbell -> INTx counted by uio_pci_generic -> ack). The delay is injected with
+netem where the kernel has it, else with the lab's delay line, and the delay the line
+really achieved is measured and printed. Also prints a per-hop breakdown of one remote
+read from the counters of both proxies. Table on stdout, JSON in results/bench/remote.json.
+
+    .venv/bin/python scripts/bench_remote.py [--delays 0,50,200,1000] [--reads 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dxpu_vfio import hotplug  # noqa: E402
+from dxpu_vfio.bench import table, write_json  # noqa: E402
+from dxpu_vfio.lab import lab  # noqa: E402
+from dxpu_vfio.vm import Vm, VmConfig  # noqa: E402
+
+TOPOLOGY = """
+name = "bench"
+[[box]]
+name = "box1"
+[[box.device]]
+id = "td0"
+model = "testdev"
+"""
+
+
+def kv(text: str) -> dict[str, float]:
+    return {k: float(v) if v.replace(".", "").isdigit() else v
+            for k, v in (item.split("=", 1) for item in text.split() if "=" in item)}
+
+
+def measure(vm: Vm, att: hotplug.Attachment, reads: int, writes: int, copies: int, irqs: int) -> dict:
+    bdf = att.guest_bdf
+    read = kv(vm.run(f"dxpu-mmio {bdf} 0 time-read 8 {reads}", timeout=900).stdout)
+    write = kv(vm.run(f"dxpu-mmio {bdf} 0 time-write 8 {writes}", timeout=900).stdout)
+    copy_ns = [kv(vm.run(f"dxpu-testdev {bdf} dma-copy 1048576", timeout=300).stdout)["ns"] for _ in range(copies)]
+    started = time.monotonic()
+    got = kv(vm.run(f"dxpu-testdev {bdf} irq {irqs}", timeout=300).stdout)
+    irq_s = time.monotonic() - started
+    assert got["received"] == irqs, got
+    best_copy = min(copy_ns)
+    return {"read_median_us": read["median_ns"] / 1000, "read_p99_us": read["p99_ns"] / 1000,
+            "write_rate_per_s": write["writes_per_s"], "dma_MBps": 2 * (1 << 20) / (best_copy / 1e9) / 1e6,
+            "dma_copy_1MiB_ms": best_copy / 1e6,
+            "irq_roundtrip_ms": irq_s * 1000 / irqs}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--delays", default="0,50,200,1000", help="added one-way delays in µs")
+    parser.add_argument("--reads", type=int, default=2000)
+    parser.add_argument("--writes", type=int, default=20000)
+    parser.add_argument("--copies", type=int, default=3)
+    parser.add_argument("--irqs", type=int, default=20)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    delays = [float(d) for d in args.delays.split(",")]
+    state = lab.up(lab.Topology.parse(TOPOLOGY))
+    results: dict[str, dict] = {}
+    try:
+        with Vm(VmConfig(image="tiny", name="bench-remote")) as vm:
+            vm.boot()
+            vm.run("echo 4 > /proc/sys/vm/nr_hugepages; echo '1b36 10f0' > /sys/bus/pci/drivers/uio_pci_generic/new_id")
+            att = hotplug.attach(vm, "testdev")
+            results["local"] = {"delay_us": None, "delay_mode": "-", **measure(vm, att, args.reads, args.writes,
+                                                                            args.copies, args.irqs)}
+            hotplug.detach(att)
+            print(f"  local: read {results['local']['read_median_us']:.1f} µs", flush=True)
+            for delay in delays:
+                box = lab.set_delay(state, "box1", delay)
+                att = hotplug.attach(vm, "remote", settings=state.remote_settings("box1", "td0"),
+                                     netns=state.host_netns)
+                row = {"delay_us": delay, "delay_mode": box.delay_mode,
+                       **measure(vm, att, args.reads, args.writes, args.copies, args.irqs)}
+                report = lab.delay_report(state, "box1")
+                row["delay_achieved_us"] = report["achieved_median_us"] if report else (0.0 if not delay else None)
+                stats = att.server.stats()["device"]
+                link_read = stats["link"]["requests"].get("REGION_READ", {})
+                row["host_link_wait_us_per_read"] = link_read["wait_us"] / link_read["count"] if link_read else None
+                hotplug.detach(att)
+                results[f"remote+{delay:g}us"] = row
+                print(f"  remote at {delay:g} µs ({box.delay_mode}): read {row['read_median_us']:.1f} µs", flush=True)
+    finally:
+        lab.down(state.name)
+    local = results["local"]
+    for row in results.values():
+        row["read_vs_local"] = row["read_median_us"] / local["read_median_us"]
+        row["dma_vs_local"] = row["dma_MBps"] / local["dma_MBps"]
+    print()
+    print(table(["path", "delay µs (asked/achieved)", "read µs", "read/local", "writes/s", "DMA MB/s",
+                 "DMA/local", "irq rtt ms", "host link wait µs/read"],
+                [[k, "-" if r["delay_us"] is None else f"{r['delay_us']:g}/{(r.get('delay_achieved_us') or 0):.0f} {r['delay_mode']}",
+                  r["read_median_us"], r["read_vs_local"], round(r["write_rate_per_s"]), r["dma_MBps"], r["dma_vs_local"],
+                  r["irq_roundtrip_ms"], r.get("host_link_wait_us_per_read") or "-"] for k, r in results.items()]))
+    path = write_json("remote", {"results": results, "reads": args.reads, "writes": args.writes}, args.out)
+    print(f"\nJSON: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

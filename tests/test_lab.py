@@ -1,0 +1,101 @@
+"""The lab network with real namespaces, veth and processes; and its cleanup."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from pyroute2 import netns
+
+from dxpu_vfio.lab import lab
+
+TWO_BOXES = """
+name = "tl"
+[[box]]
+name = "boxa"
+[[box.device]]
+id = "d0"
+model = "testdev"
+[[box]]
+name = "boxb"
+delay_us = 300
+[[box.device]]
+id = "d1"
+model = "testdev"
+"""
+
+
+@pytest.fixture
+def two_boxes():
+    state = lab.up(lab.Topology.parse(TWO_BOXES))
+    yield state
+    lab.down(state.name)
+
+
+def ns_python(ns: str, code: str, timeout: float = 20) -> str:
+    return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=timeout, check=True).stdout
+
+
+def test_up_builds_namespaces_links_and_proxies_in_the_benchmark_range(two_boxes):
+    info = lab.status("tl")
+    assert info["up"] and all(info["namespaces"].values())
+    boxes = {b["name"]: b for b in info["boxes"]}
+    assert boxes["boxa"]["address"] == "198.18.1.2" and boxes["boxb"]["address"] == "198.18.2.2"
+    assert all(b["proxy_alive"] for b in boxes.values())
+    assert boxes["boxb"]["delay_mode"] in ("netem", "delayline") and boxes["boxb"]["delay_us"] == 300
+    # the host node reaches each box's proxy over its veth, and nothing else is addressed
+    for b in boxes.values():
+        host, port = b["endpoint"].rsplit(":", 1)
+        assert host.startswith("198.18.")
+        ns_python(two_boxes.host_netns, f"import socket; socket.create_connection(('{host}', {port}), 3).close()")
+
+
+def test_delay_is_injected_and_measured(two_boxes):
+    """A TCP round trip through boxb's link is at least twice the one-way delay."""
+    b = two_boxes.box("boxb")
+    code = (f"import socket,time,ssl; s=socket.create_connection(('{b.endpoint.split(':')[0]}', "
+            f"{b.endpoint.split(':')[1]}), 3); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1);"
+            "t=time.perf_counter(); s.sendall(b'x'*10); s.settimeout(3);\n"
+            "try: s.recv(10)\nexcept Exception: pass\n"
+            "print(time.perf_counter()-t)")
+    elapsed = float(ns_python(two_boxes.host_netns, code))
+    assert elapsed >= 2 * 300e-6  # bytes go to the proxy, which answers with a TLS alert
+    if b.delay_mode == "delayline":
+        report = lab.delay_report(two_boxes, "boxb")
+        assert report["asked_us"] == 300 and report["achieved_median_us"] >= 300
+
+
+def test_delay_changes_at_run_time(two_boxes):
+    b = lab.set_delay(two_boxes, "boxa", 100)
+    assert b.delay_mode in ("netem", "delayline") and lab.status("tl")["boxes"][0]["delay_us"] == 100
+    b = lab.set_delay(two_boxes, "boxa", 0)
+    assert b.delay_mode == "none" and b.delayline_pid is None
+
+
+def test_down_removes_everything_even_after_a_crash():
+    state = lab.up(lab.Topology.parse(TWO_BOXES))
+    pids = list(state.pids)
+    # the lab's own process "crashed": only the state file is left to go by
+    removed = lab.down("tl")
+    assert all(f"pid {pid}" in removed for pid in pids)
+    assert not any(ns.startswith("dxtl-") for ns in netns.listnetns())
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+    assert not lab.lab_dir("tl").exists()
+    assert lab.down("tl") == []  # idempotent
+
+
+def test_cli_up_status_down_json(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "lab", *a, "--name", "tc"],  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    up = run("up", "--no-vm", "--json")
+    assert up.returncode == 0, up.stderr
+    assert json.loads(up.stdout)["boxes"][0]["proxy_alive"]
+    assert json.loads(run("status", "--json").stdout)["up"]
+    assert run("down").returncode == 0
+    status = run("status", "--json")
+    assert status.returncode == 1 and json.loads(status.stdout)["up"] is False
