@@ -7,8 +7,9 @@ with mutual TLS by a host proxy in the lab's host namespace). The tests are the 
 
 import json
 import os
-import re
+import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -41,7 +42,9 @@ REMOTE_DEVICES = [("box1", "td0"), ("box2", "td2"), ("box1", "td1")]
 @pytest.fixture(scope="session")
 def lab_state():
     from dxpu_vfio.lab import lab
-    state = lab.up(lab.Topology.parse(LAB_TOPOLOGY))
+    topology = lab.Topology.parse(LAB_TOPOLOGY)
+    topology.name = f"t{os.getpid()}"  # concurrent test runs must not share a lab
+    state = lab.up(topology)
     yield state
     lab.down(state.name)
 
@@ -270,3 +273,57 @@ def test_msix_unplug_still_aborts_this_qemu(vm_factory):
     att.server.stop()
     assert record == {"qemu": vm.qemu.version_text, "aborted": True, "assertion": True}, \
         f"QEMU {vm.qemu.version_text} no longer aborts on MSI-X unplug: {record}"
+
+
+# --- the remote proxy fails under a running guest (remote mode only) -------------------
+
+def _restart_box(state, box: str) -> None:
+    from dxpu_vfio.link.process import RemoteProxyProcess
+    b = state.box(box)
+    proxy = RemoteProxyProcess(Path(b.config), netns=b.netns).start()
+    state.pids.append(proxy.pid)
+    b.proxy_pid = proxy.pid
+    state.save()
+
+
+@pytest.mark.parametrize("during", ["read", "dma", "stopped"])
+def test_remote_failure_under_a_running_guest(vm_factory, lab_state, during):
+    """kill -9 of the box during MMIO reads or during a DMA, or SIGSTOP of it: the guest sees
+    all-ones, the VM survives, QEMU does not abort, detach works, re-attach after restart works."""
+    vm = vm_factory.booted("tiny")
+    vm.run("echo 4 > /proc/sys/vm/nr_hugepages")
+    settings = {**lab_state.remote_settings("box2", "td2"), "completion_timeout": 0.5}
+    att = hotplug.attach(vm, "remote", settings=settings, netns=lab_state.host_netns)
+    bdf = att.guest_bdf
+    vm.run(f"dxpu-mmio {bdf} enable")  # memory decode on, or QEMU never forwards the reads
+    pid = lab_state.box("box2").proxy_pid
+    if during == "read":
+        vm.run(f"(while :; do dxpu-mmio {bdf} 0 read 0; done > /tmp/reads 2>&1 &)")
+        time.sleep(1)
+        os.kill(pid, signal.SIGKILL)
+    elif during == "dma":
+        vm.run(f"(while :; do dxpu-testdev {bdf} dma-copy 1048576; done > /tmp/dma 2>&1 &)")
+        time.sleep(1)
+        os.kill(pid, signal.SIGKILL)
+    else:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 15
+        while vm.run(f"dxpu-mmio {bdf} 0 read 0").stdout.strip() != "0xffffffff":
+            assert time.monotonic() < deadline, "the guest never saw all-ones"
+        assert vm.guest_alive() and vm.run("echo alive").stdout == "alive\n"
+        if during == "read":
+            assert "0xd0c50001" in vm.run("head -n 3 /tmp/reads").stdout  # it was reading before
+        stats = att.server.stats()["device"]
+        assert stats["link"]["up"] is False and stats["master_aborts"] >= 1
+        vm.run("pkill -f 'while :' ; true")
+        hotplug.detach(att)  # unplug still works with the box gone
+        assert vm.alive(), f"QEMU died: {vm.stderr_log.read_text()[-500:]}"
+    finally:
+        if during == "stopped":
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+        _restart_box(lab_state, "box2")
+    again = hotplug.attach(vm, "remote", settings=settings, netns=lab_state.host_netns)
+    assert kv(vm.run(f"dxpu-testdev {again.guest_bdf} dma-copy 4096").stdout)["match"] == "yes"
+    hotplug.detach(again)
