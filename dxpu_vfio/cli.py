@@ -89,12 +89,75 @@ def cmd_remote_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGUSR1, write_stats)
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
+    from . import registry
+    entry = registry.register("remote", config.name, Path(args.stats), address=f"{config.listen}:{proxy.port}") \
+        if args.stats else None
     print(f"remote proxy {config.name}: serving {', '.join(config_ids(config))} on "
           f"{config.listen}:{proxy.port} ({'plaintext' if config.plaintext else 'mutual TLS'})", flush=True)
-    while not done.wait(1.0):
-        pass
-    write_stats()
-    proxy.stop()
+    try:
+        while not done.wait(1.0):
+            pass
+        write_stats()
+    finally:
+        if entry:
+            registry.unregister(entry)
+        proxy.stop()
+    return 0
+
+
+def stats_rows(entries: list[tuple[dict, dict | None]]) -> list[dict]:
+    """One row per device and proxy: what crossed, what waited, what failed."""
+    rows = []
+    for entry, stats in entries:
+        if stats is None:
+            rows.append({"proxy": entry["kind"], "name": entry["name"], "pid": entry["pid"], "error": "no answer"})
+            continue
+        if entry["kind"] == "host":
+            server, device = stats["server"], stats["device"]
+            cmds = server["commands"]
+            link = device.get("link")
+            rows.append({
+                "proxy": "host", "name": entry["name"], "pid": entry["pid"], "model": entry.get("model"),
+                "link": None if link is None else ("up" if link["up"] else f"down: {link['down_reason']}"),
+                "nonposted": cmds.get("REGION_READ", {}).get("count", 0) + device.get("writes_nonposted", 0),
+                "posted_writes": device.get("writes_posted", cmds.get("REGION_WRITE", {}).get("count", 0)),
+                "dma_read_bytes": device.get("dma_bytes_read", (server.get("dma") or {}).get("bytes_read", 0)),
+                "dma_write_bytes": device.get("dma_bytes_written", (server.get("dma") or {}).get("bytes_written", 0)),
+                "irqs": device.get("irqs", sum((server.get("irqs") or {}).get(k, 0) for k in ("intx", "msi", "msix"))),
+                "timeouts": link["timeouts"] if link else 0,
+                "link_wait_us": round(sum(r["wait_us"] for r in link["requests"].values()), 1) if link else 0.0,
+                "dma_refused": device.get("dma_refused", (server.get("dma") or {}).get("refused", 0)),
+            })
+        else:
+            for dev_id, dev in stats["devices"].items():
+                link = dev["link"]
+                reqs = link["requests"] if link else {}
+                rows.append({
+                    "proxy": "remote", "name": f"{entry['name']}/{dev_id}", "pid": entry["pid"], "model": dev["model"],
+                    "link": None if link is None else ("up" if link["up"] else f"down: {link['down_reason']}"),
+                    "nonposted": sum(r["count"] for r in reqs.values()),
+                    "posted_writes": (link or {}).get("received", {}).get("REGION_WRITE", 0),
+                    "dma_read_bytes": dev["dma_bytes_read"], "dma_write_bytes": dev["dma_bytes_written"],
+                    "irqs": dev["irqs_sent"], "timeouts": link["timeouts"] if link else 0,
+                    "link_wait_us": round(sum(r["wait_us"] for r in reqs.values()), 1),
+                    "dma_refused": None,
+                })
+    return rows
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from . import registry
+    rows = stats_rows([(e, registry.collect(e)) for e in registry.entries()])
+
+    def text(rows: list[dict]) -> str:
+        if not rows:
+            return "no proxies are running on this host"
+        from .bench import table
+        cols = ["proxy", "name", "model", "link", "nonposted", "posted_writes", "dma_read_bytes",
+                "dma_write_bytes", "irqs", "timeouts", "link_wait_us"]
+        return table(cols, [[r.get(c, "-") if r.get(c) is not None else "-" for c in cols] for r in rows])
+
+    _emit(args, rows, text)
     return 0
 
 
@@ -196,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="BOX.toml")
     p.add_argument("--stats", help="write counters here on SIGUSR1 and at exit (JSON)")
     p.set_defaults(func=cmd_remote_serve)
+
+    add("stats", cmd_stats, "per-device counters of every host and remote proxy on this host")
 
     p = add("certs", cmd_certs, "make a lab CA and certificates for hosts and boxes (openssl)")
     p.add_argument("dir")

@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from . import registry
 from .errors import DxpuError
 
 
@@ -48,7 +49,6 @@ def remote_device(settings: dict):
     "host") or plaintext=true; completion_timeout in seconds.
     """
     import errno
-    import time
 
     from .link.hostside import RemoteAttachError, connect_remote
     from .link.transport import TlsFiles
@@ -112,10 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
     server.start()
-    while not done.wait(1.0):
-        pass
-    write_stats()
-    server.stop()
+    entry = registry.register("host", server.name, args.stats or Path(os.devnull), model=args.model,
+                              socket=str(args.socket)) if args.stats else None
+    try:
+        while not done.wait(1.0):
+            pass
+        write_stats()
+    finally:
+        if entry:
+            registry.unregister(entry)
+        server.stop()
     return 0
 
 

@@ -58,6 +58,17 @@ def measure(vm: Vm, att: hotplug.Attachment, reads: int, writes: int, copies: in
             "irq_roundtrip_ms": irq_s * 1000 / irqs}
 
 
+def read_hops(att: hotplug.Attachment, box_pid: int) -> tuple[float, float, int]:
+    """(host link wait µs, remote handling µs, reads) so far, from both proxies' counters."""
+    from dxpu_vfio import registry
+    link = att.server.stats()["device"]["link"]
+    box = next(e for e in registry.entries() if e["pid"] == box_pid)
+    remote = registry.collect(box)["devices"]["td0"]["link"]
+    handled = remote["handled"].get("REGION_READ", {"us": 0.0})
+    request = link["requests"].get("REGION_READ", {"wait_us": 0.0, "count": 0})
+    return request["wait_us"], handled["us"], request["count"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--delays", default="0,50,200,1000", help="added one-way delays in µs")
@@ -87,9 +98,15 @@ def main() -> int:
                        **measure(vm, att, args.reads, args.writes, args.copies, args.irqs)}
                 report = lab.delay_report(state, "box1")
                 row["delay_achieved_us"] = report["achieved_median_us"] if report else (0.0 if not delay else None)
-                stats = att.server.stats()["device"]
-                link_read = stats["link"]["requests"].get("REGION_READ", {})
-                row["host_link_wait_us_per_read"] = link_read["wait_us"] / link_read["count"] if link_read else None
+                before = read_hops(att, box.proxy_pid)
+                vm.run(f"dxpu-mmio {att.guest_bdf} 0 time-read 8 {args.reads}", timeout=900)
+                wait_us, remote_us, n = (a - b for a, b in zip(read_hops(att, box.proxy_pid), before))
+                row["hops_per_read_us"] = {
+                    "qemu_and_host_proxy": row["read_median_us"] - wait_us / n,
+                    "link_network_tls_relay": (wait_us - remote_us) / n,
+                    "remote_proxy_device": remote_us / n,
+                    "host_link_wait": wait_us / n}
+                row["host_link_wait_us_per_read"] = wait_us / n
                 hotplug.detach(att)
                 results[f"remote+{delay:g}us"] = row
                 print(f"  remote at {delay:g} µs ({box.delay_mode}): read {row['read_median_us']:.1f} µs", flush=True)
@@ -106,6 +123,12 @@ def main() -> int:
                   r["read_median_us"], r["read_vs_local"], round(r["write_rate_per_s"]), r["dma_MBps"], r["dma_vs_local"],
                   r["irq_roundtrip_ms"], r.get("host_link_wait_us_per_read") or "-"] for k, r in results.items()]))
     path = write_json("remote", {"results": results, "reads": args.reads, "writes": args.writes}, args.out)
+    print("\nwhere a remote read's time goes (µs, from both proxies' counters; the first column is the\n"
+          "guest's median minus the host proxy's mean link wait):")
+    print(table(["path", "QEMU + host proxy", "network + TLS (+ delay line)", "remote proxy + device", "guest read"],
+                [[k, r["hops_per_read_us"]["qemu_and_host_proxy"], r["hops_per_read_us"]["link_network_tls_relay"],
+                  r["hops_per_read_us"]["remote_proxy_device"], r["read_median_us"]]
+                 for k, r in results.items() if "hops_per_read_us" in r]))
     print(f"\nJSON: {path}")
     return 0
 

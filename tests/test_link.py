@@ -185,3 +185,39 @@ def test_reattach_after_the_box_comes_back(tmp_path, box, certs):
     assert int.from_bytes(second.region_read(0, 0, 4), "little") == 0xD0C50001
     second.close()
     first.close()
+
+
+def test_dxpu_stats_shows_both_proxies(tmp_path, box, certs):
+    """Counters of the host proxy process and the remote proxy process, through the CLI."""
+    import json
+    import subprocess
+    import sys
+
+    from dxpu_vfio.device_server import DeviceServerProcess
+    settings = {"address": box.address, "device": "td0", "lease": "lease-td0", "tls_dir": str(certs[0])}
+    host = DeviceServerProcess("remote", tmp_path / "h.sock", settings=settings, name=f"stats{os.getpid()}").start()
+    try:
+        client = VfioUserClient(host.socket_path)
+        client.negotiate()
+        fd = os.memfd_create("guest")
+        os.ftruncate(fd, MEM)
+        client.dma_map(GUEST, MEM, fd=fd)
+        os.close(fd)
+        cmd = int.from_bytes(client.read(p.REGION_CONFIG, 4, 2), "little")
+        client.write(p.REGION_CONFIG, 4, (cmd | 6).to_bytes(2, "little"))
+        for v in range(10):
+            client.write32(BAR0, 0x08, v, posted=True)
+        start_dma(client, GUEST, GUEST + 0x10000, 8192)
+        assert wait_dma(client) == 2
+        out = subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "stats", "--json"], capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+        rows = {r["name"]: r for r in json.loads(out)}
+        mine, theirs = rows[host.name], rows["box1/td0"]
+        assert mine["proxy"] == "host" and mine["link"] == "up" and theirs["link"] == "up"
+        assert mine["posted_writes"] >= 10 and mine["nonposted"] >= 2
+        assert mine["dma_read_bytes"] == theirs["dma_read_bytes"] == 8192
+        assert mine["dma_write_bytes"] == theirs["dma_write_bytes"] == 8192
+        assert mine["link_wait_us"] > 0 and theirs["link_wait_us"] > 0
+        client.close()
+    finally:
+        host.stop()

@@ -68,6 +68,7 @@ class LinkEndpoint:
         self.requests: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [count, wait ns]
         self.posted: dict[str, int] = defaultdict(int)
         self.received: dict[str, int] = defaultdict(int)
+        self.handled: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [count, handler ns]
         self.timeouts = 0
 
     @property
@@ -161,7 +162,11 @@ class LinkEndpoint:
         try:
             if handler is None:
                 raise vp.ProtocolError(f"unexpected {_cmd_name(hdr.command)}", errno.ENOSYS)
+            started = time.perf_counter_ns()
             reply = handler(msg)
+            spent = self.handled[_cmd_name(hdr.command)]
+            spent[0] += 1
+            spent[1] += time.perf_counter_ns() - started
             if not hdr.no_reply:
                 self.conn.send(vp.message(hdr.msg_id, hdr.command, reply or b"", reply=True))
         except ConnectionClosed:
@@ -191,4 +196,5 @@ class LinkEndpoint:
     def stats(self) -> dict:
         return {"up": self.up, "down_reason": self.down_reason, "timeouts": self.timeouts,
                 "requests": {k: {"count": c, "wait_us": round(ns / 1000, 1)} for k, (c, ns) in self.requests.items()},
-                "posted": dict(self.posted), "received": dict(self.received)}
+                "posted": dict(self.posted), "received": dict(self.received),
+                "handled": {k: {"count": c, "us": round(ns / 1000, 1)} for k, (c, ns) in self.handled.items()}}

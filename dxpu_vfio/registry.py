@@ -1,0 +1,76 @@
+"""Which proxies run on this host, for ``dxpu stats``.
+
+Each host proxy (device server) and remote proxy writes ``<run>/proxies/<kind>-<name>-<pid>.json``
+when it starts and removes it when it ends; entries of processes that died without
+cleaning up are dropped when read. Counters are then asked for with SIGUSR1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from .paths import run_dir
+
+
+def _dir() -> Path:
+    d = run_dir() / "proxies"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def register(kind: str, name: str, stats_path: Path, **info: object) -> Path:
+    entry = _dir() / f"{kind}-{name}-{os.getpid()}.json"
+    entry.write_text(json.dumps({"kind": kind, "name": name, "pid": os.getpid(),
+                                 "stats": str(stats_path), **info}))
+    return entry
+
+
+def unregister(entry: Path) -> None:
+    entry.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def entries() -> list[dict]:
+    found = []
+    for path in sorted(_dir().glob("*.json")):
+        try:
+            entry = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if _alive(entry["pid"]):
+            found.append(entry)
+        else:
+            path.unlink(missing_ok=True)
+    return found
+
+
+def collect(entry: dict, timeout: float = 3.0) -> dict | None:
+    """Ask one proxy for its counters (SIGUSR1) and read what it wrote."""
+    path = Path(entry["stats"])
+    before = path.stat().st_mtime_ns if path.exists() else 0
+    try:
+        os.kill(entry["pid"], signal.SIGUSR1)
+    except ProcessLookupError:
+        return None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.stat().st_mtime_ns != before:
+            try:
+                return json.loads(path.read_text())
+            except ValueError:
+                pass
+        time.sleep(0.01)
+    return None
