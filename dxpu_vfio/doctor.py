@@ -93,7 +93,20 @@ def check_netns() -> Check:
     return Check("netns", True, "network namespaces can be created")
 
 
+def check_delay() -> Check:
+    """How the lab injects link delay here: netem if the kernel has it, else our delay line."""
+    try:
+        from .lab.lab import netem_available
+        netem = netem_available()
+    except Exception as exc:  # noqa: BLE001 - no namespaces: reported by the netns check
+        return Check("delay", False, f"cannot probe netem: {exc}", "run as root", optional=True)
+    if netem:
+        return Check("delay", True, "kernel netem (sch_netem): the lab injects delay with tc")
+    return Check("delay", True, "no sch_netem in this kernel: the lab uses its userspace delay line "
+                 "(TCP relay; benchmarks print the delay it really achieved)")
+
+
 def run_checks(accel: str = "tcg") -> list[Check]:
     return [check_qemu(), check_tcg(), check_kvm(required=accel == "kvm"),
             *(check_image(name) for name in images.IMAGE_NAMES),
-            check_libvirtd(), check_netns()]
+            check_libvirtd(), check_netns(), check_delay()]

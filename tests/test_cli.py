@@ -15,8 +15,9 @@ def dxpu(*args: str, env: dict | None = None, timeout: float = 300) -> subproces
 def test_doctor_json_reports_every_check():
     proc = dxpu("doctor", "--json")
     rows = {row["name"]: row for row in json.loads(proc.stdout)}
-    assert {"qemu", "tcg", "kvm", "image tiny", "image full", "libvirtd", "netns"} <= set(rows)
-    for name in ("qemu", "tcg", "image tiny", "image full", "netns"):
+    assert {"qemu", "tcg", "kvm", "image tiny", "image full", "libvirtd", "netns", "delay"} <= set(rows)
+    assert "netem" in rows["delay"]["detail"]
+    for name in ("qemu", "tcg", "image tiny", "image full", "netns", "delay"):
         assert rows[name]["ok"], rows[name]
     assert proc.returncode == 0
 

@@ -327,3 +327,27 @@ def test_remote_failure_under_a_running_guest(vm_factory, lab_state, during):
     again = hotplug.attach(vm, "remote", settings=settings, netns=lab_state.host_netns)
     assert kv(vm.run(f"dxpu-testdev {again.guest_bdf} dma-copy 4096").stdout)["match"] == "yes"
     hotplug.detach(again)
+
+
+def test_guest_uses_an_external_vfio_user_server_in_a_box(vm_factory, tmp_path):
+    """A box can serve an external vfio-user server (here our device server as a separate
+    process, whose DMA then travels as vfio-user messages and over the link)."""
+    from dxpu_vfio.lab import lab
+    external = DeviceServerProcess("testdev", tmp_path / "ext.sock", name="ext").start()
+    topology = lab.Topology.parse(f'name = "x{os.getpid()}"\n[[box]]\nname = "boxx"\n[[box.device]]\n'
+                                  f'id = "ext0"\nmodel = "vfio-user"\n'
+                                  f'settings = {{ socket = "{external.socket_path}" }}\n')
+    state = lab.up(topology)
+    try:
+        vm = vm_factory.booted("tiny")
+        vm.run("echo 4 > /proc/sys/vm/nr_hugepages; echo '1b36 10f0' > /sys/bus/pci/drivers/uio_pci_generic/new_id")
+        att = hotplug.attach(vm, "remote", settings=state.remote_settings("boxx", "ext0"), netns=state.host_netns)
+        bdf = att.guest_bdf
+        assert vm.run(f"dxpu-testdev {bdf} scratch").stdout.startswith("scratch=ok")
+        assert kv(vm.run(f"dxpu-testdev {bdf} dma-copy 65536").stdout)["match"] == "yes"
+        assert kv(vm.run(f"dxpu-testdev {bdf} irq 5").stdout)["received"] == "5"
+        assert external.stats()["server"]["dma"]["bytes_written"] == 65536
+        hotplug.detach(att)
+    finally:
+        lab.down(state.name)
+        external.stop()

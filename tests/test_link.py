@@ -3,6 +3,7 @@ TLS), the host proxy's vfio-user server in forward mode, and our vfio-user clien
 QEMU's place with a real memfd for guest memory."""
 
 import mmap
+import select
 import os
 import signal
 import socket
@@ -221,3 +222,46 @@ def test_dxpu_stats_shows_both_proxies(tmp_path, box, certs):
         client.close()
     finally:
         host.stop()
+
+
+def test_external_vfio_user_server_behind_the_remote_proxy(tmp_path, certs):
+    """The box drives an external vfio-user server (our device server, a separate process)
+    as a client: its DMA becomes messages over the link, its interrupts IRQ messages."""
+    from dxpu_vfio.device_server import DeviceServerProcess
+    external = DeviceServerProcess("testdev", tmp_path / "ext.sock", settings={"memory_size": 1 << 20}).start()
+    port = free_port()
+    config = tmp_path / "box1.toml"
+    config.write_text(f'name = "box1"\nlisten = "127.0.0.1"\nport = {port}\ntls_dir = "{certs[0]}"\n'
+                      f'[[device]]\nid = "ext0"\nmodel = "vfio-user"\nlease = "l"\n'
+                      f'settings = {{ socket = "{external.socket_path}" }}\n')
+    box = RemoteProxyProcess(config).start()
+    try:
+        device = connect_remote(f"127.0.0.1:{port}", "ext0", "l", TlsFiles.in_dir(certs[0], "host"))
+        server = VfioUserServer(device, tmp_path / "host.sock", name="ext").start()
+        client = VfioUserClient(server.socket_path)
+        client.negotiate()
+        assert client.region_info(2)[0] == 1 << 20 and client.irq_info(p.IRQ_MSI)[0] == 4
+        fd = os.memfd_create("guest")
+        os.ftruncate(fd, MEM)
+        ram = mmap.mmap(fd, MEM)
+        client.dma_map(GUEST, MEM, fd=fd)
+        os.close(fd)
+        cmd = int.from_bytes(client.read(p.REGION_CONFIG, 4, 2), "little")
+        client.write(p.REGION_CONFIG, 4, (cmd | 6).to_bytes(2, "little"))
+        data = os.urandom(20000)
+        ram[0:len(data)] = data
+        start_dma(client, GUEST, GUEST + 0x40000, len(data))
+        assert wait_dma(client) == 2
+        assert ram[0x40000:0x40000 + len(data)] == data
+        efd = os.eventfd(0, os.EFD_NONBLOCK)
+        client.set_irqs(p.IRQ_INTX, [efd])
+        client.write32(BAR0, 0x14, 0)  # doorbell: INTx from the external server
+        eventually(lambda: select.select([efd], [], [], 0)[0], what="INTx through the chain")
+        assert external.stats()["server"]["dma"]["bytes_read"] == len(data)  # it did DMA by messages
+        client.close()
+        server.stop()
+        ram.close()
+        os.close(efd)
+    finally:
+        box.stop()
+        external.stop()

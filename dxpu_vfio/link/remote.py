@@ -18,6 +18,11 @@ BOX.toml::
     model = "testdev"
     lease = "secret-token"       # the token a host must present
     settings = { memory_size = 4294967296 }
+    [[device]]
+    id = "ext0"
+    model = "vfio-user"          # an external vfio-user server, driven as a client
+    lease = "other-token"
+    settings = { socket = "/run/ext0.sock" }
 """
 
 from __future__ import annotations
@@ -141,7 +146,11 @@ class _Slot:
 
     def __init__(self, spec: BoxDevice) -> None:
         self.spec = spec
-        self.device = create_model(spec.model, **spec.settings)
+        if spec.model == "vfio-user":  # an external vfio-user server, reached by its socket
+            from .external import ExternalFunction
+            self.device = ExternalFunction(**spec.settings)
+        else:
+            self.device = create_model(spec.model, **spec.settings)
         self.endpoint: LinkEndpoint | None = None
         self.links_served = 0
         self.dma: LinkDmaPort | None = None

@@ -11,9 +11,11 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import queue
 import socket
 import threading
 from pathlib import Path
+from typing import Callable
 
 from . import protocol as p
 from .connection import Connection, ConnectionClosed, Message
@@ -27,8 +29,15 @@ class ClientError(Exception):
         self.errno = err
 
 
+DmaHandler = Callable[[int, "int | bytes", bool], "bytes | None"]
+
+
 class VfioUserClient:
-    def __init__(self, path: Path, *, timeout: float = 5.0) -> None:
+    """``dma_handler(address, count_or_data, write)`` answers the server's DMA requests
+    instead of ``memory``; it runs on a worker thread of its own (in order), so the
+    reader thread keeps delivering region replies while a DMA waits elsewhere."""
+
+    def __init__(self, path: Path, *, timeout: float = 5.0, dma_handler: DmaHandler | None = None) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(str(path))
         self.conn = Connection(sock)
@@ -39,6 +48,10 @@ class VfioUserClient:
         self.memory: dict[int, bytearray] = {}  # address -> buffer, for fd-less windows
         self.dma_requests = 0
         self.server_caps: dict = {}
+        self._dma_handler = dma_handler
+        self._dma_queue: queue.Queue = queue.Queue()
+        if dma_handler is not None:
+            threading.Thread(target=self._dma_loop, daemon=True, name="vfio-user-client-dma").start()
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="vfio-user-client")
         self._reader.start()
 
@@ -55,11 +68,14 @@ class VfioUserClient:
                         waiter[0].set()
                     else:
                         msg.close_fds()
+                elif self._dma_handler is not None:
+                    self._dma_queue.put(msg)
                 else:
                     self._serve_dma(msg)
         except (ConnectionClosed, p.ProtocolError):
             pass
         finally:
+            self._dma_queue.put(None)
             with self._lock:
                 waiters, self._pending = list(self._pending.values()), {}
             for event, _ in waiters:
@@ -90,6 +106,31 @@ class VfioUserClient:
         except (ClientError, p.ProtocolError) as exc:
             self.conn.send(p.error_reply(hdr.msg_id, hdr.command, getattr(exc, "errno", errno.EINVAL)))
 
+    def _dma_loop(self) -> None:
+        while (msg := self._dma_queue.get()) is not None:
+            hdr = msg.header
+            try:
+                if hdr.command == p.Command.DMA_READ:
+                    req = p.DmaAccess.unpack(msg.payload, with_data=False)
+                    data = self._dma_handler(req.address, req.count, False)
+                    reply = p.DmaAccess(req.address, req.count, data).pack()
+                elif hdr.command == p.Command.DMA_WRITE:
+                    req = p.DmaAccess.unpack(msg.payload, with_data=True)
+                    self._dma_handler(req.address, req.data, True)
+                    reply = p.DmaAccess(req.address, req.count).pack()
+                else:
+                    raise ClientError(f"server sent command {hdr.command}", errno.ENOSYS)
+                if not hdr.no_reply:
+                    self.conn.send(p.message(hdr.msg_id, hdr.command, reply, reply=True))
+            except ConnectionClosed:
+                return
+            except Exception as exc:  # noqa: BLE001 - any refusal becomes an error reply
+                if not hdr.no_reply:
+                    try:
+                        self.conn.send(p.error_reply(hdr.msg_id, hdr.command, getattr(exc, "errno", None) or errno.EFAULT))
+                    except ConnectionClosed:
+                        return
+
     def request(self, command: int, payload: bytes = b"", fds: list[int] | None = None,
                 no_reply: bool = False) -> memoryview | None:
         msg_id = next(self._ids) & 0xFFFF
@@ -118,7 +159,7 @@ class VfioUserClient:
 
     def dma_map(self, address: int, size: int, *, fd: int | None = None, offset: int = 0,
                 flags: int = p.DMA_FLAG_READ | p.DMA_FLAG_WRITE) -> None:
-        if fd is None:
+        if fd is None and self._dma_handler is None:
             self.memory.setdefault(address, bytearray(size))
         self.request(p.Command.DMA_MAP, p.DmaMap(flags, offset, address, size).pack(),
                      [fd] if fd is not None else None)
