@@ -80,7 +80,7 @@ DMA_IDLE, DMA_BUSY, DMA_DONE, DMA_ERROR = 0, 1, 2, 3
 ERR_BAD_OP, ERR_BAD_LENGTH, ERR_DMA_FAULT = 1, 2, 3
 
 DMA_MAX_LENGTH = 1 << 20
-DMA_CHUNK = 64 << 10
+DMA_CHUNK = 256 << 10
 U32 = 0xFFFF_FFFF
 
 
@@ -260,7 +260,7 @@ class TestDevice(PciFunction):
                 self._finish_dma(command, status, result)
 
     def _transfer(self, command: DmaCommand) -> int:
-        """Move the data in chunks of at most 64 KiB; return DMA_RESULT."""
+        """Move the data in chunks of at most DMA_CHUNK (256 KiB); return DMA_RESULT."""
         crc = 0
         for start in range(0, command.length, DMA_CHUNK):
             if command.generation != self._generation:

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable
 
 from ..vfio_user import protocol as vp
@@ -45,6 +46,16 @@ def _cmd_name(command: int) -> str:
         return LinkCommand(command).name
     except ValueError:
         return str(command)
+
+
+@dataclass
+class Pending:
+    """A request in flight."""
+
+    command: int
+    event: threading.Event
+    reply: list
+    sent_ns: int
 
 
 class LinkEndpoint:
@@ -109,30 +120,37 @@ class LinkEndpoint:
 
     def request(self, command: int, payload: bytes, timeout: float) -> memoryview:
         """Send and wait for the completion; LinkDown on timeout (the link goes down)."""
+        return self.wait(self.send_request(command, payload), timeout)
+
+    def send_request(self, command: int, payload: bytes) -> "Pending":
+        """Send a non-posted request without waiting: several may be in flight (pipelining)."""
         if not self.up:
             raise LinkDown(self.down_reason)
         msg_id = next(self._ids) & 0xFFFF
-        waiter: tuple[threading.Event, list] = (threading.Event(), [])
+        pending = Pending(command, threading.Event(), [], time.perf_counter_ns())
         with self._lock:
-            self._pending[msg_id] = waiter
-        started = time.perf_counter_ns()
+            self._pending[msg_id] = (pending.event, pending.reply)
         try:
             self.conn.send(vp.message(msg_id, command, payload))
         except ConnectionClosed as exc:
             self.mark_down(f"send failed: {exc}")
             raise LinkDown(self.down_reason) from exc
-        if not waiter[0].wait(timeout):
+        return pending
+
+    def wait(self, pending: "Pending", timeout: float) -> memoryview:
+        """The completion of a request sent with :meth:`send_request`."""
+        if not pending.event.wait(timeout):
             self.timeouts += 1
-            self.mark_down(f"completion timeout: no answer to {_cmd_name(command)} in {timeout * 1000:.0f} ms")
+            self.mark_down(f"completion timeout: no answer to {_cmd_name(pending.command)} in {timeout * 1000:.0f} ms")
             raise LinkDown(self.down_reason)
-        stats = self.requests[_cmd_name(command)]
+        stats = self.requests[_cmd_name(pending.command)]
         stats[0] += 1
-        stats[1] += time.perf_counter_ns() - started
-        if not waiter[1]:
+        stats[1] += time.perf_counter_ns() - pending.sent_ns
+        if not pending.reply:
             raise LinkDown(self.down_reason)
-        reply: Message = waiter[1][0]
+        reply: Message = pending.reply[0]
         if reply.header.is_error:
-            raise LinkError(f"{_cmd_name(command)}: {os.strerror(reply.header.error)}", reply.header.error)
+            raise LinkError(f"{_cmd_name(pending.command)}: {os.strerror(reply.header.error)}", reply.header.error)
         return reply.payload
 
     # --- receiving ---------------------------------------------------------------------

@@ -51,6 +51,8 @@ log = logging.getLogger("dxpu.remote")
 
 DMA_TIMEOUT = 2.0
 CHUNK = vp.MAX_DATA_XFER
+READ_PIECE = 64 << 10  # a large DMA read goes as several pieces in flight at once
+READ_WINDOW = 8
 
 
 @dataclass
@@ -95,16 +97,24 @@ class LinkDmaPort:
         self.bytes_written = 0
 
     def read(self, addr: int, length: int) -> bytes:
+        """Pipelined: up to READ_WINDOW pieces in flight, so a large read costs about one
+        round trip plus the transfer, not one round trip per piece."""
         out = bytearray()
-        for pos in range(0, length, CHUNK):
-            n = min(CHUNK, length - pos)
-            try:
-                reply = self.endpoint.request(LinkCommand.DMA_READ, vp.DmaAccess(addr + pos, n).pack(), DMA_TIMEOUT)
-            except LinkError as exc:
-                raise DmaError(f"host refused DMA read at {addr + pos:#x}: {exc}") from exc
-            except LinkDown as exc:
-                raise DmaError(f"link down during DMA read: {exc}") from exc
-            out += vp.DmaAccess.unpack(reply, with_data=True).data
+        pieces = [(pos, min(READ_PIECE, length - pos)) for pos in range(0, length, READ_PIECE)]
+        in_flight: list = []
+        try:
+            while pieces or in_flight:
+                while pieces and len(in_flight) < READ_WINDOW:
+                    pos, n = pieces.pop(0)
+                    in_flight.append((pos, self.endpoint.send_request(
+                        LinkCommand.DMA_READ, vp.DmaAccess(addr + pos, n).pack())))
+                pos, pending = in_flight.pop(0)
+                reply = self.endpoint.wait(pending, DMA_TIMEOUT)
+                out += vp.DmaAccess.unpack(reply, with_data=True).data
+        except LinkError as exc:
+            raise DmaError(f"host refused DMA read at {addr:#x}+{length:#x}: {exc}") from exc
+        except LinkDown as exc:
+            raise DmaError(f"link down during DMA read: {exc}") from exc
         self.bytes_read += length
         return bytes(out)
 
