@@ -72,6 +72,7 @@ def cmd_remote_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .link.remote import BoxConfig, RemoteProxy
+    from .procs import write_json_atomic
     try:
         config = BoxConfig.load(Path(args.config))
     except (OSError, ValueError) as exc:
@@ -82,9 +83,7 @@ def cmd_remote_serve(args: argparse.Namespace) -> int:
 
     def write_stats(*_: object) -> None:
         if args.stats:
-            tmp = Path(args.stats).with_suffix(".tmp")
-            tmp.write_text(json.dumps(proxy.snapshot(), indent=1))
-            tmp.rename(args.stats)
+            write_json_atomic(Path(args.stats), proxy.snapshot())
 
     signal.signal(signal.SIGUSR1, write_stats)
     signal.signal(signal.SIGTERM, lambda *_: done.set())

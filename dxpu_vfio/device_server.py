@@ -23,6 +23,7 @@ from pathlib import Path
 
 from . import registry
 from .errors import DxpuError
+from .procs import request_json, terminate, write_json_atomic
 
 
 class DeviceServerError(DxpuError):
@@ -102,11 +103,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def write_stats(*_: object) -> None:
         if args.stats:
-            tmp = args.stats.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"pid": os.getpid(), "server": server.snapshot(),
-                                       "device": device.stats() if hasattr(device, "stats") else
-                                       {"suppressed_interrupts": device.suppressed_interrupts}}, indent=1))
-            tmp.rename(args.stats)
+            write_json_atomic(args.stats, {"pid": os.getpid(), "server": server.snapshot(),
+                                           "device": device.stats() if hasattr(device, "stats") else
+                                           {"suppressed_interrupts": device.suppressed_interrupts}})
 
     signal.signal(signal.SIGUSR1, write_stats)
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -177,29 +176,16 @@ class DeviceServerProcess:
         """Ask the server for its counters (SIGUSR1) and read them."""
         if not self.alive():
             raise DeviceServerError(f"device server {self.model} is not running", logs=[self.log_path])
-        before = self.stats_path.stat().st_mtime_ns if self.stats_path.exists() else 0
-        os.kill(self.process.pid, signal.SIGUSR1)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.stats_path.exists() and self.stats_path.stat().st_mtime_ns != before:
-                return json.loads(self.stats_path.read_text())
-            time.sleep(0.01)
-        raise DeviceServerError("device server did not write its stats", logs=[self.log_path])
+        stats = request_json(self.process.pid, self.stats_path, timeout)
+        if stats is None:
+            raise DeviceServerError("device server did not write its stats", logs=[self.log_path])
+        return stats
 
     def stop(self, timeout: float = 5.0) -> dict | None:
         """SIGTERM, then SIGKILL; returns the final counters if the server wrote them."""
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5)):
-                try:
-                    os.kill(self.process.pid, sig)
-                    self.process.wait(wait)
-                    break
-                except ProcessLookupError:
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        terminate(self.process, timeout)
         self.socket_path.unlink(missing_ok=True)
         try:
             return json.loads(self.stats_path.read_text())

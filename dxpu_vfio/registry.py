@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import time
 from pathlib import Path
 
 from .paths import run_dir
+from .procs import request_json
 
 
 def _dir() -> Path:
@@ -59,18 +58,4 @@ def entries() -> list[dict]:
 
 def collect(entry: dict, timeout: float = 3.0) -> dict | None:
     """Ask one proxy for its counters (SIGUSR1) and read what it wrote."""
-    path = Path(entry["stats"])
-    before = path.stat().st_mtime_ns if path.exists() else 0
-    try:
-        os.kill(entry["pid"], signal.SIGUSR1)
-    except ProcessLookupError:
-        return None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.stat().st_mtime_ns != before:
-            try:
-                return json.loads(path.read_text())
-            except ValueError:
-                pass
-        time.sleep(0.01)
-    return None
+    return request_json(entry["pid"], Path(entry["stats"]), timeout)

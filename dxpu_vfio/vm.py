@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from .errors import GuestBootTimeout, GuestCommandFailed, GuestPanic, QemuStartE
 from .guest_exec import AgentChannel, CommandResult, GuestChannel, GuestDied, SerialChannel
 from .images import Image, load_image
 from .paths import run_dir
+from .procs import terminate
 from .qemu import Qemu, find_qemu
 from .qmp_session import QmpSession
 
@@ -312,16 +312,7 @@ class Vm:
         if self.channel:
             self.channel.close()
             self.channel = None
-        if self.process and self.process.poll() is None:
-            for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
-                try:
-                    os.kill(self.process.pid, sig)
-                    self.process.wait(wait)
-                    break
-                except ProcessLookupError:
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        terminate(self.process)
         self.qmp.close()
         for sock in (self.qmp_path, self.channel_path):
             sock.unlink(missing_ok=True)

@@ -2,10 +2,8 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 from pyroute2 import netns

@@ -12,7 +12,6 @@ delay) and reports it on SIGUSR1 / exit, so every benchmark can print the true v
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import socket
 import statistics
@@ -21,6 +20,8 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+
+from ..procs import write_json_atomic
 
 
 class DelayLine:
@@ -129,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def write_report(*_: object) -> None:
         if args.report:
-            tmp = args.report.with_suffix(".tmp")
-            tmp.write_text(json.dumps(line.report()))
-            tmp.rename(args.report)
+            write_json_atomic(args.report, line.report())
 
     signal.signal(signal.SIGUSR1, write_report)
     signal.signal(signal.SIGTERM, lambda *_: line.stop())

@@ -20,7 +20,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from ..errors import DxpuError
 from ..link.process import RemoteProxyProcess
 from ..link.transport import make_certs
 from ..paths import run_dir
+from ..procs import request_json, terminate_pid
 
 BOX_PORT = 7000
 DELAY_PORT = 7100
@@ -157,30 +157,6 @@ def lab_dir(name: str) -> Path:
     return run_dir() / f"lab-{name}"
 
 
-def _kill(pid: int) -> None:
-    for sig in (signal.SIGCONT, signal.SIGTERM):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return
-        except ChildProcessError:
-            pass
-        time.sleep(0.05)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def down(name: str) -> list[str]:
     """Remove everything lab ``name`` made; safe after a crash and when nothing is left."""
     directory = lab_dir(name)
@@ -188,7 +164,7 @@ def down(name: str) -> list[str]:
     if (directory / "state.json").exists():
         state = LabState.load(directory)
         for pid in state.pids:
-            _kill(pid)
+            terminate_pid(pid)
             removed.append(f"pid {pid}")
         for ns in state.namespaces:
             if ns in netns.listnetns():
@@ -273,7 +249,7 @@ def set_delay(state: LabState, box: str, delay_us: float, netem: bool | None = N
     """Change a link's one-way added delay at run time (new links see it at once)."""
     b = state.box(box)
     if b.delayline_pid:
-        _kill(b.delayline_pid)
+        terminate_pid(b.delayline_pid)
         state.pids.remove(b.delayline_pid)
         b.delayline_pid = None
     netem = netem_available() if netem is None else netem
@@ -310,15 +286,7 @@ def delay_report(state: LabState, box: str, timeout: float = 5.0) -> dict | None
     b = state.box(box)
     if not b.delayline_pid:
         return None
-    path = Path(state.directory) / f"delayline-{box}.json"
-    before = path.stat().st_mtime_ns if path.exists() else 0
-    os.kill(b.delayline_pid, signal.SIGUSR1)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.stat().st_mtime_ns != before:
-            return json.loads(path.read_text())
-        time.sleep(0.02)
-    return None
+    return request_json(b.delayline_pid, Path(state.directory) / f"delayline-{box}.json", timeout)
 
 
 def status(name: str) -> dict:

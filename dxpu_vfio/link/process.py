@@ -3,15 +3,14 @@
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from ..errors import DxpuError
+from ..procs import request_json, terminate
 
 
 class RemoteProxyError(DxpuError):
@@ -51,30 +50,14 @@ class RemoteProxyProcess:
         return self
 
     def stats(self, timeout: float = 5.0) -> dict:
-        before = self.stats_path.stat().st_mtime_ns if self.stats_path.exists() else 0
-        os.kill(self.pid, signal.SIGUSR1)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.stats_path.exists() and self.stats_path.stat().st_mtime_ns != before:
-                return json.loads(self.stats_path.read_text())
-            time.sleep(0.01)
-        raise RemoteProxyError("remote proxy did not write its stats", logs=[self.log_path])
+        stats = request_json(self.pid, self.stats_path, timeout) if self.alive() else None
+        if stats is None:
+            raise RemoteProxyError("remote proxy did not write its stats", logs=[self.log_path])
+        return stats
 
     def signal(self, sig: int) -> None:
         """For failure tests: SIGKILL, SIGSTOP, SIGCONT."""
         os.kill(self.pid, sig)
 
     def stop(self, timeout: float = 5.0) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            for sig, wait in ((signal.SIGCONT, 0), (signal.SIGTERM, timeout), (signal.SIGKILL, 5)):
-                try:
-                    os.kill(self.process.pid, sig)
-                    if wait:
-                        self.process.wait(wait)
-                        break
-                except ProcessLookupError:
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        terminate(self.process, timeout)

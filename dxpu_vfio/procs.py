@@ -1,0 +1,81 @@
+"""Processes we start, ended by pid, and the JSON counters they write on SIGUSR1.
+
+Every long-running piece (QEMU, device servers, remote proxies, delay lines) is a child
+process; these helpers are the one way they are stopped and asked for counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+
+def terminate(process: subprocess.Popen | None, timeout: float = 5.0) -> None:
+    """SIGCONT (a stopped process cannot exit), SIGTERM, then SIGKILL; always reaped."""
+    if process is None or process.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGCONT, 0.0), (signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+        try:
+            os.kill(process.pid, sig)
+            if wait:
+                process.wait(wait)
+                return
+        except ProcessLookupError:
+            process.poll()
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def terminate_pid(pid: int, timeout: float = 5.0) -> None:
+    """The same for a process that is not our Popen (e.g. recorded in a lab's state file)."""
+    for sig in (signal.SIGCONT, signal.SIGTERM):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return  # our child, now reaped
+        except ChildProcessError:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+        time.sleep(0.05)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def write_json_atomic(path: Path, data: object) -> None:
+    """Readers never see half a file."""
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.rename(path)
+
+
+def request_json(pid: int, path: Path, timeout: float = 5.0) -> dict | None:
+    """Send SIGUSR1 and return the JSON the process then (re)writes at ``path``; None on timeout."""
+    path = Path(path)
+    before = path.stat().st_mtime_ns if path.exists() else 0
+    try:
+        os.kill(pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.stat().st_mtime_ns != before:
+            try:
+                return json.loads(path.read_text())
+            except ValueError:
+                pass  # caught between write and rename of an old writer: retry
+        time.sleep(0.01)
+    return None
