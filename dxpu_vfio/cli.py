@@ -67,39 +67,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_remote_serve(args: argparse.Namespace) -> int:
     """Run a remote proxy until SIGTERM/SIGINT; counters to --stats on SIGUSR1 and at exit."""
-    import signal
-    import threading
     from pathlib import Path
 
+    from . import registry
     from .link.remote import BoxConfig, RemoteProxy
-    from .procs import write_json_atomic
+    from .procs import serve_until_terminated, write_json_atomic
     try:
         config = BoxConfig.load(Path(args.config))
     except (OSError, ValueError) as exc:
         print(f"dxpu: error: {exc}", file=sys.stderr)
         return 1
     proxy = RemoteProxy(config).start()
-    done = threading.Event()
 
-    def write_stats(*_: object) -> None:
+    def write_stats() -> None:
         if args.stats:
             write_json_atomic(Path(args.stats), proxy.snapshot())
 
-    signal.signal(signal.SIGUSR1, write_stats)
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    from . import registry
     entry = registry.register("remote", config.name, Path(args.stats), address=f"{config.listen}:{proxy.port}") \
         if args.stats else None
     print(f"remote proxy {config.name}: serving {', '.join(config_ids(config))} on "
           f"{config.listen}:{proxy.port} ({'plaintext' if config.plaintext else 'mutual TLS'})", flush=True)
     try:
-        while not done.wait(1.0):
-            pass
-        write_stats()
+        serve_until_terminated(write_stats, entry)
     finally:
-        if entry:
-            registry.unregister(entry)
         proxy.stop()
     return 0
 

@@ -14,16 +14,14 @@ import argparse
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from . import registry
 from .errors import DxpuError
-from .procs import request_json, terminate, write_json_atomic
+from .procs import request_json, serve_until_terminated, terminate, write_json_atomic
 
 
 class DeviceServerError(DxpuError):
@@ -99,27 +97,18 @@ def main(argv: list[str] | None = None) -> int:
     server = VfioUserServer(device, args.socket, name=args.name or args.model,
                             options=ServerOptions(advertise_write_multiple=args.write_multiple,
                                                   allow_msix=args.allow_msix))
-    done = threading.Event()
-
-    def write_stats(*_: object) -> None:
+    def write_stats() -> None:
         if args.stats:
             write_json_atomic(args.stats, {"pid": os.getpid(), "server": server.snapshot(),
                                            "device": device.stats() if hasattr(device, "stats") else
                                            {"suppressed_interrupts": device.suppressed_interrupts}})
 
-    signal.signal(signal.SIGUSR1, write_stats)
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
     server.start()
-    entry = registry.register("host", server.name, args.stats or Path(os.devnull), model=args.model,
+    entry = registry.register("host", server.name, args.stats, model=args.model,
                               socket=str(args.socket)) if args.stats else None
     try:
-        while not done.wait(1.0):
-            pass
-        write_stats()
+        serve_until_terminated(write_stats, entry)
     finally:
-        if entry:
-            registry.unregister(entry)
         server.stop()
     return 0
 

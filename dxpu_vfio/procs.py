@@ -79,3 +79,25 @@ def request_json(pid: int, path: Path, timeout: float = 5.0) -> dict | None:
                 pass  # caught between write and rename of an old writer: retry
         time.sleep(0.01)
     return None
+
+
+def serve_until_terminated(write_stats, register_entry=None) -> None:
+    """The main loop of a proxy process: counters on SIGUSR1, end on SIGTERM/SIGINT.
+
+    ``write_stats()`` runs on SIGUSR1 and once more at the end; ``register_entry`` is a
+    registry file to remove on the way out (see :mod:`dxpu_vfio.registry`).
+    """
+    import threading
+
+    from . import registry
+    done = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: write_stats())
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    try:
+        while not done.wait(1.0):
+            pass
+        write_stats()
+    finally:
+        if register_entry is not None:
+            registry.unregister(register_entry)

@@ -10,28 +10,10 @@ from qemu_device.device import IrqConfig, PciFunction
 from qemu_device.header import PciIdentity
 from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
 
+from fakes import RecordingIrqPort
+
 IDENTITY = PciIdentity(0x1B36, 0x10F0, 0xFF0000, revision=1)
 CONFIG = 7
-
-
-class RecordingIrqPort:
-    """Records every interrupt the device signals, in order."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, object]] = []
-
-    def msi(self, vector: int) -> None:
-        self.events.append(("msi", vector))
-
-    def msix(self, vector: int) -> None:
-        self.events.append(("msix", vector))
-
-    def intx(self, level: bool) -> None:
-        self.events.append(("intx", level))
-
-    def take(self) -> list[tuple[str, object]]:
-        events, self.events = self.events, []
-        return events
 
 
 class RegisterFile(PciFunction):

@@ -12,6 +12,8 @@ from qemu_device.capabilities import CAP_ID_MSI, CAP_ID_MSIX, walk_capabilities
 from qemu_device.ports import DmaError
 from qemu_device.testdev import TestDevice
 
+from fakes import RecordingIrqPort
+
 CONFIG = 7
 RAM_BASE = 0x1_0000_0000
 RAM_SIZE = 4 << 20
@@ -49,22 +51,6 @@ class FakeGuestRam:
     def write(self, addr: int, data: bytes) -> None:
         self.calls.append(("write", addr, len(data)))
         self.ram[self._window(addr, len(data))] = data
-
-
-class RecordingIrqPort:
-    """Records every interrupt the device signals, in order."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, object]] = []
-
-    def msi(self, vector: int) -> None:
-        self.events.append(("msi", vector))
-
-    def msix(self, vector: int) -> None:
-        self.events.append(("msix", vector))
-
-    def intx(self, level: bool) -> None:
-        self.events.append(("intx", level))
 
 
 @pytest.fixture
