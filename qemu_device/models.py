@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Callable
 
 from .device import PciFunction
+from .nvme import NvmeController
 from .testdev import TestDevice
 
 MODELS: dict[str, Callable[..., PciFunction]] = {
     "testdev": TestDevice,
+    "nvme": NvmeController,
 }
 
 

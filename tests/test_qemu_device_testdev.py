@@ -9,48 +9,14 @@ import pytest
 
 from qemu_device import testdev as td
 from qemu_device.capabilities import CAP_ID_MSI, CAP_ID_MSIX, walk_capabilities
-from qemu_device.ports import DmaError
 from qemu_device.testdev import TestDevice
 
-from fakes import RecordingIrqPort
+from fakes import FakeGuestRam, RecordingIrqPort
 
 CONFIG = 7
 RAM_BASE = 0x1_0000_0000
 RAM_SIZE = 4 << 20
 GiB = 1 << 30
-
-
-class FakeGuestRam:
-    """In-memory stand-in for the DMA port, for unit tests only.
-
-    It models one DMA-mapped window of guest RAM and refuses everything else
-    with DmaError, as the host proxy refuses unmapped addresses. The real port
-    (vfio-user DMA_READ/DMA_WRITE into QEMU's guest RAM) is tested elsewhere
-    against QEMU.
-    """
-
-    def __init__(self, base: int = RAM_BASE, size: int = RAM_SIZE) -> None:
-        self.base = base
-        self.ram = bytearray(size)
-        self.calls: list[tuple[str, int, int]] = []      # every attempt, even refused
-        self.threads: set[str] = set()
-        self.gate: threading.Event | None = None          # when set, accesses wait on it
-
-    def _window(self, addr: int, length: int) -> slice:
-        self.threads.add(threading.current_thread().name)
-        if self.gate is not None:
-            self.gate.wait(5)
-        if addr < self.base or addr + length > self.base + len(self.ram):
-            raise DmaError(f"address {addr:#x}+{length:#x} is not mapped")
-        return slice(addr - self.base, addr - self.base + length)
-
-    def read(self, addr: int, length: int) -> bytes:
-        self.calls.append(("read", addr, length))
-        return bytes(self.ram[self._window(addr, length)])
-
-    def write(self, addr: int, data: bytes) -> None:
-        self.calls.append(("write", addr, len(data)))
-        self.ram[self._window(addr, len(data))] = data
 
 
 @pytest.fixture

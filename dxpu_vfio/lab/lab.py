@@ -236,12 +236,27 @@ def up(topology: Topology) -> LabState:
         raise
 
 
+def toml_value(value: object) -> str:
+    """Inline TOML for the plain values device settings hold (no None: TOML has no null)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items() if v is not None) + " }"
+    raise LabError(f"cannot write {value!r} into a box config")
+
+
 def _box_toml(name: str, ip: str, certs: Path, devices: dict[str, dict]) -> str:
     lines = [f'name = "{name}"', f'listen = "{ip}"', f"port = {BOX_PORT}", f'tls_dir = "{certs}"']
     for dev_id, d in devices.items():
         lines += ["[[device]]", f'id = "{dev_id}"', f'model = "{d["model"]}"', f'lease = "{d["lease"]}"']
         if d["settings"]:
-            lines.append("settings = " + "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in d["settings"].items()) + " }")
+            lines.append(f"settings = {toml_value(d['settings'])}")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,453 @@
+"""An NVMe 1.4 controller that Linux's own nvme driver and nvme-cli drive.
+
+What is here is what that driver uses: the controller registers and doorbells, enable,
+disable, shutdown and reset; admin commands Identify (controller, namespace, active
+namespace list, namespace descriptors), Create/Delete I/O SQ and CQ, Get/Set Features,
+Get Log Page (error, SMART, firmware slot), Asynchronous Event Request (held), Abort;
+I/O commands Read, Write, Flush, Write Zeroes and Dataset Management; PRP entries and
+PRP lists; phase tags; one interrupt vector per completion queue (MSI; INTx works too).
+
+Namespaces are files (sparse: only what is written costs disk); a completed Flush has
+fsynced them. Commands run on the device's worker thread, never on the thread that
+delivered the doorbell write. Data moves through the DMA port in as few, as large
+transfers as the PRPs allow (adjacent pages are merged).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+
+from .bars import BarSpec
+from .device import IrqConfig, PciFunction
+from .header import PciIdentity
+from .ports import DmaError
+from .worker import DeviceWorker
+
+PAGE = 4096
+LBA_SHIFT = 9  # 512-byte blocks
+MAX_QUEUES = 8  # I/O queue pairs
+MQES = 1023  # max queue entries - 1
+MDTS = 5  # max transfer 2^5 pages = 128 KiB
+DOORBELLS = 0x1000
+
+# registers
+CAP, VS, INTMS, INTMC, CC, CSTS, AQA, ASQ, ACQ = 0x00, 0x08, 0x0C, 0x10, 0x14, 0x1C, 0x24, 0x28, 0x30
+CC_EN, CSTS_RDY, CSTS_CFS = 1, 1, 2
+CSTS_SHST_DONE = 2 << 2
+
+# status codes (SCT << 8 | SC)
+SC_OK, SC_INVALID_OPCODE, SC_INVALID_FIELD, SC_DATA_XFER_ERROR, SC_INTERNAL = 0x00, 0x01, 0x02, 0x04, 0x06
+SC_INVALID_NS, SC_LBA_RANGE = 0x0B, 0x80
+SC_INVALID_CQ, SC_INVALID_QID, SC_INVALID_QSIZE, SC_INVALID_LOG_PAGE = 0x100, 0x101, 0x102, 0x109
+
+
+class CommandError(Exception):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"status {status:#x}")
+        self.status = status
+
+
+@dataclass
+class Queue:
+    qid: int
+    base: int
+    size: int  # entries
+    cqid: int = 0  # SQ: its completion queue
+    vector: int = 0  # CQ: interrupt vector
+    interrupts: bool = True  # CQ
+    head: int = 0
+    tail: int = 0
+    phase: int = 1  # CQ
+    sq_ids: set = field(default_factory=set)  # CQ: SQs that post here
+
+
+class Namespace:
+    def __init__(self, nsid: int, path: str | None, size: int) -> None:
+        self.nsid = nsid
+        if path is None:
+            fd, path = tempfile.mkstemp(prefix=f"dxpu-nvme-ns{nsid}-")
+            os.close(fd)
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        if os.fstat(self.fd).st_size < size:
+            os.ftruncate(self.fd, size)  # sparse: costs nothing until written
+        self.blocks = size >> LBA_SHIFT
+        self.uuid = uuid.uuid5(uuid.NAMESPACE_URL, f"dxpu-nvme:{os.path.abspath(path)}").bytes
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class NvmeController(PciFunction):
+    """``namespaces``: list of {"size": bytes, "path": file or None (a temp file)}."""
+
+    def __init__(self, *, namespaces: list[dict] | None = None, serial: str | None = None,
+                 msi_vectors: int = 8) -> None:
+        super().__init__(PciIdentity(0x1B36, 0x10F1, 0x010802, revision=1),
+                         [BarSpec(0, 16 << 10, "mem64")], IrqConfig(intx=True, msi_vectors=msi_vectors))
+        specs = namespaces or [{"size": 64 << 20, "path": None}]
+        self.namespaces = {i: Namespace(i, s.get("path"), int(s["size"])) for i, s in enumerate(specs, start=1)}
+        # The serial names the NVM subsystem: two controllers with one serial are refused by
+        # Linux ("duplicate cntlid"). By default it follows the backing files, so a device
+        # keeps its identity across replugs and restarts of its proxy.
+        self.serial = serial or "DX" + uuid.uuid5(uuid.NAMESPACE_URL, "|".join(
+            ns.path for ns in self.namespaces.values())).hex[:18].upper()
+        self.worker = DeviceWorker("nvme")
+        self.stats_counters = {"commands": 0, "errors": 0, "bytes_read": 0, "bytes_written": 0, "flushes": 0}
+        self._features: dict[int, int] = {}
+        self.reset_registers()
+
+    # --- registers -----------------------------------------------------------------------
+    def reset_registers(self) -> None:
+        self.cc = self.csts = self.aqa = self.asq = self.acq = self.intms = 0
+        self.sqs: dict[int, Queue] = {}
+        self.cqs: dict[int, Queue] = {}
+        self.pending_aers: list[int] = []
+        self._features = {}
+
+    def _cap(self) -> int:
+        return MQES | (1 << 16) | (10 << 24) | (1 << 37)  # CQR, 5 s timeout, NVM command set
+
+    def bar_read(self, index: int, offset: int, size: int) -> int:
+        regs = {CAP: self._cap(), VS: 0x00010400, INTMS: self.intms, INTMC: self.intms, CC: self.cc,
+                CSTS: self.csts, AQA: self.aqa, ASQ: self.asq, ACQ: self.acq}
+        base = offset & ~7 if offset & ~7 in (CAP, ASQ, ACQ) else offset & ~3
+        value = regs.get(base, 0)
+        return (value >> ((offset - base) * 8)) & ((1 << (size * 8)) - 1)
+
+    def bar_write(self, index: int, offset: int, data: bytes) -> None:
+        value = int.from_bytes(data, "little")
+        if offset >= DOORBELLS:
+            self._doorbell((offset - DOORBELLS) // 4, value & 0xFFFF)
+        elif offset == CC:
+            self._write_cc(value)
+        elif offset == AQA:
+            self.aqa = value
+        elif offset in (ASQ, ASQ + 4, ACQ, ACQ + 4):
+            reg = ASQ if offset in (ASQ, ASQ + 4) else ACQ
+            shift = 32 if offset & 4 else 0
+            old = self.asq if reg == ASQ else self.acq
+            new = (old & ~(((1 << (len(data) * 8)) - 1) << shift)) | (value << shift)
+            if reg == ASQ:
+                self.asq = new
+            else:
+                self.acq = new
+        elif offset == INTMS:
+            self.intms |= value
+        elif offset == INTMC:
+            self.intms &= ~value
+
+    def _write_cc(self, value: int) -> None:
+        was, self.cc = self.cc, value
+        if value & CC_EN and not was & CC_EN:
+            self.sqs = {0: Queue(0, self.asq & ~0xFFF, (self.aqa & 0xFFF) + 1)}
+            self.cqs = {0: Queue(0, self.acq & ~0xFFF, ((self.aqa >> 16) & 0xFFF) + 1, sq_ids={0})}
+            self.csts = CSTS_RDY
+        elif not value & CC_EN and was & CC_EN:
+            self.reset_registers()
+            self.cc = value
+        if (value >> 14) & 3:  # shutdown notification: flush and report done
+            for ns in self.namespaces.values():
+                os.fsync(ns.fd)
+            self.csts |= CSTS_SHST_DONE
+
+    def _doorbell(self, index: int, value: int) -> None:
+        qid, is_cq = index // 2, index % 2
+        if not self.csts & CSTS_RDY:
+            return
+        if is_cq:
+            cq = self.cqs.get(qid)
+            if cq is not None:
+                cq.head = value % cq.size
+                if all(q.head == q.tail for q in self.cqs.values()):
+                    self.lower_interrupt()  # INTx: the line stays up while entries wait
+            return
+        sq = self.sqs.get(qid)
+        if sq is not None:
+            sq.tail = value % sq.size
+            self.worker.submit(lambda: self._process(qid))
+
+    # --- the command loop (worker thread) ---------------------------------------------------
+    def _process(self, qid: int) -> None:
+        while True:
+            with self.lock:
+                sq = self.sqs.get(qid)
+                if sq is None or sq.head == sq.tail or not self.csts & CSTS_RDY:
+                    return
+                slot = sq.head
+                sq.head = (sq.head + 1) % sq.size
+            try:
+                sqe = self.dma_read(sq.base + slot * 64, 64)
+            except DmaError:
+                with self.lock:
+                    self.csts |= CSTS_CFS  # the controller cannot reach its own queue
+                return
+            opcode, cid = sqe[0], struct.unpack_from("<H", sqe, 2)[0]
+            result, status = 0, SC_OK
+            try:
+                result = (self._admin if qid == 0 else self._io)(opcode, sqe) or 0
+            except CommandError as exc:
+                status = exc.status
+            except DmaError:
+                status = SC_DATA_XFER_ERROR
+            except OSError:
+                status = SC_INTERNAL
+            if result == "held":  # an AER: completes when there is an event
+                continue
+            self._complete(sq, cid, status, result)
+
+    def _complete(self, sq: Queue, cid: int, status: int, result: int) -> None:
+        self.stats_counters["commands"] += 1
+        self.stats_counters["errors"] += status != SC_OK
+        with self.lock:
+            cq = self.cqs.get(sq.cqid)
+            if cq is None:
+                return
+            entry = struct.pack("<IIHHHH", result & 0xFFFFFFFF, 0, sq.head, sq.qid, cid,
+                                (status << 1) | cq.phase)
+            addr = cq.base + cq.tail * 16
+            cq.tail = (cq.tail + 1) % cq.size
+            if cq.tail == 0:
+                cq.phase ^= 1
+            vector, interrupts = cq.vector, cq.interrupts
+        try:
+            self.dma_write(addr, entry)
+        except DmaError:
+            return
+        if interrupts:
+            self.raise_interrupt(vector)
+
+    # --- admin commands ----------------------------------------------------------------------
+    def _admin(self, opcode: int, sqe: bytes) -> int | str | None:
+        cdw10, cdw11 = struct.unpack_from("<II", sqe, 40)
+        prp1, prp2 = struct.unpack_from("<QQ", sqe, 24)
+        nsid = struct.unpack_from("<I", sqe, 4)[0]
+        if opcode == 0x06:
+            self._write_prp(prp1, prp2, self._identify(cdw10 & 0xFF, nsid))
+        elif opcode == 0x09:  # set features
+            return self._set_feature(cdw10 & 0xFF, cdw11)
+        elif opcode == 0x0A:  # get features
+            fid = cdw10 & 0xFF
+            if fid == 0x07:
+                return (MAX_QUEUES - 1) << 16 | (MAX_QUEUES - 1)
+            return self._features.get(fid, 0)
+        elif opcode == 0x05:
+            self._create_cq(cdw10, cdw11, prp1)
+        elif opcode == 0x01:
+            self._create_sq(cdw10, cdw11, prp1)
+        elif opcode in (0x00, 0x04):
+            self._delete_queue(cdw10 & 0xFFFF, cq=opcode == 0x04)
+        elif opcode == 0x02:
+            self._write_prp(prp1, prp2, self._log_page(cdw10, cdw11))
+        elif opcode == 0x0C:  # asynchronous event request: held until there is an event
+            with self.lock:
+                self.pending_aers.append(struct.unpack_from("<H", sqe, 2)[0])
+            return "held"
+        elif opcode == 0x08:  # abort: we never abort, the command completes normally
+            return 1
+        elif opcode == 0x18:  # keep alive
+            return 0
+        else:
+            raise CommandError(SC_INVALID_OPCODE)
+        return 0
+
+    def _identify(self, cns: int, nsid: int) -> bytes:
+        out = bytearray(PAGE)
+        if cns == 0x01:  # controller
+            struct.pack_into("<HH", out, 0, 0x1B36, 0x1B36)
+            out[4:24] = self.serial.ljust(20).encode()[:20]
+            out[24:64] = b"dxpu-vfio pooled NVMe".ljust(40)
+            out[64:72] = b"1.0".ljust(8)
+            out[72], out[77] = 6, MDTS
+            struct.pack_into("<HI", out, 78, 1, 0x00010400)  # CNTLID, VER
+            out[258], out[259] = 3, 3  # ACL, AERL
+            out[260] = 0x02  # FRMW: one slot
+            out[261] = 0x02  # LPA: command effects... SMART per namespace no; extended data yes
+            out[512], out[513] = 0x66, 0x44  # SQES, CQES
+            struct.pack_into("<I", out, 516, len(self.namespaces))  # NN
+            struct.pack_into("<H", out, 520, (1 << 2) | (1 << 3))  # ONCS: DSM, Write Zeroes
+            out[525] = 1  # VWC: a volatile write cache, so the host flushes
+            nqn = f"nqn.2026-11.io.dxpu:nvme:{self.serial}".encode()
+            out[768:768 + len(nqn)] = nqn
+        elif cns == 0x00:  # namespace
+            ns = self.namespaces.get(nsid)
+            if ns is None:
+                raise CommandError(SC_INVALID_NS)
+            struct.pack_into("<QQQ", out, 0, ns.blocks, ns.blocks, ns.blocks)
+            out[26] = 0  # FLBAS: format 0
+            struct.pack_into("<HBB", out, 128, 0, LBA_SHIFT, 0)  # LBAF0: 512 B, no metadata
+            out[104:120] = ns.uuid  # NGUID
+        elif cns == 0x02:  # active namespace ids above nsid
+            ids = [n for n in sorted(self.namespaces) if n > nsid][:1024]
+            struct.pack_into(f"<{len(ids)}I", out, 0, *ids)
+        elif cns == 0x03:  # namespace identification descriptors
+            ns = self.namespaces.get(nsid)
+            if ns is None:
+                raise CommandError(SC_INVALID_NS)
+            out[0:4] = bytes([3, 16, 0, 0])  # NIDT uuid, NIDL 16
+            out[4:20] = ns.uuid
+        else:
+            raise CommandError(SC_INVALID_FIELD)
+        return bytes(out)
+
+    def _set_feature(self, fid: int, value: int) -> int:
+        if fid == 0x07:  # number of queues: we grant what we have
+            return (MAX_QUEUES - 1) << 16 | (MAX_QUEUES - 1)
+        if fid in (0x01, 0x02, 0x04, 0x05, 0x06, 0x08, 0x0A, 0x0B, 0x0E, 0x0F, 0x10):
+            self._features[fid] = value
+            return 0
+        raise CommandError(SC_INVALID_FIELD)
+
+    def _log_page(self, cdw10: int, cdw11: int) -> bytes:
+        lid = cdw10 & 0xFF
+        length = ((((cdw11 & 0xFFFF) << 16) | (cdw10 >> 16)) + 1) * 4
+        if lid == 0x01:  # error information: no errors
+            page = bytes(64)
+        elif lid == 0x02:  # SMART / health
+            smart = bytearray(512)
+            struct.pack_into("<H", smart, 1, 300)  # composite temperature, K
+            smart[3], smart[4] = 100, 10  # available spare %, threshold
+            read_units = self.stats_counters["bytes_read"] // 512000
+            write_units = self.stats_counters["bytes_written"] // 512000
+            struct.pack_into("<QQ", smart, 32, read_units, write_units)
+            page = bytes(smart)
+        elif lid == 0x03:  # firmware slot information
+            fw = bytearray(512)
+            fw[0] = 1
+            fw[8:16] = b"1.0".ljust(8)
+            page = bytes(fw)
+        else:
+            raise CommandError(SC_INVALID_LOG_PAGE)
+        return page[:length].ljust(min(length, PAGE), b"\0")
+
+    def _create_cq(self, cdw10: int, cdw11: int, base: int) -> None:
+        qid, size = cdw10 & 0xFFFF, (cdw10 >> 16) + 1
+        if not 0 < qid <= MAX_QUEUES or qid in self.cqs:
+            raise CommandError(SC_INVALID_QID)
+        if size < 2 or size > MQES + 1:
+            raise CommandError(SC_INVALID_QSIZE)
+        vector = cdw11 >> 16
+        if vector >= self.irq_config.msi_vectors and self.irq_config.msi_vectors:
+            raise CommandError(0x108)  # invalid interrupt vector
+        with self.lock:
+            self.cqs[qid] = Queue(qid, base & ~0xFFF, size, vector=vector, interrupts=bool(cdw11 & 2))
+
+    def _create_sq(self, cdw10: int, cdw11: int, base: int) -> None:
+        qid, size, cqid = cdw10 & 0xFFFF, (cdw10 >> 16) + 1, cdw11 >> 16
+        if not 0 < qid <= MAX_QUEUES or qid in self.sqs:
+            raise CommandError(SC_INVALID_QID)
+        if cqid not in self.cqs or cqid == 0:
+            raise CommandError(SC_INVALID_CQ)
+        if size < 2 or size > MQES + 1:
+            raise CommandError(SC_INVALID_QSIZE)
+        with self.lock:
+            self.sqs[qid] = Queue(qid, base & ~0xFFF, size, cqid=cqid)
+            self.cqs[cqid].sq_ids.add(qid)
+
+    def _delete_queue(self, qid: int, cq: bool) -> None:
+        with self.lock:
+            table = self.cqs if cq else self.sqs
+            if qid == 0 or qid not in table:
+                raise CommandError(SC_INVALID_QID)
+            if cq and table[qid].sq_ids:
+                raise CommandError(0x10C)  # invalid queue deletion: SQs still use it
+            queue = table.pop(qid)
+            if not cq:
+                self.cqs.get(queue.cqid, Queue(0, 0, 1)).sq_ids.discard(qid)
+
+    # --- I/O commands --------------------------------------------------------------------------
+    def _io(self, opcode: int, sqe: bytes) -> int:
+        nsid = struct.unpack_from("<I", sqe, 4)[0]
+        ns = self.namespaces.get(nsid)
+        if ns is None:
+            raise CommandError(SC_INVALID_NS)
+        if opcode == 0x00:  # flush: durable from here on
+            os.fsync(ns.fd)
+            self.stats_counters["flushes"] += 1
+            return 0
+        prp1, prp2 = struct.unpack_from("<QQ", sqe, 24)
+        slba, cdw12 = struct.unpack_from("<QI", sqe, 40)
+        if opcode in (0x01, 0x02, 0x08):
+            nlb = (cdw12 & 0xFFFF) + 1
+            if slba + nlb > ns.blocks:
+                raise CommandError(SC_LBA_RANGE)
+            offset, length = slba << LBA_SHIFT, nlb << LBA_SHIFT
+            if opcode == 0x02:  # read
+                self._write_prp(prp1, prp2, os.pread(ns.fd, length, offset))
+                self.stats_counters["bytes_read"] += length
+            elif opcode == 0x01:  # write
+                if length > (PAGE << MDTS):
+                    raise CommandError(SC_INVALID_FIELD)
+                os.pwrite(ns.fd, self._read_prp(prp1, prp2, length), offset)
+                self.stats_counters["bytes_written"] += length
+            else:  # write zeroes
+                os.pwrite(ns.fd, bytes(length), offset)
+            return 0
+        if opcode == 0x09:  # dataset management: deallocate reads back as zeroes
+            ranges = (struct.unpack_from("<I", sqe, 40)[0] & 0xFF) + 1
+            table = self._read_prp(prp1, prp2, ranges * 16)
+            for i in range(ranges):
+                _attr, nlb, start = struct.unpack_from("<IIQ", table, i * 16)
+                if start + nlb > ns.blocks:
+                    raise CommandError(SC_LBA_RANGE)
+                if struct.unpack_from("<I", sqe, 44)[0] & 4:  # AD: deallocate
+                    os.pwrite(ns.fd, bytes(nlb << LBA_SHIFT), start << LBA_SHIFT)
+            return 0
+        raise CommandError(SC_INVALID_OPCODE)
+
+    # --- PRPs --------------------------------------------------------------------------------------
+    def _segments(self, prp1: int, prp2: int, length: int) -> list[tuple[int, int]]:
+        """(guest address, length) pieces of a PRP transfer, adjacent pages merged."""
+        first = min(length, PAGE - (prp1 % PAGE))
+        pages = [(prp1, first)]
+        left = length - first
+        if left > 0:
+            if left <= PAGE:
+                pages.append((prp2, left))
+            else:
+                entries: list[int] = []
+                list_addr = prp2
+                needed = (left + PAGE - 1) // PAGE
+                while len(entries) < needed:
+                    room = (PAGE - list_addr % PAGE) // 8
+                    chunk = struct.unpack(f"<{room}Q", self.dma_read(list_addr, room * 8))
+                    if needed - len(entries) > room:  # last entry points to the next list
+                        entries.extend(chunk[:-1])
+                        list_addr = chunk[-1]
+                    else:
+                        entries.extend(chunk[:needed - len(entries)])
+                for addr in entries:
+                    n = min(PAGE, left)
+                    pages.append((addr, n))
+                    left -= n
+        merged: list[tuple[int, int]] = []
+        for addr, n in pages:
+            if merged and merged[-1][0] + merged[-1][1] == addr:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((addr, n))
+        return merged
+
+    def _read_prp(self, prp1: int, prp2: int, length: int) -> bytes:
+        return b"".join(self.dma_read(a, n) for a, n in self._segments(prp1, prp2, length))
+
+    def _write_prp(self, prp1: int, prp2: int, data: bytes) -> None:
+        pos = 0
+        for addr, n in self._segments(prp1, prp2, len(data)):
+            self.dma_write(addr, data[pos:pos + n])
+            pos += n
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {**self.stats_counters, "suppressed_interrupts": self.suppressed_interrupts}
+
+    def close(self, timeout: float = 2.0) -> bool:
+        done = self.worker.close(timeout)
+        for ns in self.namespaces.values():
+            ns.close()
+        return done
+

@@ -1,0 +1,216 @@
+"""The guest's own nvme driver on our NVMe controller, served locally and from a GPU box
+over the lab network with mutual TLS (tiny image, trixie cloud kernel; nvme-cli on full)."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from dxpu_vfio import hotplug
+from dxpu_vfio.lab import lab
+
+pytestmark = pytest.mark.vm
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="session")
+def nvme_lab(tmp_path_factory):
+    disks = tmp_path_factory.mktemp("box-disks")
+    ns = lambda name, size: {"size": size, "path": str(disks / name)}  # noqa: E731
+    topology = lab.Topology(f"n{os.getpid()}", [
+        lab.BoxSpec("box1", [{"id": "nv0", "model": "nvme",
+                              "settings": {"namespaces": [ns("b1n1", 64 * MiB), ns("b1n2", 16 * MiB)]}}]),
+        lab.BoxSpec("box2", [{"id": "nv1", "model": "nvme", "settings": {"namespaces": [ns("b2n1", 32 * MiB)],
+                                                                         "serial": "DXPUBOX2"}}]),
+    ])
+    state = lab.up(topology)
+    yield state
+    lab.down(state.name)
+
+
+@pytest.fixture(scope="module", params=["local", "remote"])
+def mode(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def local_disks(tmp_path_factory):
+    return tmp_path_factory.mktemp("local-disks")
+
+
+@pytest.fixture
+def nvme_device(mode, request, local_disks):
+    """attach() arguments for NVMe device n (remote: box1/nv0 or box2/nv1)."""
+    if mode == "local":
+        return lambda n=0: {"model": "nvme", "settings": {"namespaces": [
+            {"size": 64 * MiB, "path": str(local_disks / f"l{n}n1")},
+            {"size": 16 * MiB, "path": str(local_disks / f"l{n}n2")}]}}
+    state = request.getfixturevalue("nvme_lab")
+    where = [("box1", "nv0"), ("box2", "nv1")]
+    return lambda n=0: {"model": "remote", "settings": state.remote_settings(*where[n]), "netns": state.host_netns}
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_image, mode):
+    from dxpu_vfio.testing import VmFactory
+    factory = VmFactory("nvme")
+    factory.booted("tiny", name="nv")
+    yield factory
+    factory.kill_all()
+
+
+@pytest.fixture
+def vm(request, shared):
+    from dxpu_vfio.testing import register
+    register(request, shared)
+    vm = shared.vms[0]
+    assert vm.guest_alive(), f"the shared guest died earlier; see {vm.workdir}"
+    return vm
+
+
+def disk(vm, ctrl: str, nsid: int = 1, timeout: int = 20) -> str:
+    """The block device of namespace ``nsid``: Linux numbers nvmeXnY in scan order, not by
+    NSID (namespaces are scanned in parallel), so look the NSID up in sysfs."""
+    return vm.run(f"i=0; while [ $i -lt {timeout * 10} ]; do "
+                  f"for d in /sys/block/{ctrl}n*; do [ \"$(cat $d/nsid 2>/dev/null)\" = {nsid} ] && "
+                  f"[ -e /dev/$(basename $d) ] && {{ basename $d; exit 0; }}; done; sleep 0.1; i=$((i+1)); done; exit 1",
+                  timeout=timeout + 10).stdout.strip()
+
+
+def controller(vm, att, timeout: int = 20) -> str:
+    """The nvmeN name the guest's driver gave this device (waits for the driver to bind)."""
+    d = f"/sys/bus/pci/devices/{att.guest_bdf}/nvme"
+    return vm.run(f"i=0; while [ ! -d {d} ] && [ $i -lt {timeout * 10} ]; do sleep 0.1; i=$((i+1)); done; ls {d}",
+                  timeout=timeout + 10).stdout.split()[0]
+
+
+@pytest.fixture
+def plugged(vm, nvme_device):
+    att = hotplug.attach(vm, **nvme_device())
+    ctrl = controller(vm, att)
+    yield att, disk(vm, ctrl, 1), disk(vm, ctrl, 2)
+    hotplug.detach(att)
+
+
+def test_driver_binds_and_disks_have_the_configured_size(vm, plugged):
+    att, ns1, ns2 = plugged
+    assert vm.run(f"basename $(readlink /sys/bus/pci/devices/{att.guest_bdf}/driver)").stdout.strip() == "nvme"
+    assert int(vm.run(f"cat /sys/block/{ns1}/size").stdout) * 512 == 64 * MiB
+    assert int(vm.run(f"cat /sys/block/{ns2}/size").stdout) * 512 == 16 * MiB
+
+
+def test_random_data_survives_dropped_caches(vm, plugged):
+    _, ns1, _ = plugged
+    out = vm.run(f"dd if=/dev/urandom of=/tmp/data bs=1M count=6 2>/dev/null && "
+                 f"dd if=/tmp/data of=/dev/{ns1} bs=128k oflag=direct 2>/dev/null && sync && "
+                 f"echo 3 > /proc/sys/vm/drop_caches && "
+                 f"dd if=/dev/{ns1} of=/tmp/back bs=128k count=48 iflag=direct 2>/dev/null && "
+                 f"md5sum /tmp/data /tmp/back", timeout=300).stdout.split()
+    assert out[0] == out[2], "data read back differs from data written"
+
+
+def test_second_namespace_is_independent(vm, plugged):
+    _, ns1, ns2 = plugged
+    vm.run(f"echo namespace-two | dd of=/dev/{ns2} bs=512 conv=sync oflag=direct 2>/dev/null; "
+           f"echo namespace-one | dd of=/dev/{ns1} bs=512 conv=sync oflag=direct 2>/dev/null; sync")
+    assert vm.run(f"dd if=/dev/{ns2} bs=512 count=1 iflag=direct 2>/dev/null | head -n1").stdout == "namespace-two\n"
+
+
+def test_data_survives_unplug_and_replug(vm, nvme_device):
+    att = hotplug.attach(vm, **nvme_device())
+    ns1 = disk(vm, controller(vm, att), 1)
+    vm.run(f"dd if=/dev/urandom of=/tmp/keep bs=64k count=4 2>/dev/null; "
+           f"dd if=/tmp/keep of=/dev/{ns1} bs=64k seek=100 oflag=direct 2>/dev/null; sync")
+    hotplug.detach(att)
+    att = hotplug.attach(vm, **nvme_device())
+    try:
+        ns1 = disk(vm, controller(vm, att), 1)
+        out = vm.run(f"dd if=/dev/{ns1} of=/tmp/again bs=64k skip=100 count=4 iflag=direct 2>/dev/null; "
+                     "md5sum /tmp/keep /tmp/again").stdout.split()
+        assert out[0] == out[2]
+    finally:
+        hotplug.detach(att)
+
+
+def test_two_nvme_devices_in_one_vm(vm, nvme_device, mode):
+    """Remote: one from each GPU box."""
+    first = hotplug.attach(vm, **nvme_device(0))
+    second = hotplug.attach(vm, **nvme_device(1))
+    try:
+        names = [disk(vm, controller(vm, a), 1) for a in (first, second)]
+        for i, ns in enumerate(names):
+            vm.run(f"echo disk-{i} | dd of=/dev/{ns} bs=512 conv=sync oflag=direct 2>/dev/null")
+        for i, ns in enumerate(names):
+            assert vm.run(f"dd if=/dev/{ns} bs=512 count=1 iflag=direct 2>/dev/null | head -n1").stdout == f"disk-{i}\n"
+    finally:
+        hotplug.detach(first)
+        hotplug.detach(second)
+
+
+# --- remote failure and durability (remote only) ----------------------------------------
+
+def _restart_box(state, box: str) -> None:
+    from dxpu_vfio.link.process import RemoteProxyProcess
+    b = state.box(box)
+    proxy = RemoteProxyProcess(Path(b.config), netns=b.netns).start()
+    state.pids.append(proxy.pid)
+    b.proxy_pid = proxy.pid
+    state.save()
+
+
+def test_flushed_data_survives_a_remote_proxy_restart(vm_factory, nvme_lab):
+    vm = vm_factory.booted("tiny")
+    settings = nvme_lab.remote_settings("box2", "nv1")
+    att = hotplug.attach(vm, "remote", settings=settings, netns=nvme_lab.host_netns)
+    ns1 = disk(vm, controller(vm, att), 1)
+    vm.run(f"dd if=/dev/urandom of=/tmp/keep bs=64k count=8 2>/dev/null; "
+           f"dd if=/tmp/keep of=/dev/{ns1} bs=64k oflag=direct 2>/dev/null; sync")  # sync: flush
+    hotplug.detach(att)
+    os.kill(nvme_lab.box("box2").proxy_pid, signal.SIGKILL)
+    _restart_box(nvme_lab, "box2")
+    att = hotplug.attach(vm, "remote", settings=settings, netns=nvme_lab.host_netns)
+    ns1 = disk(vm, controller(vm, att), 1)
+    out = vm.run(f"dd if=/dev/{ns1} of=/tmp/again bs=64k count=8 iflag=direct 2>/dev/null; "
+                 "md5sum /tmp/keep /tmp/again").stdout.split()
+    assert out[0] == out[2]
+    hotplug.detach(att)
+
+
+def test_remote_killed_during_io_gives_io_errors_not_a_hang(vm_factory, nvme_lab):
+    vm = vm_factory.booted("tiny")
+    settings = {**nvme_lab.remote_settings("box1", "nv0"), "completion_timeout": 0.5}
+    att = hotplug.attach(vm, "remote", settings=settings, netns=nvme_lab.host_netns)
+    ns1 = disk(vm, controller(vm, att), 1)
+    vm.run(f"(while :; do dd if=/dev/urandom of=/dev/{ns1} bs=128k count=64 oflag=direct 2>>/tmp/io.err; "
+           f"done > /dev/null &)")
+    time.sleep(2)
+    os.kill(nvme_lab.box("box1").proxy_pid, signal.SIGKILL)
+    try:
+        started = time.monotonic()
+        result = vm.run(f"dd if=/dev/{ns1} of=/dev/null bs=4k count=16 iflag=direct", check=False, timeout=120)
+        assert result.rc != 0, "reads from a dead box succeeded"
+        assert time.monotonic() - started < 100, "the guest hung"
+        vm.run("pkill -f 'while :'; true")
+        assert vm.guest_alive() and vm.run("echo alive").stdout == "alive\n"
+        hotplug.detach(att, timeout=30)
+        assert vm.alive()
+    finally:
+        _restart_box(nvme_lab, "box1")
+
+
+def test_nvme_cli_on_the_full_image(full_vm, local_disks):
+    att = hotplug.attach(full_vm, "nvme", settings={"namespaces": [{"size": 32 * MiB, "path": str(local_disks / "f1")}],
+                                                   "serial": "DXPUFULL"})
+    try:
+        ctrl = controller(full_vm, att)
+        ns1 = disk(full_vm, ctrl, 1)
+        ident = full_vm.run(f"nvme id-ctrl /dev/{ctrl}").stdout
+        assert "dxpu-vfio pooled NVMe" in ident and "DXPUFULL" in ident
+        assert "DXPUFULL" in full_vm.run("nvme list").stdout
+        smart = full_vm.run(f"nvme smart-log /dev/{ctrl}").stdout
+        assert "available_spare" in smart
+        assert "nsze" in full_vm.run(f"nvme id-ns /dev/{ns1}").stdout
+    finally:
+        hotplug.detach(att)
