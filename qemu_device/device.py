@@ -126,6 +126,9 @@ class PciFunction:
         self.dma: DmaPort = NullDmaPort()
         self.irq: IrqPort = NullIrqPort()
         self.suppressed_interrupts = 0   # raised while no usable vector: diagnostics only
+        # Under vfio-user the VMM keeps the MSI-X table (the guest's table writes never reach
+        # us) and masks vectors itself: set by whoever serves the device that way.
+        self.vmm_masks_msix = False
         self._intx_line = False          # level last reported to the IRQ port
         self.save_power_on_config()
 
@@ -262,7 +265,13 @@ class PciFunction:
             raise ValueError(f"interrupt vector must be >= 0, not {vector}")
         with self.lock:
             if self.msix is not None and self.caps.msix_enabled():
-                self._raise_msix(vector)
+                if self.vmm_masks_msix:
+                    if vector < self.irq_config.msix_vectors:
+                        self.irq.msix(vector)
+                    else:
+                        self.suppressed_interrupts += 1
+                else:
+                    self._raise_msix(vector)
             elif self.caps.has(CAP_ID_MSI) and self.caps.msi_state().enabled:
                 self._raise_msi(vector)
             elif self.irq_config.intx:

@@ -33,6 +33,7 @@ MAX_QUEUES = 8  # I/O queue pairs
 MQES = 1023  # max queue entries - 1
 MDTS = 5  # max transfer 2^5 pages = 128 KiB
 DOORBELLS = 0x1000
+MSIX_TABLE, MSIX_PBA = 0x3000, 0x3800
 
 # registers
 CAP, VS, INTMS, INTMC, CC, CSTS, AQA, ASQ, ACQ = 0x00, 0x08, 0x0C, 0x10, 0x14, 0x1C, 0x24, 0x28, 0x30
@@ -86,9 +87,12 @@ class NvmeController(PciFunction):
     """``namespaces``: list of {"size": bytes, "path": file or None (a temp file)}."""
 
     def __init__(self, *, namespaces: list[dict] | None = None, serial: str | None = None,
-                 msi_vectors: int = 8) -> None:
-        super().__init__(PciIdentity(0x1B36, 0x10F1, 0x010802, revision=1),
-                         [BarSpec(0, 16 << 10, "mem64")], IrqConfig(intx=True, msi_vectors=msi_vectors))
+                 msi_vectors: int = 8, msix: bool = False) -> None:
+        # MSI-X (table and PBA in BAR0 above the doorbells) only on request: QEMU 11.1
+        # aborts when a vfio-user device with MSI-X is unplugged (ARCHITECTURE.md).
+        irq = IrqConfig(intx=True, msix_vectors=MAX_QUEUES + 1, msix_bar=0, msix_table_offset=MSIX_TABLE,
+                        msix_pba_offset=MSIX_PBA) if msix else IrqConfig(intx=True, msi_vectors=msi_vectors)
+        super().__init__(PciIdentity(0x1B36, 0x10F1, 0x010802, revision=1), [BarSpec(0, 16 << 10, "mem64")], irq)
         specs = namespaces or [{"size": 64 << 20, "path": None}]
         self.namespaces = {i: Namespace(i, s.get("path"), int(s["size"])) for i, s in enumerate(specs, start=1)}
         # The serial names the NVM subsystem: two controllers with one serial are refused by
@@ -173,32 +177,44 @@ class NvmeController(PciFunction):
 
     # --- the command loop (worker thread) ---------------------------------------------------
     def _process(self, qid: int) -> None:
+        """Run what the submission queue holds. All entries the doorbell announced are
+        fetched with one DMA read (up to the ring's end): on a remote device that is one
+        network round trip for the batch, not one per command."""
         while True:
             with self.lock:
                 sq = self.sqs.get(qid)
                 if sq is None or sq.head == sq.tail or not self.csts & CSTS_RDY:
                     return
-                slot = sq.head
-                sq.head = (sq.head + 1) % sq.size
+                first = sq.head
+                count = (sq.tail - first) % sq.size
+                count = min(count, sq.size - first)  # do not wrap inside one read
             try:
-                sqe = self.dma_read(sq.base + slot * 64, 64)
+                batch = self.dma_read(sq.base + first * 64, count * 64)
             except DmaError:
                 with self.lock:
                     self.csts |= CSTS_CFS  # the controller cannot reach its own queue
                 return
-            opcode, cid = sqe[0], struct.unpack_from("<H", sqe, 2)[0]
-            result, status = 0, SC_OK
-            try:
-                result = (self._admin if qid == 0 else self._io)(opcode, sqe) or 0
-            except CommandError as exc:
-                status = exc.status
-            except DmaError:
-                status = SC_DATA_XFER_ERROR
-            except OSError:
-                status = SC_INTERNAL
-            if result == "held":  # an AER: completes when there is an event
-                continue
-            self._complete(sq, cid, status, result)
+            for i in range(count):
+                with self.lock:
+                    if self.sqs.get(qid) is not sq:
+                        return  # deleted or reset meanwhile
+                    sq.head = (first + i + 1) % sq.size
+                self._execute(sq, batch[i * 64:(i + 1) * 64])
+
+    def _execute(self, sq: Queue, sqe: bytes) -> None:
+        opcode, cid = sqe[0], struct.unpack_from("<H", sqe, 2)[0]
+        result, status = 0, SC_OK
+        try:
+            result = (self._admin if sq.qid == 0 else self._io)(opcode, sqe) or 0
+        except CommandError as exc:
+            status = exc.status
+        except DmaError:
+            status = SC_DATA_XFER_ERROR
+        except OSError:
+            status = SC_INTERNAL
+        if result == "held":  # an AER: completes when there is an event
+            return
+        self._complete(sq, cid, status, result)
 
     def _complete(self, sq: Queue, cid: int, status: int, result: int) -> None:
         self.stats_counters["commands"] += 1
@@ -331,7 +347,8 @@ class NvmeController(PciFunction):
         if size < 2 or size > MQES + 1:
             raise CommandError(SC_INVALID_QSIZE)
         vector = cdw11 >> 16
-        if vector >= self.irq_config.msi_vectors and self.irq_config.msi_vectors:
+        vectors = self.irq_config.msix_vectors or self.irq_config.msi_vectors
+        if vectors and vector >= vectors:
             raise CommandError(0x108)  # invalid interrupt vector
         with self.lock:
             self.cqs[qid] = Queue(qid, base & ~0xFFF, size, vector=vector, interrupts=bool(cdw11 & 2))

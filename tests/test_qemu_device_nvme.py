@@ -139,3 +139,13 @@ def test_disable_and_shutdown(ctrl):
     assert drv.r32(nvme.CSTS) & nvme.CSTS_SHST_DONE
     drv.w32(nvme.CC, 0)
     assert drv.r32(nvme.CSTS) & 1 == 0
+
+
+def test_msix_option_places_table_and_pba_above_the_doorbells(tmp_path):
+    dev = nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "n")}], msix=True)
+    try:
+        assert dev.irq_counts()["msix"] == nvme.MAX_QUEUES + 1 and dev.irq_counts()["msi"] == 0
+        dev.region_write(BAR0, nvme.MSIX_TABLE + 8, (0x4321).to_bytes(4, "little"))  # vector 0 data
+        assert int.from_bytes(dev.region_read(BAR0, nvme.MSIX_TABLE + 8, 4), "little") == 0x4321
+    finally:
+        dev.close()

@@ -246,6 +246,7 @@ class RemoteProxy:
         slot.links_served += 1
         slot.dma, slot.irq = LinkDmaPort(slot.endpoint), LinkIrqPort(slot.endpoint)
         with slot.device.lock:
+            slot.device.vmm_masks_msix = True  # the host's QEMU keeps the MSI-X table
             slot.device.attach(slot.dma, slot.irq)
         conn.send(vp.message(msg.header.msg_id, msg.header.command,
                              describe(slot.spec.model, slot.device).pack(), reply=True))

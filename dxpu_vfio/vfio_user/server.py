@@ -109,6 +109,7 @@ class _Session:
     # --- reader loop ---------------------------------------------------------------------
     def _run(self) -> None:
         device = self.server.device
+        device.vmm_masks_msix = True  # QEMU keeps the MSI-X table and masks vectors itself
         device.attach(self.dma, self.irqs)
         try:
             while True:
