@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import registry
 from .errors import DxpuError
-from .procs import request_json, serve_until_terminated, terminate, write_json_atomic
+from .procs import ChildProcess, request_json, serve_until_terminated, terminate, write_json_atomic
 
 
 class DeviceServerError(DxpuError):
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class DeviceServerProcess:
+class DeviceServerProcess(ChildProcess):
     """Parent-side handle on a device server process: start, stats, stop by pid."""
 
     def __init__(self, model: str, socket_path: Path, *, settings: dict | None = None,
@@ -129,13 +129,6 @@ class DeviceServerProcess:
         self.name = name or model
         self.netns = netns  # run inside this network namespace (the lab's host node)
         self.process: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process else None
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
 
     def start(self, timeout: float = 15.0) -> "DeviceServerProcess":
         from .vfio_user.server import claim_socket_path

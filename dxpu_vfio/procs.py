@@ -14,6 +14,19 @@ import time
 from pathlib import Path
 
 
+class ChildProcess:
+    """A process we started: its pid, whether it runs, and its end (by pid)."""
+
+    process: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
 def terminate(process: subprocess.Popen | None, timeout: float = 5.0) -> None:
     """SIGCONT (a stopped process cannot exit), SIGTERM, then SIGKILL; always reaped."""
     if process is None or process.poll() is not None:

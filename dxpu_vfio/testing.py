@@ -95,6 +95,16 @@ def register(request: pytest.FixtureRequest, factory: VmFactory) -> None:
     node._dxpu_factories.append(factory)
 
 
+def shared_vm(request: pytest.FixtureRequest, factory: VmFactory) -> Vm:
+    """The first VM of a module-scoped factory, for one test: its logs join the test's
+    failure logs, and a guest that died in an earlier test fails this one plainly."""
+    register(request, factory)
+    vm = factory.vms[0]
+    if not vm.guest_alive():
+        pytest.fail(f"the shared guest died earlier; see {vm.workdir}")
+    return vm
+
+
 @pytest.fixture(scope="session")
 def tiny_image() -> Image:
     """The built tiny image; fails naming the setup command if it is missing."""
@@ -130,10 +140,6 @@ def _shared_full_factory(full_image: Image) -> Iterator[VmFactory]:
 @pytest.fixture
 def full_vm(request: pytest.FixtureRequest, _shared_full_factory: VmFactory) -> Vm:
     """One booted full guest shared by the tests of a module (its boot takes ~30 s)."""
-    register(request, _shared_full_factory)
     if not _shared_full_factory.vms:
         _shared_full_factory.booted("full", name="full", boot_timeout=240)
-    vm = _shared_full_factory.vms[0]
-    if not vm.alive():
-        pytest.fail(f"the shared full guest died earlier; logs in {vm.workdir}")
-    return vm
+    return shared_vm(request, _shared_full_factory)

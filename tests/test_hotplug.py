@@ -9,13 +9,14 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
+
 
 import pytest
 
 from dxpu_vfio import hotplug
 from dxpu_vfio.device_server import DeviceServerError, DeviceServerProcess
 from dxpu_vfio.errors import VmError
+from dxpu_vfio.lab import lab
 
 pytestmark = pytest.mark.vm
 
@@ -41,7 +42,7 @@ REMOTE_DEVICES = [("box1", "td0"), ("box2", "td2"), ("box1", "td1")]
 
 @pytest.fixture(scope="session")
 def lab_state():
-    from dxpu_vfio.lab import lab
+
     topology = lab.Topology.parse(LAB_TOPOLOGY)
     topology.name = f"t{os.getpid()}"  # concurrent test runs must not share a lab
     state = lab.up(topology)
@@ -77,11 +78,8 @@ def shared_vm(tiny_image, mode):
 
 @pytest.fixture
 def vm(request, shared_vm):
-    from dxpu_vfio.testing import register
-    register(request, shared_vm)
-    vm = shared_vm.vms[0]
-    assert vm.guest_alive(), f"the shared guest died earlier; see {vm.workdir}"
-    return vm
+    from dxpu_vfio.testing import shared_vm as first_vm
+    return first_vm(request, shared_vm)
 
 
 @pytest.fixture
@@ -277,15 +275,6 @@ def test_msix_unplug_still_aborts_this_qemu(vm_factory):
 
 # --- the remote proxy fails under a running guest (remote mode only) -------------------
 
-def _restart_box(state, box: str) -> None:
-    from dxpu_vfio.link.process import RemoteProxyProcess
-    b = state.box(box)
-    proxy = RemoteProxyProcess(Path(b.config), netns=b.netns).start()
-    state.pids.append(proxy.pid)
-    b.proxy_pid = proxy.pid
-    state.save()
-
-
 @pytest.mark.parametrize("during", ["read", "dma", "stopped"])
 def test_remote_failure_under_a_running_guest(vm_factory, lab_state, during):
     """kill -9 of the box during MMIO reads or during a DMA, or SIGSTOP of it: the guest sees
@@ -323,7 +312,7 @@ def test_remote_failure_under_a_running_guest(vm_factory, lab_state, during):
         if during == "stopped":
             os.kill(pid, signal.SIGCONT)
             os.kill(pid, signal.SIGKILL)
-        _restart_box(lab_state, "box2")
+        lab.restart_proxy(lab_state, "box2")
     again = hotplug.attach(vm, "remote", settings=settings, netns=lab_state.host_netns)
     assert kv(vm.run(f"dxpu-testdev {again.guest_bdf} dma-copy 4096").stdout)["match"] == "yes"
     hotplug.detach(again)
@@ -332,7 +321,7 @@ def test_remote_failure_under_a_running_guest(vm_factory, lab_state, during):
 def test_guest_uses_an_external_vfio_user_server_in_a_box(vm_factory, tmp_path):
     """A box can serve an external vfio-user server (here our device server as a separate
     process, whose DMA then travels as vfio-user messages and over the link)."""
-    from dxpu_vfio.lab import lab
+
     external = DeviceServerProcess("testdev", tmp_path / "ext.sock", name="ext").start()
     topology = lab.Topology.parse(f'name = "x{os.getpid()}"\n[[box]]\nname = "boxx"\n[[box.device]]\n'
                                   f'id = "ext0"\nmodel = "vfio-user"\n'

@@ -4,7 +4,7 @@ over the lab network with mutual TLS (tiny image, trixie cloud kernel; nvme-cli 
 import os
 import signal
 import time
-from pathlib import Path
+
 
 import pytest
 
@@ -63,11 +63,8 @@ def shared(tiny_image, mode):
 
 @pytest.fixture
 def vm(request, shared):
-    from dxpu_vfio.testing import register
-    register(request, shared)
-    vm = shared.vms[0]
-    assert vm.guest_alive(), f"the shared guest died earlier; see {vm.workdir}"
-    return vm
+    from dxpu_vfio.testing import shared_vm as first_vm
+    return first_vm(request, shared)
 
 
 def disk(vm, ctrl: str, nsid: int = 1, timeout: int = 20) -> str:
@@ -151,15 +148,6 @@ def test_two_nvme_devices_in_one_vm(vm, nvme_device, mode):
 
 # --- remote failure and durability (remote only) ----------------------------------------
 
-def _restart_box(state, box: str) -> None:
-    from dxpu_vfio.link.process import RemoteProxyProcess
-    b = state.box(box)
-    proxy = RemoteProxyProcess(Path(b.config), netns=b.netns).start()
-    state.pids.append(proxy.pid)
-    b.proxy_pid = proxy.pid
-    state.save()
-
-
 def test_flushed_data_survives_a_remote_proxy_restart(vm_factory, nvme_lab):
     vm = vm_factory.booted("tiny")
     settings = nvme_lab.remote_settings("box2", "nv1")
@@ -169,7 +157,7 @@ def test_flushed_data_survives_a_remote_proxy_restart(vm_factory, nvme_lab):
            f"dd if=/tmp/keep of=/dev/{ns1} bs=64k oflag=direct 2>/dev/null; sync")  # sync: flush
     hotplug.detach(att)
     os.kill(nvme_lab.box("box2").proxy_pid, signal.SIGKILL)
-    _restart_box(nvme_lab, "box2")
+    lab.restart_proxy(nvme_lab, "box2")
     att = hotplug.attach(vm, "remote", settings=settings, netns=nvme_lab.host_netns)
     ns1 = disk(vm, controller(vm, att), 1)
     out = vm.run(f"dd if=/dev/{ns1} of=/tmp/again bs=64k count=8 iflag=direct 2>/dev/null; "
@@ -197,7 +185,7 @@ def test_remote_killed_during_io_gives_io_errors_not_a_hang(vm_factory, nvme_lab
         hotplug.detach(att, timeout=30)
         assert vm.alive()
     finally:
-        _restart_box(nvme_lab, "box1")
+        lab.restart_proxy(nvme_lab, "box1")
 
 
 def test_nvme_cli_on_the_full_image(full_vm, local_disks):

@@ -260,6 +260,16 @@ def _box_toml(name: str, ip: str, certs: Path, devices: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def restart_proxy(state: LabState, box: str) -> int:
+    """Start a box's remote proxy again (after it died or was killed); returns the new pid."""
+    b = state.box(box)
+    proxy = RemoteProxyProcess(Path(b.config), netns=b.netns).start()
+    b.proxy_pid = proxy.pid
+    state.pids.append(proxy.pid)
+    state.save()
+    return proxy.pid
+
+
 def set_delay(state: LabState, box: str, delay_us: float, netem: bool | None = None) -> BoxState:
     """Change a link's one-way added delay at run time (new links see it at once)."""
     b = state.box(box)

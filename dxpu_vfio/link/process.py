@@ -10,27 +10,20 @@ import time
 from pathlib import Path
 
 from ..errors import DxpuError
-from ..procs import request_json, terminate
+from ..procs import ChildProcess, request_json, terminate
 
 
 class RemoteProxyError(DxpuError):
     pass
 
 
-class RemoteProxyProcess:
+class RemoteProxyProcess(ChildProcess):
     def __init__(self, config: Path, *, netns: str | None = None, log_path: Path | None = None) -> None:
         self.config = Path(config)
         self.netns = netns
         self.log_path = log_path or self.config.with_suffix(".log")
         self.stats_path = self.config.with_suffix(".stats.json")
         self.process: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process else None
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
 
     def start(self, timeout: float = 15.0) -> "RemoteProxyProcess":
         argv = [sys.executable, "-m", "dxpu_vfio.cli", "remote", "serve", "--config", str(self.config),
