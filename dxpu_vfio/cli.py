@@ -169,6 +169,13 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
     from .lab import lab
     name = args.name
+    if args.lab_command == "sweep":
+        from .sweep import run_sweep
+        results = run_sweep([float(d) for d in args.delays.split(",")],
+                            [float(d) for d in args.calibration.split(",")], Path(args.out),
+                            log=(lambda _m: None) if args.json else (lambda m: print(m, flush=True)))
+        _emit(args, results, _sweep_text)
+        return 0
     if args.lab_command == "down":
         removed = lab.down(name)
         _emit(args, {"removed": removed}, lambda d: "\n".join(f"removed {r}" for r in d["removed"]) or "nothing to remove")
@@ -194,6 +201,16 @@ def cmd_lab(args: argparse.Namespace) -> int:
         (Path(state.directory) / "vm.json").write_text(json.dumps(info_vm))
     _emit(args, lab.status(topology.name), _lab_text)
     return 0
+
+
+def _sweep_text(results: dict) -> str:
+    lines = ["", "workload      T_local   k      round trips  10% overhead at RTT   held-out errors"]
+    for w, d in results["workloads"].items():
+        m = d["model"]
+        errs = ", ".join(f"{h['delay_us']:g}µs: {h['error'] * 100:+.1f}%" for h in d["held_out"])
+        lines.append(f"{w:12} {m['t_local_s'] * 1000:7.1f} ms {m['k']:5.2f} {m['round_trips']:12.0f}  "
+                     f"{d['rtt_for_10pct_us']:10.1f} µs         {errs}")
+    return "\n".join(lines)
 
 
 def _lab_text(info: dict) -> str:
@@ -258,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     lab_parser = sub.add_parser("lab", help="the lab network: host node and GPU boxes in namespaces")
     lab_sub = lab_parser.add_subparsers(dest="lab_command", required=True)
     for verb, text in (("up", "bring up boxes (namespaces, veth, remote proxies) and a VM"),
-                       ("status", "show the lab"), ("down", "remove every process, namespace and file of the lab")):
+                       ("status", "show the lab"), ("down", "remove every process, namespace and file of the lab"),
+                       ("sweep", "run guest workloads at several link delays, fit and check the performance model")):
         p = lab_sub.add_parser(verb, help=text, description=text)
         p.add_argument("--json", action="store_true")
         p.add_argument("--name", default=None, help="lab name (default: the topology's, or 'lab')")
@@ -268,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-vm", action="store_true", help="boxes only")
             p.add_argument("--image", default="tiny", choices=["tiny", "full"])
             p.add_argument("--accel", default="tcg", choices=["tcg", "kvm"])
+        if verb == "sweep":
+            p.add_argument("--delays", default="0,100,250,500,1000", help="added one-way delays, µs")
+            p.add_argument("--calibration", default="0,250,1000", help="delays the model is fitted on")
+            p.add_argument("--out", default="results/sweep")
 
     p = add("demo", cmd_demo, "the main demo on the embedded defaults")
     p.add_argument("--image", default="tiny", choices=["tiny", "full"])

@@ -450,7 +450,7 @@ class NvmeController(PciFunction):
         return merged
 
     def _read_prp(self, prp1: int, prp2: int, length: int) -> bytes:
-        return b"".join(self.dma_read(a, n) for a, n in self._segments(prp1, prp2, length))
+        return b"".join(self.dma_read_many(self._segments(prp1, prp2, length)))
 
     def _write_prp(self, prp1: int, prp2: int, data: bytes) -> None:
         pos = 0

@@ -27,6 +27,10 @@ class DmaPort(Protocol):
         """Write ``data`` at ``addr`` or raise DmaError."""
         ...
 
+    # Optional: ``read_many(pieces: list[tuple[addr, length]]) -> list[bytes]`` reads several
+    # ranges at once; a port whose reads cost a network round trip keeps them all in
+    # flight together. Devices call it through PciFunction.dma_read_many.
+
 
 class IrqPort(Protocol):
     """Interrupt delivery: edge messages for MSI/MSI-X, a level for INTx.

@@ -97,26 +97,29 @@ class LinkDmaPort:
         self.bytes_written = 0
 
     def read(self, addr: int, length: int) -> bytes:
-        """Pipelined: up to READ_WINDOW pieces in flight, so a large read costs about one
-        round trip plus the transfer, not one round trip per piece."""
-        out = bytearray()
-        pieces = [(pos, min(READ_PIECE, length - pos)) for pos in range(0, length, READ_PIECE)]
+        return self.read_many([(addr, length)])[0]
+
+    def read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Pipelined: up to READ_WINDOW pieces of at most READ_PIECE in flight, across all
+        ranges, so a scatter list costs about one round trip plus the transfer, not one
+        round trip per page or per piece."""
+        pieces = [(i, addr + pos, min(READ_PIECE, length - pos))
+                  for i, (addr, length) in enumerate(ranges) for pos in range(0, length, READ_PIECE)]
+        out = [bytearray() for _ in ranges]
         in_flight: list = []
         try:
             while pieces or in_flight:
                 while pieces and len(in_flight) < READ_WINDOW:
-                    pos, n = pieces.pop(0)
-                    in_flight.append((pos, self.endpoint.send_request(
-                        LinkCommand.DMA_READ, vp.DmaAccess(addr + pos, n).pack())))
-                pos, pending = in_flight.pop(0)
-                reply = self.endpoint.wait(pending, DMA_TIMEOUT)
-                out += vp.DmaAccess.unpack(reply, with_data=True).data
+                    i, a, n = pieces.pop(0)
+                    in_flight.append((i, self.endpoint.send_request(LinkCommand.DMA_READ, vp.DmaAccess(a, n).pack())))
+                i, pending = in_flight.pop(0)
+                out[i] += vp.DmaAccess.unpack(self.endpoint.wait(pending, DMA_TIMEOUT), with_data=True).data
         except LinkError as exc:
-            raise DmaError(f"host refused DMA read at {addr:#x}+{length:#x}: {exc}") from exc
+            raise DmaError(f"host refused a DMA read: {exc}") from exc
         except LinkDown as exc:
             raise DmaError(f"link down during DMA read: {exc}") from exc
-        self.bytes_read += length
-        return bytes(out)
+        self.bytes_read += sum(n for _, n in ranges)
+        return [bytes(b) for b in out]
 
     def write(self, addr: int, data: bytes) -> None:
         if not self.endpoint.up:
