@@ -71,7 +71,7 @@ def cmd_remote_serve(args: argparse.Namespace) -> int:
 
     from . import registry
     from .link.remote import BoxConfig, RemoteProxy
-    from .procs import serve_until_terminated, write_json_atomic
+    from .procs import screenshot_path, serve_until_terminated, write_bytes_atomic, write_json_atomic
     try:
         config = BoxConfig.load(Path(args.config))
     except (OSError, ValueError) as exc:
@@ -87,11 +87,45 @@ def cmd_remote_serve(args: argparse.Namespace) -> int:
         if args.stats else None
     print(f"remote proxy {config.name}: serving {', '.join(config_ids(config))} on "
           f"{config.listen}:{proxy.port} ({'plaintext' if config.plaintext else 'mutual TLS'})", flush=True)
+    def screenshots() -> None:
+        if args.stats:
+            for dev_id, slot in proxy.slots.items():
+                if hasattr(slot.device, "render_png"):
+                    write_bytes_atomic(screenshot_path(Path(args.stats), dev_id), slot.device.render_png())
+
     try:
-        serve_until_terminated(write_stats, entry)
+        serve_until_terminated(write_stats, entry, screenshots)
     finally:
         proxy.stop()
     return 0
+
+
+def cmd_screenshot(args: argparse.Namespace) -> int:
+    """The scanout of a display device, rendered where its framebuffer lives, as PNG."""
+    import signal
+    from pathlib import Path
+
+    from . import registry
+    from .procs import request_file, screenshot_path
+    box, _, dev = args.device.partition("/")
+    for entry in registry.entries():
+        if entry["kind"] == "host" and entry["name"] == args.device:
+            path = screenshot_path(Path(entry["stats"]))
+        elif entry["kind"] == "remote" and entry["name"] == box and dev:
+            path = screenshot_path(Path(entry["stats"]), dev)
+        else:
+            continue
+        png = request_file(entry["pid"], path, signal.SIGUSR2, 10)
+        if png is None:
+            print(f"dxpu: error: {args.device} gave no screenshot: is it a display device?", file=sys.stderr)
+            return 1
+        Path(args.out).write_bytes(png)
+        _emit(args, {"device": args.device, "out": args.out, "bytes": len(png)},
+              lambda d: f"wrote {d['out']} ({d['bytes']} bytes)")
+        return 0
+    print(f"dxpu: error: no running proxy serves {args.device!r}\n  fix: see `dxpu stats` for the names "
+          "(a host proxy's device id, or BOX/DEVICE on a GPU box)", file=sys.stderr)
+    return 1
 
 
 def stats_rows(entries: list[tuple[dict, dict | None]]) -> list[dict]:
@@ -267,6 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_remote_serve)
 
     add("stats", cmd_stats, "per-device counters of every host and remote proxy on this host")
+
+    p = add("screenshot", cmd_screenshot, "a display device's current scanout as PNG")
+    p.add_argument("device", help="host proxy device id (e.g. dxpu3), or BOX/DEVICE on a GPU box")
+    p.add_argument("out")
 
     p = add("certs", cmd_certs, "make a lab CA and certificates for hosts and boxes (openssl)")
     p.add_argument("dir")

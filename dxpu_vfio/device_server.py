@@ -21,7 +21,8 @@ from pathlib import Path
 
 from . import registry
 from .errors import DxpuError
-from .procs import ChildProcess, request_json, serve_until_terminated, terminate, write_json_atomic
+from .procs import (ChildProcess, request_file, request_json, screenshot_path, serve_until_terminated, terminate,
+                    write_bytes_atomic, write_json_atomic)
 
 
 class DeviceServerError(DxpuError):
@@ -106,8 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     entry = registry.register("host", server.name, args.stats, model=args.model,
                               socket=str(args.socket)) if args.stats else None
+    def screenshots() -> None:
+        if args.stats and hasattr(device, "render_png"):
+            write_bytes_atomic(screenshot_path(args.stats), device.render_png())
+
     try:
-        serve_until_terminated(write_stats, entry)
+        serve_until_terminated(write_stats, entry, screenshots)
     finally:
         server.stop()
     return 0
@@ -162,6 +167,16 @@ class DeviceServerProcess(ChildProcess):
         if stats is None:
             raise DeviceServerError("device server did not write its stats", logs=[self.log_path])
         return stats
+
+    def screenshot(self, timeout: float = 10.0) -> bytes:
+        """The device's current scanout as PNG (display devices)."""
+        import signal as _signal
+        png = request_file(self.process.pid, screenshot_path(self.stats_path), _signal.SIGUSR2, timeout) \
+            if self.alive() else None
+        if png is None:
+            raise DeviceServerError(f"device server {self.name} gave no screenshot (is it a display?)",
+                                    logs=[self.log_path])
+        return png
 
     def stop(self, timeout: float = 5.0) -> dict | None:
         """SIGTERM, then SIGKILL; returns the final counters if the server wrote them."""

@@ -70,31 +70,50 @@ def terminate_pid(pid: int, timeout: float = 5.0) -> None:
 
 def write_json_atomic(path: Path, data: object) -> None:
     """Readers never see half a file."""
-    tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
+    write_bytes_atomic(path, json.dumps(data, indent=1, default=str).encode())
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_bytes(data)
     tmp.rename(path)
 
 
-def request_json(pid: int, path: Path, timeout: float = 5.0) -> dict | None:
-    """Send SIGUSR1 and return the JSON the process then (re)writes at ``path``; None on timeout."""
+def request_file(pid: int, path: Path, sig: int = signal.SIGUSR1, timeout: float = 5.0) -> bytes | None:
+    """Send ``sig`` and return what the process then (re)writes at ``path``; None on timeout."""
     path = Path(path)
     before = path.stat().st_mtime_ns if path.exists() else 0
     try:
-        os.kill(pid, signal.SIGUSR1)
+        os.kill(pid, sig)
     except ProcessLookupError:
         return None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists() and path.stat().st_mtime_ns != before:
-            try:
-                return json.loads(path.read_text())
-            except ValueError:
-                pass  # caught between write and rename of an old writer: retry
+            return path.read_bytes()
         time.sleep(0.01)
     return None
 
 
-def serve_until_terminated(write_stats, register_entry=None) -> None:
+def request_json(pid: int, path: Path, timeout: float = 5.0) -> dict | None:
+    """Send SIGUSR1 and return the JSON the process then (re)writes at ``path``; None on timeout."""
+    deadline = time.monotonic() + timeout
+    while (data := request_file(pid, path, signal.SIGUSR1, max(0.1, deadline - time.monotonic()))) is not None:
+        try:
+            return json.loads(data)
+        except ValueError:
+            if time.monotonic() > deadline:  # caught an old writer between write and rename
+                return None
+    return None
+
+
+def screenshot_path(stats_path: Path, device: str | None = None) -> Path:
+    """Where a proxy writes a device's scanout PNG on SIGUSR2."""
+    base = Path(stats_path)
+    return base.with_name(base.name + (f".{device}" if device else "") + ".png")
+
+
+def serve_until_terminated(write_stats, register_entry=None, screenshots=None) -> None:
     """The main loop of a proxy process: counters on SIGUSR1, end on SIGTERM/SIGINT.
 
     ``write_stats()`` runs on SIGUSR1 and once more at the end; ``register_entry`` is a
@@ -105,6 +124,8 @@ def serve_until_terminated(write_stats, register_entry=None) -> None:
     from . import registry
     done = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: write_stats())
+    if screenshots is not None:  # display devices: their scanout as PNG on SIGUSR2
+        signal.signal(signal.SIGUSR2, lambda *_: screenshots())
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
     try:

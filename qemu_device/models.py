@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Callable
 
 from .device import PciFunction
+from .display import DisplayAdapter
 from .nvme import NvmeController
 from .testdev import TestDevice
 
 MODELS: dict[str, Callable[..., PciFunction]] = {
     "testdev": TestDevice,
     "nvme": NvmeController,
+    "display": DisplayAdapter,
 }
 
 

@@ -1,0 +1,131 @@
+"""A display adapter compatible with QEMU's bochs-display (PCI 1234:1111), which Linux's
+own ``bochs`` DRM driver binds to.
+
+BAR0 is the framebuffer (prefetchable; memory of whoever serves the device: on a GPU
+box, the box); BAR2 is 4 KiB of MMIO: an EDID blob at 0x000, the VBE DISPI registers at
+0x500 (16 bit each, index * 2) and QEMU's extended registers at 0x600 (size, byte order).
+Nothing else: no VGA, no legacy I/O ports. ``render_png()`` draws the current scanout.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+from .bars import BarSpec
+from .device import IrqConfig, PciFunction
+from .header import PciIdentity
+
+DISPI, QEXT = 0x500, 0x600
+ID, XRES, YRES, BPP, ENABLE, BANK, VIRT_WIDTH, VIRT_HEIGHT, X_OFFSET, Y_OFFSET, VIDEO_MEMORY_64K = range(11)
+DISPI_ID5 = 0xB0C5
+ENABLED, LFB_ENABLED = 0x01, 0x40
+BYTEORDER_LE = 0x1E1E1E1E
+
+
+def _edid(name: bytes = b"DXPU") -> bytes:
+    """A minimal EDID 1.4 block preferring 1024x768@60 (from the DMT timing table)."""
+    e = bytearray(128)
+    e[0:8] = b"\x00\xff\xff\xff\xff\xff\xff\x00"
+    e[8:10] = struct.pack(">H", (ord("D") - 64) << 10 | (ord("X") - 64) << 5 | (ord("P") - 64))
+    e[18], e[19] = 1, 4  # EDID 1.4
+    e[20] = 0xA5  # digital, 8 bits per colour, DisplayPort
+    e[21], e[22] = 34, 27  # cm
+    e[35] = 0x08  # established timing 1024x768@60
+    # detailed timing descriptor: 1024x768@60, 65 MHz
+    e[54:72] = bytes([0x64, 0x19, 0x00, 0x40, 0x41, 0x00, 0x26, 0x30, 0x18, 0x88,
+                      0x36, 0x00, 0x54, 0x0E, 0x11, 0x00, 0x00, 0x1E])
+    e[72:90] = b"\x00\x00\x00\xfc\x00" + name.ljust(13, b"\n")[:13]  # monitor name
+    e[127] = (-sum(e[:127])) & 0xFF
+    return bytes(e)
+
+
+class DisplayAdapter(PciFunction):
+    """``vram_mib``: framebuffer size (16 MiB or more)."""
+
+    def __init__(self, *, vram_mib: int = 16) -> None:
+        if vram_mib < 16 or vram_mib & (vram_mib - 1):
+            raise ValueError("vram_mib must be a power of two, 16 or more")
+        super().__init__(PciIdentity(0x1234, 0x1111, 0x038000, revision=2),
+                         [BarSpec(0, vram_mib << 20, "mem32", prefetchable=True), BarSpec(2, 4096, "mem32")],
+                         IrqConfig(intx=False), config_size=256, pcie=False)
+        self.vram = bytearray(vram_mib << 20)
+        self.edid = _edid()
+        self.writes = 0
+        self.reset_registers()
+
+    def reset_registers(self) -> None:
+        self.dispi = [0] * 11
+        self.dispi[ID] = DISPI_ID5
+        self.dispi[VIDEO_MEMORY_64K] = len(self.vram) >> 16
+        self.byteorder = BYTEORDER_LE
+
+    # --- BAR access ------------------------------------------------------------------------
+    def bar_read(self, index: int, offset: int, size: int) -> bytes:
+        if index == 0:
+            return bytes(self.vram[offset:offset + size])
+        return bytes(self._mmio_byte(offset + i) for i in range(size))
+
+    def _mmio_byte(self, offset: int) -> int:
+        if offset < len(self.edid):
+            return self.edid[offset]
+        if DISPI <= offset < DISPI + 2 * len(self.dispi):
+            reg = (offset - DISPI) // 2
+            return (self.dispi[reg] >> (8 * ((offset - DISPI) % 2))) & 0xFF
+        if QEXT <= offset < QEXT + 8:
+            value = 8 if offset < QEXT + 4 else self.byteorder
+            return (value >> (8 * ((offset - QEXT) % 4))) & 0xFF
+        return 0
+
+    def bar_write(self, index: int, offset: int, data: bytes) -> None:
+        if index == 0:
+            self.vram[offset:offset + len(data)] = data
+            self.writes += 1
+            return
+        for i, byte in enumerate(data):
+            off = offset + i
+            if DISPI <= off < DISPI + 2 * len(self.dispi):
+                reg, shift = (off - DISPI) // 2, 8 * ((off - DISPI) % 2)
+                if reg in (ID, VIDEO_MEMORY_64K):
+                    continue  # read-only here
+                self.dispi[reg] = (self.dispi[reg] & ~(0xFF << shift)) | (byte << shift)
+            elif QEXT + 4 <= off < QEXT + 8:
+                shift = 8 * ((off - QEXT) % 4)
+                self.byteorder = (self.byteorder & ~(0xFF << shift)) | (byte << shift)
+
+    # --- what is on the screen -------------------------------------------------------------
+    def mode(self) -> dict:
+        d = self.dispi
+        return {"enabled": bool(d[ENABLE] & ENABLED), "xres": d[XRES], "yres": d[YRES], "bpp": d[BPP],
+                "virt_width": d[VIRT_WIDTH] or d[XRES], "x_offset": d[X_OFFSET], "y_offset": d[Y_OFFSET]}
+
+    def scanout(self) -> tuple[int, int, bytes]:
+        """(width, height, RGB bytes) of what the display shows now (32 bpp XRGB8888)."""
+        with self.lock:
+            m = self.mode()
+            if not m["enabled"] or m["bpp"] != 32 or not m["xres"] or not m["yres"]:
+                return 0, 0, b""
+            w, h, stride = m["xres"], m["yres"], m["virt_width"] * 4
+            base = m["y_offset"] * stride + m["x_offset"] * 4
+            rows = [bytes(self.vram[base + y * stride: base + y * stride + w * 4]) for y in range(h)]
+        rgb = bytearray()
+        for row in rows:  # XRGB8888 little-endian: B, G, R, X in memory
+            px = memoryview(row)
+            line = bytearray(w * 3)
+            line[0::3], line[1::3], line[2::3] = px[2::4], px[1::4], px[0::4]
+            rgb += line
+        return w, h, bytes(rgb)
+
+    def render_png(self) -> bytes:
+        w, h, rgb = self.scanout()
+        if not w:
+            w, h, rgb = 1, 1, b"\0\0\0"
+        raw = b"".join(b"\0" + rgb[y * w * 3:(y + 1) * w * 3] for y in range(h))
+
+        def chunk(kind: bytes, data: bytes) -> bytes:
+            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
+
+    def stats(self) -> dict:
+        return {"framebuffer_writes": self.writes, "mode": self.mode(), "suppressed_interrupts": 0}
