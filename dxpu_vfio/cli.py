@@ -108,21 +108,28 @@ def cmd_screenshot(args: argparse.Namespace) -> int:
     from . import registry
     from .procs import request_file, screenshot_path
     box, _, dev = args.device.partition("/")
+    found = False
     for entry in registry.entries():
         if entry["kind"] == "host" and entry["name"] == args.device:
+            if entry.get("model") != "display":
+                found = True  # a device of that name, but not a display: another may be
+                continue
             path = screenshot_path(Path(entry["stats"]))
         elif entry["kind"] == "remote" and entry["name"] == box and dev:
             path = screenshot_path(Path(entry["stats"]), dev)
         else:
             continue
-        png = request_file(entry["pid"], path, signal.SIGUSR2, 10)
+        png = request_file(entry["pid"], path, signal.SIGUSR2, 30)  # a busy display renders slowly
         if png is None:
-            print(f"dxpu: error: {args.device} gave no screenshot: is it a display device?", file=sys.stderr)
-            return 1
+            found = True
+            continue
         Path(args.out).write_bytes(png)
         _emit(args, {"device": args.device, "out": args.out, "bytes": len(png)},
               lambda d: f"wrote {d['out']} ({d['bytes']} bytes)")
         return 0
+    if found:
+        print(f"dxpu: error: {args.device} gave no screenshot: is it a display device?", file=sys.stderr)
+        return 1
     print(f"dxpu: error: no running proxy serves {args.device!r}\n  fix: see `dxpu stats` for the names "
           "(a host proxy's device id, or BOX/DEVICE on a GPU box)", file=sys.stderr)
     return 1

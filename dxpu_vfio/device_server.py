@@ -168,7 +168,7 @@ class DeviceServerProcess(ChildProcess):
             raise DeviceServerError("device server did not write its stats", logs=[self.log_path])
         return stats
 
-    def screenshot(self, timeout: float = 10.0) -> bytes:
+    def screenshot(self, timeout: float = 30.0) -> bytes:
         """The device's current scanout as PNG (display devices)."""
         import signal as _signal
         png = request_file(self.process.pid, screenshot_path(self.stats_path), _signal.SIGUSR2, timeout) \

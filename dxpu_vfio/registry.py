@@ -33,13 +33,11 @@ def unregister(entry: Path) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """The process runs and is still ours (a recycled pid runs something else)."""
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
+        return b"dxpu_vfio" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
         return False
-    except PermissionError:
-        return True
 
 
 def entries() -> list[dict]:
