@@ -13,6 +13,7 @@ import os
 import tempfile
 
 from . import hotplug
+from .guest_devices import nvme_disk
 from .lab import lab
 from .vm import Vm, VmConfig
 
@@ -22,13 +23,6 @@ EDU = "0000:00:05.0"
 
 def _kv(text: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in text.split() if "=" in item)
-
-
-def _nvme_disk(vm: Vm, bdf: str) -> str:
-    """The guest's block device for namespace 1 of the NVMe controller at ``bdf``."""
-    return vm.run(f"i=0; while [ $i -lt 200 ]; do for d in /sys/bus/pci/devices/{bdf}/nvme/nvme*/nvme*n*; do "
-                  "[ \"$(cat $d/nsid 2>/dev/null)\" = 1 ] && [ -e /dev/$(basename $d) ] && "
-                  "{ basename $d; exit 0; }; done; sleep 0.1; i=$((i+1)); done; exit 1", timeout=40).stdout.strip()
 
 
 def run_demo(image: str = "tiny", accel: str = "tcg", as_json: bool = False) -> int:
@@ -53,7 +47,7 @@ def run_demo(image: str = "tiny", accel: str = "tcg", as_json: bool = False) -> 
             remote = lambda dev: {"model": "remote", "settings": state.remote_settings("box1", dev),  # noqa: E731
                                   "netns": state.host_netns}
             nvme = hotplug.attach(vm, **remote("nvme0"))
-            disk = _nvme_disk(vm, nvme.guest_bdf)
+            disk = nvme_disk(vm, nvme.guest_bdf)
             say(f"demo: hot-plugged nvme0 from box1 -> guest {nvme.guest_bdf}, driver "
                 f"{vm.run(f'basename $(readlink /sys/bus/pci/devices/{nvme.guest_bdf}/driver)').stdout.strip()}, "
                 f"disk /dev/{disk}")

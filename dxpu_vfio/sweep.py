@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import hotplug, registry
+from .guest_devices import nvme_disk
 from .lab import lab
 from .perfmodel import Point, fit, prediction_error
 from .vm import Vm, VmConfig
@@ -38,12 +39,6 @@ WORKLOADS: dict[str, tuple[str, str, str]] = {
                    "{n} x 128 KiB NVMe writes"),
 }
 DEFAULT_SIZES = {"mmio-loop": 2000, "dma-64k": 40, "dma-1m": 8, "nvme-read": 192, "nvme-write": 96}
-
-
-def _nvme_disk(vm: Vm, bdf: str) -> str:
-    return vm.run(f"i=0; while [ $i -lt 200 ]; do for d in /sys/bus/pci/devices/{bdf}/nvme/nvme*/nvme*n*; do "
-                  "[ \"$(cat $d/nsid 2>/dev/null)\" = 1 ] && [ -e /dev/$(basename $d) ] && "
-                  "{ basename $d; exit 0; }; done; sleep 0.1; i=$((i+1)); done; exit 1", timeout=40).stdout.strip()
 
 
 def _timed(vm: Vm, command: str, repeats: int = 1) -> float:
@@ -97,7 +92,7 @@ def run_sweep(delays_us: list[float], calibration_us: list[float], out: Path,
 
             def run_all(devices: dict[str, hotplug.Attachment], counters: dict[str, _Counters] | None,
                         rtt_s: float | None, delay: float | None) -> None:
-                disk = _nvme_disk(vm, devices["nvme"].guest_bdf) if any(WORKLOADS[w][0] == "nvme" for w in names) else ""
+                disk = nvme_disk(vm, devices["nvme"].guest_bdf) if any(WORKLOADS[w][0] == "nvme" for w in names) else ""
                 for w in names:
                     kind, template, _ = WORKLOADS[w]
                     cmd = template.format(bdf=devices[kind].guest_bdf, disk=disk, n=sizes[w])

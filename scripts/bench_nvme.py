@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dxpu_vfio import hotplug  # noqa: E402
 from dxpu_vfio.bench import table, write_json  # noqa: E402
+from dxpu_vfio.guest_devices import nvme_disk  # noqa: E402
 from dxpu_vfio.lab import lab  # noqa: E402
 from dxpu_vfio.vm import Vm, VmConfig  # noqa: E402
 
@@ -36,14 +37,6 @@ def fio(vm: Vm, dev: str, rw: str, bs: str, runtime: int, size_mib: int) -> dict
     side = job["read"] if "read" in rw else job["write"]
     return {"MBps": side["bw_bytes"] / 1e6, "iops": side["iops"],
             "lat_mean_us": side["lat_ns"]["mean"] / 1000}
-
-
-def namespace_disk(vm: Vm, bdf: str) -> str:
-    ctrl = vm.run(f"i=0; while [ ! -d /sys/bus/pci/devices/{bdf}/nvme ] && [ $i -lt 200 ]; do sleep 0.1; "
-                  f"i=$((i+1)); done; ls /sys/bus/pci/devices/{bdf}/nvme").stdout.split()[0]
-    return vm.run(f"i=0; while [ $i -lt 200 ]; do for d in /sys/block/{ctrl}n*; do [ \"$(cat $d/nsid)\" = 1 ] && "
-                  "[ -e /dev/$(basename $d) ] && { basename $d; exit 0; }; done; sleep 0.1; i=$((i+1)); done; exit 1"
-                  ).stdout.strip()
 
 
 def main() -> int:
@@ -66,11 +59,11 @@ def main() -> int:
                  "-device", "nvme,drive=qn,serial=QEMUNVME,addr=0x6"]
         with Vm(VmConfig(image="full", name="bench-nvme", extra_args=extra, boot_timeout=240)) as vm:
             vm.boot()
-            qemu_dev = namespace_disk(vm, "0000:00:06.0")
+            qemu_dev = nvme_disk(vm, "0000:00:06.0")
             local = hotplug.attach(vm, "nvme", settings={"namespaces": [{"size": size, "path": str(work / "local.img")}]})
             remote = hotplug.attach(vm, "remote", settings=state.remote_settings("box1", "nv0"), netns=state.host_netns)
-            devices = {"qemu-nvme": qemu_dev, "local": namespace_disk(vm, local.guest_bdf),
-                       "remote": namespace_disk(vm, remote.guest_bdf)}
+            devices = {"qemu-nvme": qemu_dev, "local": nvme_disk(vm, local.guest_bdf),
+                       "remote": nvme_disk(vm, remote.guest_bdf)}
             for name, dev in devices.items():
                 results[name] = {}
                 for workload, (rw, bs) in WORKLOADS.items():

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from dxpu_vfio import hotplug
+from dxpu_vfio.guest_devices import nvme_disk
 from dxpu_vfio.lab import lab
 
 pytestmark = pytest.mark.vm
@@ -67,15 +68,6 @@ def vm(request, shared):
     return first_vm(request, shared)
 
 
-def disk(vm, ctrl: str, nsid: int = 1, timeout: int = 20) -> str:
-    """The block device of namespace ``nsid``: Linux numbers nvmeXnY in scan order, not by
-    NSID (namespaces are scanned in parallel), so look the NSID up in sysfs."""
-    return vm.run(f"i=0; while [ $i -lt {timeout * 10} ]; do "
-                  f"for d in /sys/block/{ctrl}n*; do [ \"$(cat $d/nsid 2>/dev/null)\" = {nsid} ] && "
-                  f"[ -e /dev/$(basename $d) ] && {{ basename $d; exit 0; }}; done; sleep 0.1; i=$((i+1)); done; exit 1",
-                  timeout=timeout + 10).stdout.strip()
-
-
 def controller(vm, att, timeout: int = 20) -> str:
     """The nvmeN name the guest's driver gave this device (waits for the driver to bind)."""
     d = f"/sys/bus/pci/devices/{att.guest_bdf}/nvme"
@@ -86,8 +78,7 @@ def controller(vm, att, timeout: int = 20) -> str:
 @pytest.fixture
 def plugged(vm, nvme_device):
     att = hotplug.attach(vm, **nvme_device())
-    ctrl = controller(vm, att)
-    yield att, disk(vm, ctrl, 1), disk(vm, ctrl, 2)
+    yield att, nvme_disk(vm, att.guest_bdf, 1), nvme_disk(vm, att.guest_bdf, 2)
     hotplug.detach(att)
 
 
@@ -117,13 +108,13 @@ def test_second_namespace_is_independent(vm, plugged):
 
 def test_data_survives_unplug_and_replug(vm, nvme_device):
     att = hotplug.attach(vm, **nvme_device())
-    ns1 = disk(vm, controller(vm, att), 1)
+    ns1 = nvme_disk(vm, att.guest_bdf, 1)
     vm.run(f"dd if=/dev/urandom of=/tmp/keep bs=64k count=4 2>/dev/null; "
            f"dd if=/tmp/keep of=/dev/{ns1} bs=64k seek=100 oflag=direct 2>/dev/null; sync")
     hotplug.detach(att)
     att = hotplug.attach(vm, **nvme_device())
     try:
-        ns1 = disk(vm, controller(vm, att), 1)
+        ns1 = nvme_disk(vm, att.guest_bdf, 1)
         out = vm.run(f"dd if=/dev/{ns1} of=/tmp/again bs=64k skip=100 count=4 iflag=direct 2>/dev/null; "
                      "md5sum /tmp/keep /tmp/again").stdout.split()
         assert out[0] == out[2]
@@ -136,7 +127,7 @@ def test_two_nvme_devices_in_one_vm(vm, nvme_device, mode):
     first = hotplug.attach(vm, **nvme_device(0))
     second = hotplug.attach(vm, **nvme_device(1))
     try:
-        names = [disk(vm, controller(vm, a), 1) for a in (first, second)]
+        names = [nvme_disk(vm, a.guest_bdf, 1) for a in (first, second)]
         for i, ns in enumerate(names):
             vm.run(f"echo disk-{i} | dd of=/dev/{ns} bs=512 conv=sync oflag=direct 2>/dev/null")
         for i, ns in enumerate(names):
@@ -152,14 +143,14 @@ def test_flushed_data_survives_a_remote_proxy_restart(vm_factory, nvme_lab):
     vm = vm_factory.booted("tiny")
     settings = nvme_lab.remote_settings("box2", "nv1")
     att = hotplug.attach(vm, "remote", settings=settings, netns=nvme_lab.host_netns)
-    ns1 = disk(vm, controller(vm, att), 1)
+    ns1 = nvme_disk(vm, att.guest_bdf, 1)
     vm.run(f"dd if=/dev/urandom of=/tmp/keep bs=64k count=8 2>/dev/null; "
            f"dd if=/tmp/keep of=/dev/{ns1} bs=64k oflag=direct 2>/dev/null; sync")  # sync: flush
     hotplug.detach(att)
     os.kill(nvme_lab.box("box2").proxy_pid, signal.SIGKILL)
     lab.restart_proxy(nvme_lab, "box2")
     att = hotplug.attach(vm, "remote", settings=settings, netns=nvme_lab.host_netns)
-    ns1 = disk(vm, controller(vm, att), 1)
+    ns1 = nvme_disk(vm, att.guest_bdf, 1)
     out = vm.run(f"dd if=/dev/{ns1} of=/tmp/again bs=64k count=8 iflag=direct 2>/dev/null; "
                  "md5sum /tmp/keep /tmp/again").stdout.split()
     assert out[0] == out[2]
@@ -170,7 +161,7 @@ def test_remote_killed_during_io_gives_io_errors_not_a_hang(vm_factory, nvme_lab
     vm = vm_factory.booted("tiny")
     settings = {**nvme_lab.remote_settings("box1", "nv0"), "completion_timeout": 0.5}
     att = hotplug.attach(vm, "remote", settings=settings, netns=nvme_lab.host_netns)
-    ns1 = disk(vm, controller(vm, att), 1)
+    ns1 = nvme_disk(vm, att.guest_bdf, 1)
     vm.run(f"(while :; do dd if=/dev/urandom of=/dev/{ns1} bs=128k count=64 oflag=direct 2>>/tmp/io.err; "
            f"done > /dev/null &)")
     time.sleep(2)
@@ -192,8 +183,8 @@ def test_nvme_cli_on_the_full_image(full_vm, local_disks):
     att = hotplug.attach(full_vm, "nvme", settings={"namespaces": [{"size": 32 * MiB, "path": str(local_disks / "f1")}],
                                                    "serial": "DXPUFULL"})
     try:
+        ns1 = nvme_disk(full_vm, att.guest_bdf, 1)
         ctrl = controller(full_vm, att)
-        ns1 = disk(full_vm, ctrl, 1)
         ident = full_vm.run(f"nvme id-ctrl /dev/{ctrl}").stdout
         assert "dxpu-vfio pooled NVMe" in ident and "DXPUFULL" in ident
         assert "DXPUFULL" in full_vm.run("nvme list").stdout
@@ -210,7 +201,7 @@ def test_msix_option_works_until_unplug(vm_factory, local_disks):
     vm = vm_factory.booted("tiny")
     att = hotplug.attach(vm, "nvme", allow_msix=True, settings={
         "msix": True, "namespaces": [{"size": 16 * MiB, "path": str(local_disks / "mx")}]})
-    ns1 = disk(vm, controller(vm, att), 1)
+    ns1 = nvme_disk(vm, att.guest_bdf, 1)
     vm.run(f"dd if=/dev/urandom of=/dev/{ns1} bs=128k count=8 oflag=direct 2>/dev/null")
     lines = [l for l in vm.run("cat /proc/interrupts").stdout.splitlines() if "PCI-MSIX" in l and "nvme" in l]
     assert len(lines) >= 2  # admin queue + at least one I/O queue

@@ -41,7 +41,7 @@ from qemu_device.models import create_model
 from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
 
 from ..vfio_user import protocol as vp
-from ..vfio_user.connection import Connection, ConnectionClosed
+from ..vfio_user.connection import Connection, ConnectionClosed, close_listener
 from .endpoint import LinkDown, LinkEndpoint, LinkError
 from .protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, LINK_VERSION, DeviceDescription, Hello,
                        LinkCommand, pack_irq)
@@ -294,13 +294,8 @@ class RemoteProxy:
                             for sid, s in self.slots.items()}}
 
     def stop(self) -> None:
-        if self._listener is not None:
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._listener.close()
-            self._listener = None
+        close_listener(self._listener)
+        self._listener = None
         for slot in self.slots.values():
             if slot.endpoint is not None:
                 slot.endpoint.close()

@@ -127,3 +127,14 @@ class Connection:
                 for fd in fds:
                     os.close(fd)
             self._fds = []
+
+
+def close_listener(sock: socket.socket | None) -> None:
+    """Wake a thread blocked in accept() (shutdown) and close the listening socket."""
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

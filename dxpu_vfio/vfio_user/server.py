@@ -30,7 +30,7 @@ from qemu_device.device import PciFunction
 from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
 
 from . import protocol as p
-from .connection import Connection, ConnectionClosed, Message
+from .connection import Connection, ConnectionClosed, Message, close_listener
 from .dma import DmaTable
 from .irq import EventfdIrqs
 
@@ -422,13 +422,8 @@ class VfioUserServer:
     def stop(self, timeout: float = 5.0) -> None:
         """Close the socket, drop the client, join every thread. Idempotent."""
         self._stopping = True
-        if self._listener is not None:
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._listener.close()
-            self._listener = None
+        close_listener(self._listener)
+        self._listener = None
         session = self._session
         if session is not None:
             session.conn.close()
