@@ -155,6 +155,7 @@ def attach(vm: Vm, model: str = "testdev", *, settings: dict | None = None, port
         server = DeviceServerProcess(model, vm.workdir / f"{device_id}.sock", settings=settings,
                                      allow_msix=allow_msix, name=device_id, netns=netns)
         server.start()
+        vm.device_servers.append(server)  # ended with the VM if nobody detaches it
     watch = _GuestWatch(vm, port_bdf(vm, port), timeout)
     try:
         watch.arm()
@@ -215,5 +216,7 @@ def detach(attachment: Attachment, timeout: float = 15.0) -> dict | None:
     attachment.state = "detached"
     if not attachment.own_server:
         return None
+    if attachment.server in vm.device_servers:
+        vm.device_servers.remove(attachment.server)
     return attachment.server.stop()
 

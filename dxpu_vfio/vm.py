@@ -73,6 +73,8 @@ class Vm:
         self._started_at = 0.0
         self._serial_pos = 0
         self._panic_line: str | None = None
+        # Processes serving this VM's devices (hot-plug adds them); ended with the VM.
+        self.device_servers: list = []
 
     # --- paths -------------------------------------------------------------------
     @property
@@ -308,11 +310,14 @@ class Vm:
         return pid
 
     def kill(self) -> None:
-        """End QEMU by its pid (SIGTERM, then SIGKILL) and release everything."""
+        """End QEMU by its pid (SIGTERM, then SIGKILL), then the device servers it used."""
         if self.channel:
             self.channel.close()
             self.channel = None
         terminate(self.process)
+        for server in self.device_servers:
+            server.stop()
+        self.device_servers.clear()
         self.qmp.close()
         for sock in (self.qmp_path, self.channel_path):
             sock.unlink(missing_ok=True)

@@ -340,3 +340,13 @@ def test_guest_uses_an_external_vfio_user_server_in_a_box(vm_factory, tmp_path):
     finally:
         lab.down(state.name)
         external.stop()
+
+
+def test_device_servers_end_with_their_vm(vm_factory):
+    """A test that fails before detach must not leave device servers behind."""
+    vm = vm_factory.booted("tiny")
+    att = hotplug.attach(vm, "testdev")
+    pid = att.server.pid
+    vm.kill()
+    assert not os.path.exists(f"/proc/{pid}"), "the device server outlived its VM"
+    assert not att.socket_path.exists()
