@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import ImageError, SetupError
-from .paths import PROJECT_ROOT, VM_IMAGES_DIR, cache_dir
+from .paths import VM_IMAGES_DIR, cache_dir
 
 MIRROR = "http://deb.debian.org/debian"
 IMAGE_NAMES = ("tiny", "full")
@@ -297,9 +297,3 @@ def build_image(name: str, *, rebuild: bool = False, log: Log = print) -> Image:
     log(f"images: {name} built (kernel {image.kernel_release})")
     return image
 
-
-def project_relative(path: Path) -> str:
-    try:
-        return str(path.relative_to(PROJECT_ROOT))
-    except ValueError:
-        return str(path)
