@@ -336,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--calibration", default="0,250,1000", help="delays the model is fitted on")
             p.add_argument("--out", default="results/sweep")
 
+    from .pool.cli import add_commands as add_pool_commands
+    add_pool_commands(sub, add)
+
     p = add("demo", cmd_demo, "the main demo on the embedded defaults")
     p.add_argument("--image", default="tiny", choices=["tiny", "full"])
     p.add_argument("--accel", default="tcg", choices=["tcg", "kvm"])

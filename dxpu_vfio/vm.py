@@ -90,6 +90,11 @@ class Vm:
         return self.workdir / "qmp.sock"
 
     @property
+    def admin_qmp_path(self) -> Path:
+        """A second QMP monitor, free for admins and the pool manager (``dxpu attach PATH``)."""
+        return self.workdir / "admin.sock"
+
+    @property
     def channel_path(self) -> Path:
         return self.workdir / "guest.sock"
 
@@ -117,6 +122,7 @@ class Vm:
             "-kernel", str(img.kernel), "-initrd", str(img.initrd), "-append", c.cmdline or img.cmdline,
             "-serial", f"file:{self.serial_log}",
             "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
+            "-qmp", f"unix:{self.admin_qmp_path},server=on,wait=off",
         ]
         for i, port in enumerate(self.root_port_ids(), start=1):
             args += ["-device", f"pcie-root-port,id={port},bus=pcie.0,chassis={i},slot={i},"
@@ -166,7 +172,7 @@ class Vm:
         """Start QEMU and connect QMP; raises :class:`QemuStartError` naming the logs."""
         if self.state is not VmState.CREATED:
             raise VmError(f"VM {self.config.name} was already started")
-        for stale in (self.qmp_path, self.channel_path):
+        for stale in (self.qmp_path, self.admin_qmp_path, self.channel_path):
             stale.unlink(missing_ok=True)
         argv = self.command_line()
         (self.workdir / "qemu.cmdline").write_text(shlex.join(argv) + "\n")
@@ -319,7 +325,7 @@ class Vm:
             server.stop()
         self.device_servers.clear()
         self.qmp.close()
-        for sock in (self.qmp_path, self.channel_path):
+        for sock in (self.qmp_path, self.admin_qmp_path, self.channel_path):
             sock.unlink(missing_ok=True)
         self.state = VmState.STOPPED
 

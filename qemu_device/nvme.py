@@ -459,6 +459,10 @@ class NvmeController(PciFunction):
             pos += n
 
     # --- lifecycle -------------------------------------------------------------------------------
+    def capacity_bytes(self) -> int:
+        """What the pool lists for this device: the sum of its namespaces."""
+        return sum(ns.blocks << LBA_SHIFT for ns in self.namespaces.values())
+
     def stats(self) -> dict:
         return {**self.stats_counters, "suppressed_interrupts": self.suppressed_interrupts}
 

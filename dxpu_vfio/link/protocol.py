@@ -31,6 +31,7 @@ class LinkCommand(enum.IntEnum):
     HELLO = 0x100  # host -> remote: version, device id, lease token (JSON); reply: device description
     IRQ = 0x101  # remote -> host, posted: kind, vector, level
     HEARTBEAT = 0x102  # both ways, posted
+    INVENTORY = 0x103  # manager -> remote, instead of HELLO: the box's devices (JSON); then the link closes
 
 
 IRQ_MSG = struct.Struct("<III")  # kind, vector, level

@@ -28,6 +28,7 @@ BOX.toml::
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import socket
 import ssl
@@ -215,6 +216,11 @@ class RemoteProxy:
         conn = Connection(sock)
         try:
             msg = conn.receive()
+            if msg.header.command == LinkCommand.INVENTORY:
+                conn.send(vp.message(msg.header.msg_id, msg.header.command,
+                                     json.dumps(self.inventory()).encode(), reply=True))
+                conn.close()
+                return
             if msg.header.command != LinkCommand.HELLO:
                 raise vp.ProtocolError("first message must be HELLO")
             hello = Hello.unpack(msg.payload)
@@ -283,6 +289,25 @@ class RemoteProxy:
 
         return {LinkCommand.REGION_READ: region_read, LinkCommand.REGION_WRITE: region_write,
                 LinkCommand.DEVICE_RESET: reset}
+
+    def inventory(self) -> dict:
+        """What the pool manager registers: every device, its identity, size and lease token.
+
+        Only peers with a certificate of the pool's CA get here (or anyone, on a box run
+        with ``plaintext = true``): the CA is the trust boundary of the pool.
+        """
+        devices = []
+        for sid, slot in self.slots.items():
+            with slot.device.lock:
+                ids = int.from_bytes(slot.device.region_read(vp.REGION_CONFIG, 0, 4), "little")
+                capacity = getattr(slot.device, "capacity_bytes", None)
+                capacity = capacity() if capacity else max((r.size for r in slot.device.regions()
+                                                            if r.index < vp.REGION_CONFIG), default=0)
+            devices.append({"id": sid, "class": "external" if slot.spec.model == "vfio-user" else slot.spec.model,
+                            "vendor": f"{ids & 0xFFFF:04x}", "model": f"{ids >> 16:04x}",
+                            "capacity": capacity, "lease": slot.spec.lease,
+                            "in_use": bool(slot.endpoint is not None and slot.endpoint.up)})
+        return {"box": self.config.name, "version": LINK_VERSION, "devices": devices}
 
     def snapshot(self) -> dict:
         return {"box": self.config.name, "port": self.port, "refused": dict(self.refused),

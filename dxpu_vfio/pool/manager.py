@@ -1,0 +1,338 @@
+"""The pool manager's operations: register boxes, attach, detach, reconcile, report.
+
+Attach is all-or-nothing: leases are created first (``attaching``), then for each device
+a host proxy is started and QEMU gets ``device_add``; only when every device is in the
+VM do the leases become ``attached``. Any failure undoes what this call did, in reverse
+order. Detach marks the lease ``detaching``, unplugs, stops the proxy and only then
+deletes the lease. :meth:`Manager.reconcile` finishes or undoes whatever a killed manager
+left half done, by asking the VMs what they really have.
+
+Host proxies are processes of their own (``dxpu_vfio.device_server`` in forward mode)
+that outlive the manager; the store records their pids, and they are ended by pid.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+from ..device_server import DeviceServerProcess
+from ..errors import DxpuError
+from ..procs import request_json, terminate_pid
+from ..qmp_session import QmpError
+from .boxes import TLS_ROLE, BoxUnreachable, fetch_inventory
+from .store import QDEV_PREFIX, Lease, Store, StoreError
+from .targets import UnplugTimeout, VmTarget, device_present, free_root_port, open_target, plugged_devices
+
+log = logging.getLogger("dxpu.manager")
+
+
+def failpoint(name: str) -> None:
+    """Crash here if ``$DXPU_FAILPOINTS`` names this point (``attach.after_proxy,...``).
+
+    For crash tests: the manager dies by SIGKILL at an exact step, exactly as a kill -9
+    from outside would leave things, only at a known moment.
+    """
+    if name in os.environ.get("DXPU_FAILPOINTS", "").split(","):
+        log.error("failpoint %s: killing the manager", name)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class AttachError(DxpuError):
+    """An attach failed; everything it had done was undone."""
+
+
+def stats_path(socket_path: str | Path) -> Path:
+    return Path(socket_path).with_suffix(".stats.json")
+
+
+def proxy_alive(lease: Lease) -> bool:
+    """The lease's host proxy runs (and the pid is still that proxy, not a recycled one)."""
+    if not lease.proxy_pid or not lease.socket:
+        return False
+    try:
+        cmdline = Path(f"/proc/{lease.proxy_pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return lease.socket.encode() in cmdline and b"dxpu_vfio.device_server" in cmdline
+
+
+def stop_proxy(lease: Lease) -> None:
+    if proxy_alive(lease):
+        terminate_pid(lease.proxy_pid)
+    if lease.socket:
+        Path(lease.socket).unlink(missing_ok=True)
+        stats_path(lease.socket).unlink(missing_ok=True)
+
+
+class Manager:
+    """One pool, one store. Thread-safe: the service calls it from many threads."""
+
+    def __init__(self, store: Store, *, open_vm: Callable[[str], VmTarget] = open_target,
+                 dead_after: float = 3.0, unplug_timeout: float = 15.0) -> None:
+        self.store = store
+        self.open_vm = open_vm
+        self.dead_after = dead_after
+        self.unplug_timeout = unplug_timeout
+        self._vm_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._locks_lock = threading.Lock()
+
+    def _vm_lock(self, key: str) -> threading.Lock:
+        """Operations on one VM run one at a time (they pick root ports); VMs run in parallel."""
+        with self._locks_lock:
+            return self._vm_locks[key]
+
+    # --- boxes --------------------------------------------------------------------
+    def register_box(self, name: str | None, address: str, tls_dir: str | None) -> dict:
+        """Ask the box for its inventory over mutual TLS and store it."""
+        tls_dir = str(Path(tls_dir).resolve()) if tls_dir else None
+        inventory = fetch_inventory(address, tls_dir)
+        name = name or inventory["box"]
+        if name != inventory["box"]:
+            raise BoxUnreachable(f"the box at {address} calls itself {inventory['box']!r}, not {name!r}",
+                                 hint="register it under its own name, or fix its config")
+        self.store.register_box(name, address, tls_dir, inventory["devices"])
+        return {"box": name, "address": address, "devices": [
+            {k: d[k] for k in ("id", "class", "vendor", "model", "capacity")} for d in inventory["devices"]]}
+
+    def heartbeat(self) -> list[dict]:
+        """Probe every box once; a box unheard for ``dead_after`` s goes down, and back up
+        when it answers (its inventory refreshed). Returns the state changes."""
+        changes = []
+        for box in self.store.boxes():
+            try:
+                inventory = fetch_inventory(box["address"], box["tls_dir"], timeout=min(2.0, self.dead_after))
+            except BoxUnreachable as exc:
+                if box["state"] == "up" and time.time() - box["last_seen"] >= self.dead_after:
+                    self.store.mark_box(box["name"], up=False, error=exc.message)
+                    changes.append({"box": box["name"], "state": "down", "error": exc.message})
+                    log.warning("box %s is down: %s", box["name"], exc.message)
+                continue
+            if box["state"] == "down":
+                self.store.register_box(box["name"], box["address"], box["tls_dir"], inventory["devices"])
+                changes.append({"box": box["name"], "state": "up"})
+                log.warning("box %s is back", box["name"])
+            else:
+                self.store.mark_box(box["name"], up=True)
+        return changes
+
+    # --- attach / detach ---------------------------------------------------------
+    def attach(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
+               device: str | None = None, policy: str = "pack", timeout: float = 30.0) -> list[dict]:
+        with self.open_vm(vm) as target, self._vm_lock(target.key):
+            if not target.alive():
+                raise AttachError(f"VM {vm} is not running", hint="start it first")
+            leases = self.store.allocate(target.key, device_class=device_class, count=count, box=box,
+                                         device=device, policy=policy, owner_pid=os.getpid())
+            done: list[tuple[Lease, bool]] = []  # (lease, plugged)
+            try:
+                for lease in leases:
+                    done.append((lease, False))
+                    self._plug(target, lease, timeout)
+                    done[-1] = (lease, True)
+                for lease in leases:
+                    self.store.update_lease(lease.id, state="attached")
+                    lease.state = "attached"
+            except BaseException as exc:
+                for lease, plugged in reversed(done):
+                    self._undo(target, lease, plugged)
+                for lease in leases[len(done):]:
+                    self.store.delete_lease(lease.id)
+                if isinstance(exc, DxpuError):
+                    raise AttachError(f"attach to {vm} failed and was rolled back: {exc.message}",
+                                      hint=exc.hint, logs=exc.logs) from exc
+                raise
+            return [self._describe(lease, target) for lease in leases]
+
+    def _plug(self, target: VmTarget, lease: Lease, timeout: float) -> None:
+        dev = self.store.device(lease.device)
+        settings = {"address": dev["address"], "device": dev["name"], "lease": dev["token"]}
+        settings.update({"tls_dir": dev["tls_dir"], "tls_role": TLS_ROLE} if dev["tls_dir"] else {"plaintext": True})
+        socket_path = target.socket_dir() / f"{lease.id}.sock"
+        server = DeviceServerProcess("remote", socket_path, settings=settings, name=lease.qdev_id)
+        lease.socket = str(socket_path)
+        self.store.update_lease(lease.id, socket=lease.socket)
+        server.start()
+        lease.proxy_pid = server.pid
+        self.store.update_lease(lease.id, proxy_pid=server.pid)
+        failpoint("attach.after_proxy")
+        port = free_root_port(target, target.name)
+        lease.port = port
+        self.store.update_lease(lease.id, port=port)
+        try:
+            target.plug(lease.qdev_id, port, socket_path, timeout)
+        except QmpError as exc:
+            raise AttachError(f"QEMU refused {lease.device} on {port}: {exc.message}",
+                              logs=[server.log_path]) from exc
+        failpoint("attach.after_plug")
+
+    def _undo(self, target: VmTarget, lease: Lease, plugged: bool) -> None:
+        """Reverse of _plug, best effort, then the lease goes."""
+        if plugged or (target.alive() and device_present(target, lease.qdev_id)):
+            try:
+                target.unplug(lease.qdev_id, self.unplug_timeout)
+            except DxpuError as exc:
+                log.error("rollback could not unplug %s from %s: %s", lease.qdev_id, target.name, exc)
+                self.store.update_lease(lease.id, state="detaching")
+                return  # keep the lease: the device is still in the VM; reconcile retries
+        stop_proxy(lease)
+        self.store.delete_lease(lease.id)
+
+    def detach(self, vm: str, device: str | None = None, *, all_devices: bool = False,
+               timeout: float | None = None) -> list[dict]:
+        """Unplug one device (lease id, device id or name) or all of the VM's, and free them."""
+        if device is None and not all_devices:
+            raise StoreError("name a device to detach, or pass --all", hint="dxpu status VM lists its devices")
+        with self.open_vm(vm) as target, self._vm_lock(target.key):
+            leases = self.store.leases(target.key) if all_devices else [self.store.lease_for(target.key, device)]
+            freed = []
+            for lease in leases:
+                freed.append(self._detach_one(target, lease, timeout or self.unplug_timeout))
+            return freed
+
+    def _detach_one(self, target: VmTarget, lease: Lease, timeout: float) -> dict:
+        self.store.update_lease(lease.id, state="detaching", owner_pid=os.getpid())
+        counters = self._proxy_stats(lease)
+        if target.alive() and device_present(target, lease.qdev_id):
+            try:
+                target.unplug(lease.qdev_id, timeout)
+            except UnplugTimeout:
+                raise  # lease stays 'detaching', device stays served: detach again later
+        stop_proxy(lease)
+        self.store.delete_lease(lease.id)
+        return {"lease": lease.id, "device": lease.device, "vm": lease.vm, "state": "freed",
+                "counters": counters}
+
+    # --- reconciliation ----------------------------------------------------------
+    def reconcile(self) -> list[dict]:
+        """Make the store and the VMs agree, after a crash or at start.
+
+        - ``attaching`` leases whose manager is gone are rolled back (unplug if QEMU has
+          the device, end the proxy, delete the lease);
+        - ``detaching`` leases are finished;
+        - ``attached`` leases whose device left the VM, whose VM is gone, or whose host
+          proxy died (QEMU never reconnects a vfio-user device) are released;
+        - devices with the pool's QEMU id prefix but no lease are unplugged.
+        """
+        actions = []
+        by_vm: dict[str, list[Lease]] = defaultdict(list)
+        for lease in self.store.leases():
+            by_vm[lease.vm].append(lease)
+        for vm_key, leases in by_vm.items():
+            try:
+                target = self.open_vm(vm_key)
+            except DxpuError as exc:
+                for lease in leases:  # the VM is gone: so is its device
+                    stop_proxy(lease)
+                    self.store.delete_lease(lease.id)
+                    actions.append({"lease": lease.id, "device": lease.device, "vm": vm_key,
+                                    "action": "released", "why": f"VM unreachable: {exc.message}"})
+                continue
+            with target, self._vm_lock(target.key):
+                actions += self._reconcile_vm(target, leases)
+        return actions
+
+    def _reconcile_vm(self, target: VmTarget, leases: list[Lease]) -> list[dict]:
+        actions = []
+        alive = target.alive()
+        present = set(plugged_devices(target, QDEV_PREFIX)) if alive else set()
+        for lease in leases:
+            why = None
+            # Under the VM lock no attach or detach of this process is in flight, so an
+            # unfinished lease is stale unless another live process owns it.
+            stale = lease.owner_pid == os.getpid() or not _pid_alive(lease.owner_pid)
+            if lease.state == "attaching" and stale:
+                why = "attach interrupted"
+            elif lease.state == "detaching" and stale:
+                why = "detach interrupted"
+            elif lease.state == "attached" and lease.qdev_id not in present:
+                why = "device no longer in the VM"
+            elif lease.state == "attached" and not proxy_alive(lease):
+                why = "host proxy died"
+            if why is None:
+                continue
+            self.store.update_lease(lease.id, state="detaching", owner_pid=os.getpid())
+            if lease.qdev_id in present:
+                try:
+                    target.unplug(lease.qdev_id, self.unplug_timeout)
+                except DxpuError as exc:
+                    actions.append({"lease": lease.id, "device": lease.device, "vm": lease.vm,
+                                    "action": "unplug-pending", "why": f"{why}; {exc.message}"})
+                    continue
+            stop_proxy(lease)
+            self.store.delete_lease(lease.id)
+            actions.append({"lease": lease.id, "device": lease.device, "vm": lease.vm,
+                            "action": "released", "why": why})
+        known = {lease.qdev_id for lease in leases}
+        for qdev_id in sorted(present - known):
+            try:
+                target.unplug(qdev_id, self.unplug_timeout)
+                actions.append({"qdev_id": qdev_id, "vm": target.key, "action": "unplugged",
+                                "why": "plugged by the pool but no lease"})
+            except DxpuError as exc:
+                actions.append({"qdev_id": qdev_id, "vm": target.key, "action": "unplug-pending",
+                                "why": exc.message})
+        return actions
+
+    # --- reports -----------------------------------------------------------------
+    def _proxy_stats(self, lease: Lease) -> dict | None:
+        if not proxy_alive(lease):
+            return None
+        return request_json(lease.proxy_pid, stats_path(lease.socket), timeout=2.0)
+
+    def _describe(self, lease: Lease, target: VmTarget | None = None, present: set[str] | None = None) -> dict:
+        dev = self.store.device(lease.device)
+        out = {"lease": lease.id, "device": lease.device, "class": dev["class"], "vendor": dev["vendor"],
+               "model": dev["model"], "capacity": dev["capacity"], "vm": lease.vm, "state": lease.state,
+               "qdev_id": lease.qdev_id, "port": lease.port, "proxy_pid": lease.proxy_pid,
+               "proxy_alive": proxy_alive(lease)}
+        if present is not None:
+            out["in_vm"] = lease.qdev_id in present
+        return out
+
+    def status(self, vm: str) -> dict:
+        with self.open_vm(vm) as target:
+            alive = target.alive()
+            present = set(plugged_devices(target, QDEV_PREFIX)) if alive else set()
+            leases = self.store.leases(target.key)
+            devices = []
+            for lease in leases:
+                entry = self._describe(lease, target, present)
+                stats = self._proxy_stats(lease)
+                entry["link_up"] = bool(stats and (stats.get("device") or {}).get("link", {}).get("up"))
+                devices.append(entry)
+            return {"vm": target.key, "running": alive, "devices": devices,
+                    "root_ports_free": _free_ports(target) if alive else 0}
+
+    def listing(self) -> dict:
+        return {"boxes": self.store.boxes(), "devices": self.store.devices(),
+                "leases": [self._describe(lease) for lease in self.store.leases()]}
+
+    def metrics(self) -> str:
+        """Prometheus text exposition: pool gauges and per-device counters from the proxies."""
+        from .metrics import render
+        return render(self.store, {lease.id: self._proxy_stats(lease) for lease in self.store.leases()
+                                   if lease.state == "attached"})
+
+
+def _free_ports(target: VmTarget) -> int:
+    from .targets import root_ports, used_root_ports
+    return len(set(root_ports(target)) - used_root_ports(target))
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

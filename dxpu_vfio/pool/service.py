@@ -1,0 +1,334 @@
+"""``dxpu manager serve``: the pool manager as a long-running service, and its client.
+
+The API is JSON over HTTP on a UNIX socket next to the database (``pool.sock``), mode
+0600. Every request must carry the bearer token the service wrote to ``pool.token``
+(mode 0600) *and* come from root or the service's own user (SO_PEERCRED): reading the
+token already needs those rights, checking both keeps a leaked token useless to others.
+``GET /metrics`` serves Prometheus text on the same socket and, with ``--metrics``,
+on a TCP address without the token (read-only counters, nothing to change).
+
+One service per database: it holds ``pool.lock`` (flock) while it runs. At start it
+reconciles the store with the VMs; then it probes every box each ``--heartbeat`` s.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import http.client
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import socketserver
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+from ..errors import DxpuError
+from ..procs import ChildProcess, terminate
+from .manager import Manager
+from .store import Store, default_path
+
+log = logging.getLogger("dxpu.manager")
+
+
+class ManagerError(DxpuError):
+    """The manager refused or failed a request; carries its message and hint."""
+
+    def __init__(self, message: str, *, kind: str = "ManagerError", status: int = 0, **kw) -> None:
+        self.kind = kind
+        self.status = status
+        super().__init__(message, **kw)
+
+
+class ManagerUnavailable(ManagerError):
+    """No manager serves this pool database."""
+
+
+@dataclass(frozen=True)
+class ManagerPaths:
+    """Everything of one pool lives beside its database."""
+
+    db: Path
+
+    @classmethod
+    def for_db(cls, db: Path | str | None) -> "ManagerPaths":
+        return cls(Path(db or default_path()).resolve())
+
+    @property
+    def socket(self) -> Path:
+        return self.db.with_suffix(".sock")
+
+    @property
+    def token(self) -> Path:
+        return self.db.with_suffix(".token")
+
+    @property
+    def lock(self) -> Path:
+        return self.db.with_suffix(".lock")
+
+    @property
+    def log(self) -> Path:
+        return self.db.with_suffix(".log")
+
+
+# --- server ----------------------------------------------------------------------
+class _UnixHttpServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    block_on_close = False
+
+
+class _Api(BaseHTTPRequestHandler):
+    manager: Manager
+    token: str | None  # None: the metrics-only TCP listener
+    server_version = "dxpu-manager/1"
+
+    def log_message(self, fmt: str, *args: object) -> None:
+        log.info("api: " + fmt, *args)
+
+    def address_string(self) -> str:
+        return "unix" if self.token is not None else super().address_string()
+
+    def _send(self, status: int, body: object, content_type: str = "application/json") -> None:
+        data = body.encode() if isinstance(body, str) else json.dumps(body, default=str).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _authorized(self) -> bool:
+        if self.token is None:
+            return False
+        creds = self.request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        supplied = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        return uid in (0, os.getuid()) and secrets.compare_digest(supplied, self.token)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        url = urlparse(self.path)
+        if url.path == "/metrics" and self.token is None:
+            return self._send(200, self.manager.metrics(), "text/plain; version=0.0.4")
+        self._handle("GET", url.path, {k: v[-1] for k, v in parse_qs(url.query).items()})
+
+    def do_POST(self) -> None:  # noqa: N802
+        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("body must be a JSON object")
+        except ValueError as exc:
+            return self._send(400, {"error": "BadRequest", "message": f"malformed request body: {exc}"})
+        self._handle("POST", urlparse(self.path).path, body)
+
+    def _handle(self, method: str, path: str, args: dict) -> None:
+        if not self._authorized():
+            return self._send(401 if self.token is not None else 404,
+                              {"error": "Unauthorized", "message": "no valid token for the manager API",
+                               "hint": "run dxpu as root or as the manager's user (it reads the token file)"})
+        m = self.manager
+        routes = {
+            ("GET", "/v1/health"): lambda: {"pid": os.getpid(), "db": str(m.store.path),
+                                             "schema": m.store.schema_version},
+            ("GET", "/v1/ls"): m.listing,
+            ("GET", "/v1/status"): lambda: m.status(args["vm"]),
+            ("GET", "/metrics"): lambda: m.metrics(),
+            ("POST", "/v1/attach"): lambda: m.attach(args["vm"], device_class=args.get("class"),
+                                                      count=int(args.get("count", 1)), box=args.get("box"),
+                                                      device=args.get("device"),
+                                                      policy=args.get("policy", "pack")),
+            ("POST", "/v1/detach"): lambda: m.detach(args["vm"], args.get("device"),
+                                                      all_devices=bool(args.get("all"))),
+            ("POST", "/v1/boxes"): lambda: m.register_box(args.get("name"), args["address"], args.get("tls_dir")),
+            ("POST", "/v1/boxes/remove"): lambda: (m.store.remove_box(args["name"]) or {"removed": args["name"]}),
+            ("POST", "/v1/reconcile"): m.reconcile,
+        }
+        route = routes.get((method, path))
+        if route is None:
+            return self._send(404, {"error": "NotFound", "message": f"no API {method} {path}"})
+        try:
+            result = route()
+        except KeyError as exc:
+            return self._send(400, {"error": "BadRequest", "message": f"missing argument {exc}"})
+        except (DxpuError, ValueError) as exc:
+            return self._send(409 if isinstance(exc, DxpuError) else 400,
+                              {"error": type(exc).__name__, "message": getattr(exc, "message", str(exc)),
+                               "hint": getattr(exc, "hint", None),
+                               "logs": [str(p) for p in getattr(exc, "logs", [])]})
+        except Exception as exc:  # noqa: BLE001 - reported, and the service stays up
+            log.exception("API %s %s failed", method, path)
+            return self._send(500, {"error": type(exc).__name__, "message": str(exc)})
+        if path == "/metrics":
+            return self._send(200, result, "text/plain; version=0.0.4")
+        self._send(200, result)
+
+
+def serve(db: Path | None = None, *, heartbeat: float = 1.0, dead_after: float = 3.0,
+          metrics_address: str | None = None, ready: threading.Event | None = None,
+          stop: threading.Event | None = None) -> None:
+    """Run the manager until SIGTERM/SIGINT (or ``stop``)."""
+    paths = ManagerPaths.for_db(db)
+    paths.db.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(paths.lock, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ManagerError(f"another manager already serves {paths.db} (pid in {paths.lock})",
+                           hint="use that one, or stop it first") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    store = Store(paths.db)
+    manager = Manager(store, dead_after=dead_after)
+    for action in manager.reconcile():
+        log.warning("reconcile: %s", action)
+    token = secrets.token_urlsafe(32)
+    paths.token.unlink(missing_ok=True)
+    paths.socket.unlink(missing_ok=True)
+    api = type("Api", (_Api,), {"manager": manager, "token": token})
+    old_umask = os.umask(0o177)
+    try:
+        unix = _UnixHttpServer(str(paths.socket), api)
+    finally:
+        os.umask(old_umask)
+    fd = os.open(paths.token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:  # last: clients wait for the token, the socket is already bound
+        f.write(token)
+    servers: list[socketserver.BaseServer] = [unix]
+    if metrics_address:
+        host, _, port = metrics_address.rpartition(":")
+        servers.append(ThreadingHTTPServer((host or "127.0.0.1", int(port)),
+                                           type("Metrics", (_Api,), {"manager": manager, "token": None})))
+    stop = stop or threading.Event()
+    for server in servers:
+        threading.Thread(target=server.serve_forever, name="manager-api", daemon=True).start()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+    log.warning("manager serving %s on %s%s", paths.db, paths.socket,
+                f" (metrics on http://{metrics_address}/metrics)" if metrics_address else "")
+    if ready is not None:
+        ready.set()
+    try:
+        while not stop.wait(heartbeat):
+            try:
+                manager.heartbeat()
+            except Exception:  # noqa: BLE001 - a bad heartbeat round must not end the service
+                log.exception("heartbeat failed")
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+        paths.socket.unlink(missing_ok=True)
+        paths.token.unlink(missing_ok=True)
+        store.close()
+        lock.close()
+
+
+# --- client ----------------------------------------------------------------------
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = str(path)
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.unix_path)
+
+
+class ManagerClient:
+    """What the CLI uses: one method per API call, errors as :class:`ManagerError`."""
+
+    def __init__(self, db: Path | str | None = None, timeout: float = 180.0) -> None:
+        self.paths = ManagerPaths.for_db(db)
+        self.timeout = timeout
+
+    def _token(self) -> str:
+        try:
+            return self.paths.token.read_text().strip()
+        except FileNotFoundError:
+            raise ManagerUnavailable(f"no pool manager serves {self.paths.db}",
+                                     hint=f"start one: dxpu manager serve --db {self.paths.db}") from None
+        except PermissionError:
+            raise ManagerError(f"cannot read the manager token {self.paths.token}",
+                               hint="run as root or as the manager's user") from None
+
+    def request(self, method: str, path: str, body: dict | None = None) -> object:
+        conn = _UnixConnection(self.paths.socket, self.timeout)
+        headers = {"Authorization": f"Bearer {self._token()}", "Content-Type": "application/json"}
+        try:
+            conn.request(method, path, json.dumps(body or {}) if method == "POST" else None, headers)
+            response = conn.getresponse()
+            data = response.read()
+        except (ConnectionRefusedError, FileNotFoundError) as exc:
+            raise ManagerUnavailable(f"the pool manager for {self.paths.db} is not running ({exc})",
+                                     hint=f"start it: dxpu manager serve --db {self.paths.db}") from exc
+        except (OSError, http.client.HTTPException) as exc:
+            raise ManagerError(f"manager API {method} {path} failed: {exc}",
+                               logs=[self.paths.log]) from exc
+        finally:
+            conn.close()
+        if response.status == 200:
+            return data.decode() if path == "/metrics" else json.loads(data)
+        try:
+            err = json.loads(data)
+        except ValueError:
+            err = {"message": data.decode(errors="replace")}
+        raise ManagerError(err.get("message", f"HTTP {response.status}"), kind=err.get("error", "ManagerError"),
+                           status=response.status, hint=err.get("hint"), logs=err.get("logs"))
+
+    def get(self, path: str, **query: str) -> object:
+        from urllib.parse import urlencode
+        return self.request("GET", path + (f"?{urlencode(query)}" if query else ""))
+
+    def post(self, path: str, **body: object) -> object:
+        return self.request("POST", path, {k: v for k, v in body.items() if v is not None})
+
+
+class ManagerProcess(ChildProcess):
+    """``dxpu manager serve`` as a child (tests, demo): started, waited for, ended by pid."""
+
+    def __init__(self, db: Path, *, netns: str | None = None, heartbeat: float = 0.5, dead_after: float = 2.0,
+                 metrics_address: str | None = None, env: dict[str, str] | None = None) -> None:
+        self.paths = ManagerPaths.for_db(db)
+        self.netns = netns
+        self.env = {**os.environ, **(env or {})}
+        self.args = ["--heartbeat", str(heartbeat), "--dead-after", str(dead_after)]
+        if metrics_address:
+            self.args += ["--metrics", metrics_address]
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30.0) -> "ManagerProcess":
+        argv = [sys.executable, "-m", "dxpu_vfio.cli", "manager", "serve", "--db", str(self.paths.db), *self.args]
+        if self.netns:
+            argv = ["ip", "netns", "exec", self.netns, *argv]
+        self.paths.token.unlink(missing_ok=True)
+        with open(self.paths.log, "ab") as out:
+            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True, env=self.env)
+        deadline = time.monotonic() + timeout
+        while not (self.paths.token.exists() and self.paths.socket.exists()):
+            if not self.alive() or time.monotonic() > deadline:
+                self.stop()
+                raise ManagerError("the pool manager did not start", logs=[self.paths.log])
+            time.sleep(0.05)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: what a crash looks like (nothing cleaned up)."""
+        if self.alive():
+            self.process.kill()
+            self.process.wait(10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        terminate(self.process, timeout)

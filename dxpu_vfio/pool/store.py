@@ -1,0 +1,333 @@
+"""The pool's durable state in SQLite: boxes, their devices, and leases.
+
+One file (WAL journal, so readers never wait for the writer) holds everything the
+manager must remember across a restart. Allocation happens inside one ``BEGIN
+IMMEDIATE`` transaction and ``leases.device`` is UNIQUE, so two attaches -- in one
+process or in two -- can never get the same device. Schema changes go through
+:data:`MIGRATIONS`, numbered by ``PRAGMA user_version``.
+
+A lease moves ``attaching`` -> ``attached`` -> ``detaching`` -> (deleted). Its row
+exists before anything is plugged and is deleted only after the device left the VM, so
+at no moment is a device plugged without a lease; a lease left ``attaching`` or
+``detaching`` by a manager that died is finished or rolled back by reconciliation.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import DxpuError
+
+MIGRATIONS: list[str] = [
+    # 1: boxes, devices, leases
+    """
+    CREATE TABLE boxes (
+        name TEXT PRIMARY KEY,
+        address TEXT NOT NULL,            -- host:port of its remote proxy
+        tls_dir TEXT,                     -- ca.pem + host.pem/key used to reach it, NULL for plaintext
+        state TEXT NOT NULL DEFAULT 'up' CHECK (state IN ('up', 'down')),
+        registered_at REAL NOT NULL,
+        last_seen REAL NOT NULL,
+        last_error TEXT
+    );
+    CREATE TABLE devices (
+        id TEXT PRIMARY KEY,              -- box/name
+        box TEXT NOT NULL REFERENCES boxes(name) ON DELETE CASCADE,
+        name TEXT NOT NULL,
+        class TEXT NOT NULL,
+        vendor TEXT NOT NULL,
+        model TEXT NOT NULL,
+        capacity INTEGER NOT NULL,
+        token TEXT NOT NULL               -- what the host proxy presents in HELLO
+    );
+    CREATE INDEX devices_by_class ON devices(class, box);
+    CREATE TABLE leases (
+        id TEXT PRIMARY KEY,
+        device TEXT NOT NULL UNIQUE REFERENCES devices(id),
+        vm TEXT NOT NULL,                 -- target key: qmp:/path or libvirt:name
+        state TEXT NOT NULL CHECK (state IN ('attaching', 'attached', 'detaching')),
+        port TEXT, qdev_id TEXT NOT NULL, socket TEXT,
+        proxy_pid INTEGER, owner_pid INTEGER,
+        created_at REAL NOT NULL, updated_at REAL NOT NULL
+    );
+    CREATE INDEX leases_by_vm ON leases(vm);
+    """,
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+QDEV_PREFIX = "pool-"  # QEMU ids of devices the pool plugged
+POLICIES = ("pack", "spread")
+
+
+class StoreError(DxpuError):
+    """The store cannot be opened or does not hold what was asked for."""
+
+
+class NoFreeDevice(StoreError):
+    """Fewer free devices match than were asked for; nothing was allocated."""
+
+
+@dataclass
+class Lease:
+    id: str
+    device: str
+    vm: str
+    state: str
+    qdev_id: str
+    port: str | None = None
+    socket: str | None = None
+    proxy_pid: int | None = None
+    owner_pid: int | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+    @property
+    def box(self) -> str:
+        return self.device.split("/", 1)[0]
+
+
+def default_path() -> Path:
+    """$DXPU_POOL_DB, else /var/lib/dxpu/pool.db for root, else ~/.local/state/dxpu/pool.db."""
+    env = os.environ.get("DXPU_POOL_DB")
+    if env:
+        return Path(env)
+    base = Path("/var/lib/dxpu") if os.geteuid() == 0 else Path.home() / ".local/state/dxpu"
+    return base / "pool.db"
+
+
+class Store:
+    """Thread-safe handle on the pool database (one connection, one lock)."""
+
+    def __init__(self, path: Path | str | None = None) -> None:
+        self.path = Path(path) if path else default_path()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot open the pool database {self.path}: {exc}",
+                             hint="check the path and free disk space, or set DXPU_POOL_DB") from exc
+        self._lock = threading.RLock()
+        self._migrate()
+
+    def _migrate(self) -> None:
+        with self.transaction() as db:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StoreError(f"{self.path} has schema version {version}; this dxpu knows up to "
+                                 f"{SCHEMA_VERSION}", hint="upgrade dxpu-vfio, or use another DXPU_POOL_DB")
+            for number in range(version, SCHEMA_VERSION):  # no ';' inside a statement
+                for statement in filter(str.strip, MIGRATIONS[number].split(";")):
+                    db.execute(statement)
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    @property
+    def schema_version(self) -> int:
+        return self._db.execute("PRAGMA user_version").fetchone()[0]
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """``BEGIN IMMEDIATE``: takes the write lock up front, so read-then-write is atomic."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise StoreError(f"pool database {self.path} is busy or unwritable: {exc}") from exc
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            try:
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self._db.execute("ROLLBACK")
+                raise StoreError(f"could not commit to {self.path}: {exc}",
+                                 hint="check free disk space; nothing was changed") from exc
+
+    def _query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # --- boxes and devices --------------------------------------------------------
+    def register_box(self, name: str, address: str, tls_dir: str | None, devices: list[dict]) -> None:
+        """Add or refresh a box and its inventory; leased devices are kept as they are."""
+        now = time.time()
+        with self.transaction() as db:
+            db.execute("INSERT INTO boxes (name, address, tls_dir, state, registered_at, last_seen) "
+                       "VALUES (?, ?, ?, 'up', ?, ?) ON CONFLICT(name) DO UPDATE SET address=excluded.address, "
+                       "tls_dir=excluded.tls_dir, state='up', last_seen=excluded.last_seen, last_error=NULL",
+                       (name, address, tls_dir, now, now))
+            seen = []
+            for d in devices:
+                device_id = f"{name}/{d['id']}"
+                seen.append(device_id)
+                db.execute("INSERT INTO devices (id, box, name, class, vendor, model, capacity, token) "
+                           "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET class=excluded.class, "
+                           "vendor=excluded.vendor, model=excluded.model, capacity=excluded.capacity, "
+                           "token=excluded.token",
+                           (device_id, name, d["id"], d["class"], d["vendor"], d["model"], int(d["capacity"]),
+                            d["lease"]))
+            marks = ",".join("?" * len(seen))
+            db.execute(f"DELETE FROM devices WHERE box = ? AND id NOT IN ({marks or 'NULL'}) "
+                       "AND id NOT IN (SELECT device FROM leases)", (name, *seen))
+
+    def remove_box(self, name: str) -> None:
+        with self.transaction() as db:
+            self._box_row(db, name)
+            held = db.execute("SELECT COUNT(*) FROM leases JOIN devices ON devices.id = leases.device "
+                              "WHERE devices.box = ?", (name,)).fetchone()[0]
+            if held:
+                raise StoreError(f"box {name} still has {held} leased device(s)",
+                                 hint=f"detach them first (dxpu ls shows which VMs hold them)")
+            db.execute("DELETE FROM boxes WHERE name = ?", (name,))
+
+    def _box_row(self, db: sqlite3.Connection, name: str) -> sqlite3.Row:
+        row = db.execute("SELECT * FROM boxes WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            known = [r[0] for r in db.execute("SELECT name FROM boxes ORDER BY name")]
+            raise StoreError(f"no box named {name!r} in the pool (known: {', '.join(known) or 'none'})",
+                             hint="register it with: dxpu box add NAME HOST:PORT --tls-dir DIR")
+        return row
+
+    def box(self, name: str) -> dict:
+        with self._lock:
+            return dict(self._box_row(self._db, name))
+
+    def mark_box(self, name: str, up: bool, error: str | None = None) -> str:
+        """Record a heartbeat result; returns the box's state before it."""
+        with self.transaction() as db:
+            before = self._box_row(db, name)["state"]
+            if up:
+                db.execute("UPDATE boxes SET state='up', last_seen=?, last_error=NULL WHERE name=?",
+                           (time.time(), name))
+            else:
+                db.execute("UPDATE boxes SET state='down', last_error=? WHERE name=?", (error, name))
+            return before
+
+    def boxes(self) -> list[dict]:
+        return [dict(r) for r in self._query(
+            "SELECT boxes.*, (SELECT COUNT(*) FROM devices WHERE box = boxes.name) AS devices, "
+            "(SELECT COUNT(*) FROM leases JOIN devices d ON d.id = leases.device WHERE d.box = boxes.name) "
+            "AS leased FROM boxes ORDER BY name")]
+
+    def devices(self) -> list[dict]:
+        rows = self._query("SELECT devices.id, devices.box, devices.name, class, vendor, model, capacity, "
+                           "boxes.state AS box_state, leases.id AS lease, leases.vm AS vm "
+                           "FROM devices JOIN boxes ON boxes.name = devices.box "
+                           "LEFT JOIN leases ON leases.device = devices.id ORDER BY devices.id")
+        return [{**dict(r), "available": r["lease"] is None and r["box_state"] == "up"} for r in rows]
+
+    def device(self, device_id: str) -> dict:
+        rows = self._query("SELECT devices.*, boxes.address, boxes.tls_dir FROM devices "
+                           "JOIN boxes ON boxes.name = devices.box WHERE devices.id = ?", (device_id,))
+        if not rows:
+            raise StoreError(f"no device {device_id!r} in the pool", hint="dxpu ls lists the devices")
+        return dict(rows[0])
+
+    # --- leases -----------------------------------------------------------------
+    def allocate(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
+                 device: str | None = None, policy: str = "pack", owner_pid: int | None = None) -> list[Lease]:
+        """Pick ``count`` free devices and create ``attaching`` leases for them, atomically.
+
+        pack: fill the boxes that already lend the most devices first (keeps others free);
+        spread: one device from each box in turn, least-lent box first.
+        """
+        if policy not in POLICIES:
+            raise StoreError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)}")
+        if count < 1:
+            raise StoreError(f"--count must be at least 1, not {count}")
+        with self.transaction() as db:
+            where, args = ["boxes.state = 'up'", "devices.id NOT IN (SELECT device FROM leases)"], []
+            if device is not None:
+                device_id = device if "/" in device else None
+                where.append("devices.id = ?" if device_id else "devices.name = ?")
+                args.append(device)
+            if device_class:
+                where.append("devices.class = ?")
+                args.append(device_class)
+            if box:
+                self._box_row(db, box)
+                where.append("devices.box = ?")
+                args.append(box)
+            free = db.execute(
+                "SELECT devices.id, devices.box, (SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device "
+                "WHERE d.box = devices.box) AS lent FROM devices JOIN boxes ON boxes.name = devices.box "
+                f"WHERE {' AND '.join(where)} ORDER BY devices.id", args).fetchall()
+            chosen = self._pick([(r["id"], r["box"], r["lent"]) for r in free], count, policy)
+            if len(chosen) < count:
+                what = " ".join(filter(None, [f"class {device_class}" if device_class else "",
+                                              f"on box {box}" if box else "", f"named {device}" if device else ""]))
+                raise NoFreeDevice(f"asked for {count} device(s){' of ' + what if what else ''}, "
+                                   f"{len(free)} free", hint="dxpu ls shows boxes, devices and who holds them")
+            now = time.time()
+            leases = []
+            for device_id in chosen:
+                lease_id = secrets.token_hex(4)
+                lease = Lease(lease_id, device_id, vm, "attaching", QDEV_PREFIX + lease_id,
+                              owner_pid=owner_pid, created_at=now, updated_at=now)
+                db.execute("INSERT INTO leases (id, device, vm, state, qdev_id, owner_pid, created_at, updated_at) "
+                           "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                           (lease.id, device_id, vm, lease.state, lease.qdev_id, owner_pid, now, now))
+                leases.append(lease)
+            return leases
+
+    @staticmethod
+    def _pick(free: list[tuple[str, str, int]], count: int, policy: str) -> list[str]:
+        by_box: dict[str, list[str]] = {}
+        lent: dict[str, int] = {}
+        for device_id, box, n in free:
+            by_box.setdefault(box, []).append(device_id)
+            lent[box] = n
+        chosen: list[str] = []
+        while len(chosen) < count and any(by_box.values()):
+            boxes = [b for b in by_box if by_box[b]]
+            if policy == "pack":
+                box = min(boxes, key=lambda b: (-lent[b], b))
+            else:
+                box = min(boxes, key=lambda b: (lent[b], b))
+            chosen.append(by_box[box].pop(0))
+            lent[box] += 1
+        return chosen
+
+    def update_lease(self, lease_id: str, **fields: object) -> None:
+        allowed = {"state", "port", "socket", "proxy_pid", "owner_pid"}
+        if not fields or set(fields) - allowed:
+            raise ValueError(f"cannot update lease fields {sorted(set(fields) - allowed)}")
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        with self.transaction() as db:
+            db.execute(f"UPDATE leases SET {sets}, updated_at = ? WHERE id = ?",
+                       (*fields.values(), time.time(), lease_id))
+
+    def delete_lease(self, lease_id: str) -> None:
+        with self.transaction() as db:
+            db.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
+
+    def leases(self, vm: str | None = None) -> list[Lease]:
+        rows = self._query("SELECT * FROM leases WHERE vm = ? ORDER BY created_at, id", (vm,)) if vm else \
+            self._query("SELECT * FROM leases ORDER BY vm, created_at, id")
+        return [Lease(**dict(r)) for r in rows]
+
+    def lease_for(self, vm: str, name: str) -> Lease:
+        """A VM's lease by lease id, QEMU id, device id (box/dev) or device name."""
+        matches = [lease for lease in self.leases(vm)
+                   if name in (lease.id, lease.qdev_id, lease.device, lease.device.split("/", 1)[1])]
+        if len(matches) != 1:
+            held = ", ".join(f"{lease.device} ({lease.id})" for lease in self.leases(vm)) or "none"
+            raise StoreError(f"{vm} holds {'no' if not matches else 'several'} device(s) matching {name!r} "
+                             f"(it holds: {held})", hint="name the lease id shown by dxpu status VM")
+        return matches[0]
