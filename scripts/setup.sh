@@ -49,6 +49,21 @@ else
     echo "up to date"
 fi
 
+step "libvirt: QEMU runs as root (dxpu vm define)"
+# libvirt runs and probes QEMU as qemu.conf's user (Debian: libvirt-qemu), which cannot
+# enter /root where the QEMU sysroot and guest images live. Our block sets root:root;
+# appended once, last in the file, so it wins over any earlier setting.
+conf=/etc/libvirt/qemu.conf
+if [ -f "$conf" ] && ! grep -q '^# dxpu-vfio: begin' "$conf"; then
+    printf '\n# dxpu-vfio: begin (scripts/setup.sh; see README "VMs under libvirt")\nuser = "root"\ngroup = "root"\n# dxpu-vfio: end\n' >> "$conf"
+    echo "set user/group \"root\" in $conf"
+    if [ -S /run/libvirt/libvirt-sock ] && [ -f /run/libvirtd.pid ]; then
+        echo "libvirtd (pid $(cat /run/libvirtd.pid)) runs with the old settings: restart it (kill PID && libvirtd -d)"
+    fi
+else
+    echo "already configured"
+fi
+
 step "QEMU with vfio-user-pci"
 .venv/bin/dxpu setup qemu
 
