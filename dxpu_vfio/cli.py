@@ -60,6 +60,28 @@ def cmd_vm_run(args: argparse.Namespace) -> int:
     return result.rc
 
 
+def cmd_vm_define(args: argparse.Namespace) -> int:
+    """Write and define a libvirt domain for dxpu (``virsh start NAME`` boots it)."""
+    from .pool.libvirt_domain import DomainConfig, define_domain
+    log = (lambda _msg: None) if args.json else (lambda msg: print(msg, flush=True))
+    info = define_domain(DomainConfig(name=args.name, image=args.image, memory_mib=args.memory,
+                                      cpus=args.cpus, root_ports=args.root_ports, accel=args.accel),
+                         uri=args.uri, start=args.start, log=log)
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(f"  directory {info['directory']} (serial log, guest shell socket); QEMU log {info['qemu_log']}\n"
+              f"  root ports for dxpu attach: {', '.join(info['root_ports'])}")
+    return 0
+
+
+def cmd_vm_undefine(args: argparse.Namespace) -> int:
+    from .pool.libvirt_domain import undefine_domain
+    info = undefine_domain(args.name, uri=args.uri)
+    _emit(args, info, lambda i: f"{i['name']}: {'destroyed and ' if i['destroyed'] else ''}undefined, files removed")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
     return run_demo(image=args.image, accel=args.accel, as_json=args.json)
@@ -299,6 +321,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_vm_run)
+    p = vm.add_parser("define", help="define a libvirt domain for dxpu (q35, shared memfd RAM, root ports, "
+                                     "the QEMU from setup); start it with virsh start NAME")
+    p.add_argument("name")
+    p.add_argument("--image", default="tiny", choices=["tiny", "full"])
+    p.add_argument("--memory", type=int, default=1024, help="MiB")
+    p.add_argument("--cpus", type=int, default=2)
+    p.add_argument("--root-ports", type=int, default=4, help="hot-pluggable pcie-root-ports")
+    p.add_argument("--accel", default="tcg", choices=["tcg", "kvm"])
+    p.add_argument("--start", action="store_true", help="start the domain too")
+    p.add_argument("--uri", default="qemu:///system", help="libvirt URI")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_vm_define)
+    p = vm.add_parser("undefine", help="destroy (if running) and undefine a domain dxpu defined; remove its files")
+    p.add_argument("name")
+    p.add_argument("--uri", default="qemu:///system", help="libvirt URI")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_vm_undefine)
 
     remote = sub.add_parser("remote", help="the remote proxy of a GPU box").add_subparsers(
         dest="remote_command", required=True)
