@@ -1,0 +1,125 @@
+"""dxpu VMs under a real libvirtd (qemu:///system): ``dxpu vm define`` + ``virsh start``,
+hot-plug and unplug of the test device through LibvirtTarget (QMP passthrough), and the
+errors an admin meets. Domains are named ``dxpu-t<pid>-<n>`` and removed at teardown."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dxpu_vfio.device_server import DeviceServerProcess
+from dxpu_vfio.hotplug import _guest_wait_for_child
+from dxpu_vfio.pool.libvirt_domain import (DomainConfig, DomainNotRunning, LibvirtGuest, LibvirtUnavailable,
+                                           define_domain, domain_dir, undefine_domain)
+from dxpu_vfio.pool.libvirt_target import LibvirtTarget
+from dxpu_vfio.pool.targets import UnknownVm, device_present, free_root_port, open_target, root_ports
+from dxpu_vfio.qmp_session import QmpError
+from dxpu_vfio.testing import LibvirtVm, register
+
+pytestmark = pytest.mark.vm
+
+_n = iter(range(1, 1000))
+
+
+def unique_name(tag: str) -> str:
+    return f"dxpu-t{os.getpid()}-{tag}{next(_n)}"
+
+
+def dxpu(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def port_bdf(target, port: str) -> str:
+    """The guest address of a root port, from QEMU's own view (query-pci)."""
+    for bus in target.execute("query-pci"):
+        for dev in bus["devices"]:
+            if dev.get("qdev_id") == port:
+                return f"0000:{dev['bus']:02x}:{dev['slot']:02x}.{dev['function']}"
+    raise AssertionError(f"root port {port} not in query-pci")
+
+
+def test_vm_define_then_virsh_start_boots_the_guest(request, libvirtd, tiny_image):
+    name = unique_name("d")
+    vm = LibvirtVm(name)
+    register(request, vm)  # logs saved on failure
+    try:
+        proc = dxpu("vm", "define", name, "--root-ports", "3", "--memory", "768", "--json")
+        assert proc.returncode == 0, proc.stderr
+        info = __import__("json").loads(proc.stdout)
+        assert info["running"] is False and info["root_ports"] == ["pci.1", "pci.2", "pci.3"]
+        start = subprocess.run(["virsh", "-c", "qemu:///system", "start", name], capture_output=True,
+                               text=True, timeout=60)
+        assert start.returncode == 0, start.stderr
+        guest = vm.guest = LibvirtGuest(name).wait_booted(120)
+        assert guest.run("uname -r").stdout.startswith("6.12")
+        target = vm.target = LibvirtTarget(name)
+        assert target.key == f"libvirt:{name}" and target.alive()
+        assert root_ports(target) == ["pci.1", "pci.2", "pci.3"]
+        assert target.execute("qom-get", {"path": "/machine/peripheral/pci.1",
+                                          "property": "pref64-reserve"}) == 16 << 30
+        ram = target.execute("query-memdev")
+        assert len(ram) == 1 and ram[0]["share"] and ram[0]["size"] == 768 << 20
+        # a second define of the same name is refused with what to do
+        again = dxpu("vm", "define", name)
+        assert again.returncode == 1 and f"dxpu vm undefine {name}" in again.stderr
+    finally:
+        vm.destroy()
+    assert not domain_dir(name).exists()
+    gone = dxpu("vm", "undefine", name)
+    assert gone.returncode == 1 and "no libvirt domain" in gone.stderr
+
+
+def test_testdev_hotplug_and_unplug_through_libvirt(libvirt_vm):
+    target = libvirt_vm.target
+    port = free_root_port(target, libvirt_vm.name)
+    bridge = port_bdf(target, port)
+    sock = target.socket_dir() / "dxpu0.sock"
+    server = DeviceServerProcess("testdev", sock, name="dxpu0").start()
+    try:
+        target.plug("dxpu0", port, sock)
+        assert device_present(target, "dxpu0")
+        assert free_root_port(target, libvirt_vm.name) != port
+        bdf = _guest_wait_for_child(libvirt_vm, bridge, True, 20)
+        ids = libvirt_vm.run(f"cat /sys/bus/pci/devices/{bdf}/vendor /sys/bus/pci/devices/{bdf}/device").stdout
+        assert ids.split() == ["0x1b36", "0x10f0"]
+        # the device reaches guest RAM (libvirt's shared memfd, mapped from DMA_MAP's fd)
+        copy = libvirt_vm.run(f"dxpu-testdev {bdf} dma-copy 4096").stdout
+        assert " match=yes" in copy, copy
+        dma = server.stats()["server"]["dma"]
+        assert dma["windows"] > 0 and dma["refused"] == 0 and dma["bytes_read"] >= 4096
+
+        target.unplug("dxpu0", timeout=15)
+        assert target.last_unplug_seen == "DEVICE_DELETED"  # the libvirt event, not the fallback poll
+        assert not device_present(target, "dxpu0")
+        _guest_wait_for_child(libvirt_vm, bridge, False, 20)
+        # a QMP error through libvirt carries what was sent and what QEMU answered
+        with pytest.raises(QmpError) as err:
+            target.execute("device_del", {"id": "dxpu0"})
+        assert err.value.command == "device_del" and err.value.arguments == {"id": "dxpu0"}
+        assert err.value.response["error"]["class"] == "DeviceNotFound"
+    finally:
+        server.stop()
+    assert not sock.exists()
+
+
+def test_errors_unknown_domain_not_running_no_libvirtd(request, libvirtd, tiny_image):
+    name = unique_name("e")
+    vm = LibvirtVm(name)
+    register(request, vm)
+    try:
+        define_domain(DomainConfig(name=name))  # defined, never started
+        with pytest.raises(DomainNotRunning) as err:
+            LibvirtTarget(name)
+        assert f"virsh start {name}" in err.value.hint
+        with pytest.raises(UnknownVm) as err:
+            open_target("dxpu-no-such-domain")
+        assert name in err.value.message and "dxpu vm define" in err.value.hint
+        with pytest.raises(LibvirtUnavailable) as err:
+            LibvirtTarget(name, uri="qemu:///system?socket=/run/dxpu-no-libvirtd.sock")
+        assert err.value.hint
+    finally:
+        vm.destroy()
+    with pytest.raises(UnknownVm):
+        undefine_domain(name)
