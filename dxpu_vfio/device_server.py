@@ -46,7 +46,8 @@ def remote_device(settings: dict):
     """Forward mode: the served device is a link to a remote proxy.
 
     settings: address "host:port", device, lease, and tls_dir (with tls_role, default
-    "host") or plaintext=true; completion_timeout in seconds.
+    "host") or plaintext=true; completion_timeout in seconds; coalesce (posted writes
+    into fewer link messages; default: what the device asks for).
     """
     import errno
 
@@ -61,6 +62,7 @@ def remote_device(settings: dict):
             try:
                 return connect_remote(settings["address"], settings["device"], str(settings["lease"]), tls,
                                       completion_timeout=float(settings.get("completion_timeout", 1.0)),
+                                      coalesce=settings.get("coalesce"),
                                       on_down=lambda reason: logging.getLogger("dxpu.hostproxy").warning(
                                           "link down: %s", reason))
             except RemoteAttachError as exc:
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"device server: cannot create {args.model}: {exc}", file=sys.stderr, flush=True)
         return 3
     server = VfioUserServer(device, args.socket, name=args.name or args.model,
-                            options=ServerOptions(advertise_write_multiple=args.write_multiple,
+                            options=ServerOptions(advertise_write_multiple=args.write_multiple or bool(
+                                getattr(device, "coalesce_posted", False)),
                                                   allow_msix=args.allow_msix))
     def write_stats() -> None:
         if args.stats:

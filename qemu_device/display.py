@@ -24,14 +24,16 @@ BYTEORDER_LE = 0x1E1E1E1E
 
 
 def _edid(name: bytes = b"DXPU") -> bytes:
-    """A minimal EDID 1.4 block preferring 1024x768@60 (from the DMT timing table)."""
+    """A minimal EDID 1.4 block preferring 1024x768@60 (from the DMT timing table) and also
+    offering 800x600@60 and 640x480@60, so a KMS client can change the mode."""
     e = bytearray(128)
     e[0:8] = b"\x00\xff\xff\xff\xff\xff\xff\x00"
     e[8:10] = struct.pack(">H", (ord("D") - 64) << 10 | (ord("X") - 64) << 5 | (ord("P") - 64))
     e[18], e[19] = 1, 4  # EDID 1.4
     e[20] = 0xA5  # digital, 8 bits per colour, DisplayPort
     e[21], e[22] = 34, 27  # cm
-    e[35] = 0x08  # established timing 1024x768@60
+    e[35] = 0x21  # established timings I: 640x480@60, 800x600@60
+    e[36] = 0x08  # established timings II: 1024x768@60
     # detailed timing descriptor: 1024x768@60, 65 MHz
     e[54:72] = bytes([0x64, 0x19, 0x00, 0x40, 0x41, 0x00, 0x26, 0x30, 0x18, 0x88,
                       0x36, 0x00, 0x54, 0x0E, 0x11, 0x00, 0x00, 0x1E])
@@ -41,9 +43,12 @@ def _edid(name: bytes = b"DXPU") -> bytes:
 
 
 class DisplayAdapter(PciFunction):
-    """``vram_mib``: framebuffer size (16 MiB or more)."""
+    """``vram_mib``: framebuffer size (16 MiB or more); ``coalesce``: ask whoever serves
+    the device to combine posted writes (vfio-user write_multiple, link batches), since
+    framebuffer fills are floods of them."""
 
-    def __init__(self, *, vram_mib: int = 16) -> None:
+    def __init__(self, *, vram_mib: int = 16, coalesce: bool = True) -> None:
+        self.coalesce_posted = coalesce
         if vram_mib < 16 or vram_mib & (vram_mib - 1):
             raise ValueError("vram_mib must be a power of two, 16 or more")
         super().__init__(PciIdentity(0x1234, 0x1111, 0x038000, revision=2),
@@ -52,6 +57,7 @@ class DisplayAdapter(PciFunction):
         self.vram = bytearray(vram_mib << 20)
         self.edid = _edid()
         self.writes = 0
+        self.bytes_written = 0
         self.reset_registers()
 
     def reset_registers(self) -> None:
@@ -81,6 +87,7 @@ class DisplayAdapter(PciFunction):
         if index == 0:
             self.vram[offset:offset + len(data)] = data
             self.writes += 1
+            self.bytes_written += len(data)
             return
         for i, byte in enumerate(data):
             off = offset + i
@@ -128,4 +135,5 @@ class DisplayAdapter(PciFunction):
                 + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
 
     def stats(self) -> dict:
-        return {"framebuffer_writes": self.writes, "mode": self.mode(), "suppressed_interrupts": 0}
+        return {"framebuffer_writes": self.writes, "framebuffer_bytes": self.bytes_written, "mode": self.mode(),
+                "suppressed_interrupts": 0}

@@ -9,6 +9,11 @@ every access to the remote proxy. What it does that a plain forwarder would not:
   PCIe master abort, and the link is marked down; every later read answers all-ones at
   once, writes are dropped, the VM keeps running, and ``on_down`` tells the control
   plane, which can ``device_del`` and re-attach once the box is back.
+* Posted writes are coalesced (``coalesce=True``): kept as runs (:mod:`..vfio_user.posted`)
+  and sent as one REGION_WRITE (one run) or WRITE_BATCH (several) when the vfio-user
+  server is about to wait (``flush_posted``), when the batch is full, after at most
+  ``coalesce_delay`` seconds, and before anything that must not pass them: a read, a
+  non-posted write, a reset, and the completion of a DMA read from the remote.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
 
 from ..vfio_user import protocol as vp
 from ..vfio_user.connection import Connection
+from ..vfio_user.posted import WriteRuns, pack_batch
 from .endpoint import LinkDown, LinkEndpoint, LinkError
 from .protocol import IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello, LinkCommand, unpack_irq
 from .transport import TlsFiles, connect
 
 DEFAULT_COMPLETION_TIMEOUT = 1.0  # far below QEMU's 5 s x-msg-timeout
+DEFAULT_COALESCE_DELAY = 0.002  # the longest a posted write waits in the host proxy
 
 
 class RemoteAttachError(Exception):
@@ -41,7 +48,8 @@ class RemoteFunction:
     def __init__(self, conn: Connection, description: DeviceDescription, name: str, *,
                  completion_timeout: float = DEFAULT_COMPLETION_TIMEOUT,
                  on_down: Callable[[str], None] | None = None, heartbeat: float = 0.25,
-                 dead_after: float = 3.0) -> None:
+                 dead_after: float = 3.0, coalesce: bool = False,
+                 coalesce_delay: float = DEFAULT_COALESCE_DELAY) -> None:
         self.description = description
         self.completion_timeout = completion_timeout
         self.lock = threading.RLock()
@@ -49,13 +57,26 @@ class RemoteFunction:
         self.irq = NullIrqPort()
         self.suppressed_interrupts = 0
         self.counters = {"reads": 0, "writes_posted": 0, "writes_nonposted": 0, "master_aborts": 0,
-                         "dma_bytes_read": 0, "dma_bytes_written": 0, "dma_refused": 0, "irqs": 0}
+                         "dma_bytes_read": 0, "dma_bytes_written": 0, "dma_refused": 0, "irqs": 0,
+                         "posted_messages": 0}
+        self.coalesce = coalesce
+        self.coalesce_delay = coalesce_delay
+        self._batch = WriteRuns()
+        self._batch_lock = threading.Lock()  # also keeps batches in order on the link
+        self._batch_due = threading.Condition(self._batch_lock)
+        self._closing = False
         self._on_down = on_down
         self.endpoint = LinkEndpoint(conn, name, {
             LinkCommand.DMA_READ: self._dma_read,
             LinkCommand.DMA_WRITE: self._dma_write,
             LinkCommand.IRQ: self._irq,
         }, heartbeat=heartbeat, dead_after=dead_after, on_down=self._link_down)
+        if coalesce:
+            threading.Thread(target=self._flush_timer, name=f"coalesce-{name}", daemon=True).start()
+
+    @property
+    def coalesce_posted(self) -> bool:  # the vfio-user server then offers write_multiple too
+        return self.coalesce
 
     @property
     def link_up(self) -> bool:
@@ -77,6 +98,7 @@ class RemoteFunction:
 
     def region_read(self, index: int, offset: int, size: int) -> bytes:
         self.counters["reads"] += 1
+        self.flush_posted()  # a read never passes an earlier posted write
         if not self.endpoint.up:
             self.counters["master_aborts"] += 1
             return b"\xff" * size
@@ -91,11 +113,21 @@ class RemoteFunction:
         return vp.RegionAccess.unpack(reply, write=True).data
 
     def region_write(self, index: int, offset: int, data: bytes, posted: bool = False) -> None:
-        payload = vp.RegionAccess(index, offset, len(data), bytes(data)).pack()
         if posted:
             self.counters["writes_posted"] += 1
-            self.endpoint.post(LinkCommand.REGION_WRITE, payload)
+            if not self.coalesce:
+                self._post_runs([(index, offset, data)])
+                return
+            with self._batch_lock:
+                was_empty = not self._batch
+                full = self._batch.add(index, offset, data)
+                if full:
+                    self._post_runs(self._batch.take())
+                elif was_empty:
+                    self._batch_due.notify()
             return
+        self.flush_posted()
+        payload = vp.RegionAccess(index, offset, len(data), bytes(data)).pack()
         self.counters["writes_nonposted"] += 1
         if not self.endpoint.up:
             return  # dropped, like a write to a device that fell off the bus
@@ -106,7 +138,36 @@ class RemoteFunction:
         except LinkError as exc:
             raise ValueError(f"remote refused write to region {index}+{offset:#x}: {exc}") from exc
 
+    # --- posted-write coalescing --------------------------------------------------------
+    def flush_posted(self) -> None:
+        """Send the pending posted writes now (in order, before whatever follows)."""
+        if self.coalesce:
+            with self._batch_lock:
+                if self._batch:
+                    self._post_runs(self._batch.take())
+
+    def _post_runs(self, runs) -> None:
+        """One link message for ``runs`` (lock held when coalescing)."""
+        self.counters["posted_messages"] += 1
+        if len(runs) == 1:
+            index, offset, data = runs[0]
+            self.endpoint.post(LinkCommand.REGION_WRITE, vp.RegionAccess(index, offset, len(data), bytes(data)).pack())
+        else:
+            self.endpoint.post(LinkCommand.WRITE_BATCH, pack_batch(runs))
+
+    def _flush_timer(self) -> None:
+        """Writes never linger: a batch is sent at most ``coalesce_delay`` after its first write."""
+        with self._batch_lock:
+            while not self._closing:
+                if not self._batch:
+                    self._batch_due.wait()
+                    continue
+                self._batch_due.wait(self.coalesce_delay)
+                if self._batch:
+                    self._post_runs(self._batch.take())
+
     def reset(self) -> None:
+        self.flush_posted()
         if self.endpoint.up:
             try:
                 self.endpoint.request(LinkCommand.DEVICE_RESET, b"", max(self.completion_timeout, 2.0))
@@ -114,6 +175,10 @@ class RemoteFunction:
                 pass
 
     def close(self) -> None:
+        self.flush_posted()
+        with self._batch_lock:
+            self._closing = True
+            self._batch_due.notify_all()
         self.endpoint.close()
 
     def stats(self) -> dict:
@@ -128,6 +193,7 @@ class RemoteFunction:
             self.counters["dma_refused"] += 1
             raise LinkError(str(exc), errno.EFAULT) from exc
         self.counters["dma_bytes_read"] += req.count
+        self.flush_posted()  # a completion never passes the posted writes before it
         return vp.DmaAccess(req.address, req.count, data).pack()
 
     def _dma_write(self, msg) -> None:
@@ -152,8 +218,12 @@ class RemoteFunction:
 
 def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, *,
                    completion_timeout: float = DEFAULT_COMPLETION_TIMEOUT,
-                   on_down: Callable[[str], None] | None = None, timeout: float = 5.0) -> RemoteFunction:
-    """Open the link to ``device`` on the box at ``host:port`` and return the device."""
+                   on_down: Callable[[str], None] | None = None, timeout: float = 5.0,
+                   coalesce: bool | None = None) -> RemoteFunction:
+    """Open the link to ``device`` on the box at ``host:port`` and return the device.
+
+    ``coalesce``: combine posted writes into fewer link messages; None follows the
+    device's own hint (on for the display adapter)."""
     host, _, port = address.rpartition(":")
     try:
         sock = connect(host, int(port), tls, timeout)
@@ -174,7 +244,10 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
                 errno.EBUSY: "device is in use by another host", errno.EPROTO: "link version mismatch"}
         raise RemoteAttachError(f"remote proxy {address} refused device {device!r}: {what.get(err, err)}", err)
     sock.settimeout(None)
-    function = RemoteFunction(conn, DeviceDescription.unpack(reply.payload), f"{address}/{device}",
-                              completion_timeout=completion_timeout, on_down=on_down)
+    description = DeviceDescription.unpack(reply.payload)
+    if coalesce is None:  # the device says whether its posted writes come in floods
+        coalesce = description.coalesce
+    function = RemoteFunction(conn, description, f"{address}/{device}",
+                              completion_timeout=completion_timeout, on_down=on_down, coalesce=coalesce)
     function.endpoint.start()
     return function

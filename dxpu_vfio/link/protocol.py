@@ -31,6 +31,7 @@ class LinkCommand(enum.IntEnum):
     HELLO = 0x100  # host -> remote: version, device id, lease token (JSON); reply: device description
     IRQ = 0x101  # remote -> host, posted: kind, vector, level
     HEARTBEAT = 0x102  # both ways, posted
+    WRITE_BATCH = 0x103  # host -> remote, posted: coalesced posted writes (REGION_WRITE payloads back to back)
     INVENTORY = 0x103  # manager -> remote, instead of HELLO: the box's devices (JSON); then the link closes
 
 
@@ -63,15 +64,18 @@ class DeviceDescription:
     model: str
     regions: list[tuple[int, int, bool, bool]]  # index, size, readable, writable
     irqs: dict[str, int]
+    coalesce: bool = False  # the device's posted writes come in floods: combine them
 
     def pack(self) -> bytes:
-        return json.dumps({"model": self.model, "regions": self.regions, "irqs": self.irqs}).encode()
+        return json.dumps({"model": self.model, "regions": self.regions, "irqs": self.irqs,
+                           "coalesce": self.coalesce}).encode()
 
     @classmethod
     def unpack(cls, payload: bytes | memoryview) -> "DeviceDescription":
         try:
             data = json.loads(bytes(payload))
-            return cls(data["model"], [tuple(r) for r in data["regions"]], dict(data["irqs"]))
+            return cls(data["model"], [tuple(r) for r in data["regions"]], dict(data["irqs"]),
+                       bool(data.get("coalesce", False)))
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"bad device description: {exc}") from exc
 

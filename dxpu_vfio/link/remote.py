@@ -43,6 +43,7 @@ from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
 
 from ..vfio_user import protocol as vp
 from ..vfio_user.connection import Connection, ConnectionClosed, close_listener
+from ..vfio_user.posted import unpack_batch
 from .endpoint import LinkDown, LinkEndpoint, LinkError
 from .protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, LINK_VERSION, DeviceDescription, Hello,
                        LinkCommand, pack_irq)
@@ -152,7 +153,7 @@ class LinkIrqPort:
 
 def describe(model: str, device: PciFunction) -> DeviceDescription:
     return DeviceDescription(model, [(r.index, r.size, r.readable, r.writable) for r in device.regions()],
-                             device.irq_counts())
+                             device.irq_counts(), bool(getattr(device, "coalesce_posted", False)))
 
 
 class _Slot:
@@ -282,13 +283,18 @@ class RemoteProxy:
                 device.region_write(req.region, req.offset, req.data, posted=msg.header.no_reply)
             return vp.RegionAccess(req.region, req.offset, req.count).pack()
 
+        def write_batch(msg):  # posted runs, applied in order
+            with device.lock:
+                for region, offset, data in unpack_batch(msg.payload):
+                    device.region_write(region, offset, data, posted=True)
+
         def reset(msg):
             with device.lock:
                 device.reset()
             return b""
 
         return {LinkCommand.REGION_READ: region_read, LinkCommand.REGION_WRITE: region_write,
-                LinkCommand.DEVICE_RESET: reset}
+                LinkCommand.WRITE_BATCH: write_batch, LinkCommand.DEVICE_RESET: reset}
 
     def inventory(self) -> dict:
         """What the pool manager registers: every device, its identity, size and lease token.

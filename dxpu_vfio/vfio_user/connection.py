@@ -18,7 +18,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
-from .protocol import HEADER_SIZE, MAX_MESSAGE, MAX_MSG_FDS, Header, ProtocolError
+from .protocol import HEADER, HEADER_SIZE, MAX_MESSAGE, MAX_MSG_FDS, Header, ProtocolError
 
 READ_CHUNK = 256 * 1024
 _ANC_SPACE = socket.CMSG_SPACE(MAX_MSG_FDS * 4)
@@ -52,6 +52,7 @@ class Connection:
         # fds travel only on UNIX sockets; TCP and TLS streams carry bytes alone
         self._with_fds = sock.family == socket.AF_UNIX and not hasattr(sock, "cipher")
         self._buffer = bytearray()
+        self._pos = 0  # start of the first unconsumed byte in _buffer
         self._fds: list[tuple[int, list[int]]] = []  # (buffer position, fds) from reads
         self._send_lock = threading.Lock()
         self.closed = False
@@ -78,28 +79,38 @@ class Connection:
             for fd in fds:
                 os.close(fd)
             raise ConnectionClosed("peer closed the connection")
+        if self._pos:  # drop what was consumed (once per read, not once per message)
+            del self._buffer[:self._pos]
+            self._fds = [(pos - self._pos, f) for pos, f in self._fds]
+            self._pos = 0
         if fds:
             self._fds.append((len(self._buffer), fds))
         self._buffer += data
 
+    def has_message(self) -> bool:
+        """A whole message is already buffered: the next ``receive`` will not wait."""
+        buf, pos = self._buffer, self._pos
+        return len(buf) - pos >= HEADER_SIZE and len(buf) - pos >= int.from_bytes(buf[pos + 4:pos + 8], "little")
+
     def receive(self) -> Message:
         """The next whole message. ProtocolError means the stream cannot be trusted any more."""
-        while len(self._buffer) < HEADER_SIZE:
+        while len(self._buffer) - self._pos < HEADER_SIZE:
             self._fill()
-        header = Header.unpack(self._buffer)
+        header = Header(*HEADER.unpack_from(self._buffer, self._pos))
         if header.size < HEADER_SIZE:
             raise ProtocolError(f"message size {header.size} is smaller than its header")
         if header.size > MAX_MESSAGE:
             raise ProtocolError(f"message size {header.size} exceeds {MAX_MESSAGE}", err=7)  # E2BIG
-        while len(self._buffer) < header.size:
+        while len(self._buffer) - self._pos < header.size:
             self._fill()
-        payload = memoryview(bytes(self._buffer[HEADER_SIZE:header.size]))
-        del self._buffer[:header.size]
+        start, end = self._pos, self._pos + header.size
+        with memoryview(self._buffer) as view:
+            payload = memoryview(bytes(view[start + HEADER_SIZE:end]))
+        self._pos = end
         fds: list[int] = []
-        if self._fds and self._fds[0][0] == 0:
+        if self._fds and self._fds[0][0] == start:
             fds = self._fds.pop(0)[1]
-        self._fds = [(pos - header.size, f) for pos, f in self._fds]
-        while self._fds and self._fds[0][0] < 0:  # a sender that split fds from their message
+        while self._fds and self._fds[0][0] < end:  # a sender that split fds from their message
             for fd in self._fds.pop(0)[1]:
                 os.close(fd)
         return Message(header, payload, fds)

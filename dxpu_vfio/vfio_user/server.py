@@ -11,6 +11,11 @@ Threads: an accept thread, and one reader thread per session that handles QEMU's
 requests in order (so a read never passes an earlier write) and routes the replies to
 our own DMA_READ/DMA_WRITE requests to the device thread that waits for them. A reply
 to a region access is therefore never held up by a DMA in flight.
+
+Posted writes (REGION_WRITE without reply, REGION_WRITE_MULTI) are combined into runs
+(:mod:`.posted`) and given to the device before any other request and whenever no
+further message is already buffered, so they are never reordered and never wait for
+more traffic; a device with ``flush_posted`` (the host proxy's link) is told then too.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from . import protocol as p
 from .connection import Connection, ConnectionClosed, Message, close_listener
 from .dma import DmaTable
 from .irq import EventfdIrqs
+from .posted import WriteRuns
 
 log = logging.getLogger("dxpu.vfio_user.server")
 
@@ -105,27 +111,39 @@ class _Session:
         self.thread = threading.Thread(target=self._run, name=f"vfio-user-{server.name}",
                                        daemon=True)
         self.version_seen = False
+        self.posted = WriteRuns()  # posted writes not yet given to the device
 
     # --- reader loop ---------------------------------------------------------------------
     def _run(self) -> None:
         device = self.server.device
         device.vmm_masks_msix = True  # QEMU keeps the MSI-X table and masks vectors itself
         device.attach(self.dma, self.irqs)
+        posted_commands = (p.Command.REGION_WRITE, p.Command.REGION_WRITE_MULTI)
         try:
             while True:
+                if self.posted and not self.conn.has_message():
+                    self._flush_posted(idle=True)  # about to wait: nothing may linger
                 try:
                     msg = self.conn.receive()
                 except p.ProtocolError as exc:
                     log.warning("%s: dropping client: %s", self.server.name, exc)
                     self.server.protocol_errors += 1
                     break
-                if msg.header.is_reply:
+                hdr = msg.header
+                if hdr.is_reply:
                     self._complete(msg)
                     continue
+                if hdr.no_reply and hdr.command in posted_commands and self.version_seen:
+                    self._add_posted(msg)
+                    continue
+                if self.posted:
+                    self._flush_posted(idle=False)  # a later request never passes them
                 self._handle(msg)
         except ConnectionClosed:
             pass
         finally:
+            if self.posted:
+                self._flush_posted(idle=True)
             device.attach(NullDmaPort(), NullIrqPort())
             self._fail_pending()
             self.irqs.close()
@@ -163,6 +181,46 @@ class _Session:
         self.server.record(hdr.command, time.perf_counter_ns() - started, error)
         if out is not None:
             self.conn.send(out)
+
+    def _add_posted(self, msg: Message) -> None:
+        started = time.perf_counter_ns()
+        error, full = False, False
+        try:
+            if msg.header.command == p.Command.REGION_WRITE:
+                req = msg.payload
+                if len(req) < p.REGION_RW.size:
+                    raise p.ProtocolError(f"REGION_WRITE payload of {len(req)} bytes")
+                offset, region, count = p.REGION_RW.unpack_from(req)
+                if count == 0 or len(req) != p.REGION_RW.size + count:
+                    raise p.ProtocolError(f"REGION_WRITE count {count} but {len(req) - p.REGION_RW.size} data bytes")
+                full = self.posted.add(region, offset, req[p.REGION_RW.size:])
+            else:
+                for w in p.unpack_write_multi(msg.payload):
+                    full = self.posted.add(w.region, w.offset, w.data) or full
+        except p.ProtocolError as exc:
+            error = True
+            self.server.protocol_errors += 1
+            log.info("%s: posted %s dropped: %s", self.server.name, _name(msg.header.command), exc)
+        finally:
+            msg.close_fds()
+        self.server.record(msg.header.command, time.perf_counter_ns() - started, error)
+        if full:
+            self._flush_posted(idle=False)
+
+    def _flush_posted(self, idle: bool) -> None:
+        """Give the pending posted writes to the device, in order; a write the device
+        refuses is dropped and logged, like a posted write to nowhere on PCIe."""
+        device = self.server.device
+        with device.lock:
+            for region, offset, data in self.posted.take():
+                try:
+                    device.region_write(region, offset, data, posted=True)
+                except (ValueError, DmaError, OSError) as exc:
+                    self.server.posted_refused += 1
+                    log.info("%s: posted write to region %d+%#x refused: %s", self.server.name, region, offset, exc)
+        flush = getattr(device, "flush_posted", None)
+        if idle and flush is not None:
+            flush()
 
     # --- our requests to QEMU (DMA without a descriptor) ---------------------------------
     def _dma_by_message(self, address: int, what: int | bytes, write: bool) -> bytes | None:
@@ -305,14 +363,6 @@ def _region_write(s: _Session, msg: Message) -> bytes:
     return p.RegionAccess(req.region, req.offset, req.count).pack()
 
 
-def _region_write_multi(s: _Session, msg: Message) -> bytes:
-    device = s.server.device
-    with device.lock:
-        for w in p.unpack_write_multi(msg.payload):
-            device.region_write(w.region, w.offset, w.data, posted=True)
-    return b""
-
-
 def _reset(s: _Session, msg: Message) -> bytes:
     with s.server.device.lock:
         s.server.device.reset()
@@ -334,7 +384,7 @@ HANDLERS: dict[int, Callable[[_Session, Message], bytes]] = {
     p.Command.DEVICE_SET_IRQS: _set_irqs,
     p.Command.REGION_READ: _region_read,
     p.Command.REGION_WRITE: _region_write,
-    p.Command.REGION_WRITE_MULTI: _region_write_multi,
+    p.Command.REGION_WRITE_MULTI: _not_supported,  # posted only: combined in _Session._add_posted
     p.Command.DEVICE_RESET: _reset,
     p.Command.DIRTY_PAGES: _not_supported,
 }
@@ -364,6 +414,7 @@ class VfioUserServer:
         self.sessions_served = 0
         self.rejected_connections = 0
         self.protocol_errors = 0
+        self.posted_refused = 0  # posted writes the device refused (dropped)
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._session: _Session | None = None
@@ -424,7 +475,8 @@ class VfioUserServer:
         self._stopping = True
         close_listener(self._listener)
         self._listener = None
-        session = self._session
+        with self._lock:  # the accept loop creates and starts a session under it
+            session = self._session
         if session is not None:
             session.conn.close()
             session.thread.join(timeout)
@@ -440,7 +492,7 @@ class VfioUserServer:
         s = self._session
         return {"name": self.name, "sessions": self.sessions_served,
                 "rejected_connections": self.rejected_connections,
-                "protocol_errors": self.protocol_errors,
+                "protocol_errors": self.protocol_errors, "posted_refused": self.posted_refused,
                 "commands": {_name(k): v.as_dict() for k, v in sorted(self.stats.items())},
                 "dma": None if s is None else {"windows": len(s.dma.windows()), "refused": s.dma.refused,
                                                "bytes_read": s.dma.bytes_read,

@@ -1,0 +1,69 @@
+"""Posted writes combined into runs, the way a write-combining buffer would.
+
+Posted MMIO writes (a framebuffer fill arrives as millions of 1-, 4- or 8-byte writes)
+are kept in arrival order as *runs*: a write that continues the last run (same region,
+next offset) extends it, any other write starts a new run. Whoever holds a
+:class:`WriteRuns` flushes it, in order, before anything that must not pass a posted
+write (a read, a config access, a reset, a completion) and whenever it would otherwise
+wait; nothing is ever reordered, only glued together.
+
+The link carries several runs in one message as WRITE_BATCH (docs/link-protocol.md):
+a sequence of ``offset u64, region u32, count u32, data[count]`` entries, the layout of
+a vfio-user REGION_WRITE payload, back to back.
+"""
+
+from __future__ import annotations
+
+from .protocol import MAX_DATA_XFER, REGION_RW, ProtocolError
+
+Run = tuple[int, int, bytearray]  # region, offset, data
+
+
+class WriteRuns:
+    """Pending posted writes. ``add`` returns True once the batch is full (its encoded
+    size reached ``max_bytes``): the caller flushes then."""
+
+    def __init__(self, max_bytes: int = MAX_DATA_XFER) -> None:
+        self.max_bytes = max_bytes
+        self.runs: list[Run] = []
+        self.size = 0  # encoded size: data plus one entry header per run
+        self.writes = 0  # writes since the last take()
+
+    def __bool__(self) -> bool:
+        return bool(self.runs)
+
+    def add(self, region: int, offset: int, data: bytes | memoryview) -> bool:
+        self.writes += 1
+        runs = self.runs
+        if runs:
+            last_region, last_offset, buf = runs[-1]
+            if last_region == region and last_offset + len(buf) == offset:
+                buf += data
+                self.size += len(data)
+                return self.size >= self.max_bytes
+        runs.append((region, offset, bytearray(data)))
+        self.size += REGION_RW.size + len(data)
+        return self.size >= self.max_bytes
+
+    def take(self) -> list[Run]:
+        runs, self.runs, self.size, self.writes = self.runs, [], 0, 0
+        return runs
+
+
+def pack_batch(runs: list[Run]) -> bytes:
+    return b"".join(REGION_RW.pack(offset, region, len(data)) + data for region, offset, data in runs)
+
+
+def unpack_batch(payload: bytes | memoryview) -> list[tuple[int, int, memoryview]]:
+    """The runs of a WRITE_BATCH payload; never trusts a count."""
+    view, pos, runs = memoryview(payload), 0, []
+    while pos < len(view):
+        if len(view) - pos < REGION_RW.size:
+            raise ProtocolError(f"WRITE_BATCH: {len(view) - pos} stray bytes at {pos}")
+        offset, region, count = REGION_RW.unpack_from(view, pos)
+        pos += REGION_RW.size
+        if count == 0 or count > len(view) - pos:
+            raise ProtocolError(f"WRITE_BATCH entry of {count} bytes with {len(view) - pos} left")
+        runs.append((region, offset, view[pos:pos + count]))
+        pos += count
+    return runs
