@@ -70,7 +70,9 @@ def cmd_vm_define(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
     else:
-        print(f"  directory {info['directory']} (serial log, guest shell socket); QEMU log {info['qemu_log']}\n"
+        shell = (f"; guest shell socket {info['guest_socket']}" if info["guest_socket"] else
+                 f"; guest agent: virsh qemu-agent-command {info['name']} ...")
+        print(f"  serial log {info['serial_log']}{shell}; QEMU log {info['qemu_log']}\n"
               f"  root ports for dxpu attach: {', '.join(info['root_ports'])}")
     return 0
 

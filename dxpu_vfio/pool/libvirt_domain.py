@@ -13,7 +13,9 @@ hot-plug through its QMP passthrough (:mod:`.libvirt_target`). What a dxpu domai
   no USB controller and no balloon, so every root port stays free for dxpu;
 * direct kernel boot of a dxpu guest image, whose kernel and initrd are copied into the
   domain's directory (a rebuilt image does not break a defined domain); the full
-  image's disk is used in place as a ``<transient/>`` disk (changes are thrown away);
+  image's disk is copied there too (sparse, ~1.5 s) and is the domain's own, kept
+  across boots (``<transient/>`` would open the cached image read-write first and
+  collide with VM-runner guests that use it with ``snapshot=on``);
 * ttyS0 to ``serial.log`` and, on the tiny image, ttyS1 (the shell agent) as the UNIX
   socket ``guest.sock``, both in ``domain_dir(name)``.
 
@@ -329,7 +331,6 @@ def domain_xml(config: DomainConfig, emulator: Path, kernel: Path, initrd: Path,
         sub(d, "driver", name="qemu", type="raw")
         sub(d, "source", file=str(disk))
         sub(d, "target", dev="vda", bus="virtio")
-        sub(d, "transient")
         sub(d, "address", type="pci", domain="0x0000", bus="0x00", slot="0x03", function="0x0")
         sub(devices, "controller", type="virtio-serial", index="0")
         ch = sub(devices, "channel", type="unix")  # libvirt itself talks to the guest agent
@@ -390,8 +391,12 @@ def define_domain(config: DomainConfig, uri: str = DEFAULT_URI, start: bool = Fa
         kernel, initrd = directory / "vmlinuz", directory / "initrd.img"
         shutil.copyfile(image.kernel, kernel)
         shutil.copyfile(image.initrd, initrd)
+        disk = None
+        if image.disk is not None:
+            disk = directory / "disk.img"
+            subprocess.run(["cp", "--sparse=always", str(image.disk), str(disk)], check=True, timeout=300)
         xml = domain_xml(config, emulator, kernel, initrd, directory, image.kind,
-                         config.cmdline or image.cmdline, image.disk)
+                         config.cmdline or image.cmdline, disk)
         (directory / "domain.xml").write_text(xml)
         try:
             dom = conn.defineXML(xml)
