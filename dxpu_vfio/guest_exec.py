@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
-from .errors import GuestCommandTimeout, VmError
+from .errors import GuestCommandFailed, GuestCommandTimeout, VmError
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,36 @@ class GuestDied(VmError):
 
 
 class GuestChannel(Protocol):
+    def open(self, timeout: float) -> None: ...
     def ping(self, timeout: float) -> bool: ...
     def run(self, script: str, timeout: float) -> CommandResult: ...
     def request_poweroff(self) -> None: ...
     def close(self) -> None: ...
+
+
+def wait_ready(channel: "GuestChannel", deadline: float) -> bool:
+    """Open ``channel`` and ping until the guest answers (True) or ``deadline`` passes.
+
+    :class:`GuestDied` propagates: the caller knows best why its guest is gone.
+    """
+    channel.open(max(1.0, deadline - time.monotonic()))
+    while time.monotonic() < deadline:
+        if channel.ping(min(3.0, max(0.5, deadline - time.monotonic()))):
+            return True
+    return False
+
+
+def run_checked(channel: "GuestChannel", script: str, timeout: float, check: bool,
+                died: Callable[[str], VmError], logs: list[Path]) -> CommandResult:
+    """Run ``script``; a dead guest raises ``died(when)``, a failure (if ``check``)
+    :class:`GuestCommandFailed` naming ``logs``."""
+    try:
+        result = channel.run(script, timeout)
+    except GuestDied as exc:
+        raise died(f"while running {script!r}") from exc
+    if check and result.rc != 0:
+        raise GuestCommandFailed(script, result, logs=logs)
+    return result
 
 
 class _LineSocket:

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from .errors import GuestBootTimeout, GuestCommandFailed, GuestPanic, QemuStartError, VmError
-from .guest_exec import AgentChannel, CommandResult, GuestChannel, GuestDied, SerialChannel
+from .errors import GuestBootTimeout, GuestPanic, QemuStartError, VmError
+from .guest_exec import (AgentChannel, CommandResult, GuestChannel, GuestDied, SerialChannel, run_checked,
+                         wait_ready)
 from .images import Image, load_image
 from .paths import run_dir
 from .procs import terminate
@@ -197,13 +198,11 @@ class Vm:
         kind = AgentChannel if self.image.kind == "disk" else SerialChannel
         channel = kind(self.channel_path, self.guest_alive)
         try:
-            channel.open(max(1.0, deadline - time.monotonic()))
-            while time.monotonic() < deadline:
-                if channel.ping(min(3.0, max(0.5, deadline - time.monotonic()))):
-                    self.channel = channel
-                    self.state = VmState.BOOTED
-                    self.boot_seconds = time.monotonic() - self._started_at
-                    return self
+            if wait_ready(channel, deadline):
+                self.channel = channel
+                self.state = VmState.BOOTED
+                self.boot_seconds = time.monotonic() - self._started_at
+                return self
         except GuestDied as exc:
             raise self._death_error("while booting") from exc
         channel.close()
@@ -236,13 +235,7 @@ class Vm:
         """Run a shell script in the guest; ``check`` raises on a non-zero exit."""
         if self.state is not VmState.BOOTED or self.channel is None:
             raise VmError(f"VM {self.config.name} is not booted (state {self.state.value})")
-        try:
-            result = self.channel.run(script, timeout)
-        except GuestDied as exc:
-            raise self._death_error(f"while running {script!r}") from exc
-        if check and result.rc != 0:
-            raise GuestCommandFailed(script, result, logs=self.logs)
-        return result
+        return run_checked(self.channel, script, timeout, check, self._death_error, self.logs)
 
     def spawn(self, script: str) -> int:
         """Start a script in the guest without waiting (full image: guest agent only)."""

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import GuestBootTimeout, GuestCommandFailed, GuestPanic, SetupError, VmError
-from ..guest_exec import CommandResult, GuestDied, SerialChannel
+from ..errors import GuestBootTimeout, GuestPanic, SetupError, VmError
+from ..guest_exec import CommandResult, GuestDied, SerialChannel, run_checked, wait_ready
 from ..images import load_image
 from ..qemu import find_qemu
 from .targets import UnknownVm
@@ -498,11 +498,9 @@ class LibvirtGuest:
         deadline = time.monotonic() + timeout
         channel = SerialChannel(self.directory / "guest.sock", self.alive)
         try:
-            channel.open(max(1.0, deadline - time.monotonic()))
-            while time.monotonic() < deadline:
-                if channel.ping(min(3.0, max(0.5, deadline - time.monotonic()))):
-                    self.channel = channel
-                    return self
+            if wait_ready(channel, deadline):
+                self.channel = channel
+                return self
         except GuestDied as exc:
             channel.close()
             raise self._died("while booting") from exc
@@ -515,13 +513,7 @@ class LibvirtGuest:
     def run(self, script: str, timeout: float = 60, check: bool = True) -> CommandResult:
         if self.channel is None:
             raise VmError(f"guest of domain {self.name} is not booted (call wait_booted)")
-        try:
-            result = self.channel.run(script, timeout)
-        except GuestDied as exc:
-            raise self._died(f"while running {script!r}") from exc
-        if check and result.rc != 0:
-            raise GuestCommandFailed(script, result, logs=self.logs)
-        return result
+        return run_checked(self.channel, script, timeout, check, self._died, self.logs)
 
     def close(self) -> None:
         if self.channel:
