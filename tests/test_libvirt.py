@@ -16,6 +16,7 @@ from dxpu_vfio.pool.libvirt_target import LibvirtTarget
 from dxpu_vfio.pool.targets import UnknownVm, device_present, free_root_port, open_target, root_ports
 from dxpu_vfio.qmp_session import QmpError
 from dxpu_vfio.testing import LibvirtVm, register
+from test_pool import pool, pool_lab  # noqa: F401 - the pool manager fixtures (lab with two boxes)
 
 pytestmark = pytest.mark.vm
 
@@ -123,3 +124,28 @@ def test_errors_unknown_domain_not_running_no_libvirtd(request, libvirtd, tiny_i
         vm.destroy()
     with pytest.raises(UnknownVm):
         undefine_domain(name)
+
+
+def test_pool_attach_and_detach_through_libvirt(pool, libvirt_vm):
+    """The pool manager (in the lab's host namespace) reaches the domain by name, plugs a
+    GPU box's test device through libvirt's QMP passthrough, and takes it back."""
+    name = libvirt_vm.name
+    [lease] = pool.json("attach", name, "--class", "testdev", "--box", "box2")
+    assert lease["device"] == "box2/td1" and lease["state"] == "attached" and lease["port"] == "pci.1"
+    [row] = pool.leases()
+    assert row["vm"] == f"libvirt:{name}" and row["socket"].startswith(f"/run/dxpu-libvirt/{name}/")
+    bridge = port_bdf(libvirt_vm.target, lease["port"])
+    bdf = _guest_wait_for_child(libvirt_vm, bridge, True, 30)
+    ids = libvirt_vm.run(f"cat /sys/bus/pci/devices/{bdf}/vendor /sys/bus/pci/devices/{bdf}/device").stdout
+    assert ids.split() == ["0x1b36", "0x10f0"]
+    [dev] = pool.json("status", f"libvirt:{name}")["devices"]
+    assert dev["in_vm"] and dev["proxy_alive"], dev
+    [freed] = pool.json("detach", name, lease["lease"])
+    assert freed["device"] == "box2/td1"
+    assert not device_present(libvirt_vm.target, row["qdev_id"])
+    _guest_wait_for_child(libvirt_vm, bridge, False, 20)
+    assert pool.leases() == [] and not os.path.exists(row["socket"])
+    # an unknown domain is refused with the known ones named, and nothing is leased
+    proc = pool.dxpu("attach", "dxpu-no-such-domain", "--class", "testdev", check=False)
+    assert proc.returncode == 1 and "no libvirt domain 'dxpu-no-such-domain'" in proc.stderr, proc.stderr
+    assert name in proc.stderr and pool.leases() == []
