@@ -12,7 +12,7 @@ from dxpu_vfio.device_server import DeviceServerProcess
 from dxpu_vfio.hotplug import _guest_wait_for_child
 from dxpu_vfio.pool.libvirt_domain import (DomainConfig, DomainNotRunning, LibvirtGuest, LibvirtUnavailable,
                                            define_domain, domain_dir, undefine_domain)
-from dxpu_vfio.pool.libvirt_target import LibvirtTarget
+from dxpu_vfio.pool.libvirt_target import LibvirtTarget, dac_ids, grant_socket, prepare_socket_dir
 from dxpu_vfio.pool.targets import UnknownVm, device_present, free_root_port, open_target, root_ports
 from dxpu_vfio.qmp_session import QmpError
 from dxpu_vfio.testing import LibvirtVm, register
@@ -103,6 +103,39 @@ def test_testdev_hotplug_and_unplug_through_libvirt(libvirt_vm):
     finally:
         server.stop()
     assert not sock.exists()
+
+
+def connects_as(uid: int, gid: int, path) -> bool:
+    """Can a process of that user connect to the UNIX socket? (as libvirt's QEMU would)"""
+    probe = "import socket, sys; socket.socket(socket.AF_UNIX).connect(sys.argv[1])"
+    return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+                           "/usr/bin/python3", "-c", probe, str(path)],
+                          capture_output=True, timeout=30).returncode == 0
+
+
+def test_socket_dir_and_plug_let_a_non_root_qemu_connect_and_nobody_else():
+    """dxpu's domains run QEMU as root; a domain whose QEMU runs as libvirt's default user
+    gets sockets that user (only) can connect to: what socket_dir() and plug() do."""
+    import pwd
+    import shutil
+    import socket
+    qemu = pwd.getpwnam("libvirt-qemu")
+    xml = (f"<domain><seclabel type='dynamic' model='dac' relabel='yes'><label>+{qemu.pw_uid}:+{qemu.pw_gid}"
+           "</label></seclabel></domain>")
+    uid, gid = dac_ids(xml)
+    assert (uid, gid) == (qemu.pw_uid, qemu.pw_gid)
+    directory = prepare_socket_dir(unique_name("s"), uid, gid)
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(str(directory / "dxpu0.sock"))
+        listener.listen(4)
+        assert not connects_as(uid, gid, directory / "dxpu0.sock")  # the socket is root's
+        grant_socket(directory / "dxpu0.sock", uid, gid)
+        assert connects_as(uid, gid, directory / "dxpu0.sock")
+        assert not connects_as(65534, 65534, directory / "dxpu0.sock")  # nobody: cannot enter
+    finally:
+        listener.close()
+        shutil.rmtree(directory)
 
 
 def test_errors_unknown_domain_not_running_no_libvirtd(request, libvirtd, tiny_image):

@@ -50,6 +50,23 @@ def socket_dir_for(name: str) -> Path:
     return SOCKETS_ROOT / name
 
 
+def prepare_socket_dir(name: str, uid: int, gid: int) -> Path:
+    """``/run/dxpu-libvirt/NAME`` for host-proxy sockets that a QEMU running as uid:gid
+    connects to: outside any private /tmp; owner root, group gid, 0750 (0700 for root)."""
+    SOCKETS_ROOT.mkdir(mode=0o755, exist_ok=True)
+    path = socket_dir_for(name)
+    path.mkdir(exist_ok=True)
+    os.chown(path, 0, gid)
+    path.chmod(0o700 if uid == 0 else 0o750)
+    return path
+
+
+def grant_socket(socket_path: Path, uid: int, gid: int) -> None:
+    """Let a QEMU running as uid:gid connect (connect() needs write permission on the file)."""
+    if uid != 0:
+        os.chown(socket_path, uid, gid)
+
+
 def dac_ids(live_xml: str) -> tuple[int, int]:
     """uid and gid the domain's QEMU runs as, from the live XML's DAC label (``+0:+0``)."""
     for label in ET.fromstring(live_xml).iterfind("seclabel[@model='dac']/label"):
@@ -174,22 +191,12 @@ class LibvirtTarget(VmTarget):
         return dac_ids(self.dom.XMLDesc(0))
 
     def socket_dir(self) -> Path:
-        """``/run/dxpu-libvirt/NAME``: outside any private /tmp, reachable by the QEMU's user.
-
-        Owned by root, group = the QEMU's group, mode 0750: the QEMU can enter it,
-        nobody else. :meth:`plug` hands each socket to the QEMU's user if that is not root.
-        """
-        uid, gid = self.qemu_ids()
-        path = socket_dir_for(self.name)
-        path.mkdir(parents=True, exist_ok=True)
-        os.chown(path, 0, gid)
-        path.chmod(0o700 if uid == 0 else 0o750)
-        return path
+        """See :func:`prepare_socket_dir`; :meth:`plug` hands each socket to the QEMU's
+        user if that is not root (:func:`grant_socket`)."""
+        return prepare_socket_dir(self.name, *self.qemu_ids())
 
     def plug(self, device_id: str, port: str, socket_path: Path, timeout: float = 30.0) -> None:
-        uid, gid = self.qemu_ids()
-        if uid != 0:
-            os.chown(socket_path, uid, gid)  # connect() needs write permission on the socket
+        grant_socket(socket_path, *self.qemu_ids())
         super().plug(device_id, port, socket_path, timeout)
 
     def close(self) -> None:
