@@ -51,10 +51,12 @@ fi
 
 step "libvirt: QEMU runs as root (dxpu vm define)"
 # libvirt runs and probes QEMU as qemu.conf's user (Debian: libvirt-qemu), which cannot
-# enter /root where the QEMU sysroot and guest images live. Our block sets root:root;
-# appended once, last in the file, so it wins over any earlier setting.
+# enter /root where the QEMU sysroot and guest images live. Our block sets root:root,
+# appended once; libvirt takes the first setting of a key, so earlier user/group lines
+# are commented out (marked "#dxpu-vfio#").
 conf=/etc/libvirt/qemu.conf
 if [ -f "$conf" ] && ! grep -q '^# dxpu-vfio: begin' "$conf"; then
+    sed -i -E 's/^([[:space:]]*(user|group)[[:space:]]*=)/#dxpu-vfio# \1/' "$conf"
     printf '\n# dxpu-vfio: begin (scripts/setup.sh; see README "VMs under libvirt")\nuser = "root"\ngroup = "root"\n# dxpu-vfio: end\n' >> "$conf"
     echo "set user/group \"root\" in $conf"
     if [ -S /run/libvirt/libvirt-sock ] && [ -f /run/libvirtd.pid ]; then

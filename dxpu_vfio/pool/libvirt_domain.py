@@ -163,7 +163,9 @@ def qemu_conf_runs_as_root(path: Path = QEMU_CONF) -> bool:
         text = path.read_text()
     except OSError:
         return False
-    values = dict(re.findall(r'^\s*(user|group)\s*=\s*"([^"]*)"', text, re.M))
+    values: dict[str, str] = {}
+    for key, value in re.findall(r'^\s*(user|group)\s*=\s*"([^"]*)"', text, re.M):
+        values.setdefault(key, value)  # libvirt's config parser takes the first one
     return values.get("user") in ("root", "+0") and values.get("group") in ("root", "+0")
 
 
