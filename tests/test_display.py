@@ -1,62 +1,135 @@
 """The display adapter (bochs-display compatible) with the guest's own bochs DRM driver
-(full image, generic kernel), and its screenshot rendering."""
+(full image, generic kernel), served locally and from a GPU box over the lab network
+with mutual TLS; and the model's own scanout rendering.
 
+Every guest test runs twice, ``local`` (our vfio-user server runs the model) and
+``remote`` (the model and its framebuffer live in a remote proxy in a GPU-box network
+namespace; the host proxy forwards, coalescing posted writes). The device's state and
+screenshots are asked of whoever holds the framebuffer (:class:`DisplayProbe`)."""
+
+import os
 import struct
 import subprocess
 import sys
-import time
-import zlib
 
 import pytest
 
-from dxpu_vfio import hotplug
+from dxpu_vfio import guest_kms, hotplug
+from dxpu_vfio.display_probe import DisplayProbe, png_pixels
+from dxpu_vfio.lab import lab
+
+BOX, DEVICE = "gpubox", "fb0"
 
 
-
-def png_pixels(png: bytes) -> tuple[int, int, bytes]:
-    """Decode the plain 8-bit RGB PNGs the adapter writes (no filters)."""
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, w, h = 8, b"", 0, 0
-    while pos < len(png):
-        length, kind = struct.unpack(">I4s", png[pos:pos + 8])
-        data = png[pos + 8:pos + 8 + length]
-        if kind == b"IHDR":
-            w, h = struct.unpack(">II", data[:8])
-        elif kind == b"IDAT":
-            idat += data
-        pos += 12 + length
-    raw = zlib.decompress(idat)
-    return w, h, b"".join(raw[y * (w * 3 + 1) + 1:(y + 1) * (w * 3 + 1)] for y in range(h))
+@pytest.fixture(scope="session")
+def display_lab():
+    state = lab.up(lab.Topology(f"d{os.getpid()}", [lab.BoxSpec(BOX, [{"id": DEVICE, "model": "display"}])]))
+    yield state
+    lab.down(state.name)
 
 
-def wait_mode(att, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while not (mode := att.server.stats()["device"]["mode"])["enabled"]:
-        assert time.monotonic() < deadline, "the driver never enabled a mode"
-        time.sleep(1)
-    return mode
+@pytest.fixture(scope="module", params=["local", "remote"])
+def mode(request):
+    return request.param
+
+
+@pytest.fixture
+def plug(mode, request, full_vm):
+    """plug() -> (attachment, probe); everything plugged is unplugged at the end."""
+    state = request.getfixturevalue("display_lab") if mode == "remote" else None
+    plugged = []
+
+    def do_plug():
+        if state is None:
+            att = hotplug.attach(full_vm, "display")
+        else:
+            att = hotplug.attach(full_vm, "remote", settings=state.remote_settings(BOX, DEVICE),
+                                 netns=state.host_netns)
+        plugged.append(att)
+        return att, DisplayProbe.of(att, state, BOX, DEVICE)
+    yield do_plug
+    for att in plugged:
+        hotplug.detach(att)
+
+
+def driver_of(vm, bdf: str) -> str:
+    return vm.run(f"basename $(readlink /sys/bus/pci/devices/{bdf}/driver)").stdout.strip()
 
 
 @pytest.mark.vm
-def test_bochs_driver_binds_sets_its_mode_and_the_device_renders_it(full_vm):
-    att = hotplug.attach(full_vm, "display")
+def test_bochs_driver_binds_sets_its_mode_and_the_device_renders_it(full_vm, plug, mode):
+    att, probe = plug()
+    m = probe.wait_mode()
+    assert (m["xres"], m["yres"], m["bpp"]) == (1024, 768, 32)
+    assert driver_of(full_vm, att.guest_bdf) == "bochs-drm"
+    assert full_vm.run("ls /dev/dri/card0 /dev/fb0 && cat /sys/class/graphics/fb0/virtual_size").stdout.endswith("1024,768\n")
+    assert "Found EDID data blob" in full_vm.run("dmesg").stdout  # the driver read our EDID
+    assert png_pixels(probe.screenshot())[:2] == (1024, 768)  # rendered where the framebuffer lives
+    out = full_vm.workdir / "shot.png"
+    name = att.device_id if mode == "local" else f"{BOX}/{DEVICE}"
+    cli = subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "screenshot", name, str(out)],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert png_pixels(out.read_bytes())[:2] == (1024, 768)
+
+
+UNBIND_FBCON = ("for v in /sys/class/vtconsole/vtcon*; do grep -q 'frame buffer' $v/name && echo {} > $v/bind; "
+                "done; true")
+
+
+@pytest.mark.vm
+def test_pattern_written_to_fb0_appears_pixel_exact(full_vm, plug):
+    """Through the driver's fbdev emulation: the pattern lands in its shadow buffer and
+    the driver's damage worker copies it to VRAM with posted writes. The console is
+    unbound from the framebuffer first so that its cursor does not blink into it."""
+    att, probe = plug()
+    probe.wait_mode()
+    kms = guest_kms.install(full_vm)
+    full_vm.run(f"python3 {kms} --mode 1024x768 --pattern-file /tmp/pattern.raw", timeout=120)
+    full_vm.run(UNBIND_FBCON.format(0))
     try:
-        bdf = att.guest_bdf
-        mode = wait_mode(att)
-        assert (mode["xres"], mode["yres"], mode["bpp"]) == (1024, 768, 32)
-        driver = full_vm.run(f"basename $(readlink /sys/bus/pci/devices/{bdf}/driver)").stdout.strip()
-        assert driver == "bochs-drm"
-        assert full_vm.run("ls /dev/dri/card0 /dev/fb0 && cat /sys/class/graphics/fb0/virtual_size").stdout.endswith("1024,768\n")
-        assert "Found EDID data blob" in full_vm.run("dmesg").stdout  # the driver read our EDID
-        w, h, _ = png_pixels(att.server.screenshot())
-        assert (w, h) == (1024, 768)  # the scanout the driver set, rendered on the device side
-        out = full_vm.workdir / "shot.png"
-        cli = subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "screenshot", att.device_id, str(out)],
-                             capture_output=True, text=True, timeout=60)
-        assert cli.returncode == 0, cli.stderr
-        assert png_pixels(out.read_bytes())[:2] == (1024, 768)
+        full_vm.run("dd if=/tmp/pattern.raw of=/dev/fb0 bs=1M 2>&1", timeout=60)
+        probe.wait_pixels(1024, 768, guest_kms.pattern_rgb(1024, 768), timeout=120)
     finally:
-        hotplug.detach(att)
+        full_vm.run(UNBIND_FBCON.format(1))
+    assert probe.state()["framebuffer_bytes"] >= 1024 * 768 * 4
+
+
+@pytest.mark.vm
+def test_mode_change_through_kms_reaches_the_device(full_vm, plug):
+    """A KMS client (dxpu_kms.py: dumb buffer, ADDFB, SETCRTC) sets 800x600 and draws the
+    pattern straight into the mapped VRAM; the device's DISPI registers follow, the
+    scanout shows the pattern; when the client exits the fbdev mode comes back."""
+    att, probe = plug()
+    probe.wait_mode()
+    kms = guest_kms.install(full_vm)
+    full_vm.run("rm -f /tmp/kms.stop")
+    pid = full_vm.spawn(f"python3 {kms} --mode 800x600 --hold 240 --until /tmp/kms.stop")
+    try:
+        m = probe.wait_mode(lambda m: (m["xres"], m["yres"]) == (800, 600), timeout=120)
+        assert m["enabled"] and m["bpp"] == 32
+        probe.wait_pixels(800, 600, guest_kms.pattern_rgb(800, 600), timeout=120)
+    finally:
+        full_vm.run("touch /tmp/kms.stop")
+    result = full_vm.wait(pid, 60)
+    assert result.rc == 0, result
+    assert '"mode": "800x600"' in result.stdout and "800x600" in result.stdout
+    probe.wait_mode(lambda m: (m["xres"], m["yres"]) == (1024, 768), timeout=60)
+
+
+@pytest.mark.vm
+def test_unplug_and_replug(full_vm, plug, mode):
+    att, probe = plug()
+    probe.wait_mode()
+    hotplug.detach(att)
+    assert not att.server.alive()
+    assert full_vm.run(f"test -e /sys/bus/pci/devices/{att.guest_bdf}", check=False).rc != 0
+    assert full_vm.run("test -e /dev/fb0", check=False).rc != 0
+    again, probe = plug()
+    m = probe.wait_mode()
+    assert (m["xres"], m["yres"]) == (1024, 768)
+    assert driver_of(full_vm, again.guest_bdf) == "bochs-drm"
+    assert full_vm.run("ls /dev/dri/card0 /dev/fb0", check=False).rc == 0
 
 
 def test_display_model_renders_its_scanout_pixel_exact():
@@ -74,3 +147,10 @@ def test_display_model_renders_its_scanout_pixel_exact():
     assert (w, h) == (64, 48)
     for y in range(48):
         assert rgb[y * 192:(y + 1) * 192] == bytes.fromhex(["ff0000", "00ff00", "0000ff"][y % 3]) * 64
+
+
+def test_edid_offers_the_modes_a_kms_client_can_pick():
+    from qemu_device.display import DisplayAdapter
+    edid = DisplayAdapter().edid
+    assert sum(edid) % 256 == 0 and edid[:8] == b"\x00\xff\xff\xff\xff\xff\xff\x00"
+    assert edid[35] & 0x21 == 0x21 and edid[36] & 0x08  # 640x480@60, 800x600@60, 1024x768@60

@@ -321,7 +321,8 @@ class RemoteProxy:
                                   "link": s.endpoint.stats() if s.endpoint else None,
                                   "dma_bytes_read": s.dma.bytes_read if s.dma else 0,
                                   "dma_bytes_written": s.dma.bytes_written if s.dma else 0,
-                                  "irqs_sent": s.irq.sent if s.irq else 0}
+                                  "irqs_sent": s.irq.sent if s.irq else 0,
+                                  "device": s.device.stats() if hasattr(s.device, "stats") else None}
                             for sid, s in self.slots.items()}}
 
     def stop(self) -> None:

@@ -1,0 +1,85 @@
+"""A display device seen from the host: its own state (mode, counters) and its scanout,
+asked of the process that holds its framebuffer (the device server when served locally,
+the remote proxy of its GPU box when served from the lab). Tests and benchmarks use it.
+"""
+
+from __future__ import annotations
+
+import signal
+import struct
+import time
+import zlib
+from pathlib import Path
+
+from .procs import request_file, request_json, screenshot_path
+
+
+class DisplayProbe:
+    def __init__(self, *, server=None, box_pid: int | None = None, box_stats: Path | None = None,
+                 device: str | None = None) -> None:
+        self.server, self.box_pid, self.box_stats, self.device = server, box_pid, box_stats, device
+
+    @classmethod
+    def of(cls, attachment, lab_state=None, box: str | None = None, device: str | None = None) -> "DisplayProbe":
+        """For a local attachment, or (with ``lab_state``) for ``box``/``device`` in the lab."""
+        if lab_state is None:
+            return cls(server=attachment.server)
+        b = lab_state.box(box)
+        return cls(box_pid=b.proxy_pid, box_stats=Path(b.config).with_suffix(".stats.json"), device=device)
+
+    def state(self, timeout: float = 10.0) -> dict:
+        """The device's own stats: mode (enabled, xres, yres, bpp ...), framebuffer writes."""
+        if self.server is not None:
+            return self.server.stats(timeout)["device"]
+        stats = request_json(self.box_pid, self.box_stats, timeout)
+        if stats is None:
+            raise TimeoutError(f"the remote proxy (pid {self.box_pid}) gave no stats in {timeout} s")
+        return stats["devices"][self.device]["device"]
+
+    def screenshot(self, timeout: float = 30.0) -> bytes:
+        if self.server is not None:
+            return self.server.screenshot(timeout)
+        png = request_file(self.box_pid, screenshot_path(self.box_stats, self.device), signal.SIGUSR2, timeout)
+        if png is None:
+            raise TimeoutError(f"the remote proxy (pid {self.box_pid}) gave no screenshot in {timeout} s")
+        return png
+
+    def wait_mode(self, want=lambda m: m["enabled"], timeout: float = 120.0) -> dict:
+        """The mode once ``want(mode)`` holds; AssertionError naming the last mode on timeout."""
+        deadline = time.monotonic() + timeout
+        while not want(mode := self.state()["mode"]):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"display mode still {mode} after {timeout:.0f} s")
+            time.sleep(0.5)
+        return mode
+
+    def wait_pixels(self, width: int, height: int, rgb: bytes, timeout: float = 120.0) -> float:
+        """Seconds until the scanout is exactly ``rgb`` (width x height); AssertionError
+        with the number of differing pixels on timeout."""
+        started = time.monotonic()
+        while True:
+            w, h, got = png_pixels(self.screenshot())
+            if (w, h) == (width, height) and got == rgb:
+                return time.monotonic() - started
+            if time.monotonic() - started > timeout:
+                bad = sum(got[i:i + 3] != rgb[i:i + 3] for i in range(0, min(len(got), len(rgb)), 3))
+                raise AssertionError(f"scanout {w}x{h} (want {width}x{height}), {bad} pixels differ "
+                                     f"after {timeout:.0f} s")
+            time.sleep(1)
+
+
+def png_pixels(png: bytes) -> tuple[int, int, bytes]:
+    """Decode the plain 8-bit RGB PNGs the adapter writes (filter type 0 on every row)."""
+    if png[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError("not a PNG")
+    pos, idat, w, h = 8, b"", 0, 0
+    while pos < len(png):
+        length, kind = struct.unpack(">I4s", png[pos:pos + 8])
+        data = png[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            w, h = struct.unpack(">II", data[:8])
+        elif kind == b"IDAT":
+            idat += data
+        pos += 12 + length
+    raw = zlib.decompress(idat)
+    return w, h, b"".join(raw[y * (w * 3 + 1) + 1:(y + 1) * (w * 3 + 1)] for y in range(h))
