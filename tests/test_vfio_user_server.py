@@ -87,6 +87,34 @@ def test_registers_posted_writes_and_ordering(server):
     client.close()
 
 
+class RecordingDevice(TestDevice):
+    """The test device, noting the size of every write it is given."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.writes: list[tuple[int, int, int]] = []
+
+    def region_write(self, index, offset, data, posted=False):
+        self.writes.append((index, offset, len(data)))
+        return super().region_write(index, offset, data, posted)
+
+
+def test_posted_writes_to_adjacent_registers_stay_separate(tmp_path):
+    """A register block sees each write on its own: NVMe's SQ tail and CQ head
+    doorbells are adjacent dwords, and one 8-byte write would ring only the first."""
+    device = RecordingDevice(memory_size=1 << 20)
+    srv = VfioUserServer(device, tmp_path / "rec.sock", name="rec").start()
+    try:
+        client = connect(srv)
+        client.write32(BAR0, 0x08, 1, posted=True)
+        client.write32(BAR0, 0x0C, 2, posted=True)
+        client.read32(BAR0, 0x08)  # flushes the posted writes first
+        assert [w for w in device.writes if w[0] == BAR0] == [(BAR0, 0x08, 4), (BAR0, 0x0C, 4)]
+        client.close()
+    finally:
+        srv.stop()
+
+
 def test_dma_through_the_memfd_mapping(server, guest_ram):
     fd, ram = guest_ram
     client = connect(server)

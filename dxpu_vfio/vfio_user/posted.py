@@ -23,8 +23,12 @@ class WriteRuns:
     """Pending posted writes. ``add`` returns True once the batch is full (its encoded
     size reached ``max_bytes``): the caller flushes then."""
 
-    def __init__(self, max_bytes: int = MAX_DATA_XFER) -> None:
+    def __init__(self, max_bytes: int = MAX_DATA_XFER, merge: bool = True) -> None:
         self.max_bytes = max_bytes
+        # Gluing adjacent writes into one is right for memory (a framebuffer) only: a
+        # register block sees each write on its own (NVMe's SQ tail and CQ head doorbells
+        # are adjacent dwords). Without ``merge`` the writes are only batched.
+        self.merge = merge
         self.runs: list[Run] = []
         self.size = 0  # encoded size: data plus one entry header per run
         self.writes = 0  # writes since the last take()
@@ -35,7 +39,7 @@ class WriteRuns:
     def add(self, region: int, offset: int, data: bytes | memoryview) -> bool:
         self.writes += 1
         runs = self.runs
-        if runs:
+        if runs and self.merge:
             last_region, last_offset, buf = runs[-1]
             if last_region == region and last_offset + len(buf) == offset:
                 buf += data

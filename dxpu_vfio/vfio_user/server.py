@@ -111,7 +111,9 @@ class _Session:
         self.thread = threading.Thread(target=self._run, name=f"vfio-user-{server.name}",
                                        daemon=True)
         self.version_seen = False
-        self.posted = WriteRuns()  # posted writes not yet given to the device
+        # posted writes not yet given to the device; glued together only for a device that
+        # asks (its posted writes go to memory, e.g. a framebuffer)
+        self.posted = WriteRuns(merge=bool(getattr(server.device, "coalesce_posted", False)))
 
     # --- reader loop ---------------------------------------------------------------------
     def _run(self) -> None:
