@@ -21,7 +21,9 @@ import pytest
 from dxpu_vfio.lab import lab
 from dxpu_vfio.link.transport import make_certs
 from dxpu_vfio.paths import run_dir
+from dxpu_vfio.pool.manager import stop_proxy
 from dxpu_vfio.pool.service import ManagerClient, ManagerError, ManagerProcess
+from dxpu_vfio.pool.store import Lease
 from dxpu_vfio.pool.targets import wait_until
 
 pytestmark = pytest.mark.vm
@@ -86,12 +88,8 @@ def pool(pool_lab, tmp_path):
     p.register("box2")
     yield p
     p.stop()
-    for lease in p.leases():  # a test that failed half way: leave no proxy behind
-        if lease["proxy_pid"]:
-            try:
-                os.kill(lease["proxy_pid"], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    for row in p.leases():  # a test that failed half way: leave no proxy or socket behind
+        stop_proxy(Lease(**row))
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,7 @@ def proxy_alive(lease: Lease) -> bool:
 
 
 def stop_proxy(lease: Lease) -> None:
+    """End the lease's host proxy by pid and remove its socket and counters file."""
     if proxy_alive(lease):
         terminate_pid(lease.proxy_pid)
     if lease.socket:
@@ -75,13 +76,21 @@ class Manager:
     """One pool, one store. Thread-safe: the service calls it from many threads."""
 
     def __init__(self, store: Store, *, open_vm: Callable[[str], VmTarget] = open_target,
-                 dead_after: float = 3.0, unplug_timeout: float = 15.0) -> None:
+                 dead_after: float = 3.0, unplug_timeout: float = 15.0,
+                 reconcile_unplug_timeout: float = 5.0) -> None:
         self.store = store
         self.open_vm = open_vm
         self.dead_after = dead_after
         self.unplug_timeout = unplug_timeout
+        self.reconcile_unplug_timeout = reconcile_unplug_timeout  # short: reconcile runs before the API serves
         self._vm_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
         self._locks_lock = threading.Lock()
+
+    def proxy_log(self, lease: Lease) -> Path:
+        """Host proxy logs live with the pool's state; a clean detach removes them."""
+        directory = self.store.path.with_suffix(".logs")
+        directory.mkdir(exist_ok=True)
+        return directory / f"{lease.id}.log"
 
     def _vm_lock(self, key: str) -> threading.Lock:
         """Operations on one VM run one at a time (they pick root ports); VMs run in parallel."""
@@ -155,7 +164,8 @@ class Manager:
         settings = {"address": dev["address"], "device": dev["name"], "lease": dev["token"]}
         settings.update({"tls_dir": dev["tls_dir"], "tls_role": TLS_ROLE} if dev["tls_dir"] else {"plaintext": True})
         socket_path = target.socket_dir() / f"{lease.id}.sock"
-        server = DeviceServerProcess("remote", socket_path, settings=settings, name=lease.qdev_id)
+        server = DeviceServerProcess("remote", socket_path, settings=settings, name=lease.qdev_id,
+                                     log_path=self.proxy_log(lease))
         lease.socket = str(socket_path)
         self.store.update_lease(lease.id, socket=lease.socket)
         server.start()
@@ -181,7 +191,7 @@ class Manager:
                 log.error("rollback could not unplug %s from %s: %s", lease.qdev_id, target.name, exc)
                 self.store.update_lease(lease.id, state="detaching")
                 return  # keep the lease: the device is still in the VM; reconcile retries
-        stop_proxy(lease)
+        stop_proxy(lease)  # its log stays: the AttachError names it
         self.store.delete_lease(lease.id)
 
     def detach(self, vm: str, device: str | None = None, *, all_devices: bool = False,
@@ -206,6 +216,7 @@ class Manager:
                 raise  # lease stays 'detaching', device stays served: detach again later
         stop_proxy(lease)
         self.store.delete_lease(lease.id)
+        self.proxy_log(lease).unlink(missing_ok=True)
         return {"lease": lease.id, "device": lease.device, "vm": lease.vm, "state": "freed",
                 "counters": counters}
 
@@ -260,7 +271,7 @@ class Manager:
             self.store.update_lease(lease.id, state="detaching", owner_pid=os.getpid())
             if lease.qdev_id in present:
                 try:
-                    target.unplug(lease.qdev_id, self.unplug_timeout)
+                    target.unplug(lease.qdev_id, self.reconcile_unplug_timeout)
                 except DxpuError as exc:
                     actions.append({"lease": lease.id, "device": lease.device, "vm": lease.vm,
                                     "action": "unplug-pending", "why": f"{why}; {exc.message}"})
@@ -272,7 +283,7 @@ class Manager:
         known = {lease.qdev_id for lease in leases}
         for qdev_id in sorted(present - known):
             try:
-                target.unplug(qdev_id, self.unplug_timeout)
+                target.unplug(qdev_id, self.reconcile_unplug_timeout)
                 actions.append({"qdev_id": qdev_id, "vm": target.key, "action": "unplugged",
                                 "why": "plugged by the pool but no lease"})
             except DxpuError as exc:

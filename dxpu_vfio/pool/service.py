@@ -308,7 +308,7 @@ class ManagerProcess(ChildProcess):
             self.args += ["--metrics", metrics_address]
         self.process: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 30.0) -> "ManagerProcess":
+    def start(self, timeout: float = 60.0) -> "ManagerProcess":
         argv = [sys.executable, "-m", "dxpu_vfio.cli", "manager", "serve", "--db", str(self.paths.db), *self.args]
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns, *argv]

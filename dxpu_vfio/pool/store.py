@@ -60,6 +60,23 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX leases_by_vm ON leases(vm);
     """,
+    # 2: allocation in O(boxes + log devices): a free-device index and per-box counts,
+    # kept by triggers so no code path can forget them
+    """
+    ALTER TABLE devices ADD COLUMN leased INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE boxes ADD COLUMN lent INTEGER NOT NULL DEFAULT 0;
+    UPDATE devices SET leased = (id IN (SELECT device FROM leases));
+    UPDATE boxes SET lent = (SELECT COUNT(*) FROM devices WHERE devices.box = boxes.name AND leased = 1);
+    CREATE INDEX devices_free ON devices(box, class, id) WHERE leased = 0;
+    CREATE TRIGGER lease_taken AFTER INSERT ON leases BEGIN
+        UPDATE devices SET leased = 1 WHERE id = NEW.device@
+        UPDATE boxes SET lent = lent + 1 WHERE name = (SELECT box FROM devices WHERE id = NEW.device)@
+    END;
+    CREATE TRIGGER lease_returned AFTER DELETE ON leases BEGIN
+        UPDATE devices SET leased = 0 WHERE id = OLD.device@
+        UPDATE boxes SET lent = lent - 1 WHERE name = (SELECT box FROM devices WHERE id = OLD.device)@
+    END;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 QDEV_PREFIX = "pool-"  # QEMU ids of devices the pool plugged
@@ -126,9 +143,9 @@ class Store:
             if version > SCHEMA_VERSION:
                 raise StoreError(f"{self.path} has schema version {version}; this dxpu knows up to "
                                  f"{SCHEMA_VERSION}", hint="upgrade dxpu-vfio, or use another DXPU_POOL_DB")
-            for number in range(version, SCHEMA_VERSION):  # no ';' inside a statement
+            for number in range(version, SCHEMA_VERSION):  # statements end with ';', trigger bodies use '@'
                 for statement in filter(str.strip, MIGRATIONS[number].split(";")):
-                    db.execute(statement)
+                    db.execute(statement.replace("@", ";"))
             db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     @property
@@ -145,15 +162,23 @@ class Store:
                 raise StoreError(f"pool database {self.path} is busy or unwritable: {exc}") from exc
             try:
                 yield self._db
+            except sqlite3.Error as exc:
+                self._rollback()
+                raise StoreError(f"pool database {self.path} failed: {exc}",
+                                 hint="check free disk space and permissions; nothing was changed") from exc
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
             try:
                 self._db.execute("COMMIT")
             except sqlite3.Error as exc:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise StoreError(f"could not commit to {self.path}: {exc}",
                                  hint="check free disk space; nothing was changed") from exc
+
+    def _rollback(self) -> None:
+        if self._db.in_transaction:  # SQLite has already rolled back after e.g. SQLITE_FULL
+            self._db.execute("ROLLBACK")
 
     def _query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         with self._lock:
@@ -184,7 +209,7 @@ class Store:
                             d["lease"]))
             marks = ",".join("?" * len(seen))
             db.execute(f"DELETE FROM devices WHERE box = ? AND id NOT IN ({marks or 'NULL'}) "
-                       "AND id NOT IN (SELECT device FROM leases)", (name, *seen))
+                       "AND leased = 0", (name, *seen))
 
     def remove_box(self, name: str) -> None:
         with self.transaction() as db:
@@ -242,41 +267,44 @@ class Store:
     # --- leases -----------------------------------------------------------------
     def allocate(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
                  device: str | None = None, policy: str = "pack", owner_pid: int | None = None) -> list[Lease]:
-        """Pick ``count`` free devices and create ``attaching`` leases for them, atomically.
-
-        pack: fill the boxes that already lend the most devices first (keeps others free);
-        spread: one device from each box in turn, least-lent box first.
-        """
+        """Pick ``count`` free devices and create ``attaching`` leases for them, atomically:
+        all of them or none (:class:`NoFreeDevice`)."""
         if policy not in POLICIES:
             raise StoreError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)}")
         if count < 1:
             raise StoreError(f"--count must be at least 1, not {count}")
+        # pack: the box that already lends the most first (keeps other boxes whole);
+        # spread: the box that lends the least first, so N devices come from N boxes.
         with self.transaction() as db:
-            where, args = ["boxes.state = 'up'", "devices.id NOT IN (SELECT device FROM leases)"], []
-            if device is not None:
-                device_id = device if "/" in device else None
-                where.append("devices.id = ?" if device_id else "devices.name = ?")
-                args.append(device)
-            if device_class:
-                where.append("devices.class = ?")
-                args.append(device_class)
             if box:
                 self._box_row(db, box)
-                where.append("devices.box = ?")
-                args.append(box)
-            free = db.execute(
-                "SELECT devices.id, devices.box, (SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device "
-                "WHERE d.box = devices.box) AS lent FROM devices JOIN boxes ON boxes.name = devices.box "
-                f"WHERE {' AND '.join(where)} ORDER BY devices.id", args).fetchall()
-            chosen = self._pick([(r["id"], r["box"], r["lent"]) for r in free], count, policy)
-            if len(chosen) < count:
-                what = " ".join(filter(None, [f"class {device_class}" if device_class else "",
-                                              f"on box {box}" if box else "", f"named {device}" if device else ""]))
-                raise NoFreeDevice(f"asked for {count} device(s){' of ' + what if what else ''}, "
-                                   f"{len(free)} free", hint="dxpu ls shows boxes, devices and who holds them")
+            box_filter = " AND b.name = ?" if box else ""
+            dev_filter, dev_args = "", []
+            if device_class:
+                dev_filter += " AND d.class = ?"
+                dev_args.append(device_class)
+            if device is not None:
+                dev_filter += " AND d.id = ?" if "/" in device else " AND d.name = ?"
+                dev_args.append(device)
+            order = "b.lent DESC, b.name" if policy == "pack" else "b.lent, b.name"
             now = time.time()
             leases = []
-            for device_id in chosen:
+            for _ in range(count):
+                row = db.execute(
+                    f"SELECT b.name FROM boxes b WHERE b.state = 'up'{box_filter} AND EXISTS (SELECT 1 FROM devices d "
+                    f"WHERE d.box = b.name AND d.leased = 0{dev_filter}) ORDER BY {order} LIMIT 1",
+                    ([box] if box else []) + dev_args).fetchone()
+                if row is None:
+                    free = len(leases) + db.execute(
+                        "SELECT COUNT(*) FROM devices d JOIN boxes b ON b.name = d.box WHERE b.state = 'up' "
+                        f"AND d.leased = 0{box_filter}{dev_filter}", ([box] if box else []) + dev_args).fetchone()[0]
+                    what = " ".join(filter(None, [f"class {device_class}" if device_class else "",
+                                                  f"on box {box}" if box else "",
+                                                  f"named {device}" if device else ""]))
+                    raise NoFreeDevice(f"asked for {count} device(s){' of ' + what if what else ''}, {free} free",
+                                       hint="dxpu ls shows boxes, devices and who holds them")
+                device_id = db.execute(f"SELECT d.id FROM devices d WHERE d.box = ? AND d.leased = 0{dev_filter} "
+                                       "ORDER BY d.id LIMIT 1", [row[0]] + dev_args).fetchone()[0]
                 lease_id = secrets.token_hex(4)
                 lease = Lease(lease_id, device_id, vm, "attaching", QDEV_PREFIX + lease_id,
                               owner_pid=owner_pid, created_at=now, updated_at=now)
@@ -285,24 +313,6 @@ class Store:
                            (lease.id, device_id, vm, lease.state, lease.qdev_id, owner_pid, now, now))
                 leases.append(lease)
             return leases
-
-    @staticmethod
-    def _pick(free: list[tuple[str, str, int]], count: int, policy: str) -> list[str]:
-        by_box: dict[str, list[str]] = {}
-        lent: dict[str, int] = {}
-        for device_id, box, n in free:
-            by_box.setdefault(box, []).append(device_id)
-            lent[box] = n
-        chosen: list[str] = []
-        while len(chosen) < count and any(by_box.values()):
-            boxes = [b for b in by_box if by_box[b]]
-            if policy == "pack":
-                box = min(boxes, key=lambda b: (-lent[b], b))
-            else:
-                box = min(boxes, key=lambda b: (lent[b], b))
-            chosen.append(by_box[box].pop(0))
-            lent[box] += 1
-        return chosen
 
     def update_lease(self, lease_id: str, **fields: object) -> None:
         allowed = {"state", "port", "socket", "proxy_pid", "owner_pid"}

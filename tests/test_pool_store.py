@@ -1,0 +1,202 @@
+"""The pool store on a real SQLite file (no VM): allocation policies, atomicity across
+processes, schema migration, refusals, a full disk, and the Prometheus exposition."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dxpu_vfio.pool import store as store_mod
+from dxpu_vfio.pool.metrics import render
+from dxpu_vfio.pool.store import NoFreeDevice, Store, StoreError
+
+
+def inventory(n: int, cls: str = "testdev") -> list[dict]:
+    return [{"id": f"d{i}", "class": cls, "vendor": "1b36", "model": "10f0", "capacity": 1 << 20, "lease": f"t{i}"}
+            for i in range(n)]
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "pool.db")
+    s.register_box("a", "198.18.1.2:7000", None, inventory(3))
+    s.register_box("b", "198.18.2.2:7000", None, inventory(2) + [
+        {"id": "n0", "class": "nvme", "vendor": "1b36", "model": "10f1", "capacity": 1 << 30, "lease": "tn"}])
+    yield s
+    s.close()
+
+
+def boxes_of(leases) -> list[str]:
+    return [lease.box for lease in leases]
+
+
+def test_pack_fills_the_busiest_box_and_spread_goes_across(store):
+    assert boxes_of(store.allocate("vm1", device_class="testdev", count=2, policy="spread")) == ["a", "b"]
+    # a and b both lend 1: pack takes a's (name order), then keeps filling a
+    assert boxes_of(store.allocate("vm2", device_class="testdev", count=2, policy="pack")) == ["a", "a"]
+    assert boxes_of(store.allocate("vm3", device_class="testdev", policy="spread")) == ["b"]
+    with pytest.raises(NoFreeDevice, match="asked for 1 device.s. of class testdev, 0 free"):
+        store.allocate("vm4", device_class="testdev")
+
+
+def test_a_failed_allocation_allocates_nothing(store):
+    with pytest.raises(NoFreeDevice, match="asked for 9 device.s., 6 free"):
+        store.allocate("vm1", count=9)
+    assert store.leases() == [] and all(d["available"] for d in store.devices())
+
+
+def test_filters_by_box_and_device(store):
+    [lease] = store.allocate("vm1", device="b/n0")
+    assert lease.device == "b/n0" and lease.qdev_id == "pool-" + lease.id and lease.state == "attaching"
+    [lease] = store.allocate("vm1", device="d1", box="a")
+    assert lease.device == "a/d1"
+    with pytest.raises(StoreError, match="no box named 'z'"):
+        store.allocate("vm1", box="z")
+    with pytest.raises(NoFreeDevice):
+        store.allocate("vm2", device="b/n0")
+    assert store.lease_for("vm1", "n0").device == "b/n0"
+    assert store.lease_for("vm1", "a/d1").device == "a/d1"
+    with pytest.raises(StoreError, match="holds no device.s. matching 'd0'"):
+        store.lease_for("vm1", "d0")
+
+
+def test_down_boxes_lend_nothing_and_come_back(store):
+    store.mark_box("b", up=False, error="no answer")
+    assert boxes_of(store.allocate("vm1", count=3)) == ["a", "a", "a"]
+    with pytest.raises(NoFreeDevice):
+        store.allocate("vm1")
+    assert store.mark_box("b", up=True) == "down"
+    assert boxes_of(store.allocate("vm1")) == ["b"]
+
+
+def test_reregistration_keeps_leased_devices_and_drops_vanished_free_ones(store):
+    [held] = store.allocate("vm1", device="a/d2")
+    store.register_box("a", "198.18.1.9:7000", None, inventory(1))  # d1 and d2 gone from the box
+    ids = [d["id"] for d in store.devices() if d["box"] == "a"]
+    assert ids == ["a/d0", "a/d2"]
+    assert store.box("a")["address"] == "198.18.1.9:7000"
+    with pytest.raises(StoreError, match="still has 1 leased device"):
+        store.remove_box("a")
+    store.delete_lease(held.id)
+    store.remove_box("a")
+    assert [b["name"] for b in store.boxes()] == ["b"]
+
+
+def _grab(path: str, name: str, count: int, out, go) -> None:
+    s = Store(path)
+    go.wait(60)
+    out.put([s.allocate(name)[0].device for _ in range(count)])
+
+
+def test_concurrent_processes_never_share_a_device(tmp_path):
+    """Four processes take 500 devices each, one at a time, from 2000 at once: every
+    allocation succeeds (no 'database is locked'), and no device is handed out twice."""
+    path = tmp_path / "race.db"
+    s = Store(path)
+    for b in range(4):
+        s.register_box(f"box{b}", f"198.18.{b}.2:7000", None, inventory(500))
+    ctx = multiprocessing.get_context("spawn")
+    out, go = ctx.Queue(), ctx.Event()
+    workers = [ctx.Process(target=_grab, args=(str(path), f"vm{i}", 500, out, go)) for i in range(4)]
+    for w in workers:
+        w.start()
+    go.set()  # all at once
+    results = [out.get(timeout=120) for _ in workers]
+    for w in workers:
+        w.join(30)
+        assert w.exitcode == 0
+    taken = [d for r in results for d in r]
+    assert [len(r) for r in results] == [500] * 4
+    assert len(set(taken)) == 2000
+    assert sum(b["lent"] for b in s.boxes()) == 2000
+    with pytest.raises(NoFreeDevice):
+        s.allocate("vm9")
+
+
+def test_migrates_a_version_1_database_keeping_its_leases(tmp_path):
+    path = tmp_path / "v1.db"
+    db = sqlite3.connect(path)
+    db.executescript(store_mod.MIGRATIONS[0] + "PRAGMA user_version = 1;")
+    db.execute("INSERT INTO boxes VALUES ('a', 'x:1', NULL, 'up', 0, 0, NULL)")
+    for i in range(2):
+        db.execute(f"INSERT INTO devices VALUES ('a/d{i}', 'a', 'd{i}', 'testdev', '1b36', '10f0', 1, 't')")
+    db.execute("INSERT INTO leases (id, device, vm, state, qdev_id, created_at, updated_at) "
+               "VALUES ('l1', 'a/d0', 'vm1', 'attached', 'pool-l1', 0, 0)")
+    db.commit()
+    db.close()
+    s = Store(path)
+    assert s.schema_version == store_mod.SCHEMA_VERSION == 2
+    assert s.boxes()[0]["lent"] == 1
+    assert [lease.device for lease in s.allocate("vm2")] == ["a/d1"]
+    with pytest.raises(NoFreeDevice):
+        s.allocate("vm3")
+
+
+def test_a_newer_schema_is_refused(tmp_path):
+    path = tmp_path / "new.db"
+    Store(path).close()
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA user_version = 99")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match="schema version 99"):
+        Store(path)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs (we run as root): a real full disk."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_full_disk_fails_cleanly_and_loses_nothing(tiny_disk):
+    s = Store(tiny_disk / "pool.db")
+    s.register_box("a", "x:1", None, inventory(40))
+    first = s.allocate("vm1", count=2)
+    filler = tiny_disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:  # fill the disk to the last block
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.ftruncate(fd, max(0, os.fstat(fd).st_size - (128 << 10)))  # room for a few writes
+        os.close(fd)
+    registered = []
+    with pytest.raises(StoreError, match="nothing was changed"):
+        for k in range(200):  # each box adds ~20 KB until a write finds no space
+            s.register_box(f"big{k}", "x:1", None, [{**inventory(1)[0], "lease": "x" * 20000}])
+            registered.append(f"big{k}")
+    assert registered, "the disk was full before the first registration"
+    assert [b["name"] for b in s.boxes()] == sorted(["a", *registered])  # the failed one left nothing
+    filler.unlink()
+    assert [lease.id for lease in s.leases()] == [lease.id for lease in first]
+    assert len(s.allocate("vm1", count=2)) == 2
+    s.close()
+
+
+def test_metrics_are_valid_prometheus_text(store):
+    from prometheus_client.parser import text_string_to_metric_families
+    [lease] = store.allocate("vm1", device="b/n0")
+    store.update_lease(lease.id, state="attached")
+    stats = {lease.id: {"server": {"commands": {"REGION_READ": {"count": 7}}},
+                        "device": {"reads": 7, "dma_bytes_read": 4096, "link": {"up": True}}}}
+    families = {f.name: f for f in text_string_to_metric_families(render(store, stats))}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    base = (("device", "b/n0"), ("lease", lease.id), ("vm", "vm1"))
+    assert samples[("dxpu_device_messages_total", tuple(sorted(base + (("command", "REGION_READ"),))))] == 7
+    assert samples[("dxpu_device_dma_bytes_total", tuple(sorted(base + (("direction", "read"),))))] == 4096
+    assert samples[("dxpu_device_link_up", base)] == 1
+    assert samples[("dxpu_box_up", (("box", "a"),))] == 1
+    assert samples[("dxpu_devices", (("box", "b"), ("class", "nvme"), ("state", "leased")))] == 1
+    assert samples[("dxpu_devices", (("box", "a"), ("class", "testdev"), ("state", "free")))] == 3
