@@ -32,7 +32,7 @@ class LinkCommand(enum.IntEnum):
     IRQ = 0x101  # remote -> host, posted: kind, vector, level
     HEARTBEAT = 0x102  # both ways, posted
     WRITE_BATCH = 0x103  # host -> remote, posted: coalesced posted writes (REGION_WRITE payloads back to back)
-    INVENTORY = 0x103  # manager -> remote, instead of HELLO: the box's devices (JSON); then the link closes
+    INVENTORY = 0x104  # manager -> remote, instead of HELLO: the box's devices (JSON); then the link closes
 
 
 IRQ_MSG = struct.Struct("<III")  # kind, vector, level
