@@ -137,12 +137,30 @@ def _shared_full_factory(full_image: Image) -> Iterator[VmFactory]:
     factory.kill_all()
 
 
+@pytest.fixture(scope="module")
+def _shared_tiny_factory(tiny_image: Image) -> Iterator[VmFactory]:
+    factory = VmFactory("shared-tiny")
+    yield factory
+    factory.kill_all()
+
+
+def _first_booted(request: pytest.FixtureRequest, factory: VmFactory, image: str, **overrides) -> Vm:
+    if not factory.vms:
+        factory.booted(image, name=image, **overrides)
+    return shared_vm(request, factory)
+
+
 @pytest.fixture
 def full_vm(request: pytest.FixtureRequest, _shared_full_factory: VmFactory) -> Vm:
     """One booted full guest shared by the tests of a module (its boot takes ~30 s)."""
-    if not _shared_full_factory.vms:
-        _shared_full_factory.booted("full", name="full", boot_timeout=240)
-    return shared_vm(request, _shared_full_factory)
+    return _first_booted(request, _shared_full_factory, "full", boot_timeout=240)
+
+
+@pytest.fixture
+def shared_tiny_vm(request: pytest.FixtureRequest, _shared_tiny_factory: VmFactory) -> Vm:
+    """One booted tiny guest shared by the tests of a module (hot-plug tests, which
+    give back what they plug, need no guest of their own)."""
+    return _first_booted(request, _shared_tiny_factory, "tiny")
 
 
 # --- libvirt ------------------------------------------------------------------------

@@ -53,19 +53,9 @@ def nvme_device(mode, request, local_disks):
     return lambda n=0: {"model": "remote", "settings": state.remote_settings(*where[n]), "netns": state.host_netns}
 
 
-@pytest.fixture(scope="module")
-def shared(tiny_image, mode):
-    from dxpu_vfio.testing import VmFactory
-    factory = VmFactory("nvme")
-    factory.booted("tiny", name="nv")
-    yield factory
-    factory.kill_all()
-
-
 @pytest.fixture
-def vm(request, shared):
-    from dxpu_vfio.testing import shared_vm as first_vm
-    return first_vm(request, shared)
+def vm(shared_tiny_vm):
+    return shared_tiny_vm
 
 
 def controller(vm, att, timeout: int = 20) -> str:

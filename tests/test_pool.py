@@ -92,19 +92,9 @@ def pool(pool_lab, tmp_path):
         stop_proxy(Lease(**row))
 
 
-@pytest.fixture(scope="module")
-def shared(tiny_image):
-    from dxpu_vfio.testing import VmFactory
-    factory = VmFactory("pool")
-    factory.booted("tiny", name="pool")
-    yield factory
-    factory.kill_all()
-
-
 @pytest.fixture
-def vm(request, shared):
-    from dxpu_vfio.testing import shared_vm
-    return shared_vm(request, shared)
+def vm(shared_tiny_vm):
+    return shared_tiny_vm
 
 
 def guest_ids(vm, port_bdf: str) -> str:
