@@ -18,22 +18,12 @@ from pathlib import Path
 
 from .device_server import DeviceServerProcess
 from .errors import DxpuError, VmError
+from .pool import targets
+from .pool.targets import HotplugError, NoFreeRootPort, UnplugTimeout  # noqa: F401 - part of this API
 from .qmp_session import QmpError, QmpTimeout
 from .vm import Vm
 
 _ids = itertools.count(0)
-
-
-class HotplugError(DxpuError):
-    """A hot-plug step failed; the message says which and what state things are in."""
-
-
-class NoFreeRootPort(HotplugError):
-    pass
-
-
-class UnplugTimeout(HotplugError):
-    """The guest did not release the device in time; it is still plugged and served."""
 
 
 @dataclass
@@ -61,29 +51,8 @@ def port_bdf(vm: Vm, port: str) -> str:
     return f"0000:00:{0x10 + n:02x}.0"
 
 
-def used_root_ports(vm: Vm) -> set[str]:
-    """Root ports with a device below them, from QEMU's own view (query-pci)."""
-    used = set()
-    for bus in vm.qmp.execute("query-pci"):
-        for dev in bus["devices"]:
-            bridge = dev.get("pci_bridge")
-            if bridge and dev.get("qdev_id") and bridge.get("devices"):
-                used.add(dev["qdev_id"])
-    return used
-
-
-def device_present(vm: Vm, device_id: str) -> bool:
-    return any(p["name"] == device_id for p in vm.qmp.execute("qom-list", {"path": "/machine/peripheral"}))
-
-
 def free_root_port(vm: Vm) -> str:
-    used = used_root_ports(vm)
-    for port in vm.root_port_ids():
-        if port not in used:
-            return port
-    raise NoFreeRootPort(f"VM {vm.config.name} has no free root port "
-                         f"({len(vm.root_port_ids())} ports, all used: {sorted(used)})",
-                         hint="detach a device, or start the VM with more root ports")
+    return targets.free_root_port(vm.qmp, vm.config.name, vm.root_port_ids())
 
 
 def _guest_wait_for_child(vm: Vm, bridge: str, present: bool, timeout: float) -> str:
@@ -203,7 +172,7 @@ def detach(attachment: Attachment, timeout: float = 15.0) -> dict | None:
                         raise HotplugError(f"device_del of {attachment.device_id} failed: {exc.message}") from exc
                     events = None  # QEMU no longer has it: nothing to wait for
                 attachment.state = "unplug-pending"
-            elif not device_present(vm, attachment.device_id):
+            elif not targets.device_present(vm.qmp, attachment.device_id):
                 events = None  # the removal finished between two detach calls
             if events is not None:
                 try:

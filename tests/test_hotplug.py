@@ -17,6 +17,7 @@ from dxpu_vfio import hotplug
 from dxpu_vfio.device_server import DeviceServerError, DeviceServerProcess
 from dxpu_vfio.errors import VmError
 from dxpu_vfio.lab import lab
+from dxpu_vfio.pool.targets import used_root_ports
 
 pytestmark = pytest.mark.vm
 
@@ -203,7 +204,7 @@ def test_socket_path_in_use_is_refused(vm):
         with pytest.raises(DeviceServerError, match="already listening") as err:
             hotplug.attach(vm, device_id="busy")
         assert "another socket" in str(err.value)
-        assert hotplug.used_root_ports(vm) == set()  # nothing was plugged
+        assert used_root_ports(vm.qmp) == set()  # nothing was plugged
     finally:
         squatter.stop()
 
@@ -219,7 +220,7 @@ def test_guest_that_never_lets_go_times_out_and_stays_consistent(vm, device):
         vm.qmp.execute("cont")
     hotplug.detach(att, timeout=15)  # once the guest runs again the removal completes
     assert att.state == "detached" and not att.server.alive()
-    assert hotplug.used_root_ports(vm) == set()
+    assert used_root_ports(vm.qmp) == set()
 
 
 # --- tests with a VM of their own -------------------------------------------------------

@@ -29,11 +29,15 @@ class UnknownVm(VmError):
     """The name is neither a QMP socket nor a libvirt domain."""
 
 
-class NoFreeRootPort(DxpuError):
+class HotplugError(DxpuError):
+    """A hot-plug step failed; the message says which and what state things are in."""
+
+
+class NoFreeRootPort(HotplugError):
     """Every hot-pluggable root port of the VM has a device below it."""
 
 
-class UnplugTimeout(DxpuError):
+class UnplugTimeout(HotplugError):
     """The guest did not release the device in time; it is still plugged and served."""
 
 
@@ -63,7 +67,7 @@ def free_root_port(qmp: Executor, vm_name: str, ports: list[str] | None = None) 
             return port
     raise NoFreeRootPort(f"VM {vm_name} has no free root port ({len(ports)} ports, all used: {sorted(used)})",
                          hint="detach a device, or give the VM more pcie-root-ports "
-                              "(dxpu vm define --root-ports N)")
+                              "(VmConfig.root_ports, dxpu vm define --root-ports N)")
 
 
 def device_present(qmp: Executor, device_id: str) -> bool:
