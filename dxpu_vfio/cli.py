@@ -381,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_pool_commands(sub, add)
 
     p = add("demo", cmd_demo, "the main demo on the embedded defaults")
-    p.add_argument("--image", default="tiny", choices=["tiny", "full"])
+    p.add_argument("--image", default="full", choices=["full"], help="the display needs the full image")
     p.add_argument("--accel", default="tcg", choices=["tcg", "kvm"])
     return parser
 

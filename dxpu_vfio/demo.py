@@ -1,9 +1,12 @@
 """The README's demo on the embedded defaults.
 
 A lab with one GPU box (its own network namespace, reached over veth with mutual TLS)
-that holds an NVMe drive and the test device; a guest VM that gets both hot-plugged,
-uses them with its own kernel drivers and tools, shows what it measured and what the
-proxies counted, and gives them back. It grows with each capability of the DxPU path.
+that holds an NVMe drive and a display adapter; the pool manager, which registers the
+box; a guest VM (full image: the generic kernel has the bochs DRM driver) that the
+manager gives both devices, hot-plugged; the guest uses them with its own drivers (a
+checksummed write and read-back on the disk, a pattern drawn on /dev/fb0 and found
+pixel-exact in the box's screenshot); what the guest measured and what the host proxies
+counted; and the devices given back. It grows with each capability of the DxPU path.
 """
 
 from __future__ import annotations
@@ -11,95 +14,140 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
+from pathlib import Path
 
-from . import hotplug
+from . import guest_kms
+from .display_probe import DisplayProbe, png_pixels
 from .guest_devices import nvme_disk
+from .hotplug import guest_wait_for_child, port_bdf
 from .lab import lab
+from .paths import PROJECT_ROOT
+from .pool.service import ManagerClient, ManagerProcess
 from .vm import Vm, VmConfig
 
 MiB = 1 << 20
-EDU = "0000:00:05.0"
+UNBIND_FBCON = ("for v in /sys/class/vtconsole/vtcon*; do grep -q 'frame buffer' $v/name && echo {} > $v/bind; "
+                "done; true")
 
 
 def _kv(text: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in text.split() if "=" in item)
 
 
-def run_demo(image: str = "tiny", accel: str = "tcg", as_json: bool = False) -> int:
+def _guest_bdf(vm: Vm, port: str) -> str:
+    """The guest's BDF of what the manager plugged on root port ``rpN``."""
+    return guest_wait_for_child(vm, port_bdf(vm, port), True, 60)
+
+
+def _use_nvme(vm: Vm, bdf: str) -> dict:
+    disk = nvme_disk(vm, bdf, timeout=60)
+    now = "cut -d' ' -f1 /proc/uptime"  # busybox and coreutils alike; 10 ms resolution
+    io = vm.run(f"dd if=/dev/urandom of=/tmp/data bs=1M count=8 2>/dev/null; a=$({now}); "
+                f"dd if=/tmp/data of=/dev/{disk} bs=128k oflag=direct 2>/dev/null; sync; b=$({now}); "
+                f"echo 3 > /proc/sys/vm/drop_caches; c=$({now}); "
+                f"dd if=/dev/{disk} of=/tmp/back bs=128k count=64 iflag=direct 2>/dev/null; d=$({now}); "
+                f"echo write_s=$(echo $a $b | awk '{{print $2-$1}}') read_s=$(echo $c $d | awk '{{print $2-$1}}') "
+                f"src=$(md5sum < /tmp/data | cut -c1-32) back=$(md5sum < /tmp/back | cut -c1-32)",
+                timeout=300).stdout
+    nv = _kv(io)
+    return {"disk": disk, "match": nv["src"] == nv["back"],
+            "write_MBps": round(8 * MiB / 1e6 / max(float(nv["write_s"]), 0.01), 1),
+            "read_MBps": round(8 * MiB / 1e6 / max(float(nv["read_s"]), 0.01), 1)}
+
+
+def _use_display(vm: Vm, bdf: str, probe: DisplayProbe, shot: Path) -> dict:
+    mode = probe.wait_mode()
+    driver = vm.run(f"basename $(readlink /sys/bus/pci/devices/{bdf}/driver)").stdout.strip()
+    w, h = mode["xres"], mode["yres"]
+    kms = guest_kms.install(vm)
+    vm.run(f"python3 {kms} --mode {w}x{h} --pattern-file /tmp/pattern.raw", timeout=120)
+    vm.run(UNBIND_FBCON.format(0))  # the console's cursor would blink into the pattern
+    try:
+        started = time.monotonic()
+        vm.run("dd if=/tmp/pattern.raw of=/dev/fb0 bs=1M 2>/dev/null", timeout=60)
+        probe.wait_pixels(w, h, guest_kms.pattern_rgb(w, h), timeout=180)
+        seconds = time.monotonic() - started
+        png = probe.screenshot()  # before the console comes back and draws over it
+    finally:
+        vm.run(UNBIND_FBCON.format(1))
+    shot.write_bytes(png)
+    return {"driver": driver, "mode": f"{w}x{h}x{mode['bpp']}", "pixel_exact": True,
+            "seconds_to_screen": round(seconds, 1), "screenshot": str(shot), "png_size": png_pixels(png)[:2]}
+
+
+def run_demo(image: str = "full", accel: str = "tcg", as_json: bool = False) -> int:
     say = (lambda _m: None) if as_json else (lambda m: print(m, flush=True))
     out: dict = {"image": image, "accel": accel}
-    disks = tempfile.mkdtemp(prefix="dxpu-demo-box-")
+    if image != "full":
+        say("demo: the display needs the full image (its generic kernel has the bochs DRM driver); using full")
+        image = out["image"] = "full"
+    work = Path(tempfile.mkdtemp(prefix="dxpu-demo-"))
     topology = lab.Topology(f"demo{os.getpid()}", [lab.BoxSpec("box1", [
-        {"id": "nvme0", "model": "nvme", "settings": {"namespaces": [{"size": 128 * MiB, "path": f"{disks}/nvme0.img"}]}},
-        {"id": "td0", "model": "testdev"}])])
+        {"id": "nvme0", "model": "nvme", "settings": {"namespaces": [{"size": 128 * MiB, "path": str(work / "nvme0.img")}]}},
+        {"id": "fb0", "model": "display"}])])
     say("demo: bringing up the lab: host namespace + GPU box 'box1' over veth (198.18.1.0/24), mutual TLS ...")
     state = lab.up(topology)
+    manager = None
     try:
         box = state.box("box1")
-        say(f"demo: box1 at {box.box_ip} serves nvme0 (NVMe, 128 MiB) and td0 (test device)")
-        with Vm(VmConfig(image=image, name="dxpu-demo", accel=accel, edu=True)) as vm:
-            vm.boot()
+        manager = ManagerProcess(work / "pool.db", netns=state.host_netns).start()
+        pool = ManagerClient(work / "pool.db")
+        reg = pool.post("/v1/boxes", name="box1", address=box.endpoint, tls_dir=str(state.certs))
+        say(f"demo: pool manager up (pid {manager.pid}, {work / 'pool.db'}); registered box1 at {box.endpoint}: "
+            + ", ".join(f"{d['id']} ({d['class']} {d['vendor']}:{d['model']}, {d['capacity'] // MiB} MiB)"
+                        for d in reg["devices"]))
+        with Vm(VmConfig(image=image, name="dxpu-demo", accel=accel)) as vm:
+            vm.boot(timeout=300)
             out["kernel"] = vm.run("uname -r").stdout.strip()
-            out["boot_seconds"] = vm.boot_seconds
+            out["boot_seconds"] = round(vm.boot_seconds, 1)
             say(f"demo: guest up under {accel} (QEMU {vm.qemu.version_text}, kernel {out['kernel']}) "
                 f"in {vm.boot_seconds:.1f} s; logs in {vm.workdir}")
+            sock = str(vm.admin_qmp_path)
 
-            remote = lambda dev: {"model": "remote", "settings": state.remote_settings("box1", dev),  # noqa: E731
-                                  "netns": state.host_netns}
-            nvme = hotplug.attach(vm, **remote("nvme0"))
-            disk = nvme_disk(vm, nvme.guest_bdf)
-            say(f"demo: hot-plugged nvme0 from box1 -> guest {nvme.guest_bdf}, driver "
-                f"{vm.run(f'basename $(readlink /sys/bus/pci/devices/{nvme.guest_bdf}/driver)').stdout.strip()}, "
-                f"disk /dev/{disk}")
-            # busybox dd prints no timing and busybox date has no %N: time with /proc/uptime (10 ms)
-            now = "cut -d' ' -f1 /proc/uptime"
-            io = vm.run(f"dd if=/dev/urandom of=/tmp/data bs=1M count=8 2>/dev/null; a=$({now}); "
-                        f"dd if=/tmp/data of=/dev/{disk} bs=128k oflag=direct 2>/dev/null; sync; b=$({now}); "
-                        f"echo 3 > /proc/sys/vm/drop_caches; c=$({now}); "
-                        f"dd if=/dev/{disk} of=/tmp/back bs=128k count=64 iflag=direct 2>/dev/null; d=$({now}); "
-                        f"echo write_s=$(echo $a $b | awk '{{print $2-$1}}') read_s=$(echo $c $d | awk '{{print $2-$1}}') "
-                        f"src=$(md5sum < /tmp/data | cut -c1-32) back=$(md5sum < /tmp/back | cut -c1-32)",
-                        timeout=300).stdout
-            nv = _kv(io)
-            out["nvme"] = {"disk": disk, "match": nv["src"] == nv["back"],
-                           "write_MBps": 8 * MiB / 1e6 / max(float(nv["write_s"]), 0.01),
-                           "read_MBps": 8 * MiB / 1e6 / max(float(nv["read_s"]), 0.01)}
-            say(f"demo: guest wrote 8 MiB of random data with dd, dropped its caches, read it back: "
-                f"{'checksums match' if out['nvme']['match'] else 'CHECKSUMS DIFFER'} "
-                f"(write {out['nvme']['write_MBps']:.1f} MB/s, read {out['nvme']['read_MBps']:.1f} MB/s)")
+            [nv] = pool.post("/v1/attach", vm=sock, **{"class": "nvme"})
+            bdf = _guest_bdf(vm, nv["port"])
+            say(f"demo: dxpu attach --class nvme -> lease {nv['lease']}: {nv['device']} on {nv['port']}, "
+                f"guest {bdf}, driver nvme")
+            out["nvme"] = {**_use_nvme(vm, bdf), "lease": nv["lease"]}
+            say(f"demo: guest wrote 8 MiB of random data to /dev/{out['nvme']['disk']} with dd, dropped its caches, "
+                f"read it back: {'checksums match' if out['nvme']['match'] else 'CHECKSUMS DIFFER'} "
+                f"(write {out['nvme']['write_MBps']} MB/s, read {out['nvme']['read_MBps']} MB/s)")
 
-            td = hotplug.attach(vm, **remote("td0"))
-            bdf = td.guest_bdf
-            vm.run("echo 2 > /proc/sys/vm/nr_hugepages; echo '1b36 10f0' > /sys/bus/pci/drivers/uio_pci_generic/new_id")
-            guest = {
-                "dma_copy_64k": _kv(vm.run(f"dxpu-testdev {bdf} dma-copy 65536").stdout),
-                "intx": _kv(vm.run(f"dxpu-testdev {bdf} irq 10").stdout),
-                "mmio_read": _kv(vm.run(f"dxpu-mmio {bdf} 0 time-read 8 1000").stdout),
-                "edu_mmio_read": _kv(vm.run(f"dxpu-mmio {EDU} enable >/dev/null && dxpu-mmio {EDU} 0 time-read 0 1000").stdout),
-            }
-            out["testdev"] = guest
-            say(f"demo: hot-plugged td0 from box1 -> guest {bdf}: DMA copy of 64 KiB between guest buffers "
-                f"match={guest['dma_copy_64k']['match']}; INTx counted by uio_pci_generic "
-                f"{guest['intx']['received']}/10; MMIO read {int(guest['mmio_read']['median_ns']) / 1000:.0f} µs "
-                f"across the network vs {int(guest['edu_mmio_read']['median_ns']) / 1000:.2f} µs for QEMU's edu")
+            [fb] = pool.post("/v1/attach", vm=sock, **{"class": "display"})
+            bdf = _guest_bdf(vm, fb["port"])
+            probe = DisplayProbe(box_pid=box.proxy_pid, box_stats=Path(box.config).with_suffix(".stats.json"),
+                                 device="fb0")
+            out["display"] = {**_use_display(vm, bdf, probe, work / "screenshot.png"), "lease": fb["lease"]}
+            d = out["display"]
+            say(f"demo: dxpu attach --class display -> lease {fb['lease']}: {fb['device']} on {fb['port']}, guest {bdf}, "
+                f"driver {d['driver']}, mode {d['mode']}")
+            say(f"demo: guest drew a test pattern on /dev/fb0; box1's screenshot showed it pixel-exact "
+                f"{d['seconds_to_screen']} s later ({d['screenshot']})")
 
-            out["proxies"] = {}
-            for name, att in (("nvme0", nvme), ("td0", td)):
-                dev = att.server.stats()["device"]
-                link = dev["link"]
-                out["proxies"][name] = dev
-                reads = link["requests"].get("REGION_READ", {"count": 0, "wait_us": 0})
-                say(f"demo: host proxy of {name}: {reads['count']} reads waited {reads['wait_us'] / 1000:.1f} ms on "
-                    f"the link, {dev['writes_posted']} posted writes, DMA {dev['dma_bytes_read']} B out of and "
-                    f"{dev['dma_bytes_written']} B into guest memory, {dev['irqs']} interrupts, "
-                    f"{dev['dma_refused']} DMA refused")
-            hotplug.detach(td)
-            hotplug.detach(nvme)
-            say("demo: both devices unplugged and returned to box1")
+            status = pool.get("/v1/status", vm=sock)
+            out["status"] = status
+            for dev in status["devices"]:
+                c = dev["counters"]
+                say(f"demo: host proxy of {dev['device']}: {c.get('reads', 0)} reads and {c.get('writes_posted', 0)} "
+                    f"posted writes ({c.get('posted_messages', c.get('writes_posted', 0))} link messages), "
+                    f"DMA {c.get('dma_bytes_read', 0)} B out of and {c.get('dma_bytes_written', 0)} B into guest "
+                    f"memory, {c.get('irqs', 0)} interrupts, link {'up' if dev['link_up'] else 'DOWN'}")
+            freed = pool.post("/v1/detach", vm=sock, all=True)
+            out["freed"] = [f["device"] for f in freed]
+            left = [x["id"] for x in pool.get("/v1/ls")["devices"] if not x["available"]]
+            say(f"demo: dxpu detach --all: {', '.join(out['freed'])} unplugged and back in the pool "
+                f"({'all free' if not left else 'still held: ' + ', '.join(left)})")
             vm.shutdown()
     finally:
+        if manager is not None:
+            manager.stop()
         lab.down(state.name)
-    say("demo: lab down (namespaces, proxies, certificates removed)")
+    say("demo: pool manager stopped, lab down (namespaces, proxies, certificates removed)")
+    results = PROJECT_ROOT / "results"
+    results.mkdir(exist_ok=True)
+    (results / "demo.json").write_text(json.dumps(out, indent=2, default=str))
     if as_json:
         print(json.dumps(out, indent=2, default=str))
-    return 0 if out.get("nvme", {}).get("match") else 1
+    ok = out.get("nvme", {}).get("match") and out.get("display", {}).get("pixel_exact") and not left
+    return 0 if ok else 1

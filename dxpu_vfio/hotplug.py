@@ -55,7 +55,7 @@ def free_root_port(vm: Vm) -> str:
     return targets.free_root_port(vm.qmp, vm.config.name, vm.root_port_ids())
 
 
-def _guest_wait_for_child(vm: Vm, bridge: str, present: bool, timeout: float) -> str:
+def guest_wait_for_child(vm: Vm, bridge: str, present: bool, timeout: float) -> str:
     """Poll sysfs in the guest until a device appears under (or leaves) ``bridge``."""
     test = "[ -n \"$d\" ]" if present else "[ -z \"$d\" ]"
     script = (f"i=0; while [ $i -lt {int(timeout * 10)} ]; do "
@@ -93,7 +93,7 @@ class _GuestWatch:
 
     def confirm(self) -> str:
         if self.pid is None:
-            return _guest_wait_for_child(self.vm, self.bridge, True, self.timeout)
+            return guest_wait_for_child(self.vm, self.bridge, True, self.timeout)
         result = self.vm.wait(self.pid, self.timeout + 10)
         self.events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
         adds = [e for e in self.events if e.get("action") == "add"]

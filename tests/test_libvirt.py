@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from dxpu_vfio.device_server import DeviceServerProcess
-from dxpu_vfio.hotplug import _guest_wait_for_child
+from dxpu_vfio.hotplug import guest_wait_for_child
 from dxpu_vfio.pool.libvirt_domain import (DomainConfig, DomainNotRunning, LibvirtGuest, LibvirtUnavailable,
                                            define_domain, domain_dir, undefine_domain)
 from dxpu_vfio.pool.libvirt_target import LibvirtTarget, dac_ids, grant_socket, prepare_socket_dir
@@ -82,7 +82,7 @@ def test_testdev_hotplug_and_unplug_through_libvirt(libvirt_vm):
         target.plug("dxpu0", port, sock)
         assert device_present(target, "dxpu0")
         assert free_root_port(target, libvirt_vm.name) != port
-        bdf = _guest_wait_for_child(libvirt_vm, bridge, True, 20)
+        bdf = guest_wait_for_child(libvirt_vm, bridge, True, 20)
         ids = libvirt_vm.run(f"cat /sys/bus/pci/devices/{bdf}/vendor /sys/bus/pci/devices/{bdf}/device").stdout
         assert ids.split() == ["0x1b36", "0x10f0"]
         # the device reaches guest RAM (libvirt's shared memfd, mapped from DMA_MAP's fd)
@@ -94,7 +94,7 @@ def test_testdev_hotplug_and_unplug_through_libvirt(libvirt_vm):
         target.unplug("dxpu0", timeout=15)
         assert target.last_unplug_seen == "DEVICE_DELETED"  # the libvirt event, not the fallback poll
         assert not device_present(target, "dxpu0")
-        _guest_wait_for_child(libvirt_vm, bridge, False, 20)
+        guest_wait_for_child(libvirt_vm, bridge, False, 20)
         # a QMP error through libvirt carries what was sent and what QEMU answered
         with pytest.raises(QmpError) as err:
             target.execute("device_del", {"id": "dxpu0"})
@@ -168,7 +168,7 @@ def test_pool_attach_and_detach_through_libvirt(pool, libvirt_vm):
     [row] = pool.leases()
     assert row["vm"] == f"libvirt:{name}" and row["socket"].startswith(f"/run/dxpu-libvirt/{name}/")
     bridge = port_bdf(libvirt_vm.target, lease["port"])
-    bdf = _guest_wait_for_child(libvirt_vm, bridge, True, 30)
+    bdf = guest_wait_for_child(libvirt_vm, bridge, True, 30)
     ids = libvirt_vm.run(f"cat /sys/bus/pci/devices/{bdf}/vendor /sys/bus/pci/devices/{bdf}/device").stdout
     assert ids.split() == ["0x1b36", "0x10f0"]
     [dev] = pool.json("status", f"libvirt:{name}")["devices"]
@@ -176,7 +176,7 @@ def test_pool_attach_and_detach_through_libvirt(pool, libvirt_vm):
     [freed] = pool.json("detach", name, lease["lease"])
     assert freed["device"] == "box2/td1"
     assert not device_present(libvirt_vm.target, row["qdev_id"])
-    _guest_wait_for_child(libvirt_vm, bridge, False, 20)
+    guest_wait_for_child(libvirt_vm, bridge, False, 20)
     assert pool.leases() == [] and not os.path.exists(row["socket"])
     # an unknown domain is refused with the known ones named, and nothing is leased
     proc = pool.dxpu("attach", "dxpu-no-such-domain", "--class", "testdev", check=False)

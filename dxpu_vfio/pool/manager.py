@@ -315,8 +315,9 @@ class Manager:
             devices = []
             for lease in leases:
                 entry = self._describe(lease, target, present)
-                stats = self._proxy_stats(lease)
-                entry["link_up"] = bool(stats and (stats.get("device") or {}).get("link", {}).get("up"))
+                stats = (self._proxy_stats(lease) or {}).get("device") or {}
+                entry["link_up"] = bool(stats.get("link", {}).get("up"))
+                entry["counters"] = {k: v for k, v in stats.items() if isinstance(v, int) and not isinstance(v, bool)}
                 devices.append(entry)
             return {"vm": target.key, "running": alive, "devices": devices,
                     "root_ports_free": _free_ports(target) if alive else 0}
