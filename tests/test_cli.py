@@ -43,15 +43,19 @@ def test_wrong_image_name_is_a_usage_error():
 
 
 @pytest.mark.vm
-def test_demo_gets_devices_from_a_gpu_box_uses_them_and_gives_them_back():
+def test_demo_gets_nvme_and_display_from_the_pool_uses_them_and_gives_them_back():
     proc = dxpu("demo", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["kernel"].startswith("6.12")
     assert data["nvme"]["match"] is True and data["nvme"]["disk"].startswith("nvme")
-    guest = data["testdev"]
-    assert guest["dma_copy_64k"]["match"] == "yes" and guest["intx"]["received"] == "10"
-    nvme = data["proxies"]["nvme0"]
-    assert nvme["link"]["up"] and nvme["dma_bytes_written"] >= 8 << 20 and nvme["dma_refused"] == 0
+    assert data["display"]["driver"] == "bochs-drm" and data["display"]["pixel_exact"] is True
+    assert data["display"]["png_size"] == [1024, 768]
+    devices = {d["device"]: d for d in data["status"]["devices"]}
+    nvme = devices["box1/nvme0"]
+    assert nvme["link_up"] and nvme["in_vm"] and nvme["counters"]["dma_bytes_written"] >= 8 << 20
+    assert nvme["counters"]["dma_refused"] == 0
+    assert devices["box1/fb0"]["counters"]["writes_posted"] > 0
+    assert sorted(data["freed"]) == ["box1/fb0", "box1/nvme0"]
     assert not any(ns.startswith("dxdemo") for ns in subprocess.run(
         ["ip", "netns", "list"], capture_output=True, text=True).stdout.split())  # the lab is gone
