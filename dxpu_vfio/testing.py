@@ -163,6 +163,13 @@ def shared_tiny_vm(request: pytest.FixtureRequest, _shared_tiny_factory: VmFacto
     return _first_booted(request, _shared_tiny_factory, "tiny")
 
 
+@pytest.fixture(scope="module", params=["local", "remote"])
+def served(request: pytest.FixtureRequest) -> str:
+    """Run a module's tests twice: devices served by a local device server, then from a
+    GPU box in the lab (the module says how it builds each)."""
+    return request.param
+
+
 # --- libvirt ------------------------------------------------------------------------
 
 _LIBVIRT_TEST_NAME = re.compile(r"^dxpu-t(\d+)-\d+$")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 
 from qemu_device.ports import DmaError
@@ -61,3 +63,17 @@ class FakeGuestRam:
     def write(self, addr: int, data: bytes) -> None:
         self.calls.append(("write", addr, len(data)))
         self.ram[self._window(addr, len(data))] = data
+
+
+def map_guest_memory(client, address: int, size: int) -> mmap.mmap:
+    """Negotiate, then DMA_MAP a memfd of ``size`` at ``address`` as QEMU maps guest RAM;
+    returns our own mapping of it (the test's view of guest memory)."""
+    client.negotiate()
+    fd = os.memfd_create("guest")
+    try:
+        os.ftruncate(fd, size)
+        ram = mmap.mmap(fd, size)
+        client.dma_map(address, size, fd=fd)
+    finally:
+        os.close(fd)
+    return ram

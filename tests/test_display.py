@@ -28,15 +28,10 @@ def display_lab():
     lab.down(state.name)
 
 
-@pytest.fixture(scope="module", params=["local", "remote"])
-def mode(request):
-    return request.param
-
-
 @pytest.fixture
-def plug(mode, request, full_vm):
+def plug(served, request, full_vm):
     """plug() -> (attachment, probe); everything plugged is unplugged at the end."""
-    state = request.getfixturevalue("display_lab") if mode == "remote" else None
+    state = request.getfixturevalue("display_lab") if served == "remote" else None
     plugged = []
 
     def do_plug():
@@ -57,7 +52,7 @@ def driver_of(vm, bdf: str) -> str:
 
 
 @pytest.mark.vm
-def test_bochs_driver_binds_sets_its_mode_and_the_device_renders_it(full_vm, plug, mode):
+def test_bochs_driver_binds_sets_its_mode_and_the_device_renders_it(full_vm, plug, served):
     att, probe = plug()
     m = probe.wait_mode()
     assert (m["xres"], m["yres"], m["bpp"]) == (1024, 768, 32)
@@ -66,7 +61,7 @@ def test_bochs_driver_binds_sets_its_mode_and_the_device_renders_it(full_vm, plu
     assert "Found EDID data blob" in full_vm.run("dmesg").stdout  # the driver read our EDID
     assert png_pixels(probe.screenshot())[:2] == (1024, 768)  # rendered where the framebuffer lives
     out = full_vm.workdir / "shot.png"
-    name = att.device_id if mode == "local" else f"{BOX}/{DEVICE}"
+    name = att.device_id if served == "local" else f"{BOX}/{DEVICE}"
     cli = subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "screenshot", name, str(out)],
                          capture_output=True, text=True, timeout=60)
     assert cli.returncode == 0, cli.stderr
@@ -118,7 +113,7 @@ def test_mode_change_through_kms_reaches_the_device(full_vm, plug):
 
 
 @pytest.mark.vm
-def test_unplug_and_replug(full_vm, plug, mode):
+def test_unplug_and_replug(full_vm, plug):
     att, probe = plug()
     probe.wait_mode()
     hotplug.detach(att)

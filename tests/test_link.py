@@ -10,6 +10,7 @@ import socket
 import time
 
 import pytest
+from fakes import map_guest_memory
 
 from dxpu_vfio.link.hostside import RemoteAttachError, connect_remote
 from dxpu_vfio.link.process import RemoteProxyProcess
@@ -60,12 +61,7 @@ def forwarded(tmp_path, box, certs):
     device.endpoint.dead_after = 1.0
     server = VfioUserServer(device, tmp_path / "host.sock", name="fwd").start()
     client = VfioUserClient(server.socket_path)
-    client.negotiate()
-    fd = os.memfd_create("guest")
-    os.ftruncate(fd, MEM)
-    ram = mmap.mmap(fd, MEM)
-    client.dma_map(GUEST, MEM, fd=fd)
-    os.close(fd)
+    ram = map_guest_memory(client, GUEST, MEM)
     cmd = int.from_bytes(client.read(p.REGION_CONFIG, 4, 2), "little")
     client.write(p.REGION_CONFIG, 4, (cmd | 6).to_bytes(2, "little"))
     yield client, ram, device, down
@@ -199,11 +195,7 @@ def test_dxpu_stats_shows_both_proxies(tmp_path, box, certs):
     host = DeviceServerProcess("remote", tmp_path / "h.sock", settings=settings, name=f"stats{os.getpid()}").start()
     try:
         client = VfioUserClient(host.socket_path)
-        client.negotiate()
-        fd = os.memfd_create("guest")
-        os.ftruncate(fd, MEM)
-        client.dma_map(GUEST, MEM, fd=fd)
-        os.close(fd)
+        map_guest_memory(client, GUEST, MEM).close()
         cmd = int.from_bytes(client.read(p.REGION_CONFIG, 4, 2), "little")
         client.write(p.REGION_CONFIG, 4, (cmd | 6).to_bytes(2, "little"))
         for v in range(10):

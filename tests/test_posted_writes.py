@@ -3,12 +3,11 @@ vfio-user server with REGION_WRITE_MULTI, and the host proxy's link coalescing o
 real TLS link to a remote proxy (in threads of this process, so the test can look at
 the device in the box directly): PCIe ordering is kept, nothing lingers."""
 
-import mmap
-import os
 import struct
 import time
 
 import pytest
+from fakes import map_guest_memory
 
 from dxpu_vfio.link.hostside import connect_remote
 from dxpu_vfio.link.remote import BoxConfig, BoxDevice, RemoteProxy
@@ -47,6 +46,21 @@ def test_write_runs_merge_only_what_is_adjacent_and_keep_order():
         (VRAM, 0x110, u32(9)), (VRAM, 0x100, u32(5))]
     assert not runs and runs.size == 0
     assert [(r, o, bytes(d)) for r, o, d in unpack_batch(pack_batch(taken))] == [(r, o, bytes(d)) for r, o, d in taken]
+
+
+def test_write_multi_entries_are_combined_like_single_writes():
+    runs = WriteRuns()
+    runs.add(VRAM, 0, u32(1))
+    multi = [p.RegionAccess(VRAM, 4, 4, u32(2)), p.RegionAccess(VRAM, 8, 8, b"abcdefgh"),
+             p.RegionAccess(MMIO, 0x500, 2, b"\x20\x03"), p.RegionAccess(VRAM, 16, 1, b"z")]
+    runs.add_multi(p.pack_write_multi(multi))
+    assert [(r, o, bytes(d)) for r, o, d in runs.take()] == [
+        (VRAM, 0, u32(1) + u32(2) + b"abcdefgh"), (MMIO, 0x500, b"\x20\x03"), (VRAM, 16, b"z")]
+    bad = bytearray(p.pack_write_multi(multi[:2]))
+    bad[8 + 24 + 12:8 + 24 + 16] = (9).to_bytes(4, "little")  # the second entry claims 9 bytes
+    with pytest.raises(p.ProtocolError):
+        runs.add_multi(bytes(bad))
+    assert [(r, o, bytes(d)) for r, o, d in runs.take()] == [(VRAM, 4, u32(2))]  # the one before it stays
 
 
 def test_write_runs_report_full_at_the_size_limit():
@@ -118,12 +132,7 @@ def linked(tmp_path, certs):
         server = VfioUserServer(remote, tmp_path / f"h{len(made)}.sock", name="fwd",
                                 options=ServerOptions(advertise_write_multiple=True)).start()
         client = VfioUserClient(server.socket_path)
-        client.negotiate()
-        fd = os.memfd_create("guest")
-        os.ftruncate(fd, MEM)
-        ram = mmap.mmap(fd, MEM)
-        client.dma_map(GUEST, MEM, fd=fd)
-        os.close(fd)
+        ram = map_guest_memory(client, GUEST, MEM)
         made.append((client, server, ram))
         return client, remote, box.slots["fb0"], ram
     yield make

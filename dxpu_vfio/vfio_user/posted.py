@@ -14,7 +14,7 @@ a vfio-user REGION_WRITE payload, back to back.
 
 from __future__ import annotations
 
-from .protocol import MAX_DATA_XFER, REGION_RW, ProtocolError
+from .protocol import MAX_DATA_XFER, REGION_RW, ProtocolError, iter_write_multi
 
 Run = tuple[int, int, bytearray]  # region, offset, data
 
@@ -48,6 +48,28 @@ class WriteRuns:
         runs.append((region, offset, bytearray(data)))
         self.size += REGION_RW.size + len(data)
         return self.size >= self.max_bytes
+
+    def add_multi(self, payload: bytes | memoryview) -> bool:
+        """Every write of a REGION_WRITE_MULTI payload, in order (``add``, inlined: a
+        framebuffer fill brings millions of them)."""
+        runs, size = self.runs, self.size
+        last_region, end, buf = (runs[-1][0], runs[-1][1] + len(runs[-1][2]), runs[-1][2]) if runs else (-1, -1, None)
+        writes = 0
+        try:
+            for offset, region, count, data in iter_write_multi(payload):
+                writes += 1
+                if region == last_region and offset == end:
+                    buf += data[:count]
+                    size += count
+                else:
+                    buf = bytearray(data[:count])
+                    runs.append((region, offset, buf))
+                    last_region = region
+                    size += REGION_RW.size + count
+                end = offset + count
+        finally:  # a bad entry ends the message; the writes before it stay, counted
+            self.size, self.writes = size, self.writes + writes
+        return size >= self.max_bytes
 
     def take(self) -> list[Run]:
         runs, self.runs, self.size, self.writes = self.runs, [], 0, 0

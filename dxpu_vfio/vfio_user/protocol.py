@@ -309,18 +309,21 @@ class RegionAccess:
         return REGION_RW.pack(self.offset, self.region, self.count) + self.data
 
 
-def unpack_write_multi(payload: bytes | memoryview) -> list[RegionAccess]:
+def iter_write_multi(payload: bytes | memoryview):
+    """(offset, region, count, data[8]) of each write of a REGION_WRITE_MULTI, checked."""
     _need(payload, 8, "REGION_WRITE_MULTI")
     (n,) = struct.unpack_from("<Q", payload)
     if n > MULTI_MAX or len(payload) < 8 + n * WRITE_ONE.size:
         raise ProtocolError(f"REGION_WRITE_MULTI of {n} writes in {len(payload)} bytes")
-    writes = []
-    for i in range(n):
-        offset, region, count, data = WRITE_ONE.unpack_from(payload, 8 + i * WRITE_ONE.size)
-        if count > 8:
-            raise ProtocolError(f"REGION_WRITE_MULTI entry of {count} bytes")
-        writes.append(RegionAccess(region, offset, count, data[:count]))
-    return writes
+    for entry in WRITE_ONE.iter_unpack(memoryview(payload)[8:8 + n * WRITE_ONE.size]):
+        if not 0 < entry[2] <= 8:
+            raise ProtocolError(f"REGION_WRITE_MULTI entry of {entry[2]} bytes")
+        yield entry
+
+
+def unpack_write_multi(payload: bytes | memoryview) -> list[RegionAccess]:
+    return [RegionAccess(region, offset, count, data[:count])
+            for offset, region, count, data in iter_write_multi(payload)]
 
 
 def pack_write_multi(writes: list[RegionAccess]) -> bytes:

@@ -197,8 +197,7 @@ class _Session:
                     raise p.ProtocolError(f"REGION_WRITE count {count} but {len(req) - p.REGION_RW.size} data bytes")
                 full = self.posted.add(region, offset, req[p.REGION_RW.size:])
             else:
-                for w in p.unpack_write_multi(msg.payload):
-                    full = self.posted.add(w.region, w.offset, w.data) or full
+                full = self.posted.add_multi(msg.payload)
         except p.ProtocolError as exc:
             error = True
             self.server.protocol_errors += 1

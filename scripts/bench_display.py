@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Framebuffer fill rate: our display adapter remote (framebuffer in a GPU box over the
+lab network, TLS) and local (served by the host proxy), each with and without posted-write
+coalescing, against QEMU's own bochs-display, all in the same full-image VM and all
+driven by the guest's own bochs DRM driver.
+
+The guest's KMS client (dxpu_vfio/guest_kms.py) sets 1024x768x32 on the device's card,
+maps the scanout buffer (VRAM, write-combined) and fills it with 1 KiB memcpys, ending
+with a read (which cannot pass the posted writes); the first fill also pays for the
+driver's clear of the new buffer, so the median of the others is reported. Prints a
+table with ratios and writes results/bench/display.json.
+
+    .venv/bin/python scripts/bench_display.py [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dxpu_vfio import guest_kms, hotplug  # noqa: E402
+from dxpu_vfio.bench import table, write_json  # noqa: E402
+from dxpu_vfio.lab import lab  # noqa: E402
+from dxpu_vfio.vm import Vm, VmConfig  # noqa: E402
+
+QEMU_BDF = "0000:00:06.0"
+
+
+def card_of(vm: Vm, bdf: str, timeout: int = 120) -> str:
+    """The /dev/dri/cardN the guest's driver made for the device at ``bdf``."""
+    d = f"/sys/bus/pci/devices/{bdf}/drm"
+    out = vm.run(f"i=0; while ! ls {d} 2>/dev/null | grep -q '^card'; do [ $i -ge {timeout * 10} ] && exit 1; "
+                 f"sleep 0.1; i=$((i+1)); done; ls {d} | grep '^card'", timeout=timeout + 10).stdout
+    return "/dev/dri/" + out.split()[0]
+
+
+def fill(vm: Vm, kms: str, card: str, repeat: int) -> dict:
+    out = vm.run(f"python3 {kms} --card {card} --mode 1024x768 --repeat {repeat}", timeout=600).stdout
+    res = json.loads(out.strip().splitlines()[-1])
+    rates = [res["bytes"] / s / 1e6 for s in res["fill_s"]]
+    return {"bytes": res["bytes"], "fill_s": res["fill_s"], "MBps_each": rates,
+            "MBps": statistics.median(rates[1:] if len(rates) > 1 else rates)}
+
+
+def counters(att: hotplug.Attachment) -> dict:
+    """What the host proxy saw: vfio-user messages in, and (forward mode) link messages out."""
+    stats = att.server.stats()
+    cmds = stats["server"]["commands"]
+    out = {"region_write_msgs": cmds.get("REGION_WRITE", {}).get("count", 0),
+           "write_multi_msgs": cmds.get("REGION_WRITE_MULTI", {}).get("count", 0)}
+    dev = stats["device"]
+    if "link" in dev:
+        out.update(writes_posted=dev["writes_posted"], link_posted_msgs=dev["posted_messages"],
+                   link_posted=dev["link"]["posted"])
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=5, help="fills per device (the first is not counted)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    state = lab.up(lab.Topology("bd", [lab.BoxSpec("gpubox", [{"id": "fb0", "model": "display"}])]))
+    results: dict[str, dict] = {}
+    try:
+        extra = ["-device", f"bochs-display,addr={QEMU_BDF[-4:-2]}"]
+        with Vm(VmConfig(image="full", name="bench-display", extra_args=extra, boot_timeout=240)) as vm:
+            vm.boot()
+            kms = guest_kms.install(vm)
+            results["qemu-bochs-display"] = fill(vm, kms, card_of(vm, QEMU_BDF), args.repeat)
+            print(f"  qemu-bochs-display   {results['qemu-bochs-display']['MBps']:9.2f} MB/s", flush=True)
+            remote = state.remote_settings("gpubox", "fb0")
+            cases = {"local": ("display", {}), "local-uncoalesced": ("display", {"coalesce": False}),
+                     "remote": ("remote", remote), "remote-uncoalesced": ("remote", {**remote, "coalesce": False})}
+            for name, (model, settings) in cases.items():
+                netns = state.host_netns if model == "remote" else None
+                started = time.monotonic()
+                att = hotplug.attach(vm, model, settings=settings, netns=netns)
+                try:
+                    card = card_of(vm, att.guest_bdf)
+                    bind_s = time.monotonic() - started
+                    results[name] = {**fill(vm, kms, card, args.repeat), "plug_to_card_s": bind_s,
+                                     "host_proxy": counters(att)}
+                finally:
+                    hotplug.detach(att, timeout=60)  # the guest may still be flushing its console
+                print(f"  {name:20} {results[name]['MBps']:9.2f} MB/s", flush=True)
+    finally:
+        lab.down(state.name)
+    q = results["qemu-bochs-display"]["MBps"]
+    rows = [[name, r["MBps"], r["MBps"] / q, r["MBps"] / results["local"]["MBps"]] for name, r in results.items()]
+    print()
+    print(table(["device", "fill MB/s", "/ QEMU bochs-display", "/ local (coalesced)"], rows))
+    path = write_json("display", {"repeat": args.repeat, "frame": "1024x768x32", "results": results}, args.out)
+    print(f"\nJSON: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
