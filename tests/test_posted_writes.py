@@ -145,10 +145,10 @@ def linked(tmp_path, certs):
 
 def test_coalesced_writes_keep_order_and_take_few_link_messages(linked):
     client, remote, slot, _ = linked()
-    for i in range(2000):  # every other word: no two writes adjacent, 2000 runs
-        client.write(VRAM, 8 * i, u32(i), posted=True)
-    client.write(MMIO, 0x500 + 2 * 1, (640).to_bytes(2, "little"), posted=True)
-    client.write(VRAM, 0, u32(0xBEEF), posted=True)  # after the others: must win
+    writes = [(VRAM, 8 * i, u32(i)) for i in range(2000)]  # every other word: 2000 runs
+    writes += [(MMIO, 0x500 + 2 * 1, (640).to_bytes(2, "little")), (VRAM, 0, u32(0xBEEF))]  # the last must win
+    client.conn.send(b"".join(p.message(i, p.Command.REGION_WRITE, p.RegionAccess(r, o, len(d), d).pack(),
+                                        no_reply=True) for i, (r, o, d) in enumerate(writes)))
     assert client.read(VRAM, 8 * 1999, 4) == u32(1999)
     assert client.read(MMIO, 0x502, 2) == (640).to_bytes(2, "little")
     assert bytes(slot.device.vram[:4]) == u32(0xBEEF)
@@ -188,6 +188,12 @@ def test_a_dma_read_completion_does_not_pass_pending_writes(linked):
     # the completion came after the pending write on the stream, and the box's reader
     # applies in stream order: the write is in place when the completion arrives
     assert bytes(slot.device.vram[0x80:0x84]) == u32(0x5678)
+
+
+def test_a_lone_write_goes_out_when_the_server_waits(linked):
+    client, remote, slot, _ = linked()  # 10 s timer: only the server's idle nudge can send it
+    client.write(VRAM, 0x200, u32(0xF00D), posted=True)
+    eventually(lambda: bytes(slot.device.vram[0x200:0x204]) == u32(0xF00D), 2.0, "the idle flush")
 
 
 def test_a_lone_write_is_flushed_by_the_timer(linked):

@@ -10,16 +10,19 @@ every access to the remote proxy. What it does that a plain forwarder would not:
   once, writes are dropped, the VM keeps running, and ``on_down`` tells the control
   plane, which can ``device_del`` and re-attach once the box is back.
 * Posted writes are coalesced (``coalesce=True``): kept as runs (:mod:`..vfio_user.posted`)
-  and sent as one REGION_WRITE (one run) or WRITE_BATCH (several) when the vfio-user
-  server is about to wait (``flush_posted``), when the batch is full, after at most
-  ``coalesce_delay`` seconds, and before anything that must not pass them: a read, a
-  non-posted write, a reset, and the completion of a DMA read from the remote.
+  and sent as one REGION_WRITE (one run) or WRITE_BATCH (several) by a sender thread
+  when the vfio-user server is about to wait (``posted_idle``) or at most
+  ``coalesce_delay`` seconds after the batch's first write; inline when the batch is
+  full, and before anything that must not pass them: a read, a non-posted write, a
+  reset, and the completion of a DMA read from the remote (``flush_posted``, which also
+  waits for a batch the sender thread is sending).
 """
 
 from __future__ import annotations
 
 import errno
 import threading
+import time
 from typing import Callable
 
 from qemu_device.device import RegionInfo
@@ -62,8 +65,11 @@ class RemoteFunction:
         self.coalesce = coalesce
         self.coalesce_delay = coalesce_delay
         self._batch = WriteRuns()
-        self._batch_lock = threading.Lock()  # also keeps batches in order on the link
+        self._batch_lock = threading.Lock()
         self._batch_due = threading.Condition(self._batch_lock)
+        self._batch_since = 0.0
+        self._send_now = False
+        self._send_order = threading.Lock()  # batches go out in the order they were taken
         self._closing = False
         self._on_down = on_down
         self.endpoint = LinkEndpoint(conn, name, {
@@ -72,7 +78,7 @@ class RemoteFunction:
             LinkCommand.IRQ: self._irq,
         }, heartbeat=heartbeat, dead_after=dead_after, on_down=self._link_down)
         if coalesce:
-            threading.Thread(target=self._flush_timer, name=f"coalesce-{name}", daemon=True).start()
+            threading.Thread(target=self._sender, name=f"coalesce-{name}", daemon=True).start()
 
     @property
     def coalesce_posted(self) -> bool:  # the vfio-user server then offers write_multiple too
@@ -119,12 +125,14 @@ class RemoteFunction:
                 self._post_runs([(index, offset, data)])
                 return
             with self._batch_lock:
-                was_empty = not self._batch
-                full = self._batch.add(index, offset, data)
-                if full:
-                    self._post_runs(self._batch.take())
-                elif was_empty:
+                if not self._batch:
+                    self._batch_since = time.monotonic()
                     self._batch_due.notify()
+                if not self._batch.add(index, offset, data):
+                    return
+                runs = self._batch.take()  # full: send it from here
+                self._send_order.acquire()
+            self._send_taken(runs)
             return
         self.flush_posted()
         payload = vp.RegionAccess(index, offset, len(data), bytes(data)).pack()
@@ -140,14 +148,34 @@ class RemoteFunction:
 
     # --- posted-write coalescing --------------------------------------------------------
     def flush_posted(self) -> None:
-        """Send the pending posted writes now (in order, before whatever follows)."""
+        """Send the pending posted writes now, and wait until every batch taken before
+        has been sent: whatever the caller sends next goes after them."""
+        if not self.coalesce:
+            return
+        with self._batch_lock:
+            runs = self._batch.take() if self._batch else None
+            self._send_order.acquire()  # taken under the batch lock: batches go out in order
+        self._send_taken(runs)
+
+    def posted_idle(self) -> None:
+        """The vfio-user server is about to wait for QEMU: send what is pending soon, from
+        the sender thread, so this thread goes back to reading while the link sends."""
         if self.coalesce:
             with self._batch_lock:
                 if self._batch:
-                    self._post_runs(self._batch.take())
+                    self._send_now = True
+                    self._batch_due.notify()
+
+    def _send_taken(self, runs) -> None:
+        """Send ``runs`` (or nothing) holding the send-order lock the caller acquired."""
+        try:
+            if runs:
+                self._post_runs(runs)
+        finally:
+            self._send_order.release()
 
     def _post_runs(self, runs) -> None:
-        """One link message for ``runs`` (lock held when coalescing)."""
+        """One link message for ``runs``."""
         self.counters["posted_messages"] += 1
         if len(runs) == 1:
             index, offset, data = runs[0]
@@ -155,16 +183,24 @@ class RemoteFunction:
         else:
             self.endpoint.post(LinkCommand.WRITE_BATCH, pack_batch(runs))
 
-    def _flush_timer(self) -> None:
-        """Writes never linger: a batch is sent at most ``coalesce_delay`` after its first write."""
-        with self._batch_lock:
-            while not self._closing:
-                if not self._batch:
-                    self._batch_due.wait()
-                    continue
-                self._batch_due.wait(self.coalesce_delay)
-                if self._batch:
-                    self._post_runs(self._batch.take())
+    def _sender(self) -> None:
+        """Sends a batch when the server goes idle, and at most ``coalesce_delay`` after
+        its first write: writes never linger."""
+        while True:
+            with self._batch_lock:
+                while True:
+                    if self._closing:
+                        return
+                    if not self._batch:
+                        self._batch_due.wait()
+                        continue
+                    left = self._batch_since + self.coalesce_delay - time.monotonic()
+                    if self._send_now or left <= 0:
+                        break
+                    self._batch_due.wait(left)
+                runs, self._send_now = self._batch.take(), False
+                self._send_order.acquire()
+            self._send_taken(runs)
 
     def reset(self) -> None:
         self.flush_posted()

@@ -15,7 +15,7 @@ to a region access is therefore never held up by a DMA in flight.
 Posted writes (REGION_WRITE without reply, REGION_WRITE_MULTI) are combined into runs
 (:mod:`.posted`) and given to the device before any other request and whenever no
 further message is already buffered, so they are never reordered and never wait for
-more traffic; a device with ``flush_posted`` (the host proxy's link) is told then too.
+more traffic; a device with ``posted_idle`` (the host proxy's link) is told then too.
 """
 
 from __future__ import annotations
@@ -219,9 +219,9 @@ class _Session:
                 except (ValueError, DmaError, OSError) as exc:
                     self.server.posted_refused += 1
                     log.info("%s: posted write to region %d+%#x refused: %s", self.server.name, region, offset, exc)
-        flush = getattr(device, "flush_posted", None)
-        if idle and flush is not None:
-            flush()
+        idle_hook = getattr(device, "posted_idle", None)
+        if idle and idle_hook is not None:
+            idle_hook()
 
     # --- our requests to QEMU (DMA without a descriptor) ---------------------------------
     def _dma_by_message(self, address: int, what: int | bytes, write: bool) -> bytes | None:
