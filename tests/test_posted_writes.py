@@ -158,8 +158,14 @@ def test_coalesced_writes_keep_order_and_take_few_link_messages(linked):
     assert remote.endpoint.posted["WRITE_BATCH"] + remote.endpoint.posted.get("REGION_WRITE", 0) < 100
 
 
+def test_the_display_asks_for_coalescing_unless_told_otherwise(linked):
+    _, remote, _, _ = linked(coalesce=None)  # None: follow the device's hint
+    assert remote.description.coalesce and remote.coalesce and remote.coalesce_posted
+
+
 def test_without_coalescing_every_write_is_a_link_message(linked):
     client, remote, slot, _ = linked(coalesce=False)
+    assert not remote.coalesce_posted  # nor does its vfio-user server offer write_multiple
     for i in range(300):
         client.write(VRAM, 4 * i, u32(i), posted=True)
     assert client.read(VRAM, 4 * 299, 4) == u32(299)
