@@ -165,7 +165,7 @@ def test_the_display_asks_for_coalescing_unless_told_otherwise(linked):
 
 def test_without_coalescing_every_write_is_a_link_message(linked):
     client, remote, slot, _ = linked(coalesce=False)
-    assert not remote.coalesce_posted  # nor does its vfio-user server offer write_multiple
+    assert not remote.coalesce_posted  # a device server would not offer write_multiple for it either
     for i in range(300):
         client.write(VRAM, 4 * i, u32(i), posted=True)
     assert client.read(VRAM, 4 * 299, 4) == u32(299)
