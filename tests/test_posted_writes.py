@@ -63,6 +63,14 @@ def test_write_multi_entries_are_combined_like_single_writes():
     assert [(r, o, bytes(d)) for r, o, d in runs.take()] == [(VRAM, 4, u32(2))]  # the one before it stays
 
 
+def test_without_merge_adjacent_writes_stay_separate_writes():
+    """Registers (NVMe's adjacent doorbells) must see each write: batched, not glued."""
+    runs = WriteRuns(merge=False)
+    runs.add(VRAM, 0x1000, u32(1))
+    runs.add_multi(p.pack_write_multi([p.RegionAccess(VRAM, 0x1004, 4, u32(2)), p.RegionAccess(VRAM, 0x1008, 4, u32(3))]))
+    assert [(o, bytes(d)) for _, o, d in runs.take()] == [(0x1000, u32(1)), (0x1004, u32(2)), (0x1008, u32(3))]
+
+
 def test_write_runs_report_full_at_the_size_limit():
     runs = WriteRuns(max_bytes=64)
     assert not runs.add(VRAM, 0, bytes(16))

@@ -64,7 +64,7 @@ class RemoteFunction:
                          "posted_messages": 0}
         self.coalesce = coalesce
         self.coalesce_delay = coalesce_delay
-        self._batch = WriteRuns()
+        self._batch = WriteRuns(merge=description.coalesce)  # glued only if the device asks (memory)
         self._batch_lock = threading.Lock()
         self._batch_due = threading.Condition(self._batch_lock)
         self._batch_since = 0.0

@@ -2,7 +2,8 @@
 
 Posted MMIO writes (a framebuffer fill arrives as millions of 1-, 4- or 8-byte writes)
 are kept in arrival order as *runs*: a write that continues the last run (same region,
-next offset) extends it, any other write starts a new run. Whoever holds a
+next offset) extends it (only with ``merge``: for memory such as a framebuffer, never
+for registers), any other write starts a new run. Whoever holds a
 :class:`WriteRuns` flushes it, in order, before anything that must not pass a posted
 write (a read, a config access, a reset, a completion) and whenever it would otherwise
 wait; nothing is ever reordered, only glued together.
@@ -52,6 +53,11 @@ class WriteRuns:
     def add_multi(self, payload: bytes | memoryview) -> bool:
         """Every write of a REGION_WRITE_MULTI payload, in order (``add``, inlined: a
         framebuffer fill brings millions of them)."""
+        if not self.merge:
+            full = False
+            for offset, region, count, data in iter_write_multi(payload):
+                full = self.add(region, offset, data[:count]) or full
+            return full
         runs, size = self.runs, self.size
         last_region, end, buf = (runs[-1][0], runs[-1][1] + len(runs[-1][2]), runs[-1][2]) if runs else (-1, -1, None)
         writes = 0
