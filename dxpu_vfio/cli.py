@@ -131,6 +131,13 @@ def cmd_screenshot(args: argparse.Namespace) -> int:
 
     from . import registry
     from .procs import request_file, screenshot_path
+    if args.pool:  # a pooled display, by lease or BOX/DEVICE: the manager asks its box
+        from .pool.service import ManagerClient
+        png = ManagerClient(args.db).get("/v1/screenshot", device=args.device)
+        Path(args.out).write_bytes(png)
+        _emit(args, {"device": args.device, "out": args.out, "bytes": len(png)},
+              lambda d: f"wrote {d['out']} ({d['bytes']} bytes)")
+        return 0
     box, _, dev = args.device.partition("/")
     found = False
     for entry in registry.entries():
@@ -351,8 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("stats", cmd_stats, "per-device counters of every host and remote proxy on this host")
 
     p = add("screenshot", cmd_screenshot, "a display device's current scanout as PNG")
-    p.add_argument("device", help="host proxy device id (e.g. dxpu3), or BOX/DEVICE on a GPU box")
+    p.add_argument("device", help="host proxy device id (e.g. dxpu3), or BOX/DEVICE on a GPU box; "
+                                  "with --pool a lease id or BOX/DEVICE of the pool")
     p.add_argument("out")
+    p.add_argument("--pool", action="store_true", help="through the pool manager (fetched from the box over TLS)")
+    p.add_argument("--db", default=None, help="with --pool: the pool database")
 
     p = add("certs", cmd_certs, "make a lab CA and certificates for hosts and boxes (openssl)")
     p.add_argument("dir")

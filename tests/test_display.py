@@ -11,6 +11,7 @@ import os
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -125,6 +126,36 @@ def test_unplug_and_replug(full_vm, plug):
     assert (m["xres"], m["yres"]) == (1024, 768)
     assert driver_of(full_vm, again.guest_bdf) == "bochs-drm"
     assert full_vm.run("ls /dev/dri/card0 /dev/fb0", check=False).rc == 0
+
+
+@pytest.mark.vm
+def test_screenshot_through_the_pool(full_vm, display_lab, tmp_path):
+    """The pool manager gives the guest the box's display; `dxpu screenshot LEASE --pool`
+    has the box render it (SCREENSHOT over the mutual-TLS link) and matches what the box
+    itself shows; a wrong name gets a clear error."""
+    from dxpu_vfio.pool.service import ManagerClient, ManagerProcess
+    db = tmp_path / "pool.db"
+    manager = ManagerProcess(db, netns=display_lab.host_netns).start()
+    pool = ManagerClient(db)
+    try:
+        pool.post("/v1/boxes", name=BOX, address=display_lab.box(BOX).endpoint, tls_dir=str(display_lab.certs))
+        [lease] = pool.post("/v1/attach", vm=str(full_vm.admin_qmp_path), **{"class": "display"})
+        probe = DisplayProbe(box_pid=display_lab.box(BOX).proxy_pid,
+                             box_stats=Path(display_lab.box(BOX).config).with_suffix(".stats.json"),
+                             device=DEVICE)
+        probe.wait_mode(lambda m: m["enabled"] and m["xres"] == 1024)
+        out = tmp_path / "pool.png"
+        cli = subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "screenshot", lease["lease"], str(out),
+                              "--pool", "--db", str(db)], capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0, cli.stderr
+        assert png_pixels(out.read_bytes())[:2] == (1024, 768)
+        assert png_pixels(pool.get("/v1/screenshot", device=f"{BOX}/{DEVICE}"))[:2] == (1024, 768)
+        cli = subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "screenshot", "nosuch", str(out),
+                              "--pool", "--db", str(db)], capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 1 and "no device 'nosuch' in the pool" in cli.stderr
+        pool.post("/v1/detach", vm=str(full_vm.admin_qmp_path), all=True)
+    finally:
+        manager.stop()
 
 
 def test_display_model_renders_its_scanout_pixel_exact():

@@ -257,3 +257,40 @@ def test_external_vfio_user_server_behind_the_remote_proxy(tmp_path, certs):
     finally:
         box.stop()
         external.stop()
+
+
+def test_inventory_and_screenshot_requests_of_the_pool_manager(box, certs):
+    """INVENTORY lists the box's devices with their lease tokens (only to the pool's CA);
+    SCREENSHOT wants the device's token and a display."""
+    from dxpu_vfio.pool.boxes import BoxUnreachable, fetch_inventory, fetch_screenshot
+    inventory = fetch_inventory(box.address, str(certs[0]))
+    assert inventory["box"] == "box1"
+    [td] = inventory["devices"]
+    assert (td["id"], td["class"], td["vendor"], td["model"], td["capacity"], td["lease"], td["in_use"]) == \
+        ("td0", "testdev", "1b36", "10f0", 1048576, "lease-td0", False)
+    with pytest.raises(BoxUnreachable, match="TLS|closed the link"):
+        fetch_inventory(box.address, str(certs[1]))  # a host certificate of another CA
+    with pytest.raises(BoxUnreachable, match="not a display device"):
+        fetch_screenshot(box.address, str(certs[0]), "td0", "lease-td0")
+    with pytest.raises(BoxUnreachable, match="lease token refused"):
+        fetch_screenshot(box.address, str(certs[0]), "td0", "stolen")
+    with pytest.raises(BoxUnreachable, match="no such device"):
+        fetch_screenshot(box.address, str(certs[0]), "gpu9", "x")
+
+
+def test_a_screenshot_larger_than_one_message_comes_in_pieces():
+    """Noise does not compress: a 1024x768 scanout of random pixels is a ~2.3 MiB PNG,
+    more than one link message, and arrives whole."""
+    from dxpu_vfio.link.remote import BoxConfig, BoxDevice, RemoteProxy
+    from dxpu_vfio.pool.boxes import fetch_screenshot
+    proxy = RemoteProxy(BoxConfig("box1", "127.0.0.1", 0, [BoxDevice("fb0", "display", "t")],
+                                  plaintext=True)).start()
+    try:
+        dev = proxy.slots["fb0"].device
+        for reg, value in ((3, 32), (1, 1024), (2, 768), (6, 1024), (4, 0x41)):  # BPP, XRES, YRES, VIRT_WIDTH, ENABLE
+            dev.region_write(2, 0x500 + 2 * reg, value.to_bytes(2, "little"))
+        dev.region_write(0, 0, os.urandom(1024 * 768 * 4))
+        png = fetch_screenshot(f"127.0.0.1:{proxy.port}", None, "fb0", "t")
+        assert len(png) > 2 << 20 and png == dev.render_png()
+    finally:
+        proxy.stop()

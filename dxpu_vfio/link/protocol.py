@@ -33,6 +33,7 @@ class LinkCommand(enum.IntEnum):
     HEARTBEAT = 0x102  # both ways, posted
     WRITE_BATCH = 0x103  # host -> remote, posted: coalesced posted writes (REGION_WRITE payloads back to back)
     INVENTORY = 0x104  # manager -> remote, instead of HELLO: the box's devices (JSON); then the link closes
+    SCREENSHOT = 0x105  # manager -> remote, instead of HELLO: a display's scanout as PNG, in pieces
 
 
 IRQ_MSG = struct.Struct("<III")  # kind, vector, level

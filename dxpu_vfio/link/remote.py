@@ -222,6 +222,9 @@ class RemoteProxy:
                                      json.dumps(self.inventory()).encode(), reply=True))
                 conn.close()
                 return
+            if msg.header.command == LinkCommand.SCREENSHOT:
+                self._serve_screenshot(conn, msg)
+                return
             if msg.header.command != LinkCommand.HELLO:
                 raise vp.ProtocolError("first message must be HELLO")
             hello = Hello.unpack(msg.payload)
@@ -261,6 +264,36 @@ class RemoteProxy:
         conn.send(vp.message(msg.header.msg_id, msg.header.command,
                              describe(slot.spec.model, slot.device).pack(), reply=True))
         slot.endpoint.start()
+
+    def _serve_screenshot(self, conn: Connection, msg) -> None:
+        """SCREENSHOT: the display renders its scanout once; the requester then asks for
+        the PNG piece by piece (``offset``), each reply ``total u64`` + up to 1 MiB."""
+        png = b""
+        try:
+            while True:
+                try:
+                    req = json.loads(bytes(msg.payload))
+                    slot = self.slots.get(str(req["device"]))
+                    offset = int(req.get("offset", 0))
+                except (ValueError, KeyError, TypeError):
+                    raise vp.ProtocolError("bad SCREENSHOT request") from None
+                err = (errno.ENODEV if slot is None else errno.EACCES if str(req.get("lease")) != slot.spec.lease
+                       else errno.ENOTSUP if not hasattr(slot.device, "render_png") else None)
+                if err is not None:
+                    conn.send(vp.error_reply(msg.header.msg_id, msg.header.command, err))
+                    return
+                if not png:  # not under the device lock: a frame torn by a concurrent write is fine here
+                    png = slot.device.render_png()
+                piece = png[offset:offset + CHUNK]
+                conn.send(vp.message(msg.header.msg_id, msg.header.command,
+                                     len(png).to_bytes(8, "little") + piece, reply=True))
+                msg = conn.receive()
+                if msg.header.command != LinkCommand.SCREENSHOT:
+                    return
+        except (vp.ProtocolError, ConnectionClosed, OSError) as exc:
+            log.info("screenshot link ended: %s", exc)
+        finally:
+            conn.close()
 
     def _released(self, slot: _Slot, reason: str) -> None:
         """The link went down: the device forgets its host and is reset for the next lease."""

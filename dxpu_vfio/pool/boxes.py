@@ -7,6 +7,7 @@ closes the link. Registration stores that answer; the heartbeat repeats it.
 
 from __future__ import annotations
 
+import errno
 import json
 import socket
 import ssl
@@ -29,28 +30,56 @@ def tls_files(tls_dir: str | None) -> TlsFiles | None:
     return TlsFiles.in_dir(Path(tls_dir), TLS_ROLE) if tls_dir else None
 
 
-def fetch_inventory(address: str, tls_dir: str | None, timeout: float = 3.0) -> dict:
-    """The box's answer to INVENTORY: ``{"box": name, "devices": [...]}``."""
+def _open(address: str, tls_dir: str | None, timeout: float) -> Connection:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise BoxUnreachable(f"bad box address {address!r}", hint="give it as HOST:PORT, e.g. 198.18.1.2:7000")
     try:
-        tls = tls_files(tls_dir)
-        sock = connect(host, int(port), tls, timeout)
+        sock = connect(host, int(port), tls_files(tls_dir), timeout)
     except ssl.SSLError as exc:
         raise BoxUnreachable(f"TLS with box {address} failed: {exc.reason or exc}",
                              hint=f"the box and {tls_dir} must share one CA (dxpu certs makes them)") from exc
     except (OSError, ValueError) as exc:
         raise BoxUnreachable(f"cannot reach box {address}: {exc}",
                              hint="is `dxpu remote serve` running there, and routed from here?") from exc
-    conn = Connection(sock)
     sock.settimeout(timeout)
+    return Connection(sock)
+
+
+def _ask(conn: Connection, command: int, request: dict, address: str, what: str) -> bytes:
+    conn.send(vp.message(1, command, json.dumps(request).encode()))
+    reply = conn.receive()
+    if reply.header.is_error:
+        reasons = {errno.ENODEV: "no such device", errno.EACCES: "lease token refused",
+                   errno.ENOTSUP: "not a display device"}
+        raise BoxUnreachable(f"box {address} refused the {what} request: "
+                             f"{reasons.get(reply.header.error, reply.header.error)}")
+    return bytes(reply.payload)
+
+
+def fetch_screenshot(address: str, tls_dir: str | None, device: str, token: str, timeout: float = 30.0) -> bytes:
+    """A display's scanout as PNG, rendered on the box, fetched in 1 MiB pieces."""
+    conn = _open(address, tls_dir, timeout)
     try:
-        conn.send(vp.message(1, LinkCommand.INVENTORY, json.dumps({"version": LINK_VERSION}).encode()))
-        reply = conn.receive()
-        if reply.header.is_error:
-            raise BoxUnreachable(f"box {address} refused the inventory request (error {reply.header.error})")
-        inventory = json.loads(bytes(reply.payload))
+        png = bytearray()
+        while True:
+            reply = _ask(conn, LinkCommand.SCREENSHOT, {"device": device, "lease": token, "offset": len(png)},
+                         address, "screenshot")
+            total = int.from_bytes(reply[:8], "little")
+            png += reply[8:]
+            if len(png) >= total or len(reply) <= 8:
+                return bytes(png)
+    except (ConnectionClosed, OSError, ssl.SSLError) as exc:
+        raise BoxUnreachable(f"box {address} closed the link during the screenshot: {exc}") from exc
+    finally:
+        conn.close()
+
+
+def fetch_inventory(address: str, tls_dir: str | None, timeout: float = 3.0) -> dict:
+    """The box's answer to INVENTORY: ``{"box": name, "devices": [...]}``."""
+    conn = _open(address, tls_dir, timeout)
+    try:
+        inventory = json.loads(_ask(conn, LinkCommand.INVENTORY, {"version": LINK_VERSION}, address, "inventory"))
         if not isinstance(inventory.get("devices"), list) or not inventory.get("box"):
             raise ValueError("no box name or device list")
         return inventory

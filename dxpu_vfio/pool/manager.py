@@ -26,7 +26,7 @@ from ..device_server import DeviceServerProcess
 from ..errors import DxpuError
 from ..procs import request_json, terminate_pid
 from ..qmp_session import QmpError
-from .boxes import TLS_ROLE, BoxUnreachable, fetch_inventory
+from .boxes import TLS_ROLE, BoxUnreachable, fetch_inventory, fetch_screenshot
 from .store import QDEV_PREFIX, Lease, Store, StoreError
 from .targets import UnplugTimeout, VmTarget, device_present, free_root_port, open_target, plugged_devices
 
@@ -325,6 +325,13 @@ class Manager:
     def listing(self) -> dict:
         return {"boxes": self.store.boxes(), "devices": self.store.devices(),
                 "leases": [self._describe(lease) for lease in self.store.leases()]}
+
+    def screenshot(self, name: str) -> bytes:
+        """A pooled display's scanout as PNG, rendered on its box; ``name`` is a lease id
+        or a device id (BOX/DEVICE)."""
+        leases = [lease for lease in self.store.leases() if lease.id == name]
+        dev = self.store.device(leases[0].device if leases else name)
+        return fetch_screenshot(dev["address"], dev["tls_dir"], dev["name"], dev["token"])
 
     def metrics(self) -> str:
         """Prometheus text exposition: pool gauges and per-device counters from the proxies."""

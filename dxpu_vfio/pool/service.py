@@ -98,7 +98,8 @@ class _Api(BaseHTTPRequestHandler):
         return "unix" if self.token is not None else super().address_string()
 
     def _send(self, status: int, body: object, content_type: str = "application/json") -> None:
-        data = body.encode() if isinstance(body, str) else json.dumps(body, default=str).encode()
+        data = body if isinstance(body, bytes) else body.encode() if isinstance(body, str) else \
+            json.dumps(body, default=str).encode()
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
@@ -141,6 +142,7 @@ class _Api(BaseHTTPRequestHandler):
             ("GET", "/v1/ls"): m.listing,
             ("GET", "/v1/status"): lambda: m.status(args["vm"]),
             ("GET", "/metrics"): lambda: m.metrics(),
+            ("GET", "/v1/screenshot"): lambda: m.screenshot(args["device"]),
             ("POST", "/v1/attach"): lambda: m.attach(args["vm"], device_class=args.get("class"),
                                                       count=int(args.get("count", 1)), box=args.get("box"),
                                                       device=args.get("device"),
@@ -168,6 +170,8 @@ class _Api(BaseHTTPRequestHandler):
             return self._send(500, {"error": type(exc).__name__, "message": str(exc)})
         if path == "/metrics":
             return self._send(200, result, "text/plain; version=0.0.4")
+        if isinstance(result, bytes):
+            return self._send(200, result, "image/png")
         self._send(200, result)
 
 
@@ -279,7 +283,8 @@ class ManagerClient:
         finally:
             conn.close()
         if response.status == 200:
-            return data.decode() if path == "/metrics" else json.loads(data)
+            kind = response.getheader("Content-Type", "")
+            return data if kind == "image/png" else data.decode() if kind.startswith("text/") else json.loads(data)
         try:
             err = json.loads(data)
         except ValueError:
