@@ -254,6 +254,22 @@ def test_detach_of_a_device_whose_box_died(pool, vm, pool_lab):
     assert {d["id"]: d for d in pool.json("ls")["devices"]}["box2/td1"]["available"]
 
 
+def test_a_vm_that_died_gives_its_devices_back(pool, vm_factory):
+    """QEMU killed with SIGKILL (its QMP socket file stays): status says it exited,
+    detach releases what it held and ends the host proxy."""
+    doomed = vm_factory.booted("tiny", name="pool-doomed")
+    sock = str(doomed.admin_qmp_path)
+    [lease] = pool.json("attach", sock, "--device", "box2/td1")
+    os.kill(doomed.pid, signal.SIGKILL)
+    assert wait_until(lambda: not doomed.alive(), 10)
+    proc = pool.dxpu("status", sock, check=False)
+    assert proc.returncode == 1 and "the VM has exited" in proc.stderr
+    [freed] = pool.json("detach", sock, "--all")
+    assert freed["device"] == "box2/td1" and freed["why"].startswith("VM gone")
+    assert pool.leases() == [] and not Path(f"/proc/{lease['proxy_pid']}").exists()
+    assert {d["id"]: d for d in pool.json("ls")["devices"]}["box2/td1"]["available"]
+
+
 def test_api_refuses_requests_without_the_token(pool):
     import http.client
     import socket as socketlib

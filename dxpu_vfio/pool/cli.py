@@ -54,8 +54,9 @@ def cmd_detach(args: argparse.Namespace) -> int:
     if not args.device and not args.all:
         raise SystemExit("dxpu detach: name a device (lease id, BOX/DEVICE or device name) or pass --all")
     result = _client(args).post("/v1/detach", vm=args.vm, device=args.device, all=args.all or None)
-    _emit(args, result, lambda r: "\n".join(f"detached {x['device']} (lease {x['lease']}) from {args.vm}"
-                                            for x in r) or f"{args.vm} held no devices")
+    _emit(args, result, lambda r: "\n".join(
+        f"detached {x['device']} (lease {x['lease']}) from {args.vm}" if x["why"] == "detached" else
+        f"released {x['device']} (lease {x['lease']}): {x['why']}" for x in r) or f"{args.vm} held no devices")
     return 0
 
 

@@ -45,7 +45,7 @@ from ..errors import GuestBootTimeout, GuestPanic, SetupError, VmError
 from ..guest_exec import CommandResult, GuestDied, SerialChannel, run_checked, wait_ready
 from ..images import load_image
 from ..qemu import find_qemu
-from .targets import UnknownVm
+from .targets import UnknownVm, VmGone
 
 DEFAULT_URI = "qemu:///system"
 QEMU_CONF = Path("/etc/libvirt/qemu.conf")
@@ -62,7 +62,7 @@ class LibvirtUnavailable(VmError):
     """libvirtd does not answer (not running, or a bad URI)."""
 
 
-class DomainNotRunning(VmError):
+class DomainNotRunning(VmGone):
     """The libvirt domain exists but its QEMU is not running."""
 
 

@@ -28,7 +28,8 @@ from ..procs import request_json, terminate_pid
 from ..qmp_session import QmpError
 from .boxes import TLS_ROLE, BoxUnreachable, fetch_inventory, fetch_screenshot
 from .store import QDEV_PREFIX, Lease, Store, StoreError
-from .targets import UnplugTimeout, VmTarget, device_present, free_root_port, open_target, plugged_devices
+from .targets import (VmGone, VmTarget, device_present, free_root_port, open_target, plugged_devices,
+                      target_key)
 
 log = logging.getLogger("dxpu.manager")
 
@@ -199,26 +200,33 @@ class Manager:
         """Unplug one device (lease id, device id or name) or all of the VM's, and free them."""
         if device is None and not all_devices:
             raise StoreError("name a device to detach, or pass --all", hint="dxpu status VM lists its devices")
-        with self.open_vm(vm) as target, self._vm_lock(target.key):
+        try:
+            target = self.open_vm(vm)
+        except VmGone as exc:  # what a VM that is gone held is free again
+            key = target_key(vm)
+            with self._vm_lock(key):
+                leases = self.store.leases(key) if all_devices else [self.store.lease_for(key, device)]
+                return [self._release(lease, f"VM gone: {exc.message}") for lease in leases]
+        with target, self._vm_lock(target.key):
             leases = self.store.leases(target.key) if all_devices else [self.store.lease_for(target.key, device)]
-            freed = []
-            for lease in leases:
-                freed.append(self._detach_one(target, lease, timeout or self.unplug_timeout))
-            return freed
+            return [self._detach_one(target, lease, timeout or self.unplug_timeout) for lease in leases]
 
     def _detach_one(self, target: VmTarget, lease: Lease, timeout: float) -> dict:
+        """Unplug (UnplugTimeout leaves the lease 'detaching' and the device served: detach
+        again later), then release."""
         self.store.update_lease(lease.id, state="detaching", owner_pid=os.getpid())
         counters = self._proxy_stats(lease)
         if target.alive() and device_present(target, lease.qdev_id):
-            try:
-                target.unplug(lease.qdev_id, timeout)
-            except UnplugTimeout:
-                raise  # lease stays 'detaching', device stays served: detach again later
+            target.unplug(lease.qdev_id, timeout)
+        return {**self._release(lease, "detached"), "counters": counters}
+
+    def _release(self, lease: Lease, why: str) -> dict:
+        """The device is out of the VM (or the VM is gone): end its proxy, free it."""
         stop_proxy(lease)
         self.store.delete_lease(lease.id)
         self.proxy_log(lease).unlink(missing_ok=True)
-        return {"lease": lease.id, "device": lease.device, "vm": lease.vm, "state": "freed",
-                "counters": counters}
+        return {"lease": lease.id, "device": lease.device, "vm": lease.vm, "state": "freed", "why": why,
+                "counters": None}
 
     # --- reconciliation ----------------------------------------------------------
     def reconcile(self) -> list[dict]:
@@ -238,12 +246,16 @@ class Manager:
         for vm_key, leases in by_vm.items():
             try:
                 target = self.open_vm(vm_key)
-            except DxpuError as exc:
-                for lease in leases:  # the VM is gone: so is its device
-                    stop_proxy(lease)
-                    self.store.delete_lease(lease.id)
-                    actions.append({"lease": lease.id, "device": lease.device, "vm": vm_key,
-                                    "action": "released", "why": f"VM unreachable: {exc.message}"})
+            except VmGone as exc:
+                with self._vm_lock(vm_key):
+                    for lease in leases:  # the VM is gone: so is its device
+                        self._release(lease, f"VM gone: {exc.message}")
+                        actions.append({"lease": lease.id, "device": lease.device, "vm": vm_key,
+                                        "action": "released", "why": f"VM gone: {exc.message}"})
+                continue
+            except DxpuError as exc:  # e.g. libvirtd down: the VM may well run; touch nothing
+                actions += [{"lease": lease.id, "device": lease.device, "vm": vm_key, "action": "skipped",
+                             "why": f"VM unreachable: {exc.message}"} for lease in leases]
                 continue
             with target, self._vm_lock(target.key):
                 actions += self._reconcile_vm(target, leases)
@@ -276,8 +288,7 @@ class Manager:
                     actions.append({"lease": lease.id, "device": lease.device, "vm": lease.vm,
                                     "action": "unplug-pending", "why": f"{why}; {exc.message}"})
                     continue
-            stop_proxy(lease)
-            self.store.delete_lease(lease.id)
+            self._release(lease, why)
             actions.append({"lease": lease.id, "device": lease.device, "vm": lease.vm,
                             "action": "released", "why": why})
         known = {lease.qdev_id for lease in leases}

@@ -10,6 +10,7 @@ command reaches QEMU and how the end of an unplug is observed.
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import time
 from abc import ABC, abstractmethod
@@ -25,7 +26,14 @@ class Executor(Protocol):
     def execute(self, command: str, arguments: dict | None = None, timeout: float = 30) -> Any: ...
 
 
-class UnknownVm(VmError):
+class VmGone(VmError):
+    """The VM does not exist or does not run: whatever was plugged into it is gone too.
+
+    Only this error lets the manager release a VM's leases without unplugging; any other
+    failure to reach a VM (libvirtd down, a busy monitor) leaves them alone."""
+
+
+class UnknownVm(VmGone):
     """The name is neither a QMP socket nor a libvirt domain."""
 
 
@@ -124,6 +132,14 @@ class QmpTarget(VmTarget):
         self.path = Path(path).resolve()
         self.key = f"qmp:{self.path}"
         self.name = str(path)
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(str(self.path))
+        except (ConnectionRefusedError, FileNotFoundError) as exc:
+            raise VmGone(f"no QEMU listens on {path} ({exc.strerror}): the VM has exited",
+                         hint="start the VM; dxpu detach VM --all releases what it held") from exc
+        finally:
+            probe.close()
         self.session = QmpSession(f"pool-{self.path.parent.name}")
         try:
             self.session.connect(self.path, timeout=timeout, alive=lambda: True)
@@ -184,6 +200,16 @@ def open_target(name: str, *, libvirt_uri: str = "qemu:///system") -> VmTarget:
         raise UnknownVm(f"no VM at {name}: not a UNIX socket", hint="give the VM's QMP socket path")
     from .libvirt_target import LibvirtTarget
     return LibvirtTarget(name, uri=libvirt_uri)
+
+
+def target_key(name: str) -> str:
+    """The store's name for a VM, worked out without reaching it (it may be gone)."""
+    kind, sep, rest = name.partition(":")
+    if sep and kind in ("qmp", "libvirt"):
+        return f"qmp:{Path(rest).resolve()}" if kind == "qmp" else name
+    if "/" in name or is_qmp_socket(name):
+        return f"qmp:{Path(name).resolve()}"
+    return f"libvirt:{name}"
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
