@@ -4,9 +4,11 @@ QEMU's place with a real memfd for guest memory."""
 
 import mmap
 import select
+import hashlib
 import os
 import signal
 import socket
+import ssl
 import time
 
 import pytest
@@ -265,6 +267,8 @@ def test_inventory_and_screenshot_requests_of_the_pool_manager(box, certs):
     from dxpu_vfio.pool.boxes import BoxUnreachable, fetch_inventory, fetch_screenshot
     inventory = fetch_inventory(box.address, str(certs[0]))
     assert inventory["box"] == "box1"
+    der = ssl.PEM_cert_to_DER_cert((certs[0] / "box1.pem").read_text())
+    assert inventory["certificate_sha256"] == hashlib.sha256(der).hexdigest()
     [td] = inventory["devices"]
     assert (td["id"], td["class"], td["vendor"], td["model"], td["capacity"], td["lease"], td["in_use"]) == \
         ("td0", "testdev", "1b36", "10f0", 1048576, "lease-td0", False)

@@ -116,6 +116,7 @@ def wait_guest(vm, port: str, want: str, timeout: float = 20) -> bool:
 def test_boxes_register_with_their_inventory(pool):
     listing = pool.json("ls")
     assert [b["name"] for b in listing["boxes"]] == ["box1", "box2"]
+    assert all(len(b["cert_sha256"]) == 64 for b in listing["boxes"])  # the certificate each presented
     assert all(b["state"] == "up" for b in listing["boxes"])
     devices = {d["id"]: d for d in listing["devices"]}
     assert devices["box1/nv0"]["class"] == "nvme" and devices["box1/nv0"]["capacity"] == 32 * MiB
@@ -268,6 +269,24 @@ def test_a_vm_that_died_gives_its_devices_back(pool, vm_factory):
     assert freed["device"] == "box2/td1" and freed["why"].startswith("VM gone")
     assert pool.leases() == [] and not Path(f"/proc/{lease['proxy_pid']}").exists()
     assert {d["id"]: d for d in pool.json("ls")["devices"]}["box2/td1"]["available"]
+
+
+def test_a_box_that_presents_another_certificate_goes_down(pool, pool_lab):
+    """Another key signed by the same CA at box2's address is not box2 as registered:
+    the heartbeat marks it down (its devices unavailable) until an admin registers it again."""
+    certs, box2 = pool_lab.certs, pool_lab.box("box2")
+    before = {b["name"]: b for b in pool.json("ls")["boxes"]}["box2"]["cert_sha256"]
+    for suffix in ("pem", "key"):
+        (certs / f"box2.{suffix}").unlink()
+    make_certs(certs, ["box2"])  # a new key and certificate from the same CA
+    os.kill(box2.proxy_pid, signal.SIGKILL)
+    lab.restart_proxy(pool_lab, "box2")
+    box = lambda: {b["name"]: b for b in pool.json("ls")["boxes"]}["box2"]  # noqa: E731
+    assert wait_until(lambda: box()["state"] == "down", 15), "box2 with a new certificate stayed up"
+    assert "presented another certificate" in box()["last_error"]
+    again = pool.register("box2")
+    assert again["certificate_sha256"] != before and box()["state"] == "up"
+    assert wait_until(lambda: box()["state"] == "up", 3) and box()["cert_sha256"] == again["certificate_sha256"]
 
 
 def test_api_refuses_requests_without_the_token(pool):

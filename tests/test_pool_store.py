@@ -130,7 +130,7 @@ def test_migrates_a_version_1_database_keeping_its_leases(tmp_path):
     db.commit()
     db.close()
     s = Store(path)
-    assert s.schema_version == store_mod.SCHEMA_VERSION == 2
+    assert s.schema_version == store_mod.SCHEMA_VERSION == 3
     assert s.boxes()[0]["lent"] == 1
     assert [lease.device for lease in s.allocate("vm2")] == ["a/d1"]
     with pytest.raises(NoFreeDevice):

@@ -8,6 +8,7 @@ closes the link. Registration stores that answer; the heartbeat repeats it.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import socket
 import ssl
@@ -28,6 +29,13 @@ class BoxUnreachable(DxpuError):
 
 def tls_files(tls_dir: str | None) -> TlsFiles | None:
     return TlsFiles.in_dir(Path(tls_dir), TLS_ROLE) if tls_dir else None
+
+
+def certificate_sha256(conn: Connection) -> str | None:
+    """The SHA-256 of the certificate the box presented (None on a plaintext link)."""
+    sock = conn.sock
+    der = sock.getpeercert(binary_form=True) if isinstance(sock, ssl.SSLSocket) else None
+    return hashlib.sha256(der).hexdigest() if der else None
 
 
 def _open(address: str, tls_dir: str | None, timeout: float) -> Connection:
@@ -76,12 +84,14 @@ def fetch_screenshot(address: str, tls_dir: str | None, device: str, token: str,
 
 
 def fetch_inventory(address: str, tls_dir: str | None, timeout: float = 3.0) -> dict:
-    """The box's answer to INVENTORY: ``{"box": name, "devices": [...]}``."""
+    """The box's answer to INVENTORY: ``{"box": name, "devices": [...]}``, plus the
+    SHA-256 of the certificate it presented (``certificate_sha256``)."""
     conn = _open(address, tls_dir, timeout)
     try:
         inventory = json.loads(_ask(conn, LinkCommand.INVENTORY, {"version": LINK_VERSION}, address, "inventory"))
         if not isinstance(inventory.get("devices"), list) or not inventory.get("box"):
             raise ValueError("no box name or device list")
+        inventory["certificate_sha256"] = certificate_sha256(conn)
         return inventory
     except ssl.SSLError as exc:
         raise BoxUnreachable(f"box {address} refused our certificate: {exc.reason or exc}",

@@ -92,7 +92,8 @@ def cmd_box(args: argparse.Namespace) -> int:
     if args.box_command == "add":
         result = _client(args).post("/v1/boxes", name=args.name, address=args.address, tls_dir=args.tls_dir)
         _emit(args, result, lambda r: f"box {r['box']} at {r['address']} registered with "
-                                      f"{len(r['devices'])} device(s):\n" + _table(
+                                      f"{len(r['devices'])} device(s); certificate sha256 "
+                                      f"{(r['certificate_sha256'] or 'none (plaintext)')[:16]}...:\n" + _table(
                                           [{**d, "capacity": _size(d["capacity"])} for d in r["devices"]],
                                           ["id", "class", "vendor", "model", "capacity"]))
     else:

@@ -107,8 +107,8 @@ class Manager:
         if name != inventory["box"]:
             raise BoxUnreachable(f"the box at {address} calls itself {inventory['box']!r}, not {name!r}",
                                  hint="register it under its own name, or fix its config")
-        self.store.register_box(name, address, tls_dir, inventory["devices"])
-        return {"box": name, "address": address, "devices": [
+        self.store.register_box(name, address, tls_dir, inventory["devices"], inventory["certificate_sha256"])
+        return {"box": name, "address": address, "certificate_sha256": inventory["certificate_sha256"], "devices": [
             {k: d[k] for k in ("id", "class", "vendor", "model", "capacity")} for d in inventory["devices"]]}
 
     def heartbeat(self) -> list[dict]:
@@ -118,6 +118,12 @@ class Manager:
         for box in self.store.boxes():
             try:
                 inventory = fetch_inventory(box["address"], box["tls_dir"], timeout=min(2.0, self.dead_after))
+                if inventory["certificate_sha256"] != box["cert_sha256"]:
+                    raise BoxUnreachable(  # another machine with a certificate of our CA: not the box we registered
+                        f"box {box['name']} presented another certificate (sha256 "
+                        f"{(inventory['certificate_sha256'] or 'none')[:16]}..., registered "
+                        f"{(box['cert_sha256'] or 'none')[:16]}...)",
+                        hint=f"if the box was re-keyed on purpose: dxpu box add {box['name']} {box['address']}")
             except BoxUnreachable as exc:
                 if box["state"] == "up" and time.time() - box["last_seen"] >= self.dead_after:
                     self.store.mark_box(box["name"], up=False, error=exc.message)
@@ -125,7 +131,8 @@ class Manager:
                     log.warning("box %s is down: %s", box["name"], exc.message)
                 continue
             if box["state"] == "down":
-                self.store.register_box(box["name"], box["address"], box["tls_dir"], inventory["devices"])
+                self.store.register_box(box["name"], box["address"], box["tls_dir"], inventory["devices"],
+                                        box["cert_sha256"])
                 changes.append({"box": box["name"], "state": "up"})
                 log.warning("box %s is back", box["name"])
             else:

@@ -77,6 +77,10 @@ MIGRATIONS: list[str] = [
         UPDATE boxes SET lent = lent - 1 WHERE name = (SELECT box FROM devices WHERE id = OLD.device)@
     END;
     """,
+    # 3: the box's certificate as registered (SHA-256), checked at every heartbeat
+    """
+    ALTER TABLE boxes ADD COLUMN cert_sha256 TEXT;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 QDEV_PREFIX = "pool-"  # QEMU ids of devices the pool plugged
@@ -189,14 +193,16 @@ class Store:
             self._db.close()
 
     # --- boxes and devices --------------------------------------------------------
-    def register_box(self, name: str, address: str, tls_dir: str | None, devices: list[dict]) -> None:
+    def register_box(self, name: str, address: str, tls_dir: str | None, devices: list[dict],
+                     cert_sha256: str | None = None) -> None:
         """Add or refresh a box and its inventory; leased devices are kept as they are."""
         now = time.time()
         with self.transaction() as db:
-            db.execute("INSERT INTO boxes (name, address, tls_dir, state, registered_at, last_seen) "
-                       "VALUES (?, ?, ?, 'up', ?, ?) ON CONFLICT(name) DO UPDATE SET address=excluded.address, "
-                       "tls_dir=excluded.tls_dir, state='up', last_seen=excluded.last_seen, last_error=NULL",
-                       (name, address, tls_dir, now, now))
+            db.execute("INSERT INTO boxes (name, address, tls_dir, state, registered_at, last_seen, cert_sha256) "
+                       "VALUES (?, ?, ?, 'up', ?, ?, ?) ON CONFLICT(name) DO UPDATE SET address=excluded.address, "
+                       "tls_dir=excluded.tls_dir, state='up', last_seen=excluded.last_seen, last_error=NULL, "
+                       "cert_sha256=excluded.cert_sha256",
+                       (name, address, tls_dir, now, now, cert_sha256))
             seen = []
             for d in devices:
                 device_id = f"{name}/{d['id']}"
