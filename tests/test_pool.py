@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from dxpu_vfio.hotplug import guest_wait_for_child
 from dxpu_vfio.lab import lab
 from dxpu_vfio.link.transport import make_certs
 from dxpu_vfio.paths import run_dir
@@ -130,8 +131,9 @@ def test_attach_status_metrics_detach_through_qmp(pool, vm):
     [lease] = pool.json("attach", sock, "--class", "testdev", "--box", "box2")
     assert lease["device"] == "box2/td1" and lease["state"] == "attached"
     assert wait_guest(vm, lease["port"], "0x1b36:0x10f0"), "guest never saw the pooled test device"
-    # the guest uses it: a register read goes to box2 and back
-    vm.run(f"dxpu-mmio {port_bdf(lease['port'])[:-1]}0 enable >/dev/null 2>&1; true", check=False)
+    # the guest uses it: its id register, read through box2
+    bdf = guest_wait_for_child(vm, port_bdf(lease["port"]), True, 30)
+    assert vm.run(f"dxpu-mmio {bdf} enable >/dev/null && dxpu-mmio {bdf} 0 read 0").stdout.strip() == "0xd0c50001"
     status = pool.json("status", sock)
     [dev] = status["devices"]
     assert dev["in_vm"] and dev["proxy_alive"] and dev["link_up"], status
@@ -269,6 +271,27 @@ def test_a_vm_that_died_gives_its_devices_back(pool, vm_factory):
     assert freed["device"] == "box2/td1" and freed["why"].startswith("VM gone")
     assert pool.leases() == [] and not Path(f"/proc/{lease['proxy_pid']}").exists()
     assert {d["id"]: d for d in pool.json("ls")["devices"]}["box2/td1"]["available"]
+
+
+def test_a_restarted_box_gets_its_devices_replugged(pool, vm, pool_lab):
+    """box2's remote proxy dies and comes back at once (never marked down): the host
+    proxy's link is dead and QEMU never reconnects, so the manager re-plugs the device on
+    the same lease, and the guest can use it again."""
+    sock = str(vm.admin_qmp_path)
+    [lease] = pool.json("attach", sock, "--device", "box2/td1")
+    assert wait_guest(vm, lease["port"], "0x1b36:0x10f0")
+    os.kill(pool_lab.box("box2").proxy_pid, signal.SIGKILL)
+    lab.restart_proxy(pool_lab, "box2")
+    status = lambda: pool.json("status", sock)["devices"][0]  # noqa: E731
+    assert wait_until(lambda: status()["link_up"] and status()["proxy_pid"] != lease["proxy_pid"], 30), \
+        f"never re-plugged: {status()} (manager log {pool.db.with_suffix('.log')})"
+    again = status()
+    assert again["lease"] == lease["lease"] and again["in_vm"] and again["state"] == "attached"
+    assert "re-plugged box2/td1" in pool.db.with_suffix(".log").read_text()
+    bdf = guest_wait_for_child(vm, port_bdf(again["port"]), True, 30)
+    vm.run(f"dxpu-mmio {bdf} enable && dxpu-mmio {bdf} 0 write 0x0c 0xcafef00d")
+    assert vm.run(f"dxpu-mmio {bdf} 0 read 0x0c").stdout.strip() == "0xcafef00d"  # the box answers again
+    pool.dxpu("detach", sock, "--all")
 
 
 def test_a_box_that_presents_another_certificate_goes_down(pool, pool_lab):

@@ -78,12 +78,14 @@ class Manager:
 
     def __init__(self, store: Store, *, open_vm: Callable[[str], VmTarget] = open_target,
                  dead_after: float = 3.0, unplug_timeout: float = 15.0,
-                 reconcile_unplug_timeout: float = 5.0) -> None:
+                 reconcile_unplug_timeout: float = 5.0, heal_interval: float = 10.0) -> None:
         self.store = store
         self.open_vm = open_vm
         self.dead_after = dead_after
         self.unplug_timeout = unplug_timeout
         self.reconcile_unplug_timeout = reconcile_unplug_timeout  # short: reconcile runs before the API serves
+        self.heal_interval = heal_interval
+        self._healed: dict[str, float] = {}  # lease id -> when heal() last re-plugged it
         self._vm_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
         self._locks_lock = threading.Lock()
 
@@ -137,7 +139,48 @@ class Manager:
                 log.warning("box %s is back", box["name"])
             else:
                 self.store.mark_box(box["name"], up=True)
+            changes += self.heal(box["name"])
         return changes
+
+    def heal(self, box: str) -> list[dict]:
+        """Re-plug the attached devices of a box that answers again but whose host proxy's
+        link is down (the box restarted, or was down): QEMU never reconnects a vfio-user
+        device, so the device leaves the VM and comes back with a new proxy, on the same
+        lease. At most once per ``heal_interval`` s per lease; a failure releases the lease."""
+        actions = []
+        for lease in self.store.leases():
+            if lease.box != box or lease.state != "attached":
+                continue
+            link = ((self._proxy_stats(lease) or {}).get("device") or {}).get("link") or {}
+            if link.get("up") or time.monotonic() - self._healed.get(lease.id, -1e9) < self.heal_interval:
+                continue
+            self._healed[lease.id] = time.monotonic()
+            try:
+                with self.open_vm(lease.vm) as target, self._vm_lock(target.key):
+                    self._replug(target, lease)
+                actions.append({"lease": lease.id, "device": lease.device, "vm": lease.vm, "action": "re-plugged",
+                                "port": lease.port})
+                log.warning("re-plugged %s into %s (its link was down)", lease.device, lease.vm)
+            except DxpuError as exc:
+                log.error("could not re-plug %s into %s: %s", lease.device, lease.vm, exc)
+                actions.append({"lease": lease.id, "device": lease.device, "vm": lease.vm, "action": "failed",
+                                "why": exc.message})
+        return actions
+
+    def _replug(self, target: VmTarget, lease: Lease) -> None:
+        """Unplug, new proxy, plug again (lease 'attaching' meanwhile: a crash rolls it back)."""
+        if self.store.lease_for(target.key, lease.id).state != "attached":
+            return  # detached or changed since we looked
+        self.store.update_lease(lease.id, state="attaching", owner_pid=os.getpid())
+        try:
+            if device_present(target, lease.qdev_id):
+                target.unplug(lease.qdev_id, self.unplug_timeout)
+            stop_proxy(lease)
+            self._plug(target, lease, 30.0)
+        except BaseException:
+            self._undo(target, lease, plugged=device_present(target, lease.qdev_id))
+            raise
+        self.store.update_lease(lease.id, state="attached")
 
     # --- attach / detach ---------------------------------------------------------
     def attach(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
