@@ -151,9 +151,12 @@ class Manager:
         for lease in self.store.leases():
             if lease.box != box or lease.state != "attached":
                 continue
-            link = ((self._proxy_stats(lease) or {}).get("device") or {}).get("link") or {}
-            if link.get("up") or time.monotonic() - self._healed.get(lease.id, -1e9) < self.heal_interval:
+            if time.monotonic() - self._healed.get(lease.id, -1e9) < self.heal_interval:
                 continue
+            if proxy_alive(lease):  # heal on evidence only: a busy proxy that did not answer is left alone
+                stats = self._proxy_stats(lease)
+                if stats is None or ((stats.get("device") or {}).get("link") or {}).get("up", True):
+                    continue
             self._healed[lease.id] = time.monotonic()
             try:
                 with self.open_vm(lease.vm) as target, self._vm_lock(target.key):
