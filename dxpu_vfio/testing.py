@@ -105,6 +105,36 @@ def shared_vm(request: pytest.FixtureRequest, factory: VmFactory) -> Vm:
     return vm
 
 
+_loops = itertools.count()
+
+
+class GuestLoop:
+    """``while :; do BODY; done`` in the background of a guest, until :meth:`stop`.
+
+    The loop runs from a script file of its own so that it can be found: a subshell
+    started with ``(... &)`` shows only its parent's command line. Stopping kills, by pid,
+    every process whose command line names the loop or one of ``tools`` (found in /proc:
+    the tiny image's busybox has no pkill), until none is left: a survivor would go on
+    driving whatever is plugged at the same address next.
+    """
+
+    def __init__(self, vm: Vm, body: str, log: str = "/dev/null", tools: tuple[str, ...] = ()) -> None:
+        self.vm = vm
+        n = next(_loops)
+        self.script, self.stopper = f"/tmp/dxpu-loop{n}.sh", f"/tmp/dxpu-loop{n}.stop"
+        patterns = "|".join(f'*"{p}"*' for p in (self.script, *tools))
+        vm.run(f"cat > {self.script} <<'EOF'\nwhile :; do {body}; done\nEOF")
+        vm.run(f"cat > {self.stopper} <<'EOF'\n"  # a file of its own: its command line names no pattern
+               "i=0\nwhile :; do\n  found=\n  for d in /proc/[0-9]*; do\n"
+               "    cmd=$(tr '\\0' ' ' < $d/cmdline 2>/dev/null) || continue\n"
+               f"    case \"$cmd\" in {patterns}) kill -9 ${{d#/proc/}} 2>/dev/null && found=1;; esac\n"
+               "  done\n  [ -z \"$found\" ] && exit 0\n  i=$((i+1)); [ $i -ge 100 ] && exit 1\n  sleep 0.1\ndone\nEOF")
+        vm.run(f"(sh {self.script} > {log} 2>&1 &)")
+
+    def stop(self, timeout: float = 30) -> None:
+        self.vm.run(f"sh {self.stopper}", timeout=timeout)
+
+
 @pytest.fixture(scope="session")
 def tiny_image() -> Image:
     """The built tiny image; fails naming the setup command if it is missing."""

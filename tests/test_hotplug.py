@@ -18,6 +18,7 @@ from dxpu_vfio.device_server import DeviceServerError, DeviceServerProcess
 from dxpu_vfio.errors import VmError
 from dxpu_vfio.lab import lab
 from dxpu_vfio.pool.targets import used_root_ports
+from dxpu_vfio.testing import GuestLoop
 
 pytestmark = pytest.mark.vm
 
@@ -287,12 +288,13 @@ def test_remote_failure_under_a_running_guest(vm_factory, lab_state, during):
     bdf = att.guest_bdf
     vm.run(f"dxpu-mmio {bdf} enable")  # memory decode on, or QEMU never forwards the reads
     pid = lab_state.box("box2").proxy_pid
+    loop = None
     if during == "read":
-        vm.run(f"(while :; do dxpu-mmio {bdf} 0 read 0; done > /tmp/reads 2>&1 &)")
+        loop = GuestLoop(vm, f"dxpu-mmio {bdf} 0 read 0", "/tmp/reads", tools=("dxpu-mmio",))
         time.sleep(1)
         os.kill(pid, signal.SIGKILL)
     elif during == "dma":
-        vm.run(f"(while :; do dxpu-testdev {bdf} dma-copy 1048576; done > /tmp/dma 2>&1 &)")
+        loop = GuestLoop(vm, f"dxpu-testdev {bdf} dma-copy 1048576", "/tmp/dma", tools=("dxpu-testdev",))
         time.sleep(1)
         os.kill(pid, signal.SIGKILL)
     else:
@@ -306,7 +308,8 @@ def test_remote_failure_under_a_running_guest(vm_factory, lab_state, during):
             assert "0xd0c50001" in vm.run("head -n 3 /tmp/reads").stdout  # it was reading before
         stats = att.server.stats()["device"]
         assert stats["link"]["up"] is False and stats["master_aborts"] >= 1
-        vm.run("pkill -f 'while :' ; true")
+        if loop:  # it would go on driving the device re-plugged at the same address below
+            loop.stop()
         hotplug.detach(att)  # unplug still works with the box gone
         assert vm.alive(), f"QEMU died: {vm.stderr_log.read_text()[-500:]}"
     finally:

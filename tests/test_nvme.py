@@ -11,6 +11,7 @@ import pytest
 from dxpu_vfio import hotplug
 from dxpu_vfio.guest_devices import nvme_disk
 from dxpu_vfio.lab import lab
+from dxpu_vfio.testing import GuestLoop
 
 pytestmark = pytest.mark.vm
 MiB = 1 << 20
@@ -152,8 +153,8 @@ def test_remote_killed_during_io_gives_io_errors_not_a_hang(vm_factory, nvme_lab
     settings = {**nvme_lab.remote_settings("box1", "nv0"), "completion_timeout": 0.5}
     att = hotplug.attach(vm, "remote", settings=settings, netns=nvme_lab.host_netns)
     ns1 = nvme_disk(vm, att.guest_bdf, 1)
-    vm.run(f"(while :; do dd if=/dev/urandom of=/dev/{ns1} bs=128k count=64 oflag=direct 2>>/tmp/io.err; "
-           f"done > /dev/null &)")
+    loop = GuestLoop(vm, f"dd if=/dev/urandom of=/dev/{ns1} bs=128k count=64 oflag=direct 2>>/tmp/io.err",
+                     tools=(f"of=/dev/{ns1}",))
     time.sleep(2)
     os.kill(nvme_lab.box("box1").proxy_pid, signal.SIGKILL)
     try:
@@ -161,7 +162,7 @@ def test_remote_killed_during_io_gives_io_errors_not_a_hang(vm_factory, nvme_lab
         result = vm.run(f"dd if=/dev/{ns1} of=/dev/null bs=4k count=16 iflag=direct", check=False, timeout=120)
         assert result.rc != 0, "reads from a dead box succeeded"
         assert time.monotonic() - started < 100, "the guest hung"
-        vm.run("pkill -f 'while :'; true")
+        loop.stop()
         assert vm.guest_alive() and vm.run("echo alive").stdout == "alive\n"
         hotplug.detach(att, timeout=30)
         assert vm.alive()
