@@ -27,15 +27,6 @@ from dxpu_vfio.bench import table, write_json  # noqa: E402
 from dxpu_vfio.lab import lab  # noqa: E402
 from dxpu_vfio.vm import Vm, VmConfig  # noqa: E402
 
-TOPOLOGY = """
-name = "bench"
-[[box]]
-name = "box1"
-[[box.device]]
-id = "td0"
-model = "testdev"
-"""
-
 
 def kv(text: str) -> dict[str, float]:
     return {k: float(v) if v.replace(".", "").isdigit() else v
@@ -79,7 +70,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     delays = [float(d) for d in args.delays.split(",")]
-    state = lab.up(lab.Topology.parse(TOPOLOGY))
+    topology = lab.Topology.load(None)  # the default lab: box1 with test device td0
+    topology.name = "bench"
+    state = lab.up(topology)
     results: dict[str, dict] = {}
     try:
         with Vm(VmConfig(image="tiny", name="bench-remote")) as vm:

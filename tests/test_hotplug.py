@@ -52,15 +52,10 @@ def lab_state():
     lab.down(state.name)
 
 
-@pytest.fixture(scope="module", params=["local", "remote"])
-def mode(request):
-    return request.param
-
-
 @pytest.fixture
-def device(mode, request):
+def device(served, request):
     """device(n) -> attach() arguments for the n-th device of this mode."""
-    if mode == "local":
+    if served == "local":
         return lambda n=0: {"model": "testdev"}
     state = request.getfixturevalue("lab_state")
     return lambda n=0: {"model": "remote", "settings": state.remote_settings(*REMOTE_DEVICES[n]),
@@ -68,7 +63,7 @@ def device(mode, request):
 
 
 @pytest.fixture(scope="module")
-def shared_vm(tiny_image, mode):
+def shared_vm(tiny_image, served):
     """One tiny guest for the plug tests of this module; each test unplugs what it plugs."""
     from dxpu_vfio.testing import VmFactory
     factory = VmFactory("hotplug")

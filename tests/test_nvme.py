@@ -32,20 +32,15 @@ def nvme_lab(tmp_path_factory):
     lab.down(state.name)
 
 
-@pytest.fixture(scope="module", params=["local", "remote"])
-def mode(request):
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def local_disks(tmp_path_factory):
     return tmp_path_factory.mktemp("local-disks")
 
 
 @pytest.fixture
-def nvme_device(mode, request, local_disks):
+def nvme_device(served, request, local_disks):
     """attach() arguments for NVMe device n (remote: box1/nv0 or box2/nv1)."""
-    if mode == "local":
+    if served == "local":
         return lambda n=0: {"model": "nvme", "settings": {"namespaces": [
             {"size": 64 * MiB, "path": str(local_disks / f"l{n}n1")},
             {"size": 16 * MiB, "path": str(local_disks / f"l{n}n2")}]}}
@@ -113,7 +108,7 @@ def test_data_survives_unplug_and_replug(vm, nvme_device):
         hotplug.detach(att)
 
 
-def test_two_nvme_devices_in_one_vm(vm, nvme_device, mode):
+def test_two_nvme_devices_in_one_vm(vm, nvme_device, served):
     """Remote: one from each GPU box."""
     first = hotplug.attach(vm, **nvme_device(0))
     second = hotplug.attach(vm, **nvme_device(1))
