@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -103,6 +104,21 @@ def shared_vm(request: pytest.FixtureRequest, factory: VmFactory) -> Vm:
     if not vm.guest_alive():
         pytest.fail(f"the shared guest died earlier; see {vm.workdir}")
     return vm
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` s pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def eventually(predicate, timeout: float = 5.0, what: str = "condition", interval: float = 0.02) -> None:
+    """Like :func:`wait_until`, failing the test with ``what`` on timeout."""
+    assert wait_until(predicate, timeout, interval), f"{what} did not happen within {timeout} s"
 
 
 _loops = itertools.count()

@@ -20,6 +20,7 @@ from dxpu_vfio.link.transport import TlsFiles, make_certs
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import VfioUserClient
 from dxpu_vfio.vfio_user.server import VfioUserServer
+from dxpu_vfio.testing import eventually
 
 BAR0 = 0
 GUEST = 0x100000
@@ -75,13 +76,6 @@ def forwarded(tmp_path, box, certs):
 def start_dma(client, src, dst, length, op=1):
     for reg, value in ((0x20, src), (0x24, src >> 32), (0x28, dst), (0x2C, dst >> 32), (0x30, length), (0x34, op)):
         client.write32(BAR0, reg, value, posted=True)
-
-
-def eventually(predicate, timeout=5.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
-        time.sleep(0.02)
 
 
 def wait_dma(client, timeout=5.0):

@@ -13,19 +13,18 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from dxpu_vfio.hotplug import guest_wait_for_child
+from dxpu_vfio.hotplug import guest_wait_for_child, port_bdf
 from dxpu_vfio.lab import lab
 from dxpu_vfio.link.transport import make_certs
 from dxpu_vfio.paths import run_dir
 from dxpu_vfio.pool.manager import stop_proxy
 from dxpu_vfio.pool.service import ManagerClient, ManagerError, ManagerProcess
 from dxpu_vfio.pool.store import Lease
-from dxpu_vfio.pool.targets import wait_until
+from dxpu_vfio.testing import wait_until
 
 pytestmark = pytest.mark.vm
 MiB = 1 << 20
@@ -98,20 +97,16 @@ def vm(shared_tiny_vm):
     return shared_tiny_vm
 
 
-def guest_ids(vm, port_bdf: str) -> str:
+def guest_ids(vm, bridge: str) -> str:
     """vendor:device of what sits below a root port in the guest, or '' if nothing."""
-    out = vm.run(f"cd /sys/bus/pci/devices/{port_bdf} && for d in 0000:*; do "
+    out = vm.run(f"cd /sys/bus/pci/devices/{bridge} && for d in 0000:*; do "
                  f"[ -e $d/vendor ] && echo $(cat $d/vendor):$(cat $d/device); done; true", check=False)
     return out.stdout.strip()
 
 
-def port_bdf(port: str) -> str:
-    return f"0000:00:{0x10 + int(port.removeprefix('rp')):02x}.0"
-
-
 def wait_guest(vm, port: str, want: str, timeout: float = 20) -> bool:
-    return wait_until(lambda: (want in guest_ids(vm, port_bdf(port))) if want else
-                      guest_ids(vm, port_bdf(port)) == "", timeout, 0.5)
+    return wait_until(lambda: (want in guest_ids(vm, port_bdf(vm, port))) if want else
+                      guest_ids(vm, port_bdf(vm, port)) == "", timeout, 0.5)
 
 
 def test_boxes_register_with_their_inventory(pool):
@@ -132,7 +127,7 @@ def test_attach_status_metrics_detach_through_qmp(pool, vm):
     assert lease["device"] == "box2/td1" and lease["state"] == "attached"
     assert wait_guest(vm, lease["port"], "0x1b36:0x10f0"), "guest never saw the pooled test device"
     # the guest uses it: its id register, read through box2
-    bdf = guest_wait_for_child(vm, port_bdf(lease["port"]), True, 30)
+    bdf = guest_wait_for_child(vm, port_bdf(vm, lease["port"]), True, 30)
     assert vm.run(f"dxpu-mmio {bdf} enable >/dev/null && dxpu-mmio {bdf} 0 read 0").stdout.strip() == "0xd0c50001"
     status = pool.json("status", sock)
     [dev] = status["devices"]
@@ -288,7 +283,7 @@ def test_a_restarted_box_gets_its_devices_replugged(pool, vm, pool_lab):
     again = status()
     assert again["lease"] == lease["lease"] and again["in_vm"] and again["state"] == "attached"
     assert "re-plugged box2/td1" in pool.db.with_suffix(".log").read_text()
-    bdf = guest_wait_for_child(vm, port_bdf(again["port"]), True, 30)
+    bdf = guest_wait_for_child(vm, port_bdf(vm, again["port"]), True, 30)
     vm.run(f"dxpu-mmio {bdf} enable && dxpu-mmio {bdf} 0 write 0x0c 0xcafef00d")
     assert vm.run(f"dxpu-mmio {bdf} 0 read 0x0c").stdout.strip() == "0xcafef00d"  # the box answers again
     pool.dxpu("detach", sock, "--all")

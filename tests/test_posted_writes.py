@@ -16,17 +16,11 @@ from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import VfioUserClient
 from dxpu_vfio.vfio_user.posted import WriteRuns, pack_batch, unpack_batch
 from dxpu_vfio.vfio_user.server import ServerOptions, VfioUserServer
+from dxpu_vfio.testing import eventually
 from qemu_device.display import DisplayAdapter
 
 VRAM, MMIO = 0, 2
 GUEST, MEM = 0x100000, 1 << 20
-
-
-def eventually(predicate, timeout=5.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
-        time.sleep(0.005)
 
 
 def u32(value: int) -> bytes:
@@ -116,7 +110,7 @@ def test_posted_writes_reach_the_device_without_a_later_request(local):
     client, dev, _ = local
     client.negotiate()
     client.write(MMIO, 0x500 + 2 * 1, (800).to_bytes(2, "little"), posted=True)  # XRES
-    eventually(lambda: dev.dispi[1] == 800, 2.0, "the posted write being applied")
+    eventually(lambda: dev.dispi[1] == 800, 2.0, "the posted write being applied", interval=0.005)
 
 
 @pytest.fixture(scope="module")
@@ -207,12 +201,12 @@ def test_a_dma_read_completion_does_not_pass_pending_writes(linked):
 def test_a_lone_write_goes_out_when_the_server_waits(linked):
     client, remote, slot, _ = linked()  # 10 s timer: only the server's idle nudge can send it
     client.write(VRAM, 0x200, u32(0xF00D), posted=True)
-    eventually(lambda: bytes(slot.device.vram[0x200:0x204]) == u32(0xF00D), 2.0, "the idle flush")
+    eventually(lambda: bytes(slot.device.vram[0x200:0x204]) == u32(0xF00D), 2.0, "the idle flush", interval=0.005)
 
 
 def test_a_lone_write_is_flushed_by_the_timer(linked):
     client, remote, slot, _ = linked(delay=0.05)
     started = time.monotonic()
     remote.region_write(VRAM, 0x100, u32(0xCAFE), posted=True)
-    eventually(lambda: bytes(slot.device.vram[0x100:0x104]) == u32(0xCAFE), 2.0, "the timer flush")
+    eventually(lambda: bytes(slot.device.vram[0x100:0x104]) == u32(0xCAFE), 2.0, "the timer flush", interval=0.005)
     assert time.monotonic() - started < 1.0

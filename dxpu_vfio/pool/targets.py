@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import socket
 import stat
-import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Protocol
@@ -165,7 +164,7 @@ class QmpTarget(VmTarget):
         with self.session.listen("DEVICE_DELETED") as events:
             try:
                 self.execute("device_del", {"id": device_id}, timeout=timeout)
-            except QmpError as exc:
+            except QmpError:
                 if not device_present(self, device_id):
                     return  # already gone: nothing to wait for
                 raise
@@ -210,12 +209,3 @@ def target_key(name: str) -> str:
     if "/" in name or is_qmp_socket(name):
         return f"qmp:{Path(name).resolve()}"
     return f"libvirt:{name}"
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
