@@ -27,8 +27,6 @@ from .pool.service import ManagerClient, ManagerProcess
 from .vm import Vm, VmConfig
 
 MiB = 1 << 20
-UNBIND_FBCON = ("for v in /sys/class/vtconsole/vtcon*; do grep -q 'frame buffer' $v/name && echo {} > $v/bind; "
-                "done; true")
 
 
 def _kv(text: str) -> dict[str, str]:
@@ -62,7 +60,7 @@ def _use_display(vm: Vm, bdf: str, probe: DisplayProbe, shot: Path) -> dict:
     w, h = mode["xres"], mode["yres"]
     kms = guest_kms.install(vm)
     vm.run(f"python3 {kms} --mode {w}x{h} --pattern-file /tmp/pattern.raw", timeout=120)
-    vm.run(UNBIND_FBCON.format(0))  # the console's cursor would blink into the pattern
+    guest_kms.bind_console(vm, False)
     try:
         started = time.monotonic()
         vm.run("dd if=/tmp/pattern.raw of=/dev/fb0 bs=1M 2>/dev/null", timeout=60)
@@ -70,7 +68,7 @@ def _use_display(vm: Vm, bdf: str, probe: DisplayProbe, shot: Path) -> dict:
         seconds = time.monotonic() - started
         png = probe.screenshot()  # before the console comes back and draws over it
     finally:
-        vm.run(UNBIND_FBCON.format(1))
+        guest_kms.bind_console(vm, True)
     shot.write_bytes(png)
     return {"driver": driver, "mode": f"{w}x{h}x{mode['bpp']}", "pixel_exact": True,
             "seconds_to_screen": round(seconds, 1), "screenshot": str(shot), "png_size": png_pixels(png)[:2]}
@@ -116,8 +114,7 @@ def run_demo(image: str = "full", accel: str = "tcg", as_json: bool = False) -> 
 
             [fb] = pool.post("/v1/attach", vm=sock, **{"class": "display"})
             bdf = _guest_bdf(vm, fb["port"])
-            probe = DisplayProbe(box_pid=box.proxy_pid, box_stats=Path(box.config).with_suffix(".stats.json"),
-                                 device="fb0")
+            probe = DisplayProbe.in_box(state, "box1", "fb0")
             out["display"] = {**_use_display(vm, bdf, probe, work / "screenshot.png"), "lease": fb["lease"]}
             d = out["display"]
             say(f"demo: dxpu attach --class display -> lease {fb['lease']}: {fb['device']} on {fb['port']}, guest {bdf}, "

@@ -24,6 +24,11 @@ class DisplayProbe:
         """For a local attachment, or (with ``lab_state``) for ``box``/``device`` in the lab."""
         if lab_state is None:
             return cls(server=attachment.server)
+        return cls.in_box(lab_state, box, device)
+
+    @classmethod
+    def in_box(cls, lab_state, box: str, device: str) -> "DisplayProbe":
+        """For ``box``/``device`` of the lab, however it was plugged (e.g. by the pool manager)."""
         b = lab_state.box(box)
         return cls(box_pid=b.proxy_pid, box_stats=Path(b.config).with_suffix(".stats.json"), device=device)
 

@@ -142,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def bind_console(vm, bound: bool) -> None:
+    """Bind (or unbind) the guest's text console to the framebuffer: unbound, its
+    blinking cursor no longer draws into a pattern written to /dev/fb0."""
+    vm.run("for v in /sys/class/vtconsole/vtcon*; do grep -q 'frame buffer' $v/name && "
+           f"echo {int(bound)} > $v/bind; done; true")
+
+
 def install(vm, path: str = "/tmp/dxpu_kms.py") -> str:
     """Copy this tool into ``vm`` (a guest with python3); returns its path there."""
     source = open(__file__, encoding="utf-8").read()

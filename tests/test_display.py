@@ -11,7 +11,6 @@ import os
 import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -69,10 +68,6 @@ def test_bochs_driver_binds_sets_its_mode_and_the_device_renders_it(full_vm, plu
     assert png_pixels(out.read_bytes())[:2] == (1024, 768)
 
 
-UNBIND_FBCON = ("for v in /sys/class/vtconsole/vtcon*; do grep -q 'frame buffer' $v/name && echo {} > $v/bind; "
-                "done; true")
-
-
 @pytest.mark.vm
 def test_pattern_written_to_fb0_appears_pixel_exact(full_vm, plug):
     """Through the driver's fbdev emulation: the pattern lands in its shadow buffer and
@@ -82,12 +77,12 @@ def test_pattern_written_to_fb0_appears_pixel_exact(full_vm, plug):
     probe.wait_mode()
     kms = guest_kms.install(full_vm)
     full_vm.run(f"python3 {kms} --mode 1024x768 --pattern-file /tmp/pattern.raw", timeout=120)
-    full_vm.run(UNBIND_FBCON.format(0))
+    guest_kms.bind_console(full_vm, False)
     try:
         full_vm.run("dd if=/tmp/pattern.raw of=/dev/fb0 bs=1M 2>&1", timeout=60)
         probe.wait_pixels(1024, 768, guest_kms.pattern_rgb(1024, 768), timeout=120)
     finally:
-        full_vm.run(UNBIND_FBCON.format(1))
+        guest_kms.bind_console(full_vm, True)
     assert probe.state()["framebuffer_bytes"] >= 1024 * 768 * 4
 
 
@@ -140,9 +135,7 @@ def test_screenshot_through_the_pool(full_vm, display_lab, tmp_path):
     try:
         pool.post("/v1/boxes", name=BOX, address=display_lab.box(BOX).endpoint, tls_dir=str(display_lab.certs))
         [lease] = pool.post("/v1/attach", vm=str(full_vm.admin_qmp_path), **{"class": "display"})
-        probe = DisplayProbe(box_pid=display_lab.box(BOX).proxy_pid,
-                             box_stats=Path(display_lab.box(BOX).config).with_suffix(".stats.json"),
-                             device=DEVICE)
+        probe = DisplayProbe.in_box(display_lab, BOX, DEVICE)
         probe.wait_mode(lambda m: m["enabled"] and m["xres"] == 1024)
         out = tmp_path / "pool.png"
         cli = subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "screenshot", lease["lease"], str(out),

@@ -7,7 +7,6 @@ import multiprocessing
 import os
 import sqlite3
 import subprocess
-from pathlib import Path
 
 import pytest
 

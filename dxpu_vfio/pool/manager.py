@@ -29,7 +29,7 @@ from ..qmp_session import QmpError
 from .boxes import TLS_ROLE, BoxUnreachable, fetch_inventory, fetch_screenshot
 from .store import QDEV_PREFIX, Lease, Store, StoreError
 from .targets import (VmGone, VmTarget, device_present, free_root_port, open_target, plugged_devices,
-                      target_key)
+                      root_ports, target_key, used_root_ports)
 
 log = logging.getLogger("dxpu.manager")
 
@@ -211,7 +211,7 @@ class Manager:
                     raise AttachError(f"attach to {vm} failed and was rolled back: {exc.message}",
                                       hint=exc.hint, logs=exc.logs) from exc
                 raise
-            return [self._describe(lease, target) for lease in leases]
+            return [self._describe(lease) for lease in leases]
 
     def _plug(self, target: VmTarget, lease: Lease, timeout: float) -> None:
         dev = self.store.device(lease.device)
@@ -361,7 +361,7 @@ class Manager:
             return None
         return request_json(lease.proxy_pid, stats_path(lease.socket), timeout=2.0)
 
-    def _describe(self, lease: Lease, target: VmTarget | None = None, present: set[str] | None = None) -> dict:
+    def _describe(self, lease: Lease, present: set[str] | None = None) -> dict:
         dev = self.store.device(lease.device)
         out = {"lease": lease.id, "device": lease.device, "class": dev["class"], "vendor": dev["vendor"],
                "model": dev["model"], "capacity": dev["capacity"], "vm": lease.vm, "state": lease.state,
@@ -378,7 +378,7 @@ class Manager:
             leases = self.store.leases(target.key)
             devices = []
             for lease in leases:
-                entry = self._describe(lease, target, present)
+                entry = self._describe(lease, present)
                 stats = (self._proxy_stats(lease) or {}).get("device") or {}
                 entry["link_up"] = bool(stats.get("link", {}).get("up"))
                 entry["counters"] = {k: v for k, v in stats.items() if isinstance(v, int) and not isinstance(v, bool)}
@@ -405,7 +405,6 @@ class Manager:
 
 
 def _free_ports(target: VmTarget) -> int:
-    from .targets import root_ports, used_root_ports
     return len(set(root_ports(target)) - used_root_ports(target))
 
 

@@ -224,7 +224,7 @@ class Store:
                               "WHERE devices.box = ?", (name,)).fetchone()[0]
             if held:
                 raise StoreError(f"box {name} still has {held} leased device(s)",
-                                 hint=f"detach them first (dxpu ls shows which VMs hold them)")
+                                 hint="detach them first (dxpu ls shows which VMs hold them)")
             db.execute("DELETE FROM boxes WHERE name = ?", (name,))
 
     def _box_row(self, db: sqlite3.Connection, name: str) -> sqlite3.Row:
