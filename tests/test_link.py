@@ -27,6 +27,11 @@ GUEST = 0x100000
 MEM = 1 << 20
 
 
+# Box names must be unique on this host while tests run: `dxpu stats` names remote
+# proxies BOX/DEVICE, and the lab fixtures of other modules run boxes called box1.
+BOX = f"lbox{os.getpid()}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -36,7 +41,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     d = tmp_path_factory.mktemp("certs")
-    make_certs(d, ["host", "box1"])
+    make_certs(d, ["host", BOX])
     other = tmp_path_factory.mktemp("other-ca")
     make_certs(other, ["host"])  # a host certificate from a CA the box does not trust
     return d, other
@@ -45,8 +50,8 @@ def certs(tmp_path_factory):
 @pytest.fixture
 def box(tmp_path, certs):
     port = free_port()
-    config = tmp_path / "box1.toml"
-    config.write_text(f'name = "box1"\nlisten = "127.0.0.1"\nport = {port}\ntls_dir = "{certs[0]}"\n'
+    config = tmp_path / f"{BOX}.toml"
+    config.write_text(f'name = "{BOX}"\nlisten = "127.0.0.1"\nport = {port}\ntls_dir = "{certs[0]}"\n'
                       '[[device]]\nid = "td0"\nmodel = "testdev"\nlease = "lease-td0"\n'
                       'settings = { memory_size = 1048576 }\n')
     proc = RemoteProxyProcess(config).start()
@@ -201,7 +206,7 @@ def test_dxpu_stats_shows_both_proxies(tmp_path, box, certs):
         out = subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "stats", "--json"], capture_output=True,
                              text=True, timeout=60, check=True).stdout
         rows = {r["name"]: r for r in json.loads(out)}
-        mine, theirs = rows[host.name], rows["box1/td0"]
+        mine, theirs = rows[host.name], rows[f"{BOX}/td0"]
         assert mine["proxy"] == "host" and mine["link"] == "up" and theirs["link"] == "up"
         assert mine["posted_writes"] >= 10 and mine["nonposted"] >= 2
         assert mine["dma_read_bytes"] == theirs["dma_read_bytes"] == 8192
@@ -218,8 +223,8 @@ def test_external_vfio_user_server_behind_the_remote_proxy(tmp_path, certs):
     from dxpu_vfio.device_server import DeviceServerProcess
     external = DeviceServerProcess("testdev", tmp_path / "ext.sock", settings={"memory_size": 1 << 20}).start()
     port = free_port()
-    config = tmp_path / "box1.toml"
-    config.write_text(f'name = "box1"\nlisten = "127.0.0.1"\nport = {port}\ntls_dir = "{certs[0]}"\n'
+    config = tmp_path / f"{BOX}.toml"
+    config.write_text(f'name = "{BOX}"\nlisten = "127.0.0.1"\nport = {port}\ntls_dir = "{certs[0]}"\n'
                       f'[[device]]\nid = "ext0"\nmodel = "vfio-user"\nlease = "l"\n'
                       f'settings = {{ socket = "{external.socket_path}" }}\n')
     box = RemoteProxyProcess(config).start()
@@ -260,8 +265,8 @@ def test_inventory_and_screenshot_requests_of_the_pool_manager(box, certs):
     SCREENSHOT wants the device's token and a display."""
     from dxpu_vfio.pool.boxes import BoxUnreachable, fetch_inventory, fetch_screenshot
     inventory = fetch_inventory(box.address, str(certs[0]))
-    assert inventory["box"] == "box1"
-    der = ssl.PEM_cert_to_DER_cert((certs[0] / "box1.pem").read_text())
+    assert inventory["box"] == BOX
+    der = ssl.PEM_cert_to_DER_cert((certs[0] / f"{BOX}.pem").read_text())
     assert inventory["certificate_sha256"] == hashlib.sha256(der).hexdigest()
     [td] = inventory["devices"]
     assert (td["id"], td["class"], td["vendor"], td["model"], td["capacity"], td["lease"], td["in_use"]) == \
