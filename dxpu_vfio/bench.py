@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from .paths import PROJECT_ROOT
+from dxpu_vfio.paths import PROJECT_ROOT
 
 
 def summary(samples: Sequence[float]) -> dict[str, float]:

@@ -11,8 +11,8 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import images, qemu
-from .errors import DxpuError
+from dxpu_vfio.vms import images, qemu
+from dxpu_vfio.errors import DxpuError
 
 SETUP = "scripts/setup.sh"
 
@@ -96,7 +96,7 @@ def check_netns() -> Check:
 def check_delay() -> Check:
     """How the lab injects link delay here: netem if the kernel has it, else our delay line."""
     try:
-        from .lab.lab import netem_available
+        from dxpu_vfio.lab.lab import netem_available
         netem = netem_available()
     except Exception as exc:  # noqa: BLE001 - no namespaces: reported by the netns check
         return Check("delay", False, f"cannot probe netem: {exc}", "run as root", optional=True)

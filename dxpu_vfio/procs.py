@@ -121,7 +121,7 @@ def serve_until_terminated(write_stats, register_entry=None, screenshots=None) -
     """
     import threading
 
-    from . import registry
+    from dxpu_vfio import registry
     done = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: write_stats())
     if screenshots is not None:  # display devices: their scanout as PNG on SIGUSR2

@@ -11,8 +11,8 @@ import json
 import os
 from pathlib import Path
 
-from .paths import run_dir
-from .procs import request_json
+from dxpu_vfio.paths import run_dir
+from dxpu_vfio.procs import request_json
 
 
 def _dir() -> Path:

@@ -20,9 +20,9 @@ from typing import Iterator
 
 import pytest
 
-from .images import Image, load_image
-from .paths import PROJECT_ROOT, run_dir
-from .vm import Vm, VmConfig
+from dxpu_vfio.vms.images import Image, load_image
+from dxpu_vfio.paths import PROJECT_ROOT, run_dir
+from dxpu_vfio.vms.runner import Vm, VmConfig
 
 RESULTS_DIR = Path(os.environ.get("DXPU_RESULTS", PROJECT_ROOT / "results"))
 _ids = itertools.count(1)
@@ -225,7 +225,7 @@ _LIBVIRT_TEST_NAME = re.compile(r"^dxpu-t(\d+)-\d+$")
 def libvirtd() -> Iterator[list]:
     """virtlogd + libvirtd running for the session; at the end it stops only the daemons
     it started itself (by pid). Domains left by dead test processes are removed first."""
-    from .pool import libvirt_domain as lv
+    from dxpu_vfio.vms import libvirt_domain as lv
     started = lv.ensure_daemons()
     try:
         lv.check_libvirt_setup()
@@ -236,7 +236,7 @@ def libvirtd() -> Iterator[list]:
 
 
 def _remove_orphan_test_domains() -> None:
-    from .pool import libvirt_domain as lv
+    from dxpu_vfio.vms import libvirt_domain as lv
     conn = lv.connect()
     try:
         names = [d.name() for d in conn.listAllDomains()]
@@ -258,8 +258,8 @@ class LibvirtVm:
         self.guest = None
 
     def boot(self, timeout: float = 120.0) -> "LibvirtVm":
-        from .pool.libvirt_domain import DomainConfig, LibvirtGuest, define_domain
-        from .pool.libvirt_target import LibvirtTarget
+        from dxpu_vfio.vms.libvirt_domain import DomainConfig, LibvirtGuest, define_domain
+        from dxpu_vfio.vmm.libvirt_target import LibvirtTarget
         define_domain(DomainConfig(name=self.name, image="tiny"), start=True)
         self.target = LibvirtTarget(self.name)
         self.guest = LibvirtGuest(self.name).wait_booted(timeout)
@@ -270,11 +270,11 @@ class LibvirtVm:
 
     @property
     def logs(self) -> list[Path]:
-        from .pool.libvirt_domain import domain_dir, qemu_log_path
+        from dxpu_vfio.vms.libvirt_domain import domain_dir, qemu_log_path
         return [domain_dir(self.name) / "serial.log", qemu_log_path(self.name)]
 
     def save_logs(self, dest: Path) -> list[Path]:
-        from .pool.libvirt_domain import domain_dir
+        from dxpu_vfio.vms.libvirt_domain import domain_dir
         target = dest / self.name
         target.mkdir(parents=True, exist_ok=True)
         for src in (*self.logs, domain_dir(self.name) / "domain.xml"):
@@ -284,8 +284,8 @@ class LibvirtVm:
 
     def destroy(self) -> None:
         """Close the connections, destroy and undefine the domain, remove its files."""
-        from .errors import DxpuError
-        from .pool.libvirt_domain import undefine_domain
+        from dxpu_vfio.errors import DxpuError
+        from dxpu_vfio.vms.libvirt_domain import undefine_domain
         for holder in (self.guest, self.target):
             if holder is not None:
                 holder.close()

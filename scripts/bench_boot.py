@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dxpu_vfio.bench import summary, table, write_json  # noqa: E402
-from dxpu_vfio.vm import Vm, VmConfig  # noqa: E402
+from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 
 def main() -> int:

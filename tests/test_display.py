@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from dxpu_vfio import guest_kms, hotplug
-from dxpu_vfio.display_probe import DisplayProbe, png_pixels
+from dxpu_vfio.lab import kms as guest_kms, hotplug
+from dxpu_vfio.lab.display_probe import DisplayProbe, png_pixels
 from dxpu_vfio.lab import lab
 
 BOX, DEVICE = "gpubox", "fb0"

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from dxpu_vfio import hotplug
-from dxpu_vfio.device_server import DeviceServerError, DeviceServerProcess
+from dxpu_vfio.lab import hotplug
+from dxpu_vfio.hostproxy.process import DeviceServerError, DeviceServerProcess
 from dxpu_vfio.errors import VmError
 from dxpu_vfio.lab import lab
-from dxpu_vfio.pool.targets import used_root_ports
+from dxpu_vfio.vmm.targets import used_root_ports
 from dxpu_vfio.testing import GuestLoop
 
 pytestmark = pytest.mark.vm

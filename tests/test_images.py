@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from dxpu_vfio import images
+from dxpu_vfio.vms import images
 from dxpu_vfio.errors import ImageError
 
 

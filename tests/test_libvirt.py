@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from dxpu_vfio.device_server import DeviceServerProcess
-from dxpu_vfio.hotplug import guest_wait_for_child
-from dxpu_vfio.pool.libvirt_domain import (DomainConfig, DomainNotRunning, LibvirtGuest, LibvirtUnavailable,
-                                           define_domain, domain_dir, undefine_domain)
-from dxpu_vfio.pool.libvirt_target import LibvirtTarget, dac_ids, grant_socket, prepare_socket_dir
-from dxpu_vfio.pool.targets import UnknownVm, device_present, free_root_port, open_target, root_ports
-from dxpu_vfio.qmp_session import QmpError
+from dxpu_vfio.hostproxy.process import DeviceServerProcess
+from dxpu_vfio.lab.hotplug import guest_wait_for_child
+from dxpu_vfio.vms.libvirt_domain import (DomainConfig, DomainNotRunning, LibvirtGuest, LibvirtUnavailable,
+                                          define_domain, domain_dir, undefine_domain)
+from dxpu_vfio.vmm.libvirt_target import LibvirtTarget, dac_ids, grant_socket, prepare_socket_dir
+from dxpu_vfio.vmm.targets import UnknownVm, device_present, free_root_port, open_target, root_ports
+from dxpu_vfio.vmm.qmp import QmpError
 from dxpu_vfio.testing import LibvirtVm, register
 from test_pool import pool, pool_lab  # noqa: F401 - the pool manager fixtures (lab with two boxes)
 

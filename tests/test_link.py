@@ -14,8 +14,8 @@ import time
 import pytest
 from fakes import map_guest_memory
 
-from dxpu_vfio.link.hostside import RemoteAttachError, connect_remote
-from dxpu_vfio.link.process import RemoteProxyProcess
+from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, connect_remote
+from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 from dxpu_vfio.link.transport import TlsFiles, make_certs
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import VfioUserClient
@@ -191,7 +191,7 @@ def test_dxpu_stats_shows_both_proxies(tmp_path, box, certs):
     import subprocess
     import sys
 
-    from dxpu_vfio.device_server import DeviceServerProcess
+    from dxpu_vfio.hostproxy.process import DeviceServerProcess
     settings = {"address": box.address, "device": "td0", "lease": "lease-td0", "tls_dir": str(certs[0])}
     host = DeviceServerProcess("remote", tmp_path / "h.sock", settings=settings, name=f"stats{os.getpid()}").start()
     try:
@@ -220,7 +220,7 @@ def test_dxpu_stats_shows_both_proxies(tmp_path, box, certs):
 def test_external_vfio_user_server_behind_the_remote_proxy(tmp_path, certs):
     """The box drives an external vfio-user server (our device server, a separate process)
     as a client: its DMA becomes messages over the link, its interrupts IRQ messages."""
-    from dxpu_vfio.device_server import DeviceServerProcess
+    from dxpu_vfio.hostproxy.process import DeviceServerProcess
     external = DeviceServerProcess("testdev", tmp_path / "ext.sock", settings={"memory_size": 1 << 20}).start()
     port = free_port()
     config = tmp_path / f"{BOX}.toml"
@@ -284,7 +284,7 @@ def test_inventory_and_screenshot_requests_of_the_pool_manager(box, certs):
 def test_a_screenshot_larger_than_one_message_comes_in_pieces():
     """Noise does not compress: a 1024x768 scanout of random pixels is a ~2.3 MiB PNG,
     more than one link message, and arrives whole."""
-    from dxpu_vfio.link.remote import BoxConfig, BoxDevice, RemoteProxy
+    from dxpu_vfio.remoteproxy.proxy import BoxConfig, BoxDevice, RemoteProxy
     from dxpu_vfio.pool.boxes import fetch_screenshot
     proxy = RemoteProxy(BoxConfig("box1", "127.0.0.1", 0, [BoxDevice("fb0", "display", "t")],
                                   plaintext=True)).start()

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from dxpu_vfio import hotplug
-from dxpu_vfio.guest_devices import nvme_disk
+from dxpu_vfio.lab import hotplug
+from dxpu_vfio.lab.guest_devices import nvme_disk
 from dxpu_vfio.lab import lab
 from dxpu_vfio.testing import GuestLoop
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dxpu_vfio.hotplug import guest_wait_for_child, port_bdf
+from dxpu_vfio.lab.hotplug import guest_wait_for_child, port_bdf
 from dxpu_vfio.lab import lab
 from dxpu_vfio.link.transport import make_certs
 from dxpu_vfio.paths import run_dir

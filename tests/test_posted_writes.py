@@ -9,8 +9,8 @@ import time
 import pytest
 from fakes import map_guest_memory
 
-from dxpu_vfio.link.hostside import connect_remote
-from dxpu_vfio.link.remote import BoxConfig, BoxDevice, RemoteProxy
+from dxpu_vfio.hostproxy.forwarder import connect_remote
+from dxpu_vfio.remoteproxy.proxy import BoxConfig, BoxDevice, RemoteProxy
 from dxpu_vfio.link.transport import TlsFiles, make_certs
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import VfioUserClient

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from dxpu_vfio import qemu
+from dxpu_vfio.vms import qemu
 from dxpu_vfio.errors import QemuNotFound
 
 

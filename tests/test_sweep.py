@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dxpu_vfio.sweep import run_sweep
+from dxpu_vfio.lab.sweep import run_sweep
 
 pytestmark = pytest.mark.vm
 

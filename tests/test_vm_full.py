@@ -44,7 +44,7 @@ def test_agent_command_timeout(full_vm):
 
 def test_hotplug_reported_by_the_guest_udev_agent(full_vm):
     """On the full image the guest's own udev (pyudev agent) confirms the plug."""
-    from dxpu_vfio import hotplug
+    from dxpu_vfio.lab import hotplug
     att = hotplug.attach(full_vm, "testdev")
     try:
         add = next(e for e in att.guest_events if e["action"] == "add")

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from ..procs import write_json_atomic
+from dxpu_vfio.procs import write_json_atomic
 
 
 class DelayLine:

@@ -20,9 +20,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from ..vfio_user import protocol as vp
-from ..vfio_user.connection import Connection, ConnectionClosed, Message
-from .protocol import LinkCommand
+from dxpu_vfio.vfio_user import protocol as vp
+from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message
+from dxpu_vfio.link.protocol import LinkCommand
 
 log = logging.getLogger("dxpu.link")
 

@@ -15,7 +15,7 @@ import json
 import struct
 from dataclasses import dataclass
 
-from ..vfio_user.protocol import ProtocolError
+from dxpu_vfio.vfio_user.protocol import ProtocolError
 
 LINK_VERSION = 1
 

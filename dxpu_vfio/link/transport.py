@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SetupError
+from dxpu_vfio.errors import SetupError
 
 
 @dataclass(frozen=True)

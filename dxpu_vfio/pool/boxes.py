@@ -14,11 +14,11 @@ import socket
 import ssl
 from pathlib import Path
 
-from ..errors import DxpuError
-from ..link.protocol import LINK_VERSION, LinkCommand
-from ..link.transport import TlsFiles, connect
-from ..vfio_user import protocol as vp
-from ..vfio_user.connection import Connection, ConnectionClosed
+from dxpu_vfio.errors import DxpuError
+from dxpu_vfio.link.protocol import LINK_VERSION, LinkCommand
+from dxpu_vfio.link.transport import TlsFiles, connect
+from dxpu_vfio.vfio_user import protocol as vp
+from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
 
 TLS_ROLE = "host"  # the manager and the host proxies present the host certificate of the pool's CA
 

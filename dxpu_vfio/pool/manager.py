@@ -7,7 +7,7 @@ order. Detach marks the lease ``detaching``, unplugs, stops the proxy and only t
 deletes the lease. :meth:`Manager.reconcile` finishes or undoes whatever a killed manager
 left half done, by asking the VMs what they really have.
 
-Host proxies are processes of their own (``dxpu_vfio.device_server`` in forward mode)
+Host proxies are processes of their own (``dxpu_vfio.hostproxy`` in forward mode)
 that outlive the manager; the store records their pids, and they are ended by pid.
 """
 
@@ -22,14 +22,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
-from ..device_server import DeviceServerProcess
-from ..errors import DxpuError
-from ..procs import request_json, terminate_pid
-from ..qmp_session import QmpError
-from .boxes import TLS_ROLE, BoxUnreachable, fetch_inventory, fetch_screenshot
-from .store import QDEV_PREFIX, Lease, Store, StoreError
-from .targets import (VmGone, VmTarget, device_present, free_root_port, open_target, plugged_devices,
-                      root_ports, target_key, used_root_ports)
+from dxpu_vfio.hostproxy.process import DeviceServerProcess
+from dxpu_vfio.errors import DxpuError
+from dxpu_vfio.procs import request_json, terminate_pid
+from dxpu_vfio.vmm.qmp import QmpError
+from dxpu_vfio.pool.boxes import TLS_ROLE, BoxUnreachable, fetch_inventory, fetch_screenshot
+from dxpu_vfio.pool.store import QDEV_PREFIX, Lease, Store, StoreError
+from dxpu_vfio.vmm.targets import (VmGone, VmTarget, device_present, free_root_port, open_target,
+                                   plugged_devices, root_ports, target_key, used_root_ports)
 
 log = logging.getLogger("dxpu.manager")
 
@@ -61,7 +61,7 @@ def proxy_alive(lease: Lease) -> bool:
         cmdline = Path(f"/proc/{lease.proxy_pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return lease.socket.encode() in cmdline and b"dxpu_vfio.device_server" in cmdline
+    return lease.socket.encode() in cmdline and b"dxpu_vfio.hostproxy" in cmdline
 
 
 def stop_proxy(lease: Lease) -> None:
@@ -399,7 +399,7 @@ class Manager:
 
     def metrics(self) -> str:
         """Prometheus text exposition: pool gauges and per-device counters from the proxies."""
-        from .metrics import render
+        from dxpu_vfio.pool.metrics import render
         return render(self.store, {lease.id: self._proxy_stats(lease) for lease in self.store.leases()
                                    if lease.state == "attached"})
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .store import Store
+from dxpu_vfio.pool.store import Store
 
 HELP = {
     "dxpu_box_up": ("gauge", "1 if the GPU box answers its heartbeat"),

@@ -32,10 +32,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
-from ..errors import DxpuError
-from ..procs import ChildProcess, terminate
-from .manager import Manager
-from .store import Store, default_path
+from dxpu_vfio.errors import DxpuError
+from dxpu_vfio.procs import ChildProcess, terminate
+from dxpu_vfio.pool.manager import Manager
+from dxpu_vfio.pool.store import Store, default_path
 
 log = logging.getLogger("dxpu.manager")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import DxpuError
+from dxpu_vfio.errors import DxpuError
 
 MIGRATIONS: list[str] = [
     # 1: boxes, devices, leases

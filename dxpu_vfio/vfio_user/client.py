@@ -17,8 +17,8 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from . import protocol as p
-from .connection import Connection, ConnectionClosed, Message
+from dxpu_vfio.vfio_user import protocol as p
+from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message
 
 
 class ClientError(Exception):

@@ -18,7 +18,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
-from .protocol import HEADER, HEADER_SIZE, MAX_MESSAGE, MAX_MSG_FDS, Header, ProtocolError
+from dxpu_vfio.vfio_user.protocol import HEADER, HEADER_SIZE, MAX_MESSAGE, MAX_MSG_FDS, Header, ProtocolError
 
 READ_CHUNK = 256 * 1024
 _ANC_SPACE = socket.CMSG_SPACE(MAX_MSG_FDS * 4)

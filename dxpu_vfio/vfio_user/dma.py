@@ -18,7 +18,7 @@ from typing import Callable
 
 from qemu_device.ports import DmaError
 
-from .protocol import DMA_FLAG_READ, DMA_FLAG_WRITE, PAGE_SIZE
+from dxpu_vfio.vfio_user.protocol import DMA_FLAG_READ, DMA_FLAG_WRITE, PAGE_SIZE
 
 
 @dataclass

@@ -15,7 +15,7 @@ a vfio-user REGION_WRITE payload, back to back.
 
 from __future__ import annotations
 
-from .protocol import MAX_DATA_XFER, REGION_RW, ProtocolError, iter_write_multi
+from dxpu_vfio.vfio_user.protocol import MAX_DATA_XFER, REGION_RW, ProtocolError, iter_write_multi
 
 Run = tuple[int, int, bytearray]  # region, offset, data
 

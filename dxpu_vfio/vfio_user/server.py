@@ -34,11 +34,11 @@ from typing import Callable
 from qemu_device.device import PciFunction
 from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
 
-from . import protocol as p
-from .connection import Connection, ConnectionClosed, Message, close_listener
-from .dma import DmaTable
-from .irq import EventfdIrqs
-from .posted import WriteRuns
+from dxpu_vfio.vfio_user import protocol as p
+from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message, close_listener
+from dxpu_vfio.vfio_user.dma import DmaTable
+from dxpu_vfio.vfio_user.irq import EventfdIrqs
+from dxpu_vfio.vfio_user.posted import WriteRuns
 
 log = logging.getLogger("dxpu.vfio_user.server")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .vm import Vm
+from dxpu_vfio.vms.runner import Vm
 
 
 def nvme_disk(vm: Vm, bdf: str, nsid: int = 1, timeout: int = 20) -> str:

@@ -11,7 +11,7 @@ import time
 import zlib
 from pathlib import Path
 
-from .procs import request_file, request_json, screenshot_path
+from dxpu_vfio.procs import request_file, request_json, screenshot_path
 
 
 class DisplayProbe:

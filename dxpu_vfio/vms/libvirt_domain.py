@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import GuestBootTimeout, GuestPanic, SetupError, VmError
-from ..guest_exec import CommandResult, GuestDied, SerialChannel, run_checked, wait_ready
-from ..images import load_image
-from ..qemu import find_qemu
-from .targets import UnknownVm, VmGone
+from dxpu_vfio.errors import GuestBootTimeout, GuestPanic, SetupError, VmError
+from dxpu_vfio.vms.guest_exec import CommandResult, GuestDied, SerialChannel, run_checked, wait_ready
+from dxpu_vfio.vms.images import load_image
+from dxpu_vfio.vms.qemu import find_qemu
+from dxpu_vfio.vmm.targets import UnknownVm, VmGone
 
 DEFAULT_URI = "qemu:///system"
 QEMU_CONF = Path("/etc/libvirt/qemu.conf")
@@ -152,7 +152,7 @@ def ensure_daemons(timeout: float = 30.0, log: Callable[[str], None] = lambda _m
 
 def stop_daemons(started: list[StartedDaemon]) -> None:
     """End the daemons :func:`ensure_daemons` started, by pid, libvirtd first."""
-    from ..procs import terminate_pid
+    from dxpu_vfio.procs import terminate_pid
     for daemon in reversed(started):
         terminate_pid(daemon.pid, timeout=10)
 
@@ -428,7 +428,7 @@ def define_domain(config: DomainConfig, uri: str = DEFAULT_URI, start: bool = Fa
 def undefine_domain(name: str, uri: str = DEFAULT_URI) -> dict:
     """Destroy (if running) and undefine a domain dxpu defined, and remove its files."""
     import libvirt
-    from .libvirt_target import socket_dir_for
+    from dxpu_vfio.vmm.libvirt_target import socket_dir_for
     conn = connect(uri)
     try:
         dom = lookup(conn, name)

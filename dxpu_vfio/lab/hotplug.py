@@ -16,12 +16,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .device_server import DeviceServerProcess
-from .errors import DxpuError, VmError
-from .pool import targets
-from .pool.targets import HotplugError, NoFreeRootPort, UnplugTimeout  # noqa: F401 - part of this API
-from .qmp_session import QmpError, QmpTimeout
-from .vm import Vm
+from dxpu_vfio.hostproxy.process import DeviceServerProcess
+from dxpu_vfio.errors import DxpuError, VmError
+from dxpu_vfio.vmm import targets
+from dxpu_vfio.vmm.targets import HotplugError, NoFreeRootPort, UnplugTimeout  # noqa: F401 - part of this API
+from dxpu_vfio.vmm.qmp import QmpError, QmpTimeout
+from dxpu_vfio.vms.runner import Vm
 
 _ids = itertools.count(0)
 

@@ -17,8 +17,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import QemuNotFound, SetupError
-from .paths import cache_dir
+from dxpu_vfio.errors import QemuNotFound, SetupError
+from dxpu_vfio.paths import cache_dir
 
 MIN_VERSION = (10, 1, 1)
 SYSROOT_SUITE = "forky"

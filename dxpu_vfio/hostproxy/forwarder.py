@@ -28,12 +28,13 @@ from typing import Callable
 from qemu_device.device import RegionInfo
 from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
 
-from ..vfio_user import protocol as vp
-from ..vfio_user.connection import Connection
-from ..vfio_user.posted import WriteRuns, pack_batch
-from .endpoint import LinkDown, LinkEndpoint, LinkError
-from .protocol import IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello, LinkCommand, unpack_irq
-from .transport import TlsFiles, connect
+from dxpu_vfio.vfio_user import protocol as vp
+from dxpu_vfio.vfio_user.connection import Connection
+from dxpu_vfio.vfio_user.posted import WriteRuns, pack_batch
+from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
+from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello, LinkCommand,
+                                     unpack_irq)
+from dxpu_vfio.link.transport import TlsFiles, connect
 
 DEFAULT_COMPLETION_TIMEOUT = 1.0  # far below QEMU's 5 s x-msg-timeout
 DEFAULT_COALESCE_DELAY = 0.002  # the longest a posted write waits in the host proxy

@@ -16,9 +16,9 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import DxpuError, VmError
-from ..paths import run_dir
-from ..qmp_session import QmpError, QmpSession, QmpTimeout
+from dxpu_vfio.errors import DxpuError, VmError
+from dxpu_vfio.paths import run_dir
+from dxpu_vfio.vmm.qmp import QmpError, QmpSession, QmpTimeout
 
 
 class Executor(Protocol):
@@ -191,13 +191,13 @@ def open_target(name: str, *, libvirt_uri: str = "qemu:///system") -> VmTarget:
     if name.startswith("qmp:"):
         name = name[4:]
     elif name.startswith("libvirt:"):
-        from .libvirt_target import LibvirtTarget
+        from dxpu_vfio.vmm.libvirt_target import LibvirtTarget
         return LibvirtTarget(name[8:], uri=libvirt_uri)
     if is_qmp_socket(name):
         return QmpTarget(Path(name))
     if "/" in name:
         raise UnknownVm(f"no VM at {name}: not a UNIX socket", hint="give the VM's QMP socket path")
-    from .libvirt_target import LibvirtTarget
+    from dxpu_vfio.vmm.libvirt_target import LibvirtTarget
     return LibvirtTarget(name, uri=libvirt_uri)
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
-from .errors import GuestCommandFailed, GuestCommandTimeout, VmError
+from dxpu_vfio.errors import GuestCommandFailed, GuestCommandTimeout, VmError
 
 
 @dataclass(frozen=True)

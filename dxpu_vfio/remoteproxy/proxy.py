@@ -41,13 +41,13 @@ from qemu_device.device import PciFunction
 from qemu_device.models import create_model
 from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
 
-from ..vfio_user import protocol as vp
-from ..vfio_user.connection import Connection, ConnectionClosed, close_listener
-from ..vfio_user.posted import unpack_batch
-from .endpoint import LinkDown, LinkEndpoint, LinkError
-from .protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, LINK_VERSION, DeviceDescription, Hello,
-                       LinkCommand, pack_irq)
-from .transport import TlsFiles, server_context, tune
+from dxpu_vfio.vfio_user import protocol as vp
+from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, close_listener
+from dxpu_vfio.vfio_user.posted import unpack_batch
+from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
+from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, LINK_VERSION, DeviceDescription, Hello,
+                                     LinkCommand, pack_irq)
+from dxpu_vfio.link.transport import TlsFiles, server_context, tune
 
 log = logging.getLogger("dxpu.remote")
 
@@ -162,7 +162,7 @@ class _Slot:
     def __init__(self, spec: BoxDevice) -> None:
         self.spec = spec
         if spec.model == "vfio-user":  # an external vfio-user server, reached by its socket
-            from .external import ExternalFunction
+            from dxpu_vfio.remoteproxy.external import ExternalFunction
             self.device = ExternalFunction(**spec.settings)
         else:
             self.device = create_model(spec.model, **spec.settings)

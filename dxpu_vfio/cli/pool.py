@@ -11,7 +11,7 @@ import argparse
 import logging
 from typing import Any, Callable
 
-from .service import ManagerClient
+from dxpu_vfio.pool.service import ManagerClient
 
 
 def _client(args: argparse.Namespace) -> ManagerClient:
@@ -42,7 +42,7 @@ def _devices_text(devices: list[dict]) -> str:
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
-    from ..cli import _emit
+    from dxpu_vfio.cli import _emit
     result = _client(args).post("/v1/attach", vm=args.vm, **{"class": args.device_class}, count=args.count,
                                 box=args.box, device=args.device, policy=args.policy)
     _emit(args, result, lambda r: f"attached to {args.vm}:\n{_devices_text(r)}")
@@ -50,7 +50,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 
 def cmd_detach(args: argparse.Namespace) -> int:
-    from ..cli import _emit
+    from dxpu_vfio.cli import _emit
     if not args.device and not args.all:
         raise SystemExit("dxpu detach: name a device (lease id, BOX/DEVICE or device name) or pass --all")
     result = _client(args).post("/v1/detach", vm=args.vm, device=args.device, all=args.all or None)
@@ -61,7 +61,7 @@ def cmd_detach(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from ..cli import _emit
+    from dxpu_vfio.cli import _emit
 
     def text(r: dict) -> str:
         boxes = _table(r["boxes"], ["name", "address", "state", "devices", "leased", "last_error"])
@@ -75,7 +75,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from ..cli import _emit
+    from dxpu_vfio.cli import _emit
 
     def text(r: dict) -> str:
         head = f"{r['vm']}: {'running' if r['running'] else 'not running'}, {r['root_ports_free']} free root port(s)"
@@ -88,7 +88,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_box(args: argparse.Namespace) -> int:
-    from ..cli import _emit
+    from dxpu_vfio.cli import _emit
     if args.box_command == "add":
         result = _client(args).post("/v1/boxes", name=args.name, address=args.address, tls_dir=args.tls_dir)
         _emit(args, result, lambda r: f"box {r['box']} at {r['address']} registered with "
@@ -103,9 +103,9 @@ def cmd_box(args: argparse.Namespace) -> int:
 
 
 def cmd_manager(args: argparse.Namespace) -> int:
-    from ..cli import _emit
+    from dxpu_vfio.cli import _emit
     if args.manager_command == "serve":
-        from .service import serve
+        from dxpu_vfio.pool.service import serve
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
         serve(args.db, heartbeat=args.heartbeat, dead_after=args.dead_after, metrics_address=args.metrics)
         return 0

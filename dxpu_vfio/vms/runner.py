@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from .errors import GuestBootTimeout, GuestPanic, QemuStartError, VmError
-from .guest_exec import (AgentChannel, CommandResult, GuestChannel, GuestDied, SerialChannel, run_checked,
-                         wait_ready)
-from .images import Image, load_image
-from .paths import run_dir
-from .procs import terminate
-from .qemu import Qemu, find_qemu
-from .qmp_session import QmpSession
+from dxpu_vfio.errors import GuestBootTimeout, GuestPanic, QemuStartError, VmError
+from dxpu_vfio.vms.guest_exec import (AgentChannel, CommandResult, GuestChannel, GuestDied, SerialChannel,
+                                      run_checked, wait_ready)
+from dxpu_vfio.vms.images import Image, load_image
+from dxpu_vfio.paths import run_dir
+from dxpu_vfio.procs import terminate
+from dxpu_vfio.vms.qemu import Qemu, find_qemu
+from dxpu_vfio.vmm.qmp import QmpSession
 
 PANIC_MARKERS = ("Kernel panic - not syncing", "---[ end Kernel panic")
 

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import DxpuError
-from ..procs import ChildProcess, request_json, terminate
+from dxpu_vfio.errors import DxpuError
+from dxpu_vfio.procs import ChildProcess, request_json, terminate
 
 
 class RemoteProxyError(DxpuError):

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any, Callable
 
-from .errors import DxpuError
+from dxpu_vfio.errors import DxpuError
 
 
 def _emit(args: argparse.Namespace, data: Any, text: Callable[[Any], str]) -> None:
@@ -16,7 +16,7 @@ def _emit(args: argparse.Namespace, data: Any, text: Callable[[Any], str]) -> No
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    from . import images, qemu
+    from dxpu_vfio.vms import images, qemu
     log = (lambda _msg: None) if args.json else (lambda msg: print(msg, flush=True))
     out: dict[str, Any] = {}
     if args.what in ("all", "qemu"):
@@ -34,7 +34,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import run_checks
+    from dxpu_vfio.doctor import run_checks
     checks = run_checks(accel=args.accel)
     _emit(args, [c.as_dict() for c in checks],
           lambda rows: "\n".join(
@@ -44,7 +44,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_vm_run(args: argparse.Namespace) -> int:
-    from .vm import Vm, VmConfig
+    from dxpu_vfio.vms.runner import Vm, VmConfig
     config = VmConfig(image=args.image, name=args.name, accel=args.accel,
                       memory_mib=args.memory, cpus=args.cpus, edu=args.edu)
     with Vm(config) as vm:
@@ -62,7 +62,7 @@ def cmd_vm_run(args: argparse.Namespace) -> int:
 
 def cmd_vm_define(args: argparse.Namespace) -> int:
     """Write and define a libvirt domain for dxpu (``virsh start NAME`` boots it)."""
-    from .pool.libvirt_domain import DomainConfig, define_domain
+    from dxpu_vfio.vms.libvirt_domain import DomainConfig, define_domain
     log = (lambda _msg: None) if args.json else (lambda msg: print(msg, flush=True))
     info = define_domain(DomainConfig(name=args.name, image=args.image, memory_mib=args.memory,
                                       cpus=args.cpus, root_ports=args.root_ports, accel=args.accel),
@@ -78,14 +78,14 @@ def cmd_vm_define(args: argparse.Namespace) -> int:
 
 
 def cmd_vm_undefine(args: argparse.Namespace) -> int:
-    from .pool.libvirt_domain import undefine_domain
+    from dxpu_vfio.vms.libvirt_domain import undefine_domain
     info = undefine_domain(args.name, uri=args.uri)
     _emit(args, info, lambda i: f"{i['name']}: {'destroyed and ' if i['destroyed'] else ''}undefined, files removed")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from dxpu_vfio.lab.demo import run_demo
     return run_demo(image=args.image, accel=args.accel, as_json=args.json)
 
 
@@ -93,9 +93,9 @@ def cmd_remote_serve(args: argparse.Namespace) -> int:
     """Run a remote proxy until SIGTERM/SIGINT; counters to --stats on SIGUSR1 and at exit."""
     from pathlib import Path
 
-    from . import registry
-    from .link.remote import BoxConfig, RemoteProxy
-    from .procs import screenshot_path, serve_until_terminated, write_bytes_atomic, write_json_atomic
+    from dxpu_vfio import registry
+    from dxpu_vfio.remoteproxy.proxy import BoxConfig, RemoteProxy
+    from dxpu_vfio.procs import screenshot_path, serve_until_terminated, write_bytes_atomic, write_json_atomic
     try:
         config = BoxConfig.load(Path(args.config))
     except (OSError, ValueError) as exc:
@@ -129,10 +129,10 @@ def cmd_screenshot(args: argparse.Namespace) -> int:
     import signal
     from pathlib import Path
 
-    from . import registry
-    from .procs import request_file, screenshot_path
+    from dxpu_vfio import registry
+    from dxpu_vfio.procs import request_file, screenshot_path
     if args.pool:  # a pooled display, by lease or BOX/DEVICE: the manager asks its box
-        from .pool.service import ManagerClient
+        from dxpu_vfio.pool.service import ManagerClient
         png = ManagerClient(args.db).get("/v1/screenshot", device=args.device)
         Path(args.out).write_bytes(png)
         _emit(args, {"device": args.device, "out": args.out, "bytes": len(png)},
@@ -207,13 +207,13 @@ def stats_rows(entries: list[tuple[dict, dict | None]]) -> list[dict]:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from . import registry
+    from dxpu_vfio import registry
     rows = stats_rows([(e, registry.collect(e)) for e in registry.entries()])
 
     def text(rows: list[dict]) -> str:
         if not rows:
             return "no proxies are running on this host"
-        from .bench import table
+        from dxpu_vfio.bench import table
         cols = ["proxy", "name", "model", "link", "nonposted", "posted_writes", "dma_read_bytes",
                 "dma_write_bytes", "irqs", "timeouts", "link_wait_us"]
         return table(cols, [[r.get(c, "-") if r.get(c) is not None else "-" for c in cols] for r in rows])
@@ -229,7 +229,7 @@ def config_ids(config) -> list[str]:
 def cmd_certs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .link.transport import make_certs
+    from dxpu_vfio.link.transport import make_certs
     made = make_certs(Path(args.dir), args.roles)
     _emit(args, {"dir": args.dir, "made": [str(p) for p in made]},
           lambda d: "\n".join(f"made {p}" for p in d["made"]) or f"certificates in {d['dir']} are up to date")
@@ -239,10 +239,10 @@ def cmd_certs(args: argparse.Namespace) -> int:
 def cmd_lab(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .lab import lab
+    from dxpu_vfio.lab import lab
     name = args.name
     if args.lab_command == "sweep":
-        from .sweep import run_sweep
+        from dxpu_vfio.lab.sweep import run_sweep
         results = run_sweep([float(d) for d in args.delays.split(",")],
                             [float(d) for d in args.calibration.split(",")], Path(args.out),
                             log=(lambda _m: None) if args.json else (lambda m: print(m, flush=True)))
@@ -261,7 +261,7 @@ def cmd_lab(args: argparse.Namespace) -> int:
         topology.name = name
     state = lab.up(topology)
     if not args.no_vm:
-        from .vm import Vm, VmConfig
+        from dxpu_vfio.vms.runner import Vm, VmConfig
         vm = Vm(VmConfig(image=args.image, name=f"lab-{topology.name}", accel=args.accel),
                 workdir=Path(state.directory) / "vm")
         state.pids.append(vm.start().pid)
@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--calibration", default="0,250,1000", help="delays the model is fitted on")
             p.add_argument("--out", default="results/sweep")
 
-    from .pool.cli import add_commands as add_pool_commands
+    from dxpu_vfio.cli.pool import add_commands as add_pool_commands
     add_pool_commands(sub, add)
 
     p = add("demo", cmd_demo, "the main demo on the embedded defaults")

@@ -19,11 +19,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from . import hotplug, registry
-from .guest_devices import nvme_disk
-from .lab import lab
-from .perfmodel import Point, fit, prediction_error
-from .vm import Vm, VmConfig
+from dxpu_vfio.lab import hotplug
+from dxpu_vfio import registry
+from dxpu_vfio.lab.guest_devices import nvme_disk
+from dxpu_vfio.lab import lab
+from dxpu_vfio.perfmodel import Point, fit, prediction_error
+from dxpu_vfio.vms.runner import Vm, VmConfig
 
 MiB = 1 << 20
 # name -> (device, guest command with {bdf} / {disk}, what it is)
@@ -162,7 +163,7 @@ def plot(results: dict, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .perfmodel import Model
+    from dxpu_vfio.perfmodel import Model
     paths = []
     fig_all, ax_all = plt.subplots(figsize=(8, 5))
     for w, data in results["workloads"].items():

@@ -19,9 +19,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from ..qmp_session import QmpError, QmpTimeout
-from .libvirt_domain import DEFAULT_URI, DomainNotRunning, connect, lookup, qemu_log_path
-from .targets import UnplugTimeout, VmTarget, device_present
+from dxpu_vfio.vmm.qmp import QmpError, QmpTimeout
+from dxpu_vfio.vms.libvirt_domain import DEFAULT_URI, DomainNotRunning, connect, lookup, qemu_log_path
+from dxpu_vfio.vmm.targets import UnplugTimeout, VmTarget, device_present
 
 SOCKETS_ROOT = Path("/run/dxpu-libvirt")  # short: socket paths must stay under 108 bytes
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import ImageError, SetupError
-from .paths import VM_IMAGES_DIR, cache_dir
+from dxpu_vfio.errors import ImageError, SetupError
+from dxpu_vfio.paths import VM_IMAGES_DIR, cache_dir
 
 MIRROR = "http://deb.debian.org/debian"
 IMAGE_NAMES = ("tiny", "full")

@@ -5,7 +5,7 @@ own process keeps its latency away from the caller's Python threads. The parent 
 to it only through the process: it starts it, waits for its socket, asks for counters
 with SIGUSR1 (written to ``--stats``), and ends it by pid with SIGTERM (then SIGKILL).
 
-    python -m dxpu_vfio.device_server --model testdev --socket /tmp/d.sock [--set k=v ...]
+    python -m dxpu_vfio.hostproxy --model testdev --socket /tmp/d.sock [--set k=v ...]
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-from . import registry
-from .errors import DxpuError
-from .procs import (ChildProcess, request_file, request_json, screenshot_path, serve_until_terminated, terminate,
-                    write_bytes_atomic, write_json_atomic)
+from dxpu_vfio import registry
+from dxpu_vfio.errors import DxpuError
+from dxpu_vfio.procs import (ChildProcess, request_file, request_json, screenshot_path,
+                             serve_until_terminated, terminate, write_bytes_atomic, write_json_atomic)
 
 
 class DeviceServerError(DxpuError):
@@ -51,8 +51,8 @@ def remote_device(settings: dict):
     """
     import errno
 
-    from .link.hostside import RemoteAttachError, connect_remote
-    from .link.transport import TlsFiles
+    from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, connect_remote
+    from dxpu_vfio.link.transport import TlsFiles
 
     try:
         plaintext = bool(settings.get("plaintext", False))
@@ -77,7 +77,7 @@ def remote_device(settings: dict):
 def main(argv: list[str] | None = None) -> int:
     from qemu_device.models import create_model
 
-    from .vfio_user.server import ServerOptions, VfioUserServer
+    from dxpu_vfio.vfio_user.server import ServerOptions, VfioUserServer
 
     parser = argparse.ArgumentParser(description="serve one device model over vfio-user")
     parser.add_argument("--model", required=True)
@@ -139,12 +139,12 @@ class DeviceServerProcess(ChildProcess):
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 15.0) -> "DeviceServerProcess":
-        from .vfio_user.server import claim_socket_path
+        from dxpu_vfio.vfio_user.server import claim_socket_path
         try:
             claim_socket_path(self.socket_path)
         except OSError as exc:
             raise DeviceServerError(str(exc), hint="detach the device using it, or pick another socket path") from exc
-        argv = [sys.executable, "-m", "dxpu_vfio.device_server", "--model", self.model,
+        argv = [sys.executable, "-m", "dxpu_vfio.hostproxy", "--model", self.model,
                 "--socket", str(self.socket_path), "--stats", str(self.stats_path), "--name", self.name]
         argv += [a for k, v in self.settings.items() for a in ("--set", f"{k}={json.dumps(v)}")]
         argv += ["--allow-msix"] * self.allow_msix + ["--write-multiple"] * self.write_multiple

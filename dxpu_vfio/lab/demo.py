@@ -17,14 +17,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import guest_kms
-from .display_probe import DisplayProbe, png_pixels
-from .guest_devices import nvme_disk
-from .hotplug import guest_wait_for_child, port_bdf
-from .lab import lab
-from .paths import PROJECT_ROOT
-from .pool.service import ManagerClient, ManagerProcess
-from .vm import Vm, VmConfig
+from dxpu_vfio.lab import kms as guest_kms
+from dxpu_vfio.lab.display_probe import DisplayProbe, png_pixels
+from dxpu_vfio.lab.guest_devices import nvme_disk
+from dxpu_vfio.lab.hotplug import guest_wait_for_child, port_bdf
+from dxpu_vfio.lab import lab
+from dxpu_vfio.paths import PROJECT_ROOT
+from dxpu_vfio.pool.service import ManagerClient, ManagerProcess
+from dxpu_vfio.vms.runner import Vm, VmConfig
 
 MiB = 1 << 20
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 from qemu.qmp import EventListener, ExecuteError, QMPClient
 
-from .errors import DxpuError, VmError
+from dxpu_vfio.errors import DxpuError, VmError
 
 
 class QmpError(DxpuError):

@@ -1,0 +1,5 @@
+import sys
+
+from dxpu_vfio.cli import main
+
+sys.exit(main())

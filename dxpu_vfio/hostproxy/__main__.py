@@ -1,0 +1,5 @@
+import sys
+
+from dxpu_vfio.hostproxy.process import main
+
+sys.exit(main())

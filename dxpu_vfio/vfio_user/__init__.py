@@ -1,0 +1,1 @@
+"""vfio-user: the protocol codec, the server QEMU connects to, and a client."""
