@@ -12,6 +12,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 
 class ChildProcess:
@@ -42,6 +43,40 @@ def terminate(process: subprocess.Popen | None, timeout: float = 5.0) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def pid_alive(pid: int) -> bool:
+    """A process with this pid exists (zombies included: they still hold the pid)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def process_start_time(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (/proc/PID/stat field 22);
+    None if it does not exist. A pid plus its start time names one process for good:
+    a recycled pid has a later start time."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may contain spaces or ')'
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` s pass; returns its last truth value.
+    Every wait in dxpu is bounded: this is the one polling loop."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
 
 
 def terminate_pid(pid: int, timeout: float = 5.0) -> None:
@@ -105,33 +140,3 @@ def request_json(pid: int, path: Path, timeout: float = 5.0) -> dict | None:
             if time.monotonic() > deadline:  # caught an old writer between write and rename
                 return None
     return None
-
-
-def screenshot_path(stats_path: Path, device: str | None = None) -> Path:
-    """Where a proxy writes a device's scanout PNG on SIGUSR2."""
-    base = Path(stats_path)
-    return base.with_name(base.name + (f".{device}" if device else "") + ".png")
-
-
-def serve_until_terminated(write_stats, register_entry=None, screenshots=None) -> None:
-    """The main loop of a proxy process: counters on SIGUSR1, end on SIGTERM/SIGINT.
-
-    ``write_stats()`` runs on SIGUSR1 and once more at the end; ``register_entry`` is a
-    registry file to remove on the way out (see :mod:`dxpu_vfio.registry`).
-    """
-    import threading
-
-    from dxpu_vfio import registry
-    done = threading.Event()
-    signal.signal(signal.SIGUSR1, lambda *_: write_stats())
-    if screenshots is not None:  # display devices: their scanout as PNG on SIGUSR2
-        signal.signal(signal.SIGUSR2, lambda *_: screenshots())
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    try:
-        while not done.wait(1.0):
-            pass
-        write_stats()
-    finally:
-        if register_entry is not None:
-            registry.unregister(register_entry)

@@ -1,8 +1,11 @@
-"""Which proxies run on this host, for ``dxpu stats``.
+"""Which proxies run on this host, for ``dxpu stats``, screenshots and the pool manager.
 
-Each host proxy (device server) and remote proxy writes ``<run>/proxies/<kind>-<name>-<pid>.json``
-when it starts and removes it when it ends; entries of processes that died without
-cleaning up are dropped when read. Counters are then asked for with SIGUSR1.
+Each host proxy and remote proxy writes ``<run>/proxies/<kind>-<name>-<pid>.json`` when
+it starts (:mod:`dxpu_vfio.daemon`) and removes it when it ends. An entry names its
+process by pid *and* start time: a process that died without cleaning up, or a pid the
+kernel has since given to another process, no longer matches and is dropped when read.
+This, not the command line, is how a proxy is recognised, so moving a module never
+makes running proxies look dead. Counters are then asked for with SIGUSR1.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import os
 from pathlib import Path
 
 from dxpu_vfio.paths import run_dir
-from dxpu_vfio.procs import request_json
+from dxpu_vfio.procs import process_start_time, request_json
 
 
 def _dir() -> Path:
@@ -21,10 +24,18 @@ def _dir() -> Path:
     return d
 
 
+def entry_path(kind: str, name: str, pid: int) -> Path:
+    return _dir() / f"{kind}-{name.replace('/', '_')}-{pid}.json"
+
+
 def register(kind: str, name: str, stats_path: Path, **info: object) -> Path:
-    entry = _dir() / f"{kind}-{name}-{os.getpid()}.json"
-    entry.write_text(json.dumps({"kind": kind, "name": name, "pid": os.getpid(),
-                                 "stats": str(stats_path), **info}))
+    """Record this process; returns the entry to :func:`unregister` on the way out."""
+    pid = os.getpid()
+    entry = entry_path(kind, name, pid)
+    tmp = entry.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"kind": kind, "name": name, "pid": pid, "start_time": process_start_time(pid),
+                               "stats": str(stats_path), **info}))
+    tmp.rename(entry)  # readers never see half an entry
     return entry
 
 
@@ -32,12 +43,10 @@ def unregister(entry: Path) -> None:
     entry.unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
-    """The process runs and is still ours (a recycled pid runs something else)."""
-    try:
-        return b"dxpu_vfio" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
+def alive(entry: dict) -> bool:
+    """The entry's process still runs: same pid, same start time."""
+    start = entry.get("start_time")
+    return start is not None and process_start_time(int(entry["pid"])) == start
 
 
 def entries() -> list[dict]:
@@ -47,11 +56,16 @@ def entries() -> list[dict]:
             entry = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if _alive(entry["pid"]):
+        if isinstance(entry, dict) and "pid" in entry and alive(entry):
             found.append(entry)
         else:
             path.unlink(missing_ok=True)
     return found
+
+
+def find(pid: int, kind: str | None = None) -> dict | None:
+    """The live entry of process ``pid`` (of ``kind``), if it registered."""
+    return next((e for e in entries() if e["pid"] == pid and (kind is None or e["kind"] == kind)), None)
 
 
 def collect(entry: dict, timeout: float = 3.0) -> dict | None:

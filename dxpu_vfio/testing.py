@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -22,6 +21,7 @@ import pytest
 
 from dxpu_vfio.vms.images import Image, load_image
 from dxpu_vfio.paths import PROJECT_ROOT, run_dir
+from dxpu_vfio.procs import wait_until
 from dxpu_vfio.vms.runner import Vm, VmConfig
 
 RESULTS_DIR = Path(os.environ.get("DXPU_RESULTS", PROJECT_ROOT / "results"))
@@ -104,16 +104,6 @@ def shared_vm(request: pytest.FixtureRequest, factory: VmFactory) -> Vm:
     if not vm.guest_alive():
         pytest.fail(f"the shared guest died earlier; see {vm.workdir}")
     return vm
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
-    """Poll ``predicate`` until it holds or ``timeout`` s pass; its last value."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
 
 
 def eventually(predicate, timeout: float = 5.0, what: str = "condition", interval: float = 0.02) -> None:

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from dxpu_vfio.lab import hotplug
-from dxpu_vfio.hostproxy.process import DeviceServerError, DeviceServerProcess
+from dxpu_vfio.hostproxy.process import HostProxyError, HostProxyProcess
 from dxpu_vfio.errors import VmError
 from dxpu_vfio.lab import lab
 from dxpu_vfio.vmm.targets import used_root_ports
@@ -154,7 +154,7 @@ def _fds(pid: int) -> list[str]:
 
 def test_unplug_and_replug_20_times_leaks_nothing(vm, device):
     spec = device()
-    server = DeviceServerProcess(spec["model"], vm.workdir / "replug.sock", name="replug",
+    server = HostProxyProcess(spec["model"], vm.workdir / "replug.sock", name="replug",
                                  settings=spec.get("settings"), netns=spec.get("netns")).start()
     try:
         baseline = None
@@ -195,9 +195,9 @@ def test_two_devices_in_one_vm(vm, device):
 
 
 def test_socket_path_in_use_is_refused(vm):
-    squatter = DeviceServerProcess("testdev", vm.workdir / "busy.sock").start()
+    squatter = HostProxyProcess("testdev", vm.workdir / "busy.sock").start()
     try:
-        with pytest.raises(DeviceServerError, match="already listening") as err:
+        with pytest.raises(HostProxyError, match="already listening") as err:
             hotplug.attach(vm, device_id="busy")
         assert "another socket" in str(err.value)
         assert used_root_ports(vm.qmp) == set()  # nothing was plugged
@@ -321,7 +321,7 @@ def test_guest_uses_an_external_vfio_user_server_in_a_box(vm_factory, tmp_path):
     """A box can serve an external vfio-user server (here our device server as a separate
     process, whose DMA then travels as vfio-user messages and over the link)."""
 
-    external = DeviceServerProcess("testdev", tmp_path / "ext.sock", name="ext").start()
+    external = HostProxyProcess("testdev", tmp_path / "ext.sock", name="ext").start()
     topology = lab.Topology.parse(f'name = "x{os.getpid()}"\n[[box]]\nname = "boxx"\n[[box.device]]\n'
                                   f'id = "ext0"\nmodel = "vfio-user"\n'
                                   f'settings = {{ socket = "{external.socket_path}" }}\n')

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dxpu_vfio.hostproxy.process import DeviceServerProcess
+from dxpu_vfio.hostproxy.process import HostProxyProcess
 from dxpu_vfio.lab.hotplug import guest_wait_for_child
 from dxpu_vfio.vms.libvirt_domain import (DomainConfig, DomainNotRunning, LibvirtGuest, LibvirtUnavailable,
                                           define_domain, domain_dir, undefine_domain)
@@ -77,7 +77,7 @@ def test_testdev_hotplug_and_unplug_through_libvirt(libvirt_vm):
     port = free_root_port(target, libvirt_vm.name)
     bridge = port_bdf(target, port)
     sock = target.socket_dir() / "dxpu0.sock"
-    server = DeviceServerProcess("testdev", sock, name="dxpu0").start()
+    server = HostProxyProcess("testdev", sock, name="dxpu0").start()
     try:
         target.plug("dxpu0", port, sock)
         assert device_present(target, "dxpu0")

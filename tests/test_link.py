@@ -191,9 +191,9 @@ def test_dxpu_stats_shows_both_proxies(tmp_path, box, certs):
     import subprocess
     import sys
 
-    from dxpu_vfio.hostproxy.process import DeviceServerProcess
+    from dxpu_vfio.hostproxy.process import HostProxyProcess
     settings = {"address": box.address, "device": "td0", "lease": "lease-td0", "tls_dir": str(certs[0])}
-    host = DeviceServerProcess("remote", tmp_path / "h.sock", settings=settings, name=f"stats{os.getpid()}").start()
+    host = HostProxyProcess("remote", tmp_path / "h.sock", settings=settings, name=f"stats{os.getpid()}").start()
     try:
         client = VfioUserClient(host.socket_path)
         map_guest_memory(client, GUEST, MEM).close()
@@ -220,8 +220,8 @@ def test_dxpu_stats_shows_both_proxies(tmp_path, box, certs):
 def test_external_vfio_user_server_behind_the_remote_proxy(tmp_path, certs):
     """The box drives an external vfio-user server (our device server, a separate process)
     as a client: its DMA becomes messages over the link, its interrupts IRQ messages."""
-    from dxpu_vfio.hostproxy.process import DeviceServerProcess
-    external = DeviceServerProcess("testdev", tmp_path / "ext.sock", settings={"memory_size": 1 << 20}).start()
+    from dxpu_vfio.hostproxy.process import HostProxyProcess
+    external = HostProxyProcess("testdev", tmp_path / "ext.sock", settings={"memory_size": 1 << 20}).start()
     port = free_port()
     config = tmp_path / f"{BOX}.toml"
     config.write_text(f'name = "{BOX}"\nlisten = "127.0.0.1"\nport = {port}\ntls_dir = "{certs[0]}"\n'
@@ -284,7 +284,8 @@ def test_inventory_and_screenshot_requests_of_the_pool_manager(box, certs):
 def test_a_screenshot_larger_than_one_message_comes_in_pieces():
     """Noise does not compress: a 1024x768 scanout of random pixels is a ~2.3 MiB PNG,
     more than one link message, and arrives whole."""
-    from dxpu_vfio.remoteproxy.proxy import BoxConfig, BoxDevice, RemoteProxy
+    from dxpu_vfio.remoteproxy.config import BoxConfig, BoxDevice
+    from dxpu_vfio.remoteproxy.proxy import RemoteProxy
     from dxpu_vfio.pool.boxes import fetch_screenshot
     proxy = RemoteProxy(BoxConfig("box1", "127.0.0.1", 0, [BoxDevice("fb0", "display", "t")],
                                   plaintext=True)).start()

@@ -10,7 +10,8 @@ import pytest
 from fakes import map_guest_memory
 
 from dxpu_vfio.hostproxy.forwarder import connect_remote
-from dxpu_vfio.remoteproxy.proxy import BoxConfig, BoxDevice, RemoteProxy
+from dxpu_vfio.remoteproxy.config import BoxConfig, BoxDevice
+from dxpu_vfio.remoteproxy.proxy import RemoteProxy
 from dxpu_vfio.link.transport import TlsFiles, make_certs
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import VfioUserClient

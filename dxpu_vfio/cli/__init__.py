@@ -91,37 +91,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_remote_serve(args: argparse.Namespace) -> int:
     """Run a remote proxy until SIGTERM/SIGINT; counters to --stats on SIGUSR1 and at exit."""
-    from pathlib import Path
-
-    from dxpu_vfio import registry
-    from dxpu_vfio.remoteproxy.proxy import BoxConfig, RemoteProxy
-    from dxpu_vfio.procs import screenshot_path, serve_until_terminated, write_bytes_atomic, write_json_atomic
-    try:
-        config = BoxConfig.load(Path(args.config))
-    except (OSError, ValueError) as exc:
-        print(f"dxpu: error: {exc}", file=sys.stderr)
-        return 1
-    proxy = RemoteProxy(config).start()
-
-    def write_stats() -> None:
-        if args.stats:
-            write_json_atomic(Path(args.stats), proxy.snapshot())
-
-    entry = registry.register("remote", config.name, Path(args.stats), address=f"{config.listen}:{proxy.port}") \
-        if args.stats else None
-    print(f"remote proxy {config.name}: serving {', '.join(config_ids(config))} on "
-          f"{config.listen}:{proxy.port} ({'plaintext' if config.plaintext else 'mutual TLS'})", flush=True)
-    def screenshots() -> None:
-        if args.stats:
-            for dev_id, slot in proxy.slots.items():
-                if hasattr(slot.device, "render_png"):
-                    write_bytes_atomic(screenshot_path(Path(args.stats), dev_id), slot.device.render_png())
-
-    try:
-        serve_until_terminated(write_stats, entry, screenshots)
-    finally:
-        proxy.stop()
-    return 0
+    from dxpu_vfio.remoteproxy.main import serve
+    return serve(args.config, args.stats)
 
 
 def cmd_screenshot(args: argparse.Namespace) -> int:
@@ -130,7 +101,8 @@ def cmd_screenshot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from dxpu_vfio import registry
-    from dxpu_vfio.procs import request_file, screenshot_path
+    from dxpu_vfio.daemon import screenshot_path
+    from dxpu_vfio.procs import request_file
     if args.pool:  # a pooled display, by lease or BOX/DEVICE: the manager asks its box
         from dxpu_vfio.pool.service import ManagerClient
         png = ManagerClient(args.db).get("/v1/screenshot", device=args.device)
@@ -220,10 +192,6 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     _emit(args, rows, text)
     return 0
-
-
-def config_ids(config) -> list[str]:
-    return [f"{d.id} ({d.model})" for d in config.devices]
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
@@ -351,8 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     remote = sub.add_parser("remote", help="the remote proxy of a GPU box").add_subparsers(
         dest="remote_command", required=True)
     p = remote.add_parser("serve", help="serve a box's devices over the link (TCP + mutual TLS)")
-    p.add_argument("--config", required=True, help="BOX.toml")
-    p.add_argument("--stats", help="write counters here on SIGUSR1 and at exit (JSON)")
+    from dxpu_vfio.remoteproxy.main import add_arguments
+    add_arguments(p)
     p.set_defaults(func=cmd_remote_serve)
 
     add("stats", cmd_stats, "per-device counters of every host and remote proxy on this host")

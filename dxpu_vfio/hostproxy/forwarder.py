@@ -9,20 +9,15 @@ every access to the remote proxy. What it does that a plain forwarder would not:
   PCIe master abort, and the link is marked down; every later read answers all-ones at
   once, writes are dropped, the VM keeps running, and ``on_down`` tells the control
   plane, which can ``device_del`` and re-attach once the box is back.
-* Posted writes are coalesced (``coalesce=True``): kept as runs (:mod:`..vfio_user.posted`)
-  and sent as one REGION_WRITE (one run) or WRITE_BATCH (several) by a sender thread
-  when the vfio-user server is about to wait (``posted_idle``) or at most
-  ``coalesce_delay`` seconds after the batch's first write; inline when the batch is
-  full, and before anything that must not pass them: a read, a non-posted write, a
-  reset, and the completion of a DMA read from the remote (``flush_posted``, which also
-  waits for a batch the sender thread is sending).
+* Posted writes are coalesced (``coalesce=True``) by :class:`PostedCoalescer`, and
+  flushed before anything that must not pass them: a read, a non-posted write, a reset,
+  and the completion of a DMA read from the remote.
 """
 
 from __future__ import annotations
 
 import errno
 import threading
-import time
 from typing import Callable
 
 from qemu_device.device import RegionInfo
@@ -30,14 +25,14 @@ from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
 
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection
-from dxpu_vfio.vfio_user.posted import WriteRuns, pack_batch
+from dxpu_vfio.vfio_user.posted import Run, pack_batch
+from dxpu_vfio.hostproxy.coalescer import DEFAULT_COALESCE_DELAY, PostedCoalescer
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
 from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello, LinkCommand,
                                      unpack_irq)
 from dxpu_vfio.link.transport import TlsFiles, connect
 
 DEFAULT_COMPLETION_TIMEOUT = 1.0  # far below QEMU's 5 s x-msg-timeout
-DEFAULT_COALESCE_DELAY = 0.002  # the longest a posted write waits in the host proxy
 
 
 class RemoteAttachError(Exception):
@@ -64,22 +59,14 @@ class RemoteFunction:
                          "dma_bytes_read": 0, "dma_bytes_written": 0, "dma_refused": 0, "irqs": 0,
                          "posted_messages": 0}
         self.coalesce = coalesce
-        self.coalesce_delay = coalesce_delay
-        self._batch = WriteRuns(merge=description.coalesce)  # glued only if the device asks (memory)
-        self._batch_lock = threading.Lock()
-        self._batch_due = threading.Condition(self._batch_lock)
-        self._batch_since = 0.0
-        self._send_now = False
-        self._send_order = threading.Lock()  # batches go out in the order they were taken
-        self._closing = False
         self._on_down = on_down
         self.endpoint = LinkEndpoint(conn, name, {
             LinkCommand.DMA_READ: self._dma_read,
             LinkCommand.DMA_WRITE: self._dma_write,
             LinkCommand.IRQ: self._irq,
         }, heartbeat=heartbeat, dead_after=dead_after, on_down=self._link_down)
-        if coalesce:
-            threading.Thread(target=self._sender, name=f"coalesce-{name}", daemon=True).start()
+        self.coalescer = PostedCoalescer(self._post_runs, merge=description.coalesce, name=name,
+                                         delay=coalesce_delay) if coalesce else None
 
     @property
     def coalesce_posted(self) -> bool:  # the vfio-user server then offers write_multiple too
@@ -122,18 +109,10 @@ class RemoteFunction:
     def region_write(self, index: int, offset: int, data: bytes, posted: bool = False) -> None:
         if posted:
             self.counters["writes_posted"] += 1
-            if not self.coalesce:
+            if self.coalescer is None:
                 self._post_runs([(index, offset, data)])
-                return
-            with self._batch_lock:
-                if not self._batch:
-                    self._batch_since = time.monotonic()
-                    self._batch_due.notify()
-                if not self._batch.add(index, offset, data):
-                    return
-                runs = self._batch.take()  # full: send it from here
-                self._send_order.acquire()
-            self._send_taken(runs)
+            else:
+                self.coalescer.add(index, offset, data)
             return
         self.flush_posted()
         payload = vp.RegionAccess(index, offset, len(data), bytes(data)).pack()
@@ -149,33 +128,16 @@ class RemoteFunction:
 
     # --- posted-write coalescing --------------------------------------------------------
     def flush_posted(self) -> None:
-        """Send the pending posted writes now, and wait until every batch taken before
-        has been sent: whatever the caller sends next goes after them."""
-        if not self.coalesce:
-            return
-        with self._batch_lock:
-            runs = self._batch.take() if self._batch else None
-            self._send_order.acquire()  # taken under the batch lock: batches go out in order
-        self._send_taken(runs)
+        """Send the pending posted writes now: whatever the caller sends next goes after them."""
+        if self.coalescer is not None:
+            self.coalescer.flush()
 
     def posted_idle(self) -> None:
-        """The vfio-user server is about to wait for QEMU: send what is pending soon, from
-        the sender thread, so this thread goes back to reading while the link sends."""
-        if self.coalesce:
-            with self._batch_lock:
-                if self._batch:
-                    self._send_now = True
-                    self._batch_due.notify()
+        """The vfio-user server is about to wait for QEMU: send what is pending soon."""
+        if self.coalescer is not None:
+            self.coalescer.idle()
 
-    def _send_taken(self, runs) -> None:
-        """Send ``runs`` (or nothing) holding the send-order lock the caller acquired."""
-        try:
-            if runs:
-                self._post_runs(runs)
-        finally:
-            self._send_order.release()
-
-    def _post_runs(self, runs) -> None:
+    def _post_runs(self, runs: list[Run]) -> None:
         """One link message for ``runs``."""
         self.counters["posted_messages"] += 1
         if len(runs) == 1:
@@ -183,25 +145,6 @@ class RemoteFunction:
             self.endpoint.post(LinkCommand.REGION_WRITE, vp.RegionAccess(index, offset, len(data), bytes(data)).pack())
         else:
             self.endpoint.post(LinkCommand.WRITE_BATCH, pack_batch(runs))
-
-    def _sender(self) -> None:
-        """Sends a batch when the server goes idle, and at most ``coalesce_delay`` after
-        its first write: writes never linger."""
-        while True:
-            with self._batch_lock:
-                while True:
-                    if self._closing:
-                        return
-                    if not self._batch:
-                        self._batch_due.wait()
-                        continue
-                    left = self._batch_since + self.coalesce_delay - time.monotonic()
-                    if self._send_now or left <= 0:
-                        break
-                    self._batch_due.wait(left)
-                runs, self._send_now = self._batch.take(), False
-                self._send_order.acquire()
-            self._send_taken(runs)
 
     def reset(self) -> None:
         self.flush_posted()
@@ -212,10 +155,8 @@ class RemoteFunction:
                 pass
 
     def close(self) -> None:
-        self.flush_posted()
-        with self._batch_lock:
-            self._closing = True
-            self._batch_due.notify_all()
+        if self.coalescer is not None:
+            self.coalescer.close()
         self.endpoint.close()
 
     def stats(self) -> dict:

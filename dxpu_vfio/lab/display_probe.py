@@ -11,7 +11,8 @@ import time
 import zlib
 from pathlib import Path
 
-from dxpu_vfio.procs import request_file, request_json, screenshot_path
+from dxpu_vfio.procs import request_file, request_json
+from dxpu_vfio.daemon import screenshot_path
 
 
 class DisplayProbe:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dxpu_vfio.hostproxy.process import DeviceServerProcess
+from dxpu_vfio.hostproxy.process import HostProxyProcess
 from dxpu_vfio.errors import DxpuError, VmError
 from dxpu_vfio.vmm import targets
 from dxpu_vfio.vmm.targets import HotplugError, NoFreeRootPort, UnplugTimeout  # noqa: F401 - part of this API
@@ -33,7 +33,7 @@ class Attachment:
     vm: Vm
     device_id: str
     port: str
-    server: DeviceServerProcess
+    server: HostProxyProcess
     guest_bdf: str = ""
     guest_events: list = field(default_factory=list)  # udev events seen in the guest (full image)
     plugged_at: float = field(default_factory=time.monotonic)
@@ -105,7 +105,7 @@ class _GuestWatch:
 
 def attach(vm: Vm, model: str = "testdev", *, settings: dict | None = None, port: str | None = None,
            device_id: str | None = None, timeout: float = 30.0, allow_msix: bool = False,
-           extra_props: dict | None = None, server: DeviceServerProcess | None = None,
+           extra_props: dict | None = None, server: HostProxyProcess | None = None,
            netns: str | None = None) -> Attachment:
     """Serve ``model`` and plug it into ``vm``; returns when the guest sees it.
 
@@ -121,7 +121,7 @@ def attach(vm: Vm, model: str = "testdev", *, settings: dict | None = None, port
     device_id = device_id or f"dxpu{next(_ids)}"
     own_server = server is None
     if server is None:
-        server = DeviceServerProcess(model, vm.workdir / f"{device_id}.sock", settings=settings,
+        server = HostProxyProcess(model, vm.workdir / f"{device_id}.sock", settings=settings,
                                      allow_msix=allow_msix, name=device_id, netns=netns)
         server.start()
         vm.device_servers.append(server)  # ended with the VM if nobody detaches it

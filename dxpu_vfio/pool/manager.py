@@ -22,7 +22,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
-from dxpu_vfio.hostproxy.process import DeviceServerProcess
+from dxpu_vfio.hostproxy.process import HostProxyProcess
+from dxpu_vfio import registry
 from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.procs import request_json, terminate_pid
 from dxpu_vfio.vmm.qmp import QmpError
@@ -54,14 +55,12 @@ def stats_path(socket_path: str | Path) -> Path:
 
 
 def proxy_alive(lease: Lease) -> bool:
-    """The lease's host proxy runs (and the pid is still that proxy, not a recycled one)."""
+    """The lease's host proxy runs: its pid has a live registry entry (same start time, so
+    not a recycled pid) for the lease's socket."""
     if not lease.proxy_pid or not lease.socket:
         return False
-    try:
-        cmdline = Path(f"/proc/{lease.proxy_pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return lease.socket.encode() in cmdline and b"dxpu_vfio.hostproxy" in cmdline
+    entry = registry.find(lease.proxy_pid, kind="host")
+    return entry is not None and entry.get("socket") == lease.socket
 
 
 def stop_proxy(lease: Lease) -> None:
@@ -218,7 +217,7 @@ class Manager:
         settings = {"address": dev["address"], "device": dev["name"], "lease": dev["token"]}
         settings.update({"tls_dir": dev["tls_dir"], "tls_role": TLS_ROLE} if dev["tls_dir"] else {"plaintext": True})
         socket_path = target.socket_dir() / f"{lease.id}.sock"
-        server = DeviceServerProcess("remote", socket_path, settings=settings, name=lease.qdev_id,
+        server = HostProxyProcess("remote", socket_path, settings=settings, name=lease.qdev_id,
                                      log_path=self.proxy_log(lease))
         lease.socket = str(socket_path)
         self.store.update_lease(lease.id, socket=lease.socket)

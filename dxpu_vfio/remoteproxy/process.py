@@ -1,4 +1,4 @@
-"""Parent-side handle on a remote proxy process (``dxpu remote serve``): start it
+"""Parent-side handle on a remote proxy process (:mod:`dxpu_vfio.remoteproxy.main`): start it
 (optionally inside a lab namespace), read its counters, stop it by pid."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class RemoteProxyProcess(ChildProcess):
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 15.0) -> "RemoteProxyProcess":
-        argv = [sys.executable, "-m", "dxpu_vfio.cli", "remote", "serve", "--config", str(self.config),
+        argv = [sys.executable, "-m", "dxpu_vfio.remoteproxy", "--config", str(self.config),
                 "--stats", str(self.stats_path)]
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns, *argv]

@@ -1,0 +1,55 @@
+"""The process skeleton both proxies run in (host proxy and remote proxy mains).
+
+One shape for every long-running proxy process, so the control plane can treat them
+alike: a registry entry while it runs (:mod:`dxpu_vfio.registry`), its counters as JSON
+on SIGUSR1 and once more at the end, display scanouts as PNG on SIGUSR2, and an
+orderly end on SIGTERM or SIGINT (the parent ends it by pid, see :mod:`dxpu_vfio.procs`).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Callable, Iterable
+
+from dxpu_vfio import registry
+from dxpu_vfio.procs import write_bytes_atomic, write_json_atomic
+
+Screenshots = Callable[[], Iterable[tuple[str | None, bytes]]]  # (device or None, PNG)
+
+
+def screenshot_path(stats_path: Path, device: str | None = None) -> Path:
+    """Where a proxy writes a device's scanout PNG on SIGUSR2."""
+    base = Path(stats_path)
+    return base.with_name(base.name + (f".{device}" if device else "") + ".png")
+
+
+def run_until_terminated(kind: str, name: str, stats_path: Path | None, snapshot: Callable[[], dict], *,
+                         screenshots: Screenshots | None = None, **info: object) -> None:
+    """Serve until SIGTERM/SIGINT. ``snapshot()`` gives the counters written to
+    ``stats_path``; without ``stats_path`` the process is not registered (nothing could
+    ask it for counters)."""
+    done = threading.Event()
+
+    def write_stats() -> None:
+        if stats_path is not None:
+            write_json_atomic(stats_path, snapshot())
+
+    def write_screenshots() -> None:
+        if stats_path is not None and screenshots is not None:
+            for device, png in screenshots():
+                write_bytes_atomic(screenshot_path(stats_path, device), png)
+
+    signal.signal(signal.SIGUSR1, lambda *_: write_stats())
+    signal.signal(signal.SIGUSR2, lambda *_: write_screenshots())
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    entry = registry.register(kind, name, stats_path, **info) if stats_path is not None else None
+    try:
+        while not done.wait(1.0):
+            pass
+        write_stats()
+    finally:
+        if entry is not None:
+            registry.unregister(entry)

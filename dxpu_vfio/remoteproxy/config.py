@@ -1,0 +1,63 @@
+"""A GPU box's configuration: its name, where it listens, TLS, and its devices.
+
+BOX.toml::
+
+    name = "box1"
+    listen = "198.18.0.2"
+    port = 7000
+    tls_dir = "/path/to/certs"   # ca.pem + box1.pem/key; or: plaintext = true
+    [[device]]
+    id = "td0"
+    model = "testdev"
+    lease = "secret-token"       # the token a host must present
+    settings = { memory_size = 4294967296 }
+    [[device]]
+    id = "ext0"
+    model = "vfio-user"          # an external vfio-user server, driven as a client
+    lease = "other-token"
+    settings = { socket = "/run/ext0.sock" }
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+EXTERNAL_MODEL = "vfio-user"  # a device behind an external vfio-user server
+
+
+@dataclass
+class BoxDevice:
+    id: str
+    model: str
+    lease: str
+    settings: dict = field(default_factory=dict)
+
+
+@dataclass
+class BoxConfig:
+    name: str
+    listen: str
+    port: int
+    devices: list[BoxDevice]
+    tls_dir: Path | None = None
+    plaintext: bool = False
+
+    @classmethod
+    def load(cls, path: Path) -> "BoxConfig":
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+        try:
+            devices = [BoxDevice(d["id"], d["model"], str(d["lease"]), d.get("settings", {}))
+                       for d in raw.get("device", [])]
+            config = cls(raw["name"], raw.get("listen", "127.0.0.1"), int(raw.get("port", 7000)), devices,
+                         Path(raw["tls_dir"]) if raw.get("tls_dir") else None, bool(raw.get("plaintext", False)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: bad box config: {exc}") from exc
+        if config.tls_dir is None and not config.plaintext:
+            raise ValueError(f"{path}: set tls_dir, or plaintext = true to run without TLS")
+        return config
+
+    def device_list(self) -> str:
+        return ", ".join(f"{d.id} ({d.model})" for d in self.devices)
