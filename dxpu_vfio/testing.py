@@ -215,19 +215,21 @@ _LIBVIRT_TEST_NAME = re.compile(r"^dxpu-t(\d+)-\d+$")
 def libvirtd() -> Iterator[list]:
     """virtlogd + libvirtd running for the session; at the end it stops only the daemons
     it started itself (by pid). Domains left by dead test processes are removed first."""
-    from dxpu_vfio.vms import libvirt_domain as lv
-    started = lv.ensure_daemons()
+    from dxpu_vfio.vmm.libvirt_conn import ensure_daemons, stop_daemons
+    from dxpu_vfio.vms.libvirt_domain import check_libvirt_setup
+    started = ensure_daemons()
     try:
-        lv.check_libvirt_setup()
+        check_libvirt_setup()
         _remove_orphan_test_domains()
         yield started
     finally:
-        lv.stop_daemons(started)
+        stop_daemons(started)
 
 
 def _remove_orphan_test_domains() -> None:
-    from dxpu_vfio.vms import libvirt_domain as lv
-    conn = lv.connect()
+    from dxpu_vfio.vmm.libvirt_conn import connect
+    from dxpu_vfio.vms.libvirt_domain import undefine_domain
+    conn = connect()
     try:
         names = [d.name() for d in conn.listAllDomains()]
     finally:
@@ -235,7 +237,7 @@ def _remove_orphan_test_domains() -> None:
     for name in names:
         match = _LIBVIRT_TEST_NAME.match(name)
         if match and not Path(f"/proc/{match.group(1)}").exists():
-            lv.undefine_domain(name)
+            undefine_domain(name)
 
 
 class LibvirtVm:
@@ -260,7 +262,8 @@ class LibvirtVm:
 
     @property
     def logs(self) -> list[Path]:
-        from dxpu_vfio.vms.libvirt_domain import domain_dir, qemu_log_path
+        from dxpu_vfio.vms.libvirt_domain import domain_dir
+        from dxpu_vfio.vmm.libvirt_conn import qemu_log_path
         return [domain_dir(self.name) / "serial.log", qemu_log_path(self.name)]
 
     def save_logs(self, dest: Path) -> list[Path]:

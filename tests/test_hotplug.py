@@ -17,7 +17,7 @@ from dxpu_vfio.lab import hotplug
 from dxpu_vfio.hostproxy.process import HostProxyError, HostProxyProcess
 from dxpu_vfio.errors import VmError
 from dxpu_vfio.lab import lab
-from dxpu_vfio.vmm.targets import used_root_ports
+from dxpu_vfio.vmm.rootports import used_root_ports
 from dxpu_vfio.testing import GuestLoop
 
 pytestmark = pytest.mark.vm
@@ -211,11 +211,11 @@ def test_guest_that_never_lets_go_times_out_and_stays_consistent(vm, device):
     try:
         with pytest.raises(hotplug.UnplugTimeout, match="did not release"):
             hotplug.detach(att, timeout=3)
-        assert att.state == "unplug-pending" and att.server.alive()
+        assert att.state is hotplug.AttachmentState.UNPLUG_PENDING and att.server.alive()
     finally:
         vm.qmp.execute("cont")
     hotplug.detach(att, timeout=15)  # once the guest runs again the removal completes
-    assert att.state == "detached" and not att.server.alive()
+    assert att.state is hotplug.AttachmentState.DETACHED and not att.server.alive()
     assert used_root_ports(vm.qmp) == set()
 
 

@@ -1,15 +1,16 @@
-"""Hot-plugging vfio-user devices into a running VM through QMP.
+"""Hot-plugging into a VM the runner owns, for the lab, tests and demos.
 
-``attach`` starts the device's server, picks a free root port, runs ``device_add``
-(synchronous: QEMU does the whole vfio-user handshake inside it, so the server must
-already listen) and returns once the *guest* has the device. ``detach`` runs
-``device_del`` and waits for ``DEVICE_DELETED`` (listener registered first), then
-stops the server. Every failure leaves the VM and the attachment in a state that is
-reported and can be retried.
+The QMP side is VM control's (:meth:`dxpu_vfio.vmm.targets.VmTarget.plug` and
+``unplug``); what this module adds is its own: it owns the device's host proxy
+(started before ``device_add``, which runs the whole vfio-user handshake, and ended
+after the unplug), and it confirms a plug from inside the guest (``attach`` returns
+once the *guest* has the device). Every failure leaves the VM and the attachment in a
+state that is reported and can be retried.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import json
 import time
@@ -18,12 +19,18 @@ from pathlib import Path
 
 from dxpu_vfio.hostproxy.process import HostProxyProcess
 from dxpu_vfio.errors import DxpuError, VmError
-from dxpu_vfio.vmm import targets
-from dxpu_vfio.vmm.targets import HotplugError, NoFreeRootPort, UnplugTimeout  # noqa: F401 - part of this API
-from dxpu_vfio.vmm.qmp import QmpError, QmpTimeout
+from dxpu_vfio.vmm.errors import HotplugError, NoFreeRootPort, UnplugTimeout  # noqa: F401 - part of this API
+from dxpu_vfio.vmm.qmp import QmpError
+from dxpu_vfio.vmm import rootports
 from dxpu_vfio.vms.runner import Vm
 
 _ids = itertools.count(0)
+
+
+class AttachmentState(enum.StrEnum):
+    PLUGGED = "plugged"
+    UNPLUG_PENDING = "unplug-pending"  # device_del sent, the guest has not let go yet
+    DETACHED = "detached"
 
 
 @dataclass
@@ -37,7 +44,7 @@ class Attachment:
     guest_bdf: str = ""
     guest_events: list = field(default_factory=list)  # udev events seen in the guest (full image)
     plugged_at: float = field(default_factory=time.monotonic)
-    state: str = "plugged"  # plugged, unplug-pending, detached
+    state: AttachmentState = AttachmentState.PLUGGED
     own_server: bool = True  # detach stops the server
 
     @property
@@ -52,7 +59,7 @@ def port_bdf(vm: Vm, port: str) -> str:
 
 
 def free_root_port(vm: Vm) -> str:
-    return targets.free_root_port(vm.qmp, vm.config.name, vm.root_port_ids())
+    return rootports.free_root_port(vm.target, vm.config.name, vm.root_port_ids())
 
 
 def guest_wait_for_child(vm: Vm, bridge: str, present: bool, timeout: float) -> str:
@@ -132,10 +139,8 @@ def attach(vm: Vm, model: str = "testdev", *, settings: dict | None = None, port
         if own_server:
             server.stop()
         raise
-    args = {"driver": "vfio-user-pci", "id": device_id, "bus": port,
-            "socket": {"type": "unix", "path": str(server.socket_path)}, **(extra_props or {})}
     try:
-        vm.qmp.execute("device_add", args, timeout=timeout)
+        vm.target.plug(device_id, port, server.socket_path, timeout=timeout, extra_props=extra_props)
     except QmpError as exc:
         if own_server:
             server.stop()
@@ -155,34 +160,26 @@ def detach(attachment: Attachment, timeout: float = 15.0) -> dict | None:
     """Unplug and stop the server; returns the server's final counters.
 
     Raises :class:`UnplugTimeout` if the guest holds on: the device then stays plugged
-    and served (``attachment.state == "unplug-pending"``), and QEMU will finish the
+    and served (``attachment.state`` is ``UNPLUG_PENDING``), and QEMU will finish the
     removal if the guest lets go later; call ``detach`` again to wait for it.
     """
     vm = attachment.vm
-    if attachment.state == "detached":
+    if attachment.state is AttachmentState.DETACHED:
         return None
     if vm.alive():
-        deleted = lambda ev: ev.get("data", {}).get("device") == attachment.device_id  # noqa: E731
-        with vm.qmp.listen("DEVICE_DELETED") as events:
-            if attachment.state == "plugged":
-                try:
-                    vm.qmp.execute("device_del", {"id": attachment.device_id}, timeout=timeout)
-                except QmpError as exc:
-                    if "not found" not in str(exc).lower():
-                        raise HotplugError(f"device_del of {attachment.device_id} failed: {exc.message}") from exc
-                    events = None  # QEMU no longer has it: nothing to wait for
-                attachment.state = "unplug-pending"
-            elif not targets.device_present(vm.qmp, attachment.device_id):
-                events = None  # the removal finished between two detach calls
-            if events is not None:
-                try:
-                    events.wait(timeout, deleted)
-                except QmpTimeout as exc:
-                    raise UnplugTimeout(
-                        f"guest of {vm.config.name} did not release {attachment.device_id} within "
-                        f"{timeout:.0f} s; it stays plugged and served", logs=vm.logs,
-                        hint="check the guest; detach again to keep waiting, or stop the VM") from exc
-    attachment.state = "detached"
+        request = attachment.state is AttachmentState.PLUGGED
+        attachment.state = AttachmentState.UNPLUG_PENDING
+        try:
+            vm.target.unplug(attachment.device_id, timeout, request=request)
+        except UnplugTimeout as exc:
+            raise UnplugTimeout(f"guest of {vm.config.name} did not release {attachment.device_id} within "
+                                f"{timeout:.0f} s; it stays plugged and served", logs=vm.logs,
+                                hint="check the guest; detach again to keep waiting, or stop the VM") from exc
+        except QmpError as exc:
+            if request:
+                attachment.state = AttachmentState.PLUGGED  # device_del did not take: ask again next time
+            raise HotplugError(f"device_del of {attachment.device_id} failed: {exc.message}") from exc
+    attachment.state = AttachmentState.DETACHED
     if not attachment.own_server:
         return None
     if attachment.server in vm.device_servers:

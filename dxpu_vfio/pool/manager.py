@@ -29,8 +29,11 @@ from dxpu_vfio.procs import request_json, terminate_pid
 from dxpu_vfio.vmm.qmp import QmpError
 from dxpu_vfio.pool.boxes import TLS_ROLE, BoxUnreachable, fetch_inventory, fetch_screenshot
 from dxpu_vfio.pool.store import QDEV_PREFIX, Lease, Store, StoreError
-from dxpu_vfio.vmm.targets import (VmGone, VmTarget, device_present, free_root_port, open_target,
-                                   plugged_devices, root_ports, target_key, used_root_ports)
+from dxpu_vfio.vmm.errors import VmGone
+from dxpu_vfio.vmm.targets import VmTarget
+from dxpu_vfio.vmm.rootports import (device_present, free_root_port, plugged_devices, root_ports,
+                                     used_root_ports)
+from dxpu_vfio.vmm.naming import open_target, target_key
 
 log = logging.getLogger("dxpu.manager")
 

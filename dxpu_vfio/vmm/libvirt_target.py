@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from dxpu_vfio.vmm.qmp import QmpError, QmpTimeout
-from dxpu_vfio.vms.libvirt_domain import DEFAULT_URI, DomainNotRunning, connect, lookup, qemu_log_path
-from dxpu_vfio.vmm.targets import UnplugTimeout, VmTarget, device_present
+from dxpu_vfio.vmm.errors import DomainNotRunning, UnplugTimeout
+from dxpu_vfio.vmm.libvirt_conn import DEFAULT_URI, connect, lookup, qemu_log_path
+from dxpu_vfio.vmm.rootports import device_present
+from dxpu_vfio.vmm.targets import VmTarget
 
 SOCKETS_ROOT = Path("/run/dxpu-libvirt")  # short: socket paths must stay under 108 bytes
 
@@ -146,7 +148,7 @@ class LibvirtTarget(VmTarget):
         except (libvirt.libvirtError, QmpError):
             return False
 
-    def unplug(self, device_id: str, timeout: float) -> None:
+    def unplug(self, device_id: str, timeout: float, *, request: bool = True) -> None:
         """``device_del``, then wait for QEMU's DEVICE_DELETED (registered first).
 
         QEMU's own view is checked every half second as well, so a lost event costs at
@@ -168,7 +170,8 @@ class LibvirtTarget(VmTarget):
                                                          on_event, None, 0)
         try:
             try:
-                self.execute("device_del", {"id": device_id}, timeout=timeout)
+                if request:
+                    self.execute("device_del", {"id": device_id}, timeout=timeout)
             except QmpError:
                 if not device_present(self, device_id):
                     return  # already gone: nothing to wait for

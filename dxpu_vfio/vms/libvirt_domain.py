@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import xml.etree.ElementTree as ET
@@ -42,28 +41,19 @@ from pathlib import Path
 from typing import Callable
 
 from dxpu_vfio.errors import GuestBootTimeout, GuestPanic, SetupError, VmError
+from dxpu_vfio.procs import process_start_time
 from dxpu_vfio.vms.guest_exec import CommandResult, GuestDied, SerialChannel, run_checked, wait_ready
 from dxpu_vfio.vms.images import load_image
 from dxpu_vfio.vms.qemu import find_qemu
-from dxpu_vfio.vmm.targets import UnknownVm, VmGone
+from dxpu_vfio.vmm.libvirt_conn import DAEMONS, DEFAULT_URI, connect, ensure_daemons, lookup, qemu_log_path
+from dxpu_vfio.vmm.libvirt_target import socket_dir_for
 
-DEFAULT_URI = "qemu:///system"
 QEMU_CONF = Path("/etc/libvirt/qemu.conf")
-QEMU_LOG_DIR = Path("/var/log/libvirt/qemu")
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
 DXPU_NS = "https://dxpu-vfio.invalid/libvirt/1"  # our metadata: which domains dxpu made
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PANIC_MARKERS = ("Kernel panic - not syncing", "---[ end Kernel panic")
-INSTALL_HINT = "apt-get install libvirt-daemon-system libvirt-clients (scripts/setup.sh does)"
 CONF_HINT = "scripts/setup.sh (sets user/group \"root\" in /etc/libvirt/qemu.conf), then restart libvirtd"
-
-
-class LibvirtUnavailable(VmError):
-    """libvirtd does not answer (not running, or a bad URI)."""
-
-
-class DomainNotRunning(VmGone):
-    """The libvirt domain exists but its QEMU is not running."""
 
 
 def state_root() -> Path:
@@ -83,80 +73,6 @@ def domain_dir(name: str) -> Path:
     return domains_root() / name
 
 
-def qemu_log_path(name: str) -> Path:
-    """libvirt's own log of the domain's QEMU (command line, stderr)."""
-    return QEMU_LOG_DIR / f"{name}.log"
-
-
-# --- daemons -----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Daemon:
-    name: str  # the binary, started with -d
-    socket: Path
-    pidfile: Path
-
-
-DAEMONS = (  # virtlogd first: libvirtd hands QEMU's stderr to it
-    Daemon("virtlogd", Path("/run/libvirt/virtlogd-sock"), Path("/run/virtlogd.pid")),
-    Daemon("libvirtd", Path("/run/libvirt/libvirt-sock"), Path("/run/libvirtd.pid")),
-)
-
-
-@dataclass(frozen=True)
-class StartedDaemon:
-    name: str
-    pid: int
-
-
-def _answers(path: Path) -> bool:
-    """True if something accepts connections on the UNIX socket (a stale file does not)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(2)
-        try:
-            sock.connect(str(path))
-            return True
-        except OSError:
-            return False
-
-
-def daemons_running() -> dict[str, bool]:
-    return {d.name: _answers(d.socket) for d in DAEMONS}
-
-
-def ensure_daemons(timeout: float = 30.0, log: Callable[[str], None] = lambda _m: None) -> list[StartedDaemon]:
-    """Start virtlogd and libvirtd (``-d``) if their sockets do not answer.
-
-    Returns what this call started, so that a caller (a test fixture) can stop exactly
-    those with :func:`stop_daemons`; daemons that already ran are left alone.
-    """
-    started = []
-    for daemon in DAEMONS:
-        if _answers(daemon.socket):
-            continue
-        if not shutil.which(daemon.name):
-            raise SetupError(f"{daemon.name} is not installed", hint=INSTALL_HINT)
-        proc = subprocess.run([daemon.name, "-d"], capture_output=True, text=True, timeout=timeout, cwd="/")
-        deadline = time.monotonic() + timeout
-        while not _answers(daemon.socket):
-            if time.monotonic() > deadline:
-                raise SetupError(f"{daemon.name} -d did not open {daemon.socket} within {timeout:.0f} s "
-                                 f"(exit {proc.returncode}: {proc.stderr.strip()[-400:]})",
-                                 hint=f"run {daemon.name} -v in a terminal to see why")
-            time.sleep(0.1)
-        pid = int(daemon.pidfile.read_text().split()[0])
-        log(f"libvirt: started {daemon.name} (pid {pid})")
-        started.append(StartedDaemon(daemon.name, pid))
-    return started
-
-
-def stop_daemons(started: list[StartedDaemon]) -> None:
-    """End the daemons :func:`ensure_daemons` started, by pid, libvirtd first."""
-    from dxpu_vfio.procs import terminate_pid
-    for daemon in reversed(started):
-        terminate_pid(daemon.pid, timeout=10)
-
-
 def qemu_conf_runs_as_root(path: Path = QEMU_CONF) -> bool:
     """Does libvirt's qemu.conf make QEMU run (and get probed) as root? See the module doc."""
     try:
@@ -170,9 +86,10 @@ def qemu_conf_runs_as_root(path: Path = QEMU_CONF) -> bool:
 
 
 def _process_start(pid: int) -> float:
-    """Wall-clock start time of a process, from /proc (field 22: jiffies after boot)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    ticks = int(stat.rsplit(")", 1)[1].split()[19])
+    """Wall-clock start time of a process (its start in clock ticks after boot, plus boot time)."""
+    ticks = process_start_time(pid)
+    if ticks is None:
+        raise ValueError(f"no process {pid}")
     btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                  if line.startswith("btime "))
     return btime + ticks / os.sysconf("SC_CLK_TCK")
@@ -192,34 +109,6 @@ def check_libvirt_setup() -> None:
     if stale:
         raise SetupError(f"libvirtd (pid {pid}) started before {QEMU_CONF} last changed and runs "
                          "with the old settings", hint=f"kill {pid} && libvirtd -d")
-
-
-def connect(uri: str = DEFAULT_URI):
-    """A libvirt connection; :class:`VmError` with what to run if libvirtd is not there."""
-    import libvirt
-    libvirt.registerErrorHandler(lambda _ctx, _err: None, None)  # errors are raised, not printed
-    try:
-        return libvirt.open(uri)
-    except libvirt.libvirtError as exc:
-        if not daemons_running()["libvirtd"]:
-            raise LibvirtUnavailable(f"cannot connect to libvirt at {uri}: libvirtd is not running "
-                                     f"({exc.get_error_message()})",
-                                     hint="virtlogd -d && libvirtd -d (dxpu vm define starts them)") from exc
-        raise LibvirtUnavailable(f"cannot connect to libvirt at {uri}: {exc.get_error_message()}",
-                                 hint="check the URI (qemu:///system) and libvirtd's log") from exc
-
-
-def lookup(conn, name: str):
-    """The domain called ``name``; :class:`UnknownVm` lists the domains there are."""
-    import libvirt
-    try:
-        return conn.lookupByName(name)
-    except libvirt.libvirtError as exc:
-        if exc.get_error_code() != libvirt.VIR_ERR_NO_DOMAIN:
-            raise VmError(f"libvirt lookup of {name!r} failed: {exc.get_error_message()}") from exc
-        known = sorted(d.name() for d in conn.listAllDomains())
-        raise UnknownVm(f"no libvirt domain {name!r} at {conn.getURI()} (known: {', '.join(known) or 'none'})",
-                        hint="dxpu vm define NAME, or give a QMP socket path") from exc
 
 
 # --- the emulator -------------------------------------------------------------------
@@ -428,7 +317,6 @@ def define_domain(config: DomainConfig, uri: str = DEFAULT_URI, start: bool = Fa
 def undefine_domain(name: str, uri: str = DEFAULT_URI) -> dict:
     """Destroy (if running) and undefine a domain dxpu defined, and remove its files."""
     import libvirt
-    from dxpu_vfio.vmm.libvirt_target import socket_dir_for
     conn = connect(uri)
     try:
         dom = lookup(conn, name)

@@ -27,6 +27,7 @@ from dxpu_vfio.paths import run_dir
 from dxpu_vfio.procs import terminate
 from dxpu_vfio.vms.qemu import Qemu, find_qemu
 from dxpu_vfio.vmm.qmp import QmpSession
+from dxpu_vfio.vmm.targets import SessionTarget
 
 PANIC_MARKERS = ("Kernel panic - not syncing", "---[ end Kernel panic")
 
@@ -69,6 +70,7 @@ class Vm:
         self.state = VmState.CREATED
         self.process: subprocess.Popen | None = None
         self.qmp = QmpSession(config.name)
+        self.target = SessionTarget(self.qmp, config.name)  # hot-plug goes through VM control
         self.channel: GuestChannel | None = None
         self.boot_seconds: float | None = None
         self._started_at = 0.0
