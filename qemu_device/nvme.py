@@ -89,7 +89,7 @@ class NvmeController(PciFunction):
     def __init__(self, *, namespaces: list[dict] | None = None, serial: str | None = None,
                  msi_vectors: int = 8, msix: bool = False) -> None:
         # MSI-X (table and PBA in BAR0 above the doorbells) only on request: QEMU 11.1
-        # aborts when a vfio-user device with MSI-X is unplugged (ARCHITECTURE.md).
+        # aborts when a vfio-user device with MSI-X is unplugged (docs/architecture.md, "QEMU").
         irq = IrqConfig(intx=True, msix_vectors=MAX_QUEUES + 1, msix_bar=0, msix_table_offset=MSIX_TABLE,
                         msix_pba_offset=MSIX_PBA) if msix else IrqConfig(intx=True, msi_vectors=msi_vectors)
         super().__init__(PciIdentity(0x1B36, 0x10F1, 0x010802, revision=1), [BarSpec(0, 16 << 10, "mem64")], irq)

@@ -4,7 +4,7 @@ lab network, TLS) and local (served by the host proxy), each with and without po
 coalescing, against QEMU's own bochs-display, all in the same full-image VM and all
 driven by the guest's own bochs DRM driver.
 
-The guest's KMS client (dxpu_vfio/guest_kms.py) sets 1024x768x32 on the device's card,
+The guest's KMS client (vm_images/tools/dxpu_kms.py) sets 1024x768x32 on the device's card,
 maps the scanout buffer (VRAM, write-combined) and fills it with 1 KiB memcpys, ending
 with a read (which cannot pass the posted writes); the first fill also pays for the
 driver's clear of the new buffer, so the median of the others is reported. Prints a

@@ -57,7 +57,7 @@ step "libvirt: QEMU runs as root (dxpu vm define)"
 conf=/etc/libvirt/qemu.conf
 if [ -f "$conf" ] && ! grep -q '^# dxpu-vfio: begin' "$conf"; then
     sed -i -E 's/^([[:space:]]*(user|group)[[:space:]]*=)/#dxpu-vfio# \1/' "$conf"
-    printf '\n# dxpu-vfio: begin (scripts/setup.sh; see README "VMs under libvirt")\nuser = "root"\ngroup = "root"\n# dxpu-vfio: end\n' >> "$conf"
+    printf '\n# dxpu-vfio: begin (scripts/setup.sh; see docs/libvirt.md)\nuser = "root"\ngroup = "root"\n# dxpu-vfio: end\n' >> "$conf"
     echo "set user/group \"root\" in $conf"
     if [ -S /run/libvirt/libvirt-sock ] && [ -f /run/libvirtd.pid ]; then
         echo "libvirtd (pid $(cat /run/libvirtd.pid)) runs with the old settings: restart it (kill PID && libvirtd -d)"

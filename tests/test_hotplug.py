@@ -251,7 +251,7 @@ def test_unreachable_vm(vm_factory, device):
 
 
 def test_msix_unplug_still_aborts_this_qemu(vm_factory):
-    """Records the QEMU 11.1 bug of ARCHITECTURE.md: device_del of a vfio-user device with
+    """Records the QEMU 11.1 bug of docs/architecture.md ("QEMU"): device_del of a vfio-user device with
     MSI-X aborts QEMU. If this test fails because QEMU survived, the bug is fixed in the
     QEMU in use: MSI-X can then become the default for hot-pluggable devices."""
     vm = vm_factory.booted("tiny")

@@ -1,7 +1,7 @@
 """vfio-user message codec: every message QEMU 11.1 sends or answers, both directions.
 
 Layouts follow QEMU's ``docs/interop/vfio-user.rst`` and ``hw/vfio-user/protocol.h``
-(checked against QEMU 11.1 on the wire; see ARCHITECTURE.md). All integers are
+(checked against QEMU 11.1 on the wire; see docs/architecture.md, "QEMU"). All integers are
 little-endian. This module only turns bytes into typed values and back: it does no I/O
 and keeps no state, so it can be tested exhaustively and reused by the server, the
 client and the network link.
