@@ -4,10 +4,13 @@ On a UNIX socket descriptors travel with messages; the network link (TCP or TLS)
 uses the same framing without them.
 
 QEMU sends requests and expects replies on the same socket, and both sides may send
-requests (we send DMA_READ/DMA_WRITE). Reading is greedy (up to 256 KiB a call) to save
-system calls on the hot path; descriptors that arrive with a read belong to the first
-message that starts in it: the kernel never merges bytes that carry different
-descriptors into one read, and every sender passes a message's fds with its first byte.
+requests (we send DMA_READ/DMA_WRITE). Reading is greedy (as much as the buffer's free
+room a call) to save system calls on the hot path, and goes into one preallocated
+buffer (``recv_into``/``recvmsg_into``): a ``recv(256 KiB)`` would make CPython allocate,
+shrink and free a 256 KiB object per call (mmap + mremap + munmap, 12-14 µs here).
+Descriptors that arrive with a read belong to the first message that starts in it: the
+kernel never merges bytes that carry different descriptors into one read, and every
+sender passes a message's fds with its first byte.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 
 from dxpu_vfio.vfio_user.protocol import HEADER, HEADER_SIZE, MAX_MESSAGE, MAX_MSG_FDS, Header, ProtocolError
 
-READ_CHUNK = 256 * 1024
+INITIAL_BUFFER = 256 * 1024  # grows (up to one largest message plus this) only when a message needs it
 _ANC_SPACE = socket.CMSG_SPACE(MAX_MSG_FDS * 4)
 
 
@@ -51,20 +54,41 @@ class Connection:
         self.sock = sock
         # fds travel only on UNIX sockets; TCP and TLS streams carry bytes alone
         self._with_fds = sock.family == socket.AF_UNIX and not hasattr(sock, "cipher")
-        self._buffer = bytearray()
-        self._pos = 0  # start of the first unconsumed byte in _buffer
+        self._buffer = bytearray(INITIAL_BUFFER)
+        self._view = memoryview(self._buffer)
+        self._start = 0  # first unconsumed byte
+        self._end = 0  # end of the bytes read so far
         self._fds: list[tuple[int, list[int]]] = []  # (buffer position, fds) from reads
         self._send_lock = threading.Lock()
         self.closed = False
 
-    def _fill(self) -> None:
+    def _make_room(self, need: int) -> None:
+        """At least ``need`` bytes from ``_start`` fit in the buffer: move the unconsumed
+        bytes to the front (usually a few, or none), and grow only for a larger message."""
+        if self._start:
+            unread = self._end - self._start
+            self._buffer[:unread] = self._buffer[self._start:self._end]  # same size: allowed while viewed
+            self._fds = [(pos - self._start, f) for pos, f in self._fds]
+            self._start, self._end = 0, unread
+        if need > len(self._buffer):
+            self._view.release()
+            self._buffer.extend(bytes(need + INITIAL_BUFFER - len(self._buffer)))
+            self._view = memoryview(self._buffer)
+
+    def _fill(self, need: int) -> None:
+        """Read once, into the free room, wanting ``need`` bytes from ``_start`` in all."""
+        if self._start + need > len(self._buffer) or self._end == len(self._buffer):
+            self._make_room(need)
+        room = self._view[self._end:]
         try:
             if self._with_fds:
-                data, ancdata, msg_flags, _ = self.sock.recvmsg(READ_CHUNK, _ANC_SPACE)
+                n, ancdata, msg_flags, _ = self.sock.recvmsg_into([room], _ANC_SPACE)
             else:
-                data, ancdata, msg_flags = self.sock.recv(READ_CHUNK), [], 0
+                n, ancdata, msg_flags = self.sock.recv_into(room), [], 0
         except OSError as exc:
             raise ConnectionClosed(str(exc)) from exc
+        finally:
+            room.release()
         fds: list[int] = []
         for level, kind, cdata in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -75,44 +99,41 @@ class Connection:
             for fd in fds:
                 os.close(fd)
             raise ProtocolError(f"more than {MAX_MSG_FDS} descriptors in one message")
-        if not data:
+        if not n:
             for fd in fds:
                 os.close(fd)
             raise ConnectionClosed("peer closed the connection")
-        if self._pos:  # drop what was consumed (once per read, not once per message)
-            del self._buffer[:self._pos]
-            self._fds = [(pos - self._pos, f) for pos, f in self._fds]
-            self._pos = 0
         if fds:
-            self._fds.append((len(self._buffer), fds))
-        self._buffer += data
+            self._fds.append((self._end, fds))
+        self._end += n
 
     def has_message(self) -> bool:
         """A whole message is already buffered: the next ``receive`` will not wait."""
-        buf, pos = self._buffer, self._pos
-        return len(buf) - pos >= HEADER_SIZE and len(buf) - pos >= int.from_bytes(buf[pos + 4:pos + 8], "little")
+        buf, pos, avail = self._buffer, self._start, self._end - self._start
+        return avail >= HEADER_SIZE and avail >= int.from_bytes(buf[pos + 4:pos + 8], "little")
 
     def receive(self) -> Message:
         """The next whole message. ProtocolError means the stream cannot be trusted any more."""
-        while len(self._buffer) - self._pos < HEADER_SIZE:
-            self._fill()
-        header = Header(*HEADER.unpack_from(self._buffer, self._pos))
+        while self._end - self._start < HEADER_SIZE:
+            self._fill(HEADER_SIZE)
+        header = Header(*HEADER.unpack_from(self._buffer, self._start))
         if header.size < HEADER_SIZE:
             raise ProtocolError(f"message size {header.size} is smaller than its header")
         if header.size > MAX_MESSAGE:
             raise ProtocolError(f"message size {header.size} exceeds {MAX_MESSAGE}", err=7)  # E2BIG
-        while len(self._buffer) - self._pos < header.size:
-            self._fill()
-        start, end = self._pos, self._pos + header.size
-        with memoryview(self._buffer) as view:
-            payload = memoryview(bytes(view[start + HEADER_SIZE:end]))
-        self._pos = end
+        while self._end - self._start < header.size:
+            self._fill(header.size)
+        start, end = self._start, self._start + header.size
+        payload = memoryview(self._view[start + HEADER_SIZE:end].tobytes())
         fds: list[int] = []
         if self._fds and self._fds[0][0] == start:
             fds = self._fds.pop(0)[1]
         while self._fds and self._fds[0][0] < end:  # a sender that split fds from their message
             for fd in self._fds.pop(0)[1]:
                 os.close(fd)
+        self._start = end
+        if self._start == self._end:  # all consumed (no fds can be left): reads start at the front again
+            self._start = self._end = 0
         return Message(header, payload, fds)
 
     def send(self, data: bytes, fds: list[int] | None = None) -> None:
