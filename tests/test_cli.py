@@ -59,3 +59,105 @@ def test_demo_gets_nvme_and_display_from_the_pool_uses_them_and_gives_them_back(
     assert sorted(data["freed"]) == ["box1/fb0", "box1/nvme0"]
     assert not any(ns.startswith("dxdemo") for ns in subprocess.run(
         ["ip", "netns", "list"], capture_output=True, text=True).stdout.split())  # the lab is gone
+
+
+def _leaves(parser, path=()):
+    """(command words, parser) of every leaf command under ``parser``."""
+    import argparse
+    groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not groups:
+        yield path, parser
+    for group in groups:
+        for name, sub in group.choices.items():
+            yield from _leaves(sub, (*path, name))
+
+
+def test_every_command_has_help_and_accepts_json():
+    from dxpu_vfio.cli import build_parser
+    leaves = dict(_leaves(build_parser()))
+    for words in [("remote", "serve"), ("vm", "run"), ("vm", "define"), ("vm", "undefine"), ("box", "add"),
+                  ("box", "rm"), ("manager", "serve"), ("manager", "metrics"), ("manager", "reconcile"),
+                  ("lab", "up"), ("lab", "status"), ("lab", "down"), ("lab", "sweep"), ("attach",),
+                  ("completion",), ("doctor",)]:
+        assert words in leaves, words
+    for words, parser in leaves.items():
+        assert "--json" in parser._option_string_actions, f"dxpu {' '.join(words)} has no --json"
+        assert parser.description, f"dxpu {' '.join(words)} has no help"
+
+
+def test_bash_completion_completes_commands_and_options(tmp_path):
+    proc = dxpu("completion", "bash")
+    assert proc.returncode == 0, proc.stderr
+    script = tmp_path / "dxpu.bash"
+    script.write_text(proc.stdout)
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    complete = lambda *words: subprocess.run(  # noqa: E731 - what bash offers after `dxpu WORDS<TAB>`
+        ["bash", "-c", f"source {script}; COMP_WORDS=(dxpu {' '.join(words)}); COMP_CWORD={len(words)}; "
+                       'COMP_LINE="${COMP_WORDS[*]}"; COMP_POINT=${#COMP_LINE}; _shtab_dxpu; echo "${COMPREPLY[@]}"'],
+        capture_output=True, text=True, check=True).stdout.split()
+    assert complete("att") == ["attach"]
+    assert complete("manager", "''") == ["serve", "metrics", "reconcile"]
+    assert "--json" in complete("vm", "run", "--")
+
+
+def test_completion_json_wraps_the_script():
+    data = json.loads(dxpu("completion", "zsh", "--json").stdout)
+    assert data["shell"] == "zsh" and data["script"].startswith("#compdef dxpu")
+
+
+def test_manager_not_running_is_one_error_in_text_and_json(tmp_path):
+    db = tmp_path / "pool.db"
+    proc = dxpu("attach", "vm.sock", "--db", str(db))
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == f"dxpu: error: no pool manager serves {db}\n  fix: start one: dxpu manager serve --db {db}\n"
+    proc = dxpu("attach", "vm.sock", "--db", str(db), "--json")
+    assert proc.returncode == 1 and proc.stderr.startswith("dxpu: error: no pool manager serves")
+    assert json.loads(proc.stdout) == {"error": "ManagerUnavailable", "message": f"no pool manager serves {db}",
+                                       "hint": f"start one: dxpu manager serve --db {db}", "logs": []}
+
+
+def test_remote_serve_with_a_missing_config_says_so_in_json(tmp_path):
+    proc = dxpu("remote", "serve", "--config", str(tmp_path / "nosuch.toml"), "--json")
+    assert proc.returncode == 1 and "dxpu: error: cannot read the box config" in proc.stderr
+    err = json.loads(proc.stdout)
+    assert err["error"] == "BoxConfigError" and "nosuch.toml" in err["message"] and "config.py" in err["hint"]
+
+
+def test_remote_serve_json_announces_serving_as_an_object(tmp_path):
+    import signal
+    config = tmp_path / "box.toml"
+    config.write_text('name = "bx"\nlisten = "127.0.0.1"\nport = 0\nplaintext = true\n'
+                      '[[device]]\nid = "td0"\nmodel = "testdev"\nlease = "t"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "dxpu_vfio.cli", "remote", "serve", "--config", str(config),
+                             "--json"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "serving" in line  # what RemoteProxyProcess waits for
+        event = json.loads(line)
+        assert event["event"] == "serving" and event["box"] == "bx" and event["security"] == "plaintext"
+        assert event["devices"] == [{"id": "td0", "model": "testdev"}]
+        assert int(event["address"].rpartition(":")[2]) > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+
+
+def test_detach_without_a_device_is_refused_before_asking_the_manager(tmp_path):
+    proc = dxpu("detach", "vm.sock", "--db", str(tmp_path / "pool.db"))
+    assert proc.returncode == 1 and proc.stderr.startswith("dxpu: error: name a device to detach")
+    assert "fix: dxpu status vm.sock" in proc.stderr
+
+
+def test_a_relayed_manager_error_keeps_its_type_name():
+    from dxpu_vfio.cli.output import error_object
+    from dxpu_vfio.pool.service import ManagerError, ManagerUnavailable
+    assert error_object(ManagerError("0 free", kind="NoFreeDevice", hint="dxpu ls"))["error"] == "NoFreeDevice"
+    assert error_object(ManagerUnavailable("down"))["error"] == "ManagerUnavailable"
+
+
+def test_tables_mark_missing_cells_and_say_when_empty():
+    from dxpu_vfio.cli.output import table
+    assert table([], ["a"]) == "  (none)"
+    text = table([{"name": "box1", "last_error": None}, {"name": "b2"}], ["name", "last_error"])
+    assert [line.rstrip() for line in text.splitlines()] == [
+        "  name  last_error", "  ----  ----------", "  box1  -", "  b2    -"]

@@ -10,10 +10,12 @@ display scanouts next to it on SIGUSR2 (:mod:`dxpu_vfio.daemon`). It prints one
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from dxpu_vfio.daemon import run_until_terminated
+from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.remoteproxy.config import BoxConfig
 from dxpu_vfio.remoteproxy.proxy import RemoteProxy
 
@@ -24,19 +26,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def serve(config_path: Path, stats_path: Path | None) -> int:
-    """Run one remote proxy; 1 with a message on stderr if the config is bad."""
+class BoxConfigError(DxpuError):
+    """The box config could not be read or makes no sense."""
+
+
+def load_config(path: Path) -> BoxConfig:
     try:
-        config = BoxConfig.load(config_path)
-    except (OSError, ValueError) as exc:
-        print(f"dxpu: error: {exc}", file=sys.stderr)
-        return 1
+        return BoxConfig.load(path)
+    except OSError as exc:
+        raise BoxConfigError(f"cannot read the box config {path}: {exc.strerror or exc}",
+                             hint="pass --config BOX.toml (its format: dxpu_vfio/remoteproxy/config.py)") from exc
+    except ValueError as exc:
+        raise BoxConfigError(str(exc), hint="its format: dxpu_vfio/remoteproxy/config.py") from exc
+
+
+def serve(config_path: Path, stats_path: Path | None, *, as_json: bool = False) -> int:
+    """Run one remote proxy; :class:`BoxConfigError` if the config is bad. ``as_json``: the
+    "serving" line is a JSON object (``{"event": "serving", ...}``)."""
+    config = load_config(config_path)
     proxy = RemoteProxy(config).start()
-    print(f"remote proxy {config.name}: serving {config.device_list()} on {config.listen}:{proxy.port} "
-          f"({'plaintext' if config.plaintext else 'mutual TLS'})", flush=True)
+    address = f"{config.listen}:{proxy.port}"
+    security = "plaintext" if config.plaintext else "mutual TLS"
+    if as_json:
+        print(json.dumps({"event": "serving", "box": config.name, "address": address, "security": security,
+                          "devices": [{"id": d.id, "model": d.model} for d in config.devices]}), flush=True)
+    else:
+        print(f"remote proxy {config.name}: serving {config.device_list()} on {address} ({security})", flush=True)
     try:
         run_until_terminated("remote", config.name, stats_path, proxy.snapshot, screenshots=proxy.screenshots,
-                             address=f"{config.listen}:{proxy.port}")
+                             address=address)
     finally:
         proxy.stop()
     return 0
@@ -47,4 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m dxpu_vfio.remoteproxy", description="serve a GPU box's devices over the link "
                                                             "(TCP + mutual TLS) until SIGTERM"))
     args = parser.parse_args(argv)
-    return serve(args.config, args.stats)
+    try:
+        return serve(args.config, args.stats)
+    except BoxConfigError as exc:
+        print(f"dxpu: error: {exc}", file=sys.stderr)
+        return 1
