@@ -26,10 +26,12 @@ def screenshot_path(stats_path: Path, device: str | None = None) -> Path:
 
 
 def run_until_terminated(kind: str, name: str, stats_path: Path | None, snapshot: Callable[[], dict], *,
-                         screenshots: Screenshots | None = None, **info: object) -> None:
+                         screenshots: Screenshots | None = None, on_ready: Callable[[], None] | None = None,
+                         **info: object) -> None:
     """Serve until SIGTERM/SIGINT. ``snapshot()`` gives the counters written to
     ``stats_path``; without ``stats_path`` the process is not registered (nothing could
-    ask it for counters)."""
+    ask it for counters). ``on_ready`` runs once the signals are handled and the entry is
+    registered: whatever it announces, a parent may act on at once (even SIGTERM)."""
     done = threading.Event()
 
     def write_stats() -> None:
@@ -47,6 +49,8 @@ def run_until_terminated(kind: str, name: str, stats_path: Path | None, snapshot
     signal.signal(signal.SIGINT, lambda *_: done.set())
     entry = registry.register(kind, name, stats_path, **info) if stats_path is not None else None
     try:
+        if on_ready is not None:
+            on_ready()
         while not done.wait(1.0):
             pass
         write_stats()

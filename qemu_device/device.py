@@ -94,6 +94,10 @@ class PcieLink:
 class PciFunction:
     """A PCI(e) endpoint function; subclass it and implement the BAR hooks."""
 
+    # Optional features, declared (never probed): whoever serves the device reads these.
+    coalesce_posted = False  # posted writes go to memory (a framebuffer): they may be glued into runs
+    event_source = None  # events on a descriptor of the device's own (only the host proxy's link has one)
+
     def __init__(self, identity: PciIdentity, bars: Sequence[BarSpec],
                  irq: IrqConfig = IrqConfig(), *, config_size: int = 4096,
                  pcie: bool = True, link: PcieLink = PcieLink()) -> None:
@@ -131,6 +135,9 @@ class PciFunction:
         self.vmm_masks_msix = False
         self._intx_line = False          # level last reported to the IRQ port
         self.save_power_on_config()
+
+    def posted_idle(self) -> None:
+        """Whoever serves the device is about to wait for more traffic (a no-op for models)."""
 
     def save_power_on_config(self) -> None:
         """Record config space as reset restores it.

@@ -8,7 +8,11 @@ copies between guest buffers: every byte crosses the link twice) and interrupt r
 trip (doorbell -> INTx counted by uio_pci_generic -> ack). The delay is injected with
 netem where the kernel has it, else with the lab's delay line, and the delay the line
 really achieved is measured and printed. Also prints a per-hop breakdown of one remote
-read from the counters of both proxies. Table on stdout, JSON in results/bench/remote.json.
+read from the counters of both proxies, and the machine's floors measured between the same
+namespaces in the same run (Python ping-pong and bulk transfer, plain TCP and TLS 1.3:
+:mod:`dxpu_vfio.lab.floors`) with the goals of the data-path issue checked against them.
+Table on stdout, JSON in results/bench/remote.json (``results -> local / remote+Nus`` and
+``results -> floor``).
 
     .venv/bin/python scripts/bench_remote.py [--delays 0,50,200,1000] [--reads 2000]
 """
@@ -24,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dxpu_vfio.lab import hotplug  # noqa: E402
 from dxpu_vfio.bench import table, write_json  # noqa: E402
-from dxpu_vfio.lab import lab  # noqa: E402
+from dxpu_vfio.lab import floors, lab  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 
@@ -75,6 +79,10 @@ def main() -> int:
     state = lab.up(topology)
     results: dict[str, dict] = {}
     try:
+        floor = floors.measure_lab(state, "box1")
+        print(f"  floor: TLS ping-pong {floor['tls']['ping_pong']['median_us']:.1f} µs, "
+              f"TLS bulk {floor['tls']['bulk']['to_box_MBps']:.0f}/{floor['tls']['bulk']['from_box_MBps']:.0f} MB/s",
+              flush=True)
         with Vm(VmConfig(image="tiny", name="bench-remote")) as vm:
             vm.boot()
             vm.run("echo 4 > /proc/sys/vm/nr_hugepages; echo '1b36 10f0' > /sys/bus/pci/drivers/uio_pci_generic/new_id")
@@ -106,7 +114,9 @@ def main() -> int:
     finally:
         lab.down(state.name)
     local = results["local"]
-    for row in results.values():
+    rows = dict(results)
+    results["floor"] = floor
+    for row in rows.values():
         row["read_vs_local"] = row["read_median_us"] / local["read_median_us"]
         row["dma_vs_local"] = row["dma_MBps"] / local["dma_MBps"]
     print()
@@ -114,14 +124,32 @@ def main() -> int:
                  "DMA/local", "irq rtt ms", "host link wait µs/read"],
                 [[k, "-" if r["delay_us"] is None else f"{r['delay_us']:g}/{(r.get('delay_achieved_us') or 0):.0f} {r['delay_mode']}",
                   r["read_median_us"], r["read_vs_local"], round(r["write_rate_per_s"]), r["dma_MBps"], r["dma_vs_local"],
-                  r["irq_roundtrip_ms"], r.get("host_link_wait_us_per_read") or "-"] for k, r in results.items()]))
+                  r["irq_roundtrip_ms"], r.get("host_link_wait_us_per_read") or "-"] for k, r in rows.items()]))
+    tls_rtt = floor["tls"]["ping_pong"]["median_us"]
+    tls_bulk = min(floor["tls"]["bulk"]["to_box_MBps"], floor["tls"]["bulk"]["from_box_MBps"])
+    print("\nfloors between the lab's host and box1 namespaces (same run, Python, blocking):")
+    print(table(["", "ping-pong median µs", "p99 µs", "bulk to box MB/s", "bulk from box MB/s"],
+                [[k, f["ping_pong"]["median_us"], f["ping_pong"]["p99_us"], f["bulk"]["to_box_MBps"],
+                  f["bulk"]["from_box_MBps"]] for k, f in floor.items()]))
+    zero = rows.get("remote+0us")
+    if zero:
+        goals = {"remote_minus_local_read_vs_tls_rtt": (zero["read_median_us"] - local["read_median_us"]) / tls_rtt,
+                 "remote_vs_local_read": zero["read_median_us"] / local["read_median_us"],
+                 "remote_dma_vs_tls_bulk": zero["dma_MBps"] / tls_bulk,
+                 "remote_dma_vs_local": zero["dma_MBps"] / local["dma_MBps"]}
+        results["goals"] = goals
+        print(f"\ngoals at 0 added delay: (remote - local read) / TLS ping-pong = "
+              f"{goals['remote_minus_local_read_vs_tls_rtt']:.2f} (want <= 1.3), remote/local read = "
+              f"{goals['remote_vs_local_read']:.2f} (stretch <= 1.5), remote DMA / TLS bulk = "
+              f"{goals['remote_dma_vs_tls_bulk']:.2f} (want >= 0.8), remote DMA / local = "
+              f"{goals['remote_dma_vs_local']:.2f} (want >= 0.5)")
     path = write_json("remote", {"results": results, "reads": args.reads, "writes": args.writes}, args.out)
     print("\nwhere a remote read's time goes (µs, from both proxies' counters; the first column is the\n"
           "guest's median minus the host proxy's mean link wait):")
     print(table(["path", "QEMU + host proxy", "network + TLS (+ delay line)", "remote proxy + device", "guest read"],
                 [[k, r["hops_per_read_us"]["qemu_and_host_proxy"], r["hops_per_read_us"]["link_network_tls_relay"],
                   r["hops_per_read_us"]["remote_proxy_device"], r["read_median_us"]]
-                 for k, r in results.items() if "hops_per_read_us" in r]))
+                 for k, r in rows.items() if "hops_per_read_us" in r]))
     print(f"\nJSON: {path}")
     return 0
 

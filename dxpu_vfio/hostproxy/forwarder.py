@@ -44,6 +44,8 @@ class RemoteAttachError(Exception):
 class RemoteFunction:
     """A device reached over the link; the vfio-user server serves it like any model."""
 
+    event_source = None
+
     def __init__(self, conn: Connection, description: DeviceDescription, name: str, *,
                  completion_timeout: float = DEFAULT_COMPLETION_TIMEOUT,
                  on_down: Callable[[str], None] | None = None, heartbeat: float = 0.25,

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     server = VfioUserServer(device, args.socket, name=args.name or args.model,
                             options=ServerOptions(advertise_write_multiple=args.write_multiple or bool(
-                                getattr(device, "coalesce_posted", False)), allow_msix=args.allow_msix))
+                                device.coalesce_posted), allow_msix=args.allow_msix))
 
     def snapshot() -> dict:
         return {"pid": os.getpid(), "server": server.snapshot(),

@@ -26,6 +26,9 @@ IRQ_NAMES = {p.IRQ_INTX: "intx", p.IRQ_MSI: "msi", p.IRQ_MSIX: "msix", p.IRQ_ERR
 
 
 class ExternalFunction:
+    coalesce_posted = False  # the features a served device declares (see qemu_device.device.PciFunction)
+    event_source = None
+
     def __init__(self, socket: str | Path) -> None:
         self.lock = threading.RLock()
         self.dma = NullDmaPort()
@@ -70,6 +73,9 @@ class ExternalFunction:
 
     def reset(self) -> None:
         self.client.reset()
+
+    def posted_idle(self) -> None:
+        pass
 
     def close(self) -> None:
         os.write(self._stop_w, b"x")

@@ -47,14 +47,17 @@ def serve(config_path: Path, stats_path: Path | None, *, as_json: bool = False) 
     proxy = RemoteProxy(config).start()
     address = f"{config.listen}:{proxy.port}"
     security = "plaintext" if config.plaintext else "mutual TLS"
-    if as_json:
-        print(json.dumps({"event": "serving", "box": config.name, "address": address, "security": security,
-                          "devices": [{"id": d.id, "model": d.model} for d in config.devices]}), flush=True)
-    else:
-        print(f"remote proxy {config.name}: serving {config.device_list()} on {address} ({security})", flush=True)
+
+    def announce() -> None:  # once SIGTERM is handled: a parent may stop us as soon as it reads this
+        if as_json:
+            print(json.dumps({"event": "serving", "box": config.name, "address": address, "security": security,
+                              "devices": [{"id": d.id, "model": d.model} for d in config.devices]}), flush=True)
+        else:
+            print(f"remote proxy {config.name}: serving {config.device_list()} on {address} ({security})",
+                  flush=True)
     try:
         run_until_terminated("remote", config.name, stats_path, proxy.snapshot, screenshots=proxy.screenshots,
-                             address=address)
+                             on_ready=announce, address=address)
     finally:
         proxy.stop()
     return 0

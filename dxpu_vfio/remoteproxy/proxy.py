@@ -37,7 +37,7 @@ log = logging.getLogger("dxpu.remote")
 
 def describe(model: str, device: PciFunction) -> DeviceDescription:
     return DeviceDescription(model, [(r.index, r.size, r.readable, r.writable) for r in device.regions()],
-                             device.irq_counts(), bool(getattr(device, "coalesce_posted", False)))
+                             device.irq_counts(), device.coalesce_posted)
 
 
 class Slot:

@@ -19,6 +19,7 @@ import array
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 
 from dxpu_vfio.vfio_user.protocol import HEADER, HEADER_SIZE, MAX_MESSAGE, MAX_MSG_FDS, Header, ProtocolError
@@ -29,6 +30,10 @@ _ANC_SPACE = socket.CMSG_SPACE(MAX_MSG_FDS * 4)
 
 class ConnectionClosed(Exception):
     """The peer closed the socket (or it failed)."""
+
+
+class ReceiveTimeout(Exception):
+    """``receive(timeout=...)`` ran out; what arrived so far stays buffered."""
 
 
 @dataclass
@@ -75,16 +80,23 @@ class Connection:
             self._buffer.extend(bytes(need + INITIAL_BUFFER - len(self._buffer)))
             self._view = memoryview(self._buffer)
 
-    def _fill(self, need: int) -> None:
-        """Read once, into the free room, wanting ``need`` bytes from ``_start`` in all."""
+    def _fill(self, need: int, deadline: float | None = None) -> None:
+        """Read once, into the free room, wanting ``need`` bytes from ``_start`` in all.
+        A ``deadline`` needs a stream whose ``recv_into`` takes a timeout (a LinkStream)."""
         if self._start + need > len(self._buffer) or self._end == len(self._buffer):
             self._make_room(need)
         room = self._view[self._end:]
         try:
             if self._with_fds:
                 n, ancdata, msg_flags, _ = self.sock.recvmsg_into([room], _ANC_SPACE)
+            elif deadline is not None:
+                n, ancdata, msg_flags = self.sock.recv_into(room, max(0.0, deadline - time.monotonic())), [], 0
             else:
                 n, ancdata, msg_flags = self.sock.recv_into(room), [], 0
+        except TimeoutError as exc:
+            if deadline is not None:
+                raise ReceiveTimeout(str(exc)) from exc
+            raise ConnectionClosed(str(exc)) from exc
         except OSError as exc:
             raise ConnectionClosed(str(exc)) from exc
         finally:
@@ -107,22 +119,27 @@ class Connection:
             self._fds.append((self._end, fds))
         self._end += n
 
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
     def has_message(self) -> bool:
         """A whole message is already buffered: the next ``receive`` will not wait."""
         buf, pos, avail = self._buffer, self._start, self._end - self._start
         return avail >= HEADER_SIZE and avail >= int.from_bytes(buf[pos + 4:pos + 8], "little")
 
-    def receive(self) -> Message:
-        """The next whole message. ProtocolError means the stream cannot be trusted any more."""
+    def receive(self, timeout: float | None = None) -> Message:
+        """The next whole message. ProtocolError means the stream cannot be trusted any more;
+        :class:`ReceiveTimeout` after ``timeout`` seconds (for a LinkStream only)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while self._end - self._start < HEADER_SIZE:
-            self._fill(HEADER_SIZE)
+            self._fill(HEADER_SIZE, deadline)
         header = Header(*HEADER.unpack_from(self._buffer, self._start))
         if header.size < HEADER_SIZE:
             raise ProtocolError(f"message size {header.size} is smaller than its header")
         if header.size > MAX_MESSAGE:
             raise ProtocolError(f"message size {header.size} exceeds {MAX_MESSAGE}", err=7)  # E2BIG
         while self._end - self._start < header.size:
-            self._fill(header.size)
+            self._fill(header.size, deadline)
         start, end = self._start, self._start + header.size
         payload = memoryview(self._view[start + HEADER_SIZE:end].tobytes())
         fds: list[int] = []

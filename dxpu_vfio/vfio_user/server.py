@@ -12,10 +12,15 @@ requests in order (so a read never passes an earlier write) and routes the repli
 our own DMA_READ/DMA_WRITE requests to the device thread that waits for them. A reply
 to a region access is therefore never held up by a DMA in flight.
 
+A device with an ``event_source`` (the host proxy's link to a GPU box) gets its events
+served by the session thread too, while it waits for QEMU: the thread that waits for a
+link completion is then the thread that receives it, with no hand-off between threads.
+
 Posted writes (REGION_WRITE without reply, REGION_WRITE_MULTI) are combined into runs
 (:mod:`.posted`) and given to the device before any other request and whenever no
 further message is already buffered, so they are never reordered and never wait for
-more traffic; a device with ``posted_idle`` (the host proxy's link) is told then too.
+more traffic; the device's ``posted_idle`` is called then too (the host proxy's link sends
+what it coalesced).
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ import errno
 import itertools
 import logging
 import os
+import select
 import socket
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from qemu_device.device import PciFunction
 from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
@@ -43,6 +49,23 @@ from dxpu_vfio.vfio_user.posted import WriteRuns
 log = logging.getLogger("dxpu.vfio_user.server")
 
 DMA_REPLY_TIMEOUT = 5.0
+
+
+class EventSource(Protocol):
+    """A device's own descriptor of events, served by the session thread (see module doc)."""
+
+    def fileno(self) -> int: ...
+
+    def ready(self) -> bool:
+        """Events are buffered already: serve them before waiting on the descriptor."""
+
+    def service(self) -> None:
+        """Handle the events that are ready; never waits long."""
+
+    def claim(self) -> None:
+        """The calling thread serves the events from now on (until :meth:`release`)."""
+
+    def release(self) -> None: ...
 
 
 class SocketInUse(OSError):
@@ -113,7 +136,7 @@ class _Session:
         self.version_seen = False
         # posted writes not yet given to the device; glued together only for a device that
         # asks (its posted writes go to memory, e.g. a framebuffer)
-        self.posted = WriteRuns(merge=bool(getattr(server.device, "coalesce_posted", False)))
+        self.posted = WriteRuns(merge=server.device.coalesce_posted)
 
     # --- reader loop ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -121,10 +144,15 @@ class _Session:
         device.vmm_masks_msix = True  # QEMU keeps the MSI-X table and masks vectors itself
         device.attach(self.dma, self.irqs)
         posted_commands = (p.Command.REGION_WRITE, p.Command.REGION_WRITE_MULTI)
+        source: EventSource | None = device.event_source
+        if source is not None:
+            source.claim()
         try:
             while True:
                 if self.posted and not self.conn.has_message():
                     self._flush_posted(idle=True)  # about to wait: nothing may linger
+                if source is not None and not self.conn.has_message():
+                    self._serve_events_until_client(source)
                 try:
                     msg = self.conn.receive()
                 except p.ProtocolError as exc:
@@ -146,6 +174,8 @@ class _Session:
         finally:
             if self.posted:
                 self._flush_posted(idle=True)
+            if source is not None:
+                source.release()
             device.attach(NullDmaPort(), NullIrqPort())
             self._fail_pending()
             self.irqs.close()
@@ -154,6 +184,25 @@ class _Session:
             with device.lock:
                 device.reset()
             self.server._session_ended(self)
+
+    def _serve_events_until_client(self, source: EventSource) -> None:
+        """Serve the device's events until QEMU has something for us."""
+        poller = select.poll()
+        client, events = self.conn.fileno(), source.fileno()
+        poller.register(client, select.POLLIN)
+        if events >= 0:
+            poller.register(events, select.POLLIN)
+        while True:
+            if source.ready():
+                source.service()
+            ready = dict(poller.poll(0 if source.ready() else -1))
+            if events in ready:
+                if ready[events] & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                    poller.unregister(events)  # the link closed: nothing more will come from it
+                    events = -1
+                source.service()
+            if client in ready:
+                return
 
     def _handle(self, msg: Message) -> None:
         """Answer one request. The time recorded is the server's own work (decode, device,
@@ -219,9 +268,8 @@ class _Session:
                 except (ValueError, DmaError, OSError) as exc:
                     self.server.posted_refused += 1
                     log.info("%s: posted write to region %d+%#x refused: %s", self.server.name, region, offset, exc)
-        idle_hook = getattr(device, "posted_idle", None)
-        if idle and idle_hook is not None:
-            idle_hook()
+        if idle:
+            device.posted_idle()
 
     # --- our requests to QEMU (DMA without a descriptor) ---------------------------------
     def _dma_by_message(self, address: int, what: int | bytes, write: bool) -> bytes | None:
