@@ -1,27 +1,35 @@
 """pytest support: the VM ladder (image -> configured VM -> booted VM) and the factory
-that owns every VM a test starts.
+that owns every VM a test starts; the lab factory that owns every lab of a session, and
+devices served locally or from a GPU box of a lab.
 
-The factory kills every VM at teardown, by pid. When a test fails, the serial log,
-QEMU's stderr and command line, and the QMP event history of each of its VMs are
-copied to ``results/<test>/`` and the failure report names that directory.
-Registered as a pytest plugin by ``tests/conftest.py``.
+The VM factory kills every VM at teardown, by pid; the lab factory brings every lab
+down at the end of the session. When a test fails, the serial log, QEMU's stderr and
+command line, and the QMP event history of each of its VMs, and the remote proxy logs
+and state files of each lab it used, are copied to ``results/<test>/`` and the failure
+report names that directory. Registered as a pytest plugin by ``tests/conftest.py``.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import json
 import os
 import re
 import shutil
+import signal
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+from pyroute2 import netns
 
+from dxpu_vfio.lab import lab
 from dxpu_vfio.vms.images import Image, load_image
 from dxpu_vfio.paths import PROJECT_ROOT, run_dir
-from dxpu_vfio.procs import wait_until
+from dxpu_vfio.procs import pid_alive, request_json, wait_until
 from dxpu_vfio.vms.runner import Vm, VmConfig
 
 RESULTS_DIR = Path(os.environ.get("DXPU_RESULTS", PROJECT_ROOT / "results"))
@@ -80,16 +88,17 @@ def _test_dir(nodeid: str) -> Path:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()
-    factories: list[VmFactory] = getattr(item, "_dxpu_factories", [])
+    factories = getattr(item, "_dxpu_factories", [])
     if report.failed and factories:
         dest = _test_dir(item.nodeid)
         saved = [p for f in factories for p in f.save_logs(dest)]
         if saved:
-            report.sections.append(("dxpu VM logs", f"serial log, QEMU stderr and QMP events saved in {dest}"))
+            report.sections.append(("dxpu logs", f"saved in {dest}: " + ", ".join(p.name for p in saved)))
 
 
-def register(request: pytest.FixtureRequest, factory: VmFactory) -> None:
-    """Make a (possibly shared) factory's VMs part of this test's failure logs."""
+def register(request: pytest.FixtureRequest, factory) -> None:
+    """Make a (possibly shared) factory's VMs or labs part of this test's failure logs
+    (anything with ``save_logs(dest) -> list[Path]``)."""
     node = request.node
     if not hasattr(node, "_dxpu_factories"):
         node._dxpu_factories = []
@@ -199,11 +208,319 @@ def shared_tiny_vm(request: pytest.FixtureRequest, _shared_tiny_factory: VmFacto
     return _first_booted(request, _shared_tiny_factory, "tiny")
 
 
+# --- labs -----------------------------------------------------------------------------
+
+# Lab names the factory gives: a label of up to 4 letters, the pid of the session, "x", a
+# number. The pid tells a lab of a session that died (SIGKILL, a crash) from a live one.
+_FACTORY_LAB = re.compile(r"^[a-z]{1,4}(\d+)x\d+$")
+_FACTORY_NETNS = re.compile(r"^dx([a-z]{1,4}(\d+)x\d+)-")
+
+
+def topology_key(topology: lab.Topology) -> str:
+    """What makes two topologies the same lab: their boxes (names, devices, settings,
+    delays), not their names."""
+    return json.dumps([dataclasses.asdict(b) for b in topology.boxes], sort_keys=True, default=str)
+
+
+def save_lab_logs(name: str, dest: Path) -> Path | None:
+    """Copy a lab's files (state.json, each box's BOX.toml, remote proxy log and stats,
+    delay line logs) and its status to ``dest/lab-NAME``; not the certificates (keys)."""
+    src = lab.lab_dir(name)
+    if not src.is_dir():
+        return None
+    target = dest / f"lab-{name}"
+    target.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.is_file():  # sockets and the certs directory stay
+            shutil.copy2(path, target / path.name)
+    (target / "status.json").write_text(json.dumps(lab.status(name), indent=1))
+    return target
+
+
+def _proc_state(pid: int | None) -> str | None:
+    """The state letter of /proc/PID/stat (R, S, T, Z ...); None if there is no such process."""
+    if not pid:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2]
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` ended (reaping it if it is our child); a zombie holds no port."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    return _proc_state(pid) in (None, "Z", "X")
+
+
+class LabFactory:
+    """Brings up every lab of a test session and guarantees their end (``down_all``).
+
+    ``shared(topology)`` gives one lab per distinct topology for the whole session,
+    checked before each use: a box whose remote proxy a test killed or stopped gets a
+    fresh one. ``up(topology)`` gives a lab of its own (for a test that takes a lab
+    apart). Names are ``<label><pid>x<n>``: unique per session and short (namespace
+    ``dx<name>-<box>``, sockets under ``<run>/lab-<name>``)."""
+
+    def __init__(self, files: Path) -> None:
+        self.files = files  # for files boxes serve (NVMe disks): stable for the session
+        self.names: list[str] = []  # every lab made or adopted, in order
+        self.labs: dict[str, lab.LabState] = {}
+        self._topologies: dict[str, lab.Topology] = {}
+        self._shared: dict[str, str] = {}  # topology key -> lab name
+        self._n = itertools.count(1)
+
+    def directory(self, name: str) -> Path:
+        """A directory of the session for a topology's files, e.g. NVMe disk images."""
+        path = self.files / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _name(self, topology: lab.Topology) -> str:
+        label = re.sub(r"[^a-z]", "", topology.name.lower())[:4] or "lab"
+        return f"{label}{os.getpid()}x{next(self._n)}"
+
+    def up(self, topology: lab.Topology) -> lab.LabState:
+        """A new lab with ``topology``'s boxes (``topology.name`` gives only the label)."""
+        named = lab.Topology(self._name(topology), copy.deepcopy(topology.boxes))
+        self.names.append(named.name)  # before up: a lab that failed half way is also removed
+        self._topologies[named.name] = named
+        state = lab.up(named)
+        self.labs[named.name] = state
+        return state
+
+    def shared(self, topology: lab.Topology) -> lab.LabState:
+        """The session's lab with these boxes, brought up on first use, restored on later ones."""
+        key = topology_key(topology)
+        name = self._shared.get(key)
+        if name is None or name not in self.labs:
+            state = self.up(topology)
+            self._shared[key] = state.name
+            return state
+        return self.restore(self.labs[name])
+
+    def adopt(self, name: str) -> None:
+        """Own a lab that something else brings up (``dxpu lab up --name NAME``)."""
+        if name not in self.names:
+            self.names.append(name)
+
+    def restore(self, state: lab.LabState) -> lab.LabState:
+        """Make a lab whole again: a box whose proxy is dead or stopped gets a new one; a lab
+        whose namespaces are gone is brought up again under its name (same object)."""
+        existing = set(netns.listnetns())
+        if any(ns not in existing for ns in state.namespaces):
+            again = lab.up(self._topologies[state.name])
+            state.__dict__.update(again.__dict__)
+            return state
+        for box in state.boxes:
+            pid = box.proxy_pid
+            if _proc_state(pid) in ("R", "S", "D"):
+                continue
+            if pid:
+                if pid_alive(pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)  # a stopped proxy would hold its port
+                    except ProcessLookupError:
+                        pass
+                wait_until(lambda: _gone(pid), 5)
+                if pid in state.pids:
+                    state.pids.remove(pid)  # never signal a pid the system may give to another process
+            lab.restart_proxy(state, box.name)
+        return state
+
+    def down(self, name: str) -> list[str]:
+        """Bring one lab down now (a lab of its own at the end of its test)."""
+        self.labs.pop(name, None)
+        self._shared = {k: v for k, v in self._shared.items() if v != name}
+        return lab.down(name)
+
+    def down_all(self) -> None:
+        """Every lab down, also when some fail to go: the first failure is raised after."""
+        errors = []
+        for name in reversed(self.names):
+            try:
+                self.down(name)
+            except Exception as exc:  # noqa: BLE001 - go on with the others, then report
+                errors.append(exc)
+        self.names.clear()
+        if errors:
+            raise errors[0]
+
+    @staticmethod
+    def remove_orphans() -> list[str]:
+        """Bring down the labs of sessions that died before their end (their pid is gone)."""
+        names = {d.name[4:] for d in run_dir().glob("lab-*")} | \
+                {m.group(1) for ns in netns.listnetns() if (m := _FACTORY_NETNS.match(ns))}
+        orphans = [n for n in names if (m := _FACTORY_LAB.match(n)) and not pid_alive(int(m.group(1)))]
+        for name in sorted(orphans):
+            lab.down(name)
+        return orphans
+
+
+class LabUse:
+    """The labs one test uses: their logs join the test's failure logs, and the labs of
+    its own (``own``, ``adopt``) go down at its end."""
+
+    def __init__(self, factory: LabFactory) -> None:
+        self.factory = factory
+        self.used: list[str] = []
+        self.owned: list[str] = []
+
+    @property
+    def files(self) -> Path:
+        return self.factory.files
+
+    def _use(self, name: str) -> None:
+        if name not in self.used:
+            self.used.append(name)
+
+    def shared(self, topology: lab.Topology) -> lab.LabState:
+        state = self.factory.shared(topology)
+        self._use(state.name)
+        return state
+
+    def own(self, topology: lab.Topology) -> lab.LabState:
+        """A lab for this test only: for a test that takes it apart."""
+        state = self.factory.up(topology)  # one that fails half way removes itself (lab.up)
+        self._track(state.name)
+        return state
+
+    def adopt(self, name: str) -> str:
+        """A lab made by other means (the CLI) that this test owns."""
+        self.factory.adopt(name)
+        self._track(name)
+        return name
+
+    def _track(self, name: str) -> None:
+        self._use(name)
+        self.owned.append(name)
+
+    def save_logs(self, dest: Path) -> list[Path]:
+        return [p for name in self.used if (p := save_lab_logs(name, dest)) is not None]
+
+    def close(self) -> None:
+        for name in self.owned:
+            self.factory.down(name)
+
+
+@pytest.fixture(scope="session")
+def lab_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabFactory]:
+    """Every lab of the session; all brought down at its end, whatever the tests did.
+    Labs left by sessions that died (SIGKILL) are removed first."""
+    LabFactory.remove_orphans()
+    factory = LabFactory(tmp_path_factory.mktemp("lab-files"))
+    try:
+        yield factory
+    finally:
+        factory.down_all()
+
+
+@pytest.fixture
+def labs(request: pytest.FixtureRequest, lab_factory: LabFactory) -> Iterator[LabUse]:
+    """This test's view of the lab factory: ``labs.shared(topology)``, ``labs.own(topology)``."""
+    use = LabUse(lab_factory)
+    register(request, use)
+    try:
+        yield use
+    finally:
+        use.close()
+
+
+# --- devices served locally or from a GPU box ------------------------------------------
+
+@dataclass(frozen=True)
+class Serve:
+    """A device a module serves in both modes: ``model`` with ``settings`` as device ``id``
+    of GPU box ``box`` (remote), or by a local device server with ``local`` settings (by
+    default the same settings)."""
+    model: str
+    id: str
+    box: str = "box1"
+    settings: dict = field(default_factory=dict)
+    local: dict | None = None
+
+
+def serve_topology(specs: list[Serve], label: str = "srv") -> lab.Topology:
+    """The lab that serves ``specs`` remotely: one box per distinct ``box``, in first-use order."""
+    boxes: dict[str, lab.BoxSpec] = {}
+    for s in specs:
+        box = boxes.setdefault(s.box, lab.BoxSpec(s.box, []))
+        box.devices.append({"id": s.id, "model": s.model, **({"settings": s.settings} if s.settings else {})})
+    return lab.Topology(label, list(boxes.values()))
+
+
+@dataclass
+class ServedDevice:
+    """What ``hotplug.attach`` needs to plug one device of a mode; for ``remote`` also
+    the lab, box and device id (for the box's stats and display probes)."""
+    mode: str  # "local" or "remote"
+    model: str  # what attach() serves: the model itself, or "remote" (a host proxy forwarding)
+    settings: dict
+    netns: str | None = None
+    lab: lab.LabState | None = None
+    box: str | None = None
+    device: str | None = None
+
+    @property
+    def remote(self) -> bool:
+        return self.mode == "remote"
+
+    @property
+    def name(self) -> str | None:
+        """BOX/DEVICE, as ``dxpu stats`` and ``dxpu screenshot`` name a box's device."""
+        return f"{self.box}/{self.device}" if self.remote else None
+
+    def attach_args(self, **settings) -> dict:
+        """Keyword arguments for ``hotplug.attach(vm, **args)``; ``settings`` are added."""
+        return {"model": self.model, "settings": {**copy.deepcopy(self.settings), **settings}, "netns": self.netns}
+
+    def box_stats(self, timeout: float = 5.0) -> dict:
+        """The counters of the remote proxy serving this device (remote only)."""
+        if not self.remote:
+            raise ValueError("a locally served device has no box")
+        b = self.lab.box(self.box)
+        stats = request_json(b.proxy_pid, Path(b.config).with_suffix(".stats.json"), timeout)
+        assert stats is not None, f"remote proxy of {self.box} (pid {b.proxy_pid}) gave no stats in {timeout} s"
+        return stats
+
+
 @pytest.fixture(scope="module", params=["local", "remote"])
 def served(request: pytest.FixtureRequest) -> str:
     """Run a module's tests twice: devices served by a local device server, then from a
-    GPU box in the lab (the module says how it builds each)."""
+    GPU box in the lab. The module names its devices in a ``served_specs`` fixture
+    (a list of :class:`Serve`) and takes them from ``served_device(s)``."""
     return request.param
+
+
+def _module_label(request: pytest.FixtureRequest) -> str:
+    return re.sub(r"^test_?", "", request.module.__name__.rsplit(".", 1)[-1]) or "srv"
+
+
+@pytest.fixture
+def served_lab(request: pytest.FixtureRequest, labs: LabUse, served_specs: list[Serve]) -> lab.LabState:
+    """The session's lab that serves this module's ``served_specs`` (shared, restored)."""
+    return labs.shared(serve_topology(served_specs, _module_label(request)))
+
+
+@pytest.fixture
+def served_devices(request: pytest.FixtureRequest, served: str, served_specs: list[Serve]) -> list[ServedDevice]:
+    """This module's devices (``served_specs``), ready to attach in this mode."""
+    if served == "local":
+        return [ServedDevice("local", s.model, copy.deepcopy(s.settings if s.local is None else s.local))
+                for s in served_specs]
+    state = request.getfixturevalue("served_lab")
+    return [ServedDevice("remote", "remote", state.remote_settings(s.box, s.id), state.host_netns, state, s.box, s.id)
+            for s in served_specs]
+
+
+@pytest.fixture
+def served_device(served_devices: list[ServedDevice]) -> ServedDevice:
+    """The first of this module's devices, ready to attach in this mode."""
+    return served_devices[0]
 
 
 # --- libvirt ------------------------------------------------------------------------

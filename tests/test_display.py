@@ -7,7 +7,6 @@ Every guest test runs twice, ``local`` (our vfio-user server runs the model) and
 namespace; the host proxy forwards, coalescing posted writes). The device's state and
 screenshots are asked of whoever holds the framebuffer (:class:`DisplayProbe`)."""
 
-import os
 import struct
 import subprocess
 import sys
@@ -16,32 +15,26 @@ import pytest
 
 from dxpu_vfio.lab import kms as guest_kms, hotplug
 from dxpu_vfio.lab.display_probe import DisplayProbe, png_pixels
-from dxpu_vfio.lab import lab
+from dxpu_vfio.testing import Serve
 
 BOX, DEVICE = "gpubox", "fb0"
 
 
-@pytest.fixture(scope="session")
-def display_lab():
-    state = lab.up(lab.Topology(f"d{os.getpid()}", [lab.BoxSpec(BOX, [{"id": DEVICE, "model": "display"}])]))
-    yield state
-    lab.down(state.name)
+@pytest.fixture(scope="module")
+def served_specs():
+    return [Serve("display", DEVICE, BOX)]
 
 
 @pytest.fixture
-def plug(served, request, full_vm):
+def plug(served_device, full_vm):
     """plug() -> (attachment, probe); everything plugged is unplugged at the end."""
-    state = request.getfixturevalue("display_lab") if served == "remote" else None
+    dev = served_device
     plugged = []
 
     def do_plug():
-        if state is None:
-            att = hotplug.attach(full_vm, "display")
-        else:
-            att = hotplug.attach(full_vm, "remote", settings=state.remote_settings(BOX, DEVICE),
-                                 netns=state.host_netns)
+        att = hotplug.attach(full_vm, **dev.attach_args())
         plugged.append(att)
-        return att, DisplayProbe.of(att, state, BOX, DEVICE)
+        return att, DisplayProbe.of(att, dev.lab, dev.box, dev.device)
     yield do_plug
     for att in plugged:
         hotplug.detach(att)
@@ -52,7 +45,7 @@ def driver_of(vm, bdf: str) -> str:
 
 
 @pytest.mark.vm
-def test_bochs_driver_binds_sets_its_mode_and_the_device_renders_it(full_vm, plug, served):
+def test_bochs_driver_binds_sets_its_mode_and_the_device_renders_it(full_vm, plug, served_device):
     att, probe = plug()
     m = probe.wait_mode()
     assert (m["xres"], m["yres"], m["bpp"]) == (1024, 768, 32)
@@ -61,7 +54,7 @@ def test_bochs_driver_binds_sets_its_mode_and_the_device_renders_it(full_vm, plu
     assert "Found EDID data blob" in full_vm.run("dmesg").stdout  # the driver read our EDID
     assert png_pixels(probe.screenshot())[:2] == (1024, 768)  # rendered where the framebuffer lives
     out = full_vm.workdir / "shot.png"
-    name = att.device_id if served == "local" else f"{BOX}/{DEVICE}"
+    name = served_device.name or att.device_id  # BOX/DEVICE when served from the box
     cli = subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "screenshot", name, str(out)],
                          capture_output=True, text=True, timeout=60)
     assert cli.returncode == 0, cli.stderr
@@ -124,18 +117,18 @@ def test_unplug_and_replug(full_vm, plug):
 
 
 @pytest.mark.vm
-def test_screenshot_through_the_pool(full_vm, display_lab, tmp_path):
+def test_screenshot_through_the_pool(full_vm, served_lab, tmp_path):
     """The pool manager gives the guest the box's display; `dxpu screenshot LEASE --pool`
     has the box render it (SCREENSHOT over the mutual-TLS link) and matches what the box
     itself shows; a wrong name gets a clear error."""
     from dxpu_vfio.pool.service import ManagerClient, ManagerProcess
     db = tmp_path / "pool.db"
-    manager = ManagerProcess(db, netns=display_lab.host_netns).start()
+    manager = ManagerProcess(db, netns=served_lab.host_netns).start()
     pool = ManagerClient(db)
     try:
-        pool.post("/v1/boxes", name=BOX, address=display_lab.box(BOX).endpoint, tls_dir=str(display_lab.certs))
+        pool.post("/v1/boxes", name=BOX, address=served_lab.box(BOX).endpoint, tls_dir=str(served_lab.certs))
         [lease] = pool.post("/v1/attach", vm=str(full_vm.admin_qmp_path), **{"class": "display"})
-        probe = DisplayProbe.in_box(display_lab, BOX, DEVICE)
+        probe = DisplayProbe.in_box(served_lab, BOX, DEVICE)
         probe.wait_mode(lambda m: m["enabled"] and m["xres"] == 1024)
         out = tmp_path / "pool.png"
         cli = subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "screenshot", lease["lease"], str(out),

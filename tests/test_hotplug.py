@@ -18,48 +18,21 @@ from dxpu_vfio.hostproxy.process import HostProxyError, HostProxyProcess
 from dxpu_vfio.errors import VmError
 from dxpu_vfio.lab import lab
 from dxpu_vfio.vmm.rootports import used_root_ports
-from dxpu_vfio.testing import GuestLoop
+from dxpu_vfio.testing import GuestLoop, Serve
 
 pytestmark = pytest.mark.vm
 
 
-LAB_TOPOLOGY = """
-name = "t"
-[[box]]
-name = "box1"
-[[box.device]]
-id = "td0"
-model = "testdev"
-[[box.device]]
-id = "td1"
-model = "testdev"
-[[box]]
-name = "box2"
-[[box.device]]
-id = "td2"
-model = "testdev"
-"""
-REMOTE_DEVICES = [("box1", "td0"), ("box2", "td2"), ("box1", "td1")]
-
-
-@pytest.fixture(scope="session")
-def lab_state():
-
-    topology = lab.Topology.parse(LAB_TOPOLOGY)
-    topology.name = f"t{os.getpid()}"  # concurrent test runs must not share a lab
-    state = lab.up(topology)
-    yield state
-    lab.down(state.name)
+@pytest.fixture(scope="module")
+def served_specs():
+    """Remote: device 1 is in the other GPU box."""
+    return [Serve("testdev", "td0", "box1"), Serve("testdev", "td2", "box2"), Serve("testdev", "td1", "box1")]
 
 
 @pytest.fixture
-def device(served, request):
+def device(served_devices):
     """device(n) -> attach() arguments for the n-th device of this mode."""
-    if served == "local":
-        return lambda n=0: {"model": "testdev"}
-    state = request.getfixturevalue("lab_state")
-    return lambda n=0: {"model": "remote", "settings": state.remote_settings(*REMOTE_DEVICES[n]),
-                        "netns": state.host_netns}
+    return lambda n=0: served_devices[n].attach_args()
 
 
 @pytest.fixture(scope="module")
@@ -273,16 +246,16 @@ def test_msix_unplug_still_aborts_this_qemu(vm_factory):
 # --- the remote proxy fails under a running guest (remote mode only) -------------------
 
 @pytest.mark.parametrize("during", ["read", "dma", "stopped"])
-def test_remote_failure_under_a_running_guest(vm_factory, lab_state, during):
+def test_remote_failure_under_a_running_guest(vm_factory, served_lab, during):
     """kill -9 of the box during MMIO reads or during a DMA, or SIGSTOP of it: the guest sees
     all-ones, the VM survives, QEMU does not abort, detach works, re-attach after restart works."""
     vm = vm_factory.booted("tiny")
     vm.run("echo 4 > /proc/sys/vm/nr_hugepages")
-    settings = {**lab_state.remote_settings("box2", "td2"), "completion_timeout": 0.5}
-    att = hotplug.attach(vm, "remote", settings=settings, netns=lab_state.host_netns)
+    settings = {**served_lab.remote_settings("box2", "td2"), "completion_timeout": 0.5}
+    att = hotplug.attach(vm, "remote", settings=settings, netns=served_lab.host_netns)
     bdf = att.guest_bdf
     vm.run(f"dxpu-mmio {bdf} enable")  # memory decode on, or QEMU never forwards the reads
-    pid = lab_state.box("box2").proxy_pid
+    pid = served_lab.box("box2").proxy_pid
     loop = None
     if during == "read":
         loop = GuestLoop(vm, f"dxpu-mmio {bdf} 0 read 0", "/tmp/reads", tools=("dxpu-mmio",))
@@ -311,22 +284,20 @@ def test_remote_failure_under_a_running_guest(vm_factory, lab_state, during):
         if during == "stopped":
             os.kill(pid, signal.SIGCONT)
             os.kill(pid, signal.SIGKILL)
-        lab.restart_proxy(lab_state, "box2")
-    again = hotplug.attach(vm, "remote", settings=settings, netns=lab_state.host_netns)
+        lab.restart_proxy(served_lab, "box2")
+    again = hotplug.attach(vm, "remote", settings=settings, netns=served_lab.host_netns)
     assert kv(vm.run(f"dxpu-testdev {again.guest_bdf} dma-copy 4096").stdout)["match"] == "yes"
     hotplug.detach(again)
 
 
-def test_guest_uses_an_external_vfio_user_server_in_a_box(vm_factory, tmp_path):
+def test_guest_uses_an_external_vfio_user_server_in_a_box(vm_factory, labs, tmp_path):
     """A box can serve an external vfio-user server (here our device server as a separate
     process, whose DMA then travels as vfio-user messages and over the link)."""
 
     external = HostProxyProcess("testdev", tmp_path / "ext.sock", name="ext").start()
-    topology = lab.Topology.parse(f'name = "x{os.getpid()}"\n[[box]]\nname = "boxx"\n[[box.device]]\n'
-                                  f'id = "ext0"\nmodel = "vfio-user"\n'
-                                  f'settings = {{ socket = "{external.socket_path}" }}\n')
-    state = lab.up(topology)
     try:
+        state = labs.own(lab.Topology("ext", [lab.BoxSpec("boxx", [
+            {"id": "ext0", "model": "vfio-user", "settings": {"socket": str(external.socket_path)}}])]))
         vm = vm_factory.booted("tiny")
         vm.run("echo 4 > /proc/sys/vm/nr_hugepages; echo '1b36 10f0' > /sys/bus/pci/drivers/uio_pci_generic/new_id")
         att = hotplug.attach(vm, "remote", settings=state.remote_settings("boxx", "ext0"), netns=state.host_netns)
@@ -337,7 +308,6 @@ def test_guest_uses_an_external_vfio_user_server_in_a_box(vm_factory, tmp_path):
         assert external.stats()["server"]["dma"]["bytes_written"] == 65536
         hotplug.detach(att)
     finally:
-        lab.down(state.name)
         external.stop()
 
 

@@ -10,9 +10,8 @@ from pyroute2 import netns
 
 from dxpu_vfio.lab import lab
 
-LAB = f"l{os.getpid()}"  # concurrent test runs must not share a lab
-TWO_BOXES = f"""
-name = "{LAB}"
+TWO_BOXES = """
+name = "lab"
 [[box]]
 name = "boxa"
 [[box.device]]
@@ -28,10 +27,9 @@ model = "testdev"
 
 
 @pytest.fixture
-def two_boxes():
-    state = lab.up(lab.Topology.parse(TWO_BOXES))
-    yield state
-    lab.down(state.name)
+def two_boxes(labs):
+    """Shared by this module's tests: each gives back what it changes (a delay)."""
+    return labs.shared(lab.Topology.parse(TWO_BOXES))
 
 
 def ns_python(ns: str, code: str, timeout: float = 20) -> str:
@@ -40,7 +38,7 @@ def ns_python(ns: str, code: str, timeout: float = 20) -> str:
 
 
 def test_up_builds_namespaces_links_and_proxies_in_the_benchmark_range(two_boxes):
-    info = lab.status(LAB)
+    info = lab.status(two_boxes.name)
     assert info["up"] and all(info["namespaces"].values())
     boxes = {b["name"]: b for b in info["boxes"]}
     assert boxes["boxa"]["address"] == "198.18.1.2" and boxes["boxb"]["address"] == "198.18.2.2"
@@ -70,26 +68,27 @@ def test_delay_is_injected_and_measured(two_boxes):
 
 def test_delay_changes_at_run_time(two_boxes):
     b = lab.set_delay(two_boxes, "boxa", 100)
-    assert b.delay_mode in ("netem", "delayline") and lab.status(LAB)["boxes"][0]["delay_us"] == 100
+    assert b.delay_mode in ("netem", "delayline") and lab.status(two_boxes.name)["boxes"][0]["delay_us"] == 100
     b = lab.set_delay(two_boxes, "boxa", 0)
     assert b.delay_mode == "none" and b.delayline_pid is None
 
 
-def test_down_removes_everything_even_after_a_crash():
-    state = lab.up(lab.Topology.parse(TWO_BOXES))
-    pids = list(state.pids)
+def test_down_removes_everything_even_after_a_crash(labs):
+    state = labs.own(lab.Topology.parse(TWO_BOXES))
+    name, pids = state.name, list(state.pids)
     # the lab's own process "crashed": only the state file is left to go by
-    removed = lab.down(LAB)
+    removed = lab.down(name)
     assert all(f"pid {pid}" in removed for pid in pids)
-    assert not any(ns.startswith(f"dx{LAB}-") for ns in netns.listnetns())
+    assert not any(ns.startswith(f"dx{name}-") for ns in netns.listnetns())
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
-    assert not lab.lab_dir(LAB).exists()
-    assert lab.down(LAB) == []  # idempotent
+    assert not lab.lab_dir(name).exists()
+    assert lab.down(name) == []  # idempotent
 
 
-def test_cli_up_status_down_json(tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "lab", *a, "--name", f"c{os.getpid()}"],  # noqa: E731
+def test_cli_up_status_down_json(labs):
+    name = labs.adopt(f"c{os.getpid()}")  # down at the end also if the CLI fails to take it down
+    run = lambda *a: subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "lab", *a, "--name", name],  # noqa: E731
                                     capture_output=True, text=True, timeout=120)
     up = run("up", "--no-vm", "--json")
     assert up.returncode == 0, up.stderr

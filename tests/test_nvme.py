@@ -11,25 +11,10 @@ import pytest
 from dxpu_vfio.lab import hotplug
 from dxpu_vfio.lab.guest_devices import nvme_disk
 from dxpu_vfio.lab import lab
-from dxpu_vfio.testing import GuestLoop
+from dxpu_vfio.testing import GuestLoop, Serve
 
 pytestmark = pytest.mark.vm
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="session")
-def nvme_lab(tmp_path_factory):
-    disks = tmp_path_factory.mktemp("box-disks")
-    ns = lambda name, size: {"size": size, "path": str(disks / name)}  # noqa: E731
-    topology = lab.Topology(f"n{os.getpid()}", [
-        lab.BoxSpec("box1", [{"id": "nv0", "model": "nvme",
-                              "settings": {"namespaces": [ns("b1n1", 64 * MiB), ns("b1n2", 16 * MiB)]}}]),
-        lab.BoxSpec("box2", [{"id": "nv1", "model": "nvme", "settings": {"namespaces": [ns("b2n1", 32 * MiB)],
-                                                                         "serial": "DXPUBOX2"}}]),
-    ])
-    state = lab.up(topology)
-    yield state
-    lab.down(state.name)
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +22,23 @@ def local_disks(tmp_path_factory):
     return tmp_path_factory.mktemp("local-disks")
 
 
+@pytest.fixture(scope="module")
+def served_specs(lab_factory, local_disks):
+    """NVMe device n: remote box1/nv0 or box2/nv1 (disks in the session's lab files);
+    local: two namespaces of 64 and 16 MiB."""
+    disks = lab_factory.directory("nvme-disks")
+    ns = lambda where, name, size: {"size": size, "path": str(where / name)}  # noqa: E731
+    local = lambda n: {"namespaces": [ns(local_disks, f"l{n}n1", 64 * MiB), ns(local_disks, f"l{n}n2", 16 * MiB)]}  # noqa: E731
+    return [Serve("nvme", "nv0", "box1", {"namespaces": [ns(disks, "b1n1", 64 * MiB), ns(disks, "b1n2", 16 * MiB)]},
+                  local=local(0)),
+            Serve("nvme", "nv1", "box2", {"namespaces": [ns(disks, "b2n1", 32 * MiB)], "serial": "DXPUBOX2"},
+                  local=local(1))]
+
+
 @pytest.fixture
-def nvme_device(served, request, local_disks):
-    """attach() arguments for NVMe device n (remote: box1/nv0 or box2/nv1)."""
-    if served == "local":
-        return lambda n=0: {"model": "nvme", "settings": {"namespaces": [
-            {"size": 64 * MiB, "path": str(local_disks / f"l{n}n1")},
-            {"size": 16 * MiB, "path": str(local_disks / f"l{n}n2")}]}}
-    state = request.getfixturevalue("nvme_lab")
-    where = [("box1", "nv0"), ("box2", "nv1")]
-    return lambda n=0: {"model": "remote", "settings": state.remote_settings(*where[n]), "netns": state.host_netns}
+def nvme_device(served_devices):
+    """attach() arguments for NVMe device n of this mode."""
+    return lambda n=0: served_devices[n].attach_args()
 
 
 @pytest.fixture
@@ -125,17 +117,17 @@ def test_two_nvme_devices_in_one_vm(vm, nvme_device, served):
 
 # --- remote failure and durability (remote only) ----------------------------------------
 
-def test_flushed_data_survives_a_remote_proxy_restart(vm_factory, nvme_lab):
+def test_flushed_data_survives_a_remote_proxy_restart(vm_factory, served_lab):
     vm = vm_factory.booted("tiny")
-    settings = nvme_lab.remote_settings("box2", "nv1")
-    att = hotplug.attach(vm, "remote", settings=settings, netns=nvme_lab.host_netns)
+    settings = served_lab.remote_settings("box2", "nv1")
+    att = hotplug.attach(vm, "remote", settings=settings, netns=served_lab.host_netns)
     ns1 = nvme_disk(vm, att.guest_bdf, 1)
     vm.run(f"dd if=/dev/urandom of=/tmp/keep bs=64k count=8 2>/dev/null; "
            f"dd if=/tmp/keep of=/dev/{ns1} bs=64k oflag=direct 2>/dev/null; sync")  # sync: flush
     hotplug.detach(att)
-    os.kill(nvme_lab.box("box2").proxy_pid, signal.SIGKILL)
-    lab.restart_proxy(nvme_lab, "box2")
-    att = hotplug.attach(vm, "remote", settings=settings, netns=nvme_lab.host_netns)
+    os.kill(served_lab.box("box2").proxy_pid, signal.SIGKILL)
+    lab.restart_proxy(served_lab, "box2")
+    att = hotplug.attach(vm, "remote", settings=settings, netns=served_lab.host_netns)
     ns1 = nvme_disk(vm, att.guest_bdf, 1)
     out = vm.run(f"dd if=/dev/{ns1} of=/tmp/again bs=64k count=8 iflag=direct 2>/dev/null; "
                  "md5sum /tmp/keep /tmp/again").stdout.split()
@@ -143,15 +135,15 @@ def test_flushed_data_survives_a_remote_proxy_restart(vm_factory, nvme_lab):
     hotplug.detach(att)
 
 
-def test_remote_killed_during_io_gives_io_errors_not_a_hang(vm_factory, nvme_lab):
+def test_remote_killed_during_io_gives_io_errors_not_a_hang(vm_factory, served_lab):
     vm = vm_factory.booted("tiny")
-    settings = {**nvme_lab.remote_settings("box1", "nv0"), "completion_timeout": 0.5}
-    att = hotplug.attach(vm, "remote", settings=settings, netns=nvme_lab.host_netns)
+    settings = {**served_lab.remote_settings("box1", "nv0"), "completion_timeout": 0.5}
+    att = hotplug.attach(vm, "remote", settings=settings, netns=served_lab.host_netns)
     ns1 = nvme_disk(vm, att.guest_bdf, 1)
     loop = GuestLoop(vm, f"dd if=/dev/urandom of=/dev/{ns1} bs=128k count=64 oflag=direct 2>>/tmp/io.err",
                      tools=(f"of=/dev/{ns1}",))
     time.sleep(2)
-    os.kill(nvme_lab.box("box1").proxy_pid, signal.SIGKILL)
+    os.kill(served_lab.box("box1").proxy_pid, signal.SIGKILL)
     try:
         started = time.monotonic()
         result = vm.run(f"dd if=/dev/{ns1} of=/dev/null bs=4k count=16 iflag=direct", check=False, timeout=120)
@@ -162,7 +154,7 @@ def test_remote_killed_during_io_gives_io_errors_not_a_hang(vm_factory, nvme_lab
         hotplug.detach(att, timeout=30)
         assert vm.alive()
     finally:
-        lab.restart_proxy(nvme_lab, "box1")
+        lab.restart_proxy(served_lab, "box1")
 
 
 def test_nvme_cli_on_the_full_image(full_vm, local_disks):

@@ -30,18 +30,16 @@ pytestmark = pytest.mark.vm
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def pool_lab(tmp_path_factory):
-    disks = tmp_path_factory.mktemp("pool-disks")
-    topology = lab.Topology(f"p{os.getpid()}", [
+@pytest.fixture
+def pool_lab(labs, lab_factory):
+    """Two GPU boxes, shared by the session (test_libvirt uses the same lab)."""
+    disks = lab_factory.directory("pool-disks")
+    return labs.shared(lab.Topology("pool", [
         lab.BoxSpec("box1", [{"id": "td0", "model": "testdev"},
                              {"id": "nv0", "model": "nvme",
                               "settings": {"namespaces": [{"size": 32 * MiB, "path": str(disks / "nv0")}]}}]),
         lab.BoxSpec("box2", [{"id": "td1", "model": "testdev"}]),
-    ])
-    state = lab.up(topology)
-    yield state
-    lab.down(state.name)
+    ]))
 
 
 class Pool:
