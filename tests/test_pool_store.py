@@ -228,6 +228,8 @@ def test_metrics_are_valid_prometheus_text(store):
     assert samples[("dxpu_device_messages_total", tuple(sorted(base + (("command", "REGION_READ"),))))] == 7
     assert samples[("dxpu_device_dma_bytes_total", tuple(sorted(base + (("direction", "read"),))))] == 4096
     assert samples[("dxpu_device_link_up", base)] == 1
+    assert samples[("dxpu_lease_info", tuple(sorted(base + (("state", "attached"),))))] == 1
+    assert families["dxpu_device_messages"].type == "counter" and families["dxpu_box_up"].type == "gauge"
     assert samples[("dxpu_box_up", (("box", "a"),))] == 1
     assert samples[("dxpu_devices", (("box", "b"), ("class", "nvme"), ("state", "leased")))] == 1
     assert samples[("dxpu_devices", (("box", "a"), ("class", "testdev"), ("state", "free")))] == 3
