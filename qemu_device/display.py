@@ -9,8 +9,10 @@ Nothing else: no VGA, no legacy I/O ports. ``render_png()`` draws the current sc
 
 from __future__ import annotations
 
+import io
 import struct
-import zlib
+
+from PIL import Image
 
 from .bars import BarSpec
 from .device import IrqConfig, PciFunction
@@ -106,33 +108,28 @@ class DisplayAdapter(PciFunction):
         return {"enabled": bool(d[ENABLE] & ENABLED), "xres": d[XRES], "yres": d[YRES], "bpp": d[BPP],
                 "virt_width": d[VIRT_WIDTH] or d[XRES], "x_offset": d[X_OFFSET], "y_offset": d[Y_OFFSET]}
 
-    def scanout(self) -> tuple[int, int, bytes]:
-        """(width, height, RGB bytes) of what the display shows now (32 bpp XRGB8888)."""
+    def scanout(self) -> Image.Image | None:
+        """What the display shows now as an RGB image; None while it shows nothing
+        (disabled, or not 32 bpp XRGB8888)."""
         with self.lock:
             m = self.mode()
             if not m["enabled"] or m["bpp"] != 32 or not m["xres"] or not m["yres"]:
-                return 0, 0, b""
-            w, h, stride = m["xres"], m["yres"], m["virt_width"] * 4
+                return None
+            w, h = m["xres"], m["yres"]
+            stride = max(m["virt_width"], w) * 4  # as QEMU's VBE: a line is never narrower than the mode
             base = m["y_offset"] * stride + m["x_offset"] * 4
-            rows = [bytes(self.vram[base + y * stride: base + y * stride + w * 4]) for y in range(h)]
-        rgb = bytearray()
-        for row in rows:  # XRGB8888 little-endian: B, G, R, X in memory
-            px = memoryview(row)
-            line = bytearray(w * 3)
-            line[0::3], line[1::3], line[2::3] = px[2::4], px[1::4], px[0::4]
-            rgb += line
-        return w, h, bytes(rgb)
+            frame = bytes(self.vram[base:base + h * stride])  # copied under the lock, converted outside it
+        # XRGB8888 little-endian is B, G, R, X in memory; past the end of VRAM reads as black
+        return Image.frombytes("RGB", (w, h), frame.ljust(h * stride, b"\0"), "raw", "BGRX", stride)
 
     def render_png(self) -> bytes:
-        w, h, rgb = self.scanout()
-        if not w:
-            w, h, rgb = 1, 1, b"\0\0\0"
-        raw = b"".join(b"\0" + rgb[y * w * 3:(y + 1) * w * 3] for y in range(h))
-
-        def chunk(kind: bytes, data: bytes) -> bytes:
-            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-                + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
+        """The scanout as an 8-bit RGB PNG (one black pixel while nothing is shown)."""
+        image = self.scanout()
+        if image is None:
+            image = Image.new("RGB", (1, 1))
+        out = io.BytesIO()
+        image.save(out, "PNG", compress_level=6)
+        return out.getvalue()
 
     def stats(self) -> dict:
         return {"framebuffer_writes": self.writes, "framebuffer_bytes": self.bytes_written, "mode": self.mode(),

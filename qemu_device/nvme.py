@@ -15,6 +15,7 @@ transfers as the PRPs allow (adjacent pages are merged).
 
 from __future__ import annotations
 
+import enum
 import os
 import struct
 import tempfile
@@ -40,15 +41,109 @@ CAP, VS, INTMS, INTMC, CC, CSTS, AQA, ASQ, ACQ = 0x00, 0x08, 0x0C, 0x10, 0x14, 0
 CC_EN, CSTS_RDY, CSTS_CFS = 1, 1, 2
 CSTS_SHST_DONE = 2 << 2
 
-# status codes (SCT << 8 | SC)
-SC_OK, SC_INVALID_OPCODE, SC_INVALID_FIELD, SC_DATA_XFER_ERROR, SC_INTERNAL = 0x00, 0x01, 0x02, 0x04, 0x06
-SC_INVALID_NS, SC_LBA_RANGE = 0x0B, 0x80
-SC_INVALID_CQ, SC_INVALID_QID, SC_INVALID_QSIZE, SC_INVALID_LOG_PAGE = 0x100, 0x101, 0x102, 0x109
+
+class AdminOpcode(enum.IntEnum):
+    """Admin commands (submission queue 0) that the Linux driver and nvme-cli send."""
+
+    DELETE_SQ = 0x00
+    CREATE_SQ = 0x01
+    GET_LOG_PAGE = 0x02
+    DELETE_CQ = 0x04
+    CREATE_CQ = 0x05
+    IDENTIFY = 0x06
+    ABORT = 0x08
+    SET_FEATURES = 0x09
+    GET_FEATURES = 0x0A
+    ASYNC_EVENT_REQUEST = 0x0C
+    KEEP_ALIVE = 0x18
+
+
+class IoOpcode(enum.IntEnum):
+    """NVM command set I/O commands."""
+
+    FLUSH = 0x00
+    WRITE = 0x01
+    READ = 0x02
+    WRITE_ZEROES = 0x08
+    DATASET_MANAGEMENT = 0x09
+
+
+class IdentifyCns(enum.IntEnum):
+    """Identify's CDW10.CNS: which data structure is asked for."""
+
+    NAMESPACE = 0x00
+    CONTROLLER = 0x01
+    ACTIVE_NAMESPACES = 0x02  # ids above CDW1.NSID
+    NAMESPACE_DESCRIPTORS = 0x03
+
+
+class LogPage(enum.IntEnum):
+    """Get Log Page's CDW10.LID."""
+
+    ERROR = 0x01
+    SMART = 0x02
+    FIRMWARE_SLOT = 0x03
+
+
+class Feature(enum.IntEnum):
+    """Get/Set Features' CDW10.FID."""
+
+    ARBITRATION = 0x01
+    POWER_MANAGEMENT = 0x02
+    TEMPERATURE_THRESHOLD = 0x04
+    ERROR_RECOVERY = 0x05
+    VOLATILE_WRITE_CACHE = 0x06
+    NUMBER_OF_QUEUES = 0x07
+    INTERRUPT_COALESCING = 0x08
+    WRITE_ATOMICITY = 0x0A
+    ASYNC_EVENT_CONFIG = 0x0B
+    TIMESTAMP = 0x0E
+    KEEP_ALIVE_TIMER = 0x0F
+    HOST_THERMAL_MANAGEMENT = 0x10
+
+
+# Set Features stores these and Get Features returns what was set (0 before); they change
+# nothing here. Number of Queues is answered, not stored; any other FID is refused.
+STORED_FEATURES = frozenset(Feature) - {Feature.NUMBER_OF_QUEUES}
+
+
+class StatusType(enum.IntEnum):
+    """Status Code Type (SCT), bits 10:8 of a completion's status field."""
+
+    GENERIC = 0
+    COMMAND_SPECIFIC = 1
+
+
+_GENERIC, _SPECIFIC = StatusType.GENERIC << 8, StatusType.COMMAND_SPECIFIC << 8
+
+
+class Status(enum.IntEnum):
+    """A completion's status field without the phase bit: ``SCT << 8 | SC``."""
+
+    SUCCESS = _GENERIC | 0x00
+    INVALID_OPCODE = _GENERIC | 0x01
+    INVALID_FIELD = _GENERIC | 0x02
+    DATA_TRANSFER_ERROR = _GENERIC | 0x04
+    INTERNAL_ERROR = _GENERIC | 0x06
+    INVALID_NAMESPACE = _GENERIC | 0x0B
+    LBA_OUT_OF_RANGE = _GENERIC | 0x80  # NVM command set
+    INVALID_CQ = _SPECIFIC | 0x00
+    INVALID_QID = _SPECIFIC | 0x01
+    INVALID_QUEUE_SIZE = _SPECIFIC | 0x02
+    INVALID_VECTOR = _SPECIFIC | 0x08
+    INVALID_LOG_PAGE = _SPECIFIC | 0x09
+    INVALID_QUEUE_DELETION = _SPECIFIC | 0x0C  # a CQ that SQs still post to
+
+
+class Deferred(enum.Enum):
+    """An admin command's result when its completion is posted later, not now."""
+
+    HELD = enum.auto()  # an Asynchronous Event Request: completes when there is an event
 
 
 class CommandError(Exception):
-    def __init__(self, status: int) -> None:
-        super().__init__(f"status {status:#x}")
+    def __init__(self, status: Status) -> None:
+        super().__init__(f"status {status.name} ({status:#x})")
         self.status = status
 
 
@@ -203,22 +298,23 @@ class NvmeController(PciFunction):
 
     def _execute(self, sq: Queue, sqe: bytes) -> None:
         opcode, cid = sqe[0], struct.unpack_from("<H", sqe, 2)[0]
-        result, status = 0, SC_OK
+        result: int | Deferred = 0
+        status = Status.SUCCESS
         try:
             result = (self._admin if sq.qid == 0 else self._io)(opcode, sqe) or 0
         except CommandError as exc:
             status = exc.status
         except DmaError:
-            status = SC_DATA_XFER_ERROR
+            status = Status.DATA_TRANSFER_ERROR
         except OSError:
-            status = SC_INTERNAL
-        if result == "held":  # an AER: completes when there is an event
+            status = Status.INTERNAL_ERROR
+        if result is Deferred.HELD:
             return
         self._complete(sq, cid, status, result)
 
-    def _complete(self, sq: Queue, cid: int, status: int, result: int) -> None:
+    def _complete(self, sq: Queue, cid: int, status: Status, result: int) -> None:
         self.stats_counters["commands"] += 1
-        self.stats_counters["errors"] += status != SC_OK
+        self.stats_counters["errors"] += status != Status.SUCCESS
         with self.lock:
             cq = self.cqs.get(sq.cqid)
             if cq is None:
@@ -238,42 +334,43 @@ class NvmeController(PciFunction):
             self.raise_interrupt(vector)
 
     # --- admin commands ----------------------------------------------------------------------
-    def _admin(self, opcode: int, sqe: bytes) -> int | str | None:
+    def _admin(self, opcode: int, sqe: bytes) -> int | Deferred:
         cdw10, cdw11 = struct.unpack_from("<II", sqe, 40)
         prp1, prp2 = struct.unpack_from("<QQ", sqe, 24)
         nsid = struct.unpack_from("<I", sqe, 4)[0]
-        if opcode == 0x06:
-            self._write_prp(prp1, prp2, self._identify(cdw10 & 0xFF, nsid))
-        elif opcode == 0x09:  # set features
-            return self._set_feature(cdw10 & 0xFF, cdw11)
-        elif opcode == 0x0A:  # get features
-            fid = cdw10 & 0xFF
-            if fid == 0x07:
-                return (MAX_QUEUES - 1) << 16 | (MAX_QUEUES - 1)
-            return self._features.get(fid, 0)
-        elif opcode == 0x05:
-            self._create_cq(cdw10, cdw11, prp1)
-        elif opcode == 0x01:
-            self._create_sq(cdw10, cdw11, prp1)
-        elif opcode in (0x00, 0x04):
-            self._delete_queue(cdw10 & 0xFFFF, cq=opcode == 0x04)
-        elif opcode == 0x02:
-            self._write_prp(prp1, prp2, self._log_page(cdw10, cdw11))
-        elif opcode == 0x0C:  # asynchronous event request: held until there is an event
-            with self.lock:
-                self.pending_aers.append(struct.unpack_from("<H", sqe, 2)[0])
-            return "held"
-        elif opcode == 0x08:  # abort: we never abort, the command completes normally
-            return 1
-        elif opcode == 0x18:  # keep alive
-            return 0
-        else:
-            raise CommandError(SC_INVALID_OPCODE)
+        match opcode:
+            case AdminOpcode.IDENTIFY:
+                self._write_prp(prp1, prp2, self._identify(cdw10 & 0xFF, nsid))
+            case AdminOpcode.SET_FEATURES:
+                return self._set_feature(cdw10 & 0xFF, cdw11)
+            case AdminOpcode.GET_FEATURES:
+                fid = cdw10 & 0xFF
+                if fid == Feature.NUMBER_OF_QUEUES:
+                    return (MAX_QUEUES - 1) << 16 | (MAX_QUEUES - 1)
+                return self._features.get(fid, 0)
+            case AdminOpcode.CREATE_CQ:
+                self._create_cq(cdw10, cdw11, prp1)
+            case AdminOpcode.CREATE_SQ:
+                self._create_sq(cdw10, cdw11, prp1)
+            case AdminOpcode.DELETE_SQ | AdminOpcode.DELETE_CQ:
+                self._delete_queue(cdw10 & 0xFFFF, cq=opcode == AdminOpcode.DELETE_CQ)
+            case AdminOpcode.GET_LOG_PAGE:
+                self._write_prp(prp1, prp2, self._log_page(cdw10, cdw11))
+            case AdminOpcode.ASYNC_EVENT_REQUEST:  # held until there is an event
+                with self.lock:
+                    self.pending_aers.append(struct.unpack_from("<H", sqe, 2)[0])
+                return Deferred.HELD
+            case AdminOpcode.ABORT:  # we never abort, the command completes normally
+                return 1
+            case AdminOpcode.KEEP_ALIVE:
+                return 0
+            case _:
+                raise CommandError(Status.INVALID_OPCODE)
         return 0
 
     def _identify(self, cns: int, nsid: int) -> bytes:
         out = bytearray(PAGE)
-        if cns == 0x01:  # controller
+        if cns == IdentifyCns.CONTROLLER:
             struct.pack_into("<HH", out, 0, 0x1B36, 0x1B36)
             out[4:24] = self.serial.ljust(20).encode()[:20]
             out[24:64] = b"dxpu-vfio pooled NVMe".ljust(40)
@@ -289,41 +386,41 @@ class NvmeController(PciFunction):
             out[525] = 1  # VWC: a volatile write cache, so the host flushes
             nqn = f"nqn.2026-11.io.dxpu:nvme:{self.serial}".encode()
             out[768:768 + len(nqn)] = nqn
-        elif cns == 0x00:  # namespace
+        elif cns == IdentifyCns.NAMESPACE:
             ns = self.namespaces.get(nsid)
             if ns is None:
-                raise CommandError(SC_INVALID_NS)
+                raise CommandError(Status.INVALID_NAMESPACE)
             struct.pack_into("<QQQ", out, 0, ns.blocks, ns.blocks, ns.blocks)
             out[26] = 0  # FLBAS: format 0
             struct.pack_into("<HBB", out, 128, 0, LBA_SHIFT, 0)  # LBAF0: 512 B, no metadata
             out[104:120] = ns.uuid  # NGUID
-        elif cns == 0x02:  # active namespace ids above nsid
+        elif cns == IdentifyCns.ACTIVE_NAMESPACES:
             ids = [n for n in sorted(self.namespaces) if n > nsid][:1024]
             struct.pack_into(f"<{len(ids)}I", out, 0, *ids)
-        elif cns == 0x03:  # namespace identification descriptors
+        elif cns == IdentifyCns.NAMESPACE_DESCRIPTORS:
             ns = self.namespaces.get(nsid)
             if ns is None:
-                raise CommandError(SC_INVALID_NS)
+                raise CommandError(Status.INVALID_NAMESPACE)
             out[0:4] = bytes([3, 16, 0, 0])  # NIDT uuid, NIDL 16
             out[4:20] = ns.uuid
         else:
-            raise CommandError(SC_INVALID_FIELD)
+            raise CommandError(Status.INVALID_FIELD)
         return bytes(out)
 
     def _set_feature(self, fid: int, value: int) -> int:
-        if fid == 0x07:  # number of queues: we grant what we have
+        if fid == Feature.NUMBER_OF_QUEUES:  # we grant what we have
             return (MAX_QUEUES - 1) << 16 | (MAX_QUEUES - 1)
-        if fid in (0x01, 0x02, 0x04, 0x05, 0x06, 0x08, 0x0A, 0x0B, 0x0E, 0x0F, 0x10):
+        if fid in STORED_FEATURES:
             self._features[fid] = value
             return 0
-        raise CommandError(SC_INVALID_FIELD)
+        raise CommandError(Status.INVALID_FIELD)
 
     def _log_page(self, cdw10: int, cdw11: int) -> bytes:
         lid = cdw10 & 0xFF
         length = ((((cdw11 & 0xFFFF) << 16) | (cdw10 >> 16)) + 1) * 4
-        if lid == 0x01:  # error information: no errors
+        if lid == LogPage.ERROR:  # no errors
             page = bytes(64)
-        elif lid == 0x02:  # SMART / health
+        elif lid == LogPage.SMART:  # SMART / health
             smart = bytearray(512)
             struct.pack_into("<H", smart, 1, 300)  # composite temperature, K
             smart[3], smart[4] = 100, 10  # available spare %, threshold
@@ -331,36 +428,36 @@ class NvmeController(PciFunction):
             write_units = self.stats_counters["bytes_written"] // 512000
             struct.pack_into("<QQ", smart, 32, read_units, write_units)
             page = bytes(smart)
-        elif lid == 0x03:  # firmware slot information
+        elif lid == LogPage.FIRMWARE_SLOT:
             fw = bytearray(512)
             fw[0] = 1
             fw[8:16] = b"1.0".ljust(8)
             page = bytes(fw)
         else:
-            raise CommandError(SC_INVALID_LOG_PAGE)
+            raise CommandError(Status.INVALID_LOG_PAGE)
         return page[:length].ljust(min(length, PAGE), b"\0")
 
     def _create_cq(self, cdw10: int, cdw11: int, base: int) -> None:
         qid, size = cdw10 & 0xFFFF, (cdw10 >> 16) + 1
         if not 0 < qid <= MAX_QUEUES or qid in self.cqs:
-            raise CommandError(SC_INVALID_QID)
+            raise CommandError(Status.INVALID_QID)
         if size < 2 or size > MQES + 1:
-            raise CommandError(SC_INVALID_QSIZE)
+            raise CommandError(Status.INVALID_QUEUE_SIZE)
         vector = cdw11 >> 16
         vectors = self.irq_config.msix_vectors or self.irq_config.msi_vectors
         if vectors and vector >= vectors:
-            raise CommandError(0x108)  # invalid interrupt vector
+            raise CommandError(Status.INVALID_VECTOR)
         with self.lock:
             self.cqs[qid] = Queue(qid, base & ~0xFFF, size, vector=vector, interrupts=bool(cdw11 & 2))
 
     def _create_sq(self, cdw10: int, cdw11: int, base: int) -> None:
         qid, size, cqid = cdw10 & 0xFFFF, (cdw10 >> 16) + 1, cdw11 >> 16
         if not 0 < qid <= MAX_QUEUES or qid in self.sqs:
-            raise CommandError(SC_INVALID_QID)
+            raise CommandError(Status.INVALID_QID)
         if cqid not in self.cqs or cqid == 0:
-            raise CommandError(SC_INVALID_CQ)
+            raise CommandError(Status.INVALID_CQ)
         if size < 2 or size > MQES + 1:
-            raise CommandError(SC_INVALID_QSIZE)
+            raise CommandError(Status.INVALID_QUEUE_SIZE)
         with self.lock:
             self.sqs[qid] = Queue(qid, base & ~0xFFF, size, cqid=cqid)
             self.cqs[cqid].sq_ids.add(qid)
@@ -369,9 +466,9 @@ class NvmeController(PciFunction):
         with self.lock:
             table = self.cqs if cq else self.sqs
             if qid == 0 or qid not in table:
-                raise CommandError(SC_INVALID_QID)
+                raise CommandError(Status.INVALID_QID)
             if cq and table[qid].sq_ids:
-                raise CommandError(0x10C)  # invalid queue deletion: SQs still use it
+                raise CommandError(Status.INVALID_QUEUE_DELETION)
             queue = table.pop(qid)
             if not cq:
                 self.cqs.get(queue.cqid, Queue(0, 0, 1)).sq_ids.discard(qid)
@@ -381,40 +478,40 @@ class NvmeController(PciFunction):
         nsid = struct.unpack_from("<I", sqe, 4)[0]
         ns = self.namespaces.get(nsid)
         if ns is None:
-            raise CommandError(SC_INVALID_NS)
-        if opcode == 0x00:  # flush: durable from here on
+            raise CommandError(Status.INVALID_NAMESPACE)
+        if opcode == IoOpcode.FLUSH:  # durable from here on
             os.fsync(ns.fd)
             self.stats_counters["flushes"] += 1
             return 0
         prp1, prp2 = struct.unpack_from("<QQ", sqe, 24)
         slba, cdw12 = struct.unpack_from("<QI", sqe, 40)
-        if opcode in (0x01, 0x02, 0x08):
+        if opcode in (IoOpcode.WRITE, IoOpcode.READ, IoOpcode.WRITE_ZEROES):
             nlb = (cdw12 & 0xFFFF) + 1
             if slba + nlb > ns.blocks:
-                raise CommandError(SC_LBA_RANGE)
+                raise CommandError(Status.LBA_OUT_OF_RANGE)
             offset, length = slba << LBA_SHIFT, nlb << LBA_SHIFT
-            if opcode == 0x02:  # read
+            if opcode == IoOpcode.READ:
                 self._write_prp(prp1, prp2, os.pread(ns.fd, length, offset))
                 self.stats_counters["bytes_read"] += length
-            elif opcode == 0x01:  # write
+            elif opcode == IoOpcode.WRITE:
                 if length > (PAGE << MDTS):
-                    raise CommandError(SC_INVALID_FIELD)
+                    raise CommandError(Status.INVALID_FIELD)
                 os.pwrite(ns.fd, self._read_prp(prp1, prp2, length), offset)
                 self.stats_counters["bytes_written"] += length
-            else:  # write zeroes
+            else:  # IoOpcode.WRITE_ZEROES
                 os.pwrite(ns.fd, bytes(length), offset)
             return 0
-        if opcode == 0x09:  # dataset management: deallocate reads back as zeroes
+        if opcode == IoOpcode.DATASET_MANAGEMENT:  # deallocated blocks read back as zeroes
             ranges = (struct.unpack_from("<I", sqe, 40)[0] & 0xFF) + 1
             table = self._read_prp(prp1, prp2, ranges * 16)
             for i in range(ranges):
                 _attr, nlb, start = struct.unpack_from("<IIQ", table, i * 16)
                 if start + nlb > ns.blocks:
-                    raise CommandError(SC_LBA_RANGE)
+                    raise CommandError(Status.LBA_OUT_OF_RANGE)
                 if struct.unpack_from("<I", sqe, 44)[0] & 4:  # AD: deallocate
                     os.pwrite(ns.fd, bytes(nlb << LBA_SHIFT), start << LBA_SHIFT)
             return 0
-        raise CommandError(SC_INVALID_OPCODE)
+        raise CommandError(Status.INVALID_OPCODE)
 
     # --- PRPs --------------------------------------------------------------------------------------
     def _segments(self, prp1: int, prp2: int, length: int) -> list[tuple[int, int]]:

@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dxpu_vfio.bench import table, write_json  # noqa: E402
+from dxpu_vfio.pool.states import LeaseState  # noqa: E402
 from dxpu_vfio.pool.store import Store  # noqa: E402
 
 
@@ -59,7 +60,7 @@ def main() -> int:
         def attach_updates() -> None:
             for lease in leases:
                 store.update_lease(lease.id, socket=f"/run/{lease.id}.sock", proxy_pid=2, port="rp1")
-                store.update_lease(lease.id, state="attached")
+                store.update_lease(lease.id, state=LeaseState.ATTACHED)
 
         def listing() -> None:
             for _ in range(10):

@@ -16,6 +16,7 @@ from fakes import map_guest_memory
 
 from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, connect_remote
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
+from dxpu_vfio.link.endpoint import LinkState
 from dxpu_vfio.link.transport import TlsFiles, make_certs
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import VfioUserClient
@@ -151,6 +152,8 @@ def test_killed_remote_reads_all_ones_and_link_goes_down(forwarded, box):
         assert time.monotonic() < deadline, "reads never became all-ones"
     assert not device.link_up
     eventually(lambda: down, what="the control plane's link-down notice")
+    link = device.endpoint.stats()
+    assert device.endpoint.state is LinkState.DOWN and link["up"] is False and link["down_reason"] == down[0]
     assert client.read32(BAR0, 0x08) == 0xFFFFFFFF  # every later read too, at once
     client.write32(BAR0, 0x08, 1)  # and writes are dropped without an error
 

@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dxpu_vfio.lab.hotplug import guest_wait_for_child, port_bdf
 from dxpu_vfio.lab import lab
@@ -130,10 +131,12 @@ def test_attach_status_metrics_detach_through_qmp(pool, vm):
     status = pool.json("status", sock)
     [dev] = status["devices"]
     assert dev["in_vm"] and dev["proxy_alive"] and dev["link_up"], status
-    metrics = pool.dxpu("manager", "metrics").stdout
-    assert f'dxpu_lease_info{{lease="{lease["lease"]}",device="box2/td1"' in metrics
-    assert 'dxpu_device_messages_total{' in metrics and 'command="REGION_READ"' in metrics
-    assert 'dxpu_box_up{box="box2"} 1' in metrics
+    metrics = {(s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(
+        pool.dxpu("manager", "metrics").stdout) for s in f.samples}
+    mine = {"lease": lease["lease"], "device": "box2/td1", "vm": lease["vm"]}
+    assert metrics[("dxpu_lease_info", frozenset({**mine, "state": "attached"}.items()))] == 1
+    assert metrics[("dxpu_device_messages_total", frozenset({**mine, "command": "REGION_READ"}.items()))] >= 1
+    assert metrics[("dxpu_box_up", frozenset({"box": "box2"}.items()))] == 1
     text = pool.dxpu("ls").stdout
     assert "box2/td1" in text and "leased" in text
     [freed] = pool.json("detach", sock, lease["lease"])

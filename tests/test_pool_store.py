@@ -3,6 +3,7 @@ processes, schema migration, refusals, a full disk, and the Prometheus expositio
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import sqlite3
@@ -12,6 +13,7 @@ import pytest
 
 from dxpu_vfio.pool import store as store_mod
 from dxpu_vfio.pool.metrics import render
+from dxpu_vfio.pool.states import BoxState, LeaseState
 from dxpu_vfio.pool.store import NoFreeDevice, Store, StoreError
 
 
@@ -134,6 +136,36 @@ def test_migrates_a_version_1_database_keeping_its_leases(tmp_path):
     assert [lease.device for lease in s.allocate("vm2")] == ["a/d1"]
     with pytest.raises(NoFreeDevice):
         s.allocate("vm3")
+    s.close()
+    assert_states_checked(path, "l1")
+
+
+def assert_states_checked(path, lease_id: str) -> None:
+    """The database takes every state the code names and refuses any other."""
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        for state in LeaseState:
+            db.execute("UPDATE leases SET state = ? WHERE id = ?", (state, lease_id))
+        for state in BoxState:
+            db.execute("UPDATE boxes SET state = ?", (state,))
+        with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+            db.execute("UPDATE leases SET state = 'plugged' WHERE id = ?", (lease_id,))
+        with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+            db.execute("UPDATE boxes SET state = 'sleeping'")
+    finally:
+        db.close()
+
+
+def test_lease_and_box_states_are_the_enums_and_the_strings_shown(store):
+    [lease] = store.allocate("vm1", device="a/d0")
+    store.update_lease(lease.id, state="attached")
+    [lease] = store.leases("vm1")
+    assert lease.state is LeaseState.ATTACHED and json.dumps(lease.state) == '"attached"'
+    assert store.mark_box("b", up=False) is BoxState.UP and store.box("b")["state"] is BoxState.DOWN
+    assert [b["state"] for b in json.loads(json.dumps(store.boxes()))] == ["up", "down"]
+    with pytest.raises(ValueError, match="'plugged' is not a valid LeaseState"):
+        store.update_lease(lease.id, state="plugged")
+    assert_states_checked(store.path, lease.id)
 
 
 def test_a_newer_schema_is_refused(tmp_path):
@@ -196,6 +228,8 @@ def test_metrics_are_valid_prometheus_text(store):
     assert samples[("dxpu_device_messages_total", tuple(sorted(base + (("command", "REGION_READ"),))))] == 7
     assert samples[("dxpu_device_dma_bytes_total", tuple(sorted(base + (("direction", "read"),))))] == 4096
     assert samples[("dxpu_device_link_up", base)] == 1
+    assert samples[("dxpu_lease_info", tuple(sorted(base + (("state", "attached"),))))] == 1
+    assert families["dxpu_device_messages"].type == "counter" and families["dxpu_box_up"].type == "gauge"
     assert samples[("dxpu_box_up", (("box", "a"),))] == 1
     assert samples[("dxpu_devices", (("box", "b"), ("class", "nvme"), ("state", "leased")))] == 1
     assert samples[("dxpu_devices", (("box", "a"), ("class", "testdev"), ("state", "free")))] == 3

@@ -83,7 +83,7 @@ def test_identify_controller_and_namespaces(ctrl):
     assert struct.unpack_from("<3I", drv.ram.ram, BUF - RAM_BASE) == (1, 2, 0)
     assert drv.submit(0, 0x06, nsid=2, prp1=BUF, cdw=(0, 0, 0, 0, 0, 0))[0] == 0
     assert struct.unpack_from("<Q", drv.ram.ram, BUF - RAM_BASE)[0] == (1 << 20) // 512
-    assert drv.submit(0, 0x06, nsid=9, prp1=BUF, cdw=(0, 0, 0, 0, 0, 0))[0] == nvme.SC_INVALID_NS
+    assert drv.submit(0, 0x06, nsid=9, prp1=BUF, cdw=(0, 0, 0, 0, 0, 0))[0] == nvme.Status.INVALID_NAMESPACE
 
 
 def test_io_through_a_prp_list_round_trips_to_the_file(ctrl, tmp_path):
@@ -109,16 +109,16 @@ def test_io_through_a_prp_list_round_trips_to_the_file(ctrl, tmp_path):
 
 def test_errors_have_the_right_status(ctrl):
     drv, _ = ctrl
-    assert drv.submit(0, 0x7F)[0] == nvme.SC_INVALID_OPCODE
-    assert drv.submit(0, 0x01, prp1=IOSQ, cdw=((31 << 16) | 1, 1 | (5 << 16), 0, 0, 0, 0))[0] == nvme.SC_INVALID_CQ
-    assert drv.submit(0, 0x05, prp1=IOCQ, cdw=((9999 << 16) | 1, 1, 0, 0, 0, 0))[0] == nvme.SC_INVALID_QSIZE
-    assert drv.submit(0, 0x02, prp1=BUF, cdw=(0x7F | (127 << 16), 0, 0, 0, 0, 0))[0] == nvme.SC_INVALID_LOG_PAGE
+    assert drv.submit(0, 0x7F)[0] == nvme.Status.INVALID_OPCODE
+    assert drv.submit(0, 0x01, prp1=IOSQ, cdw=((31 << 16) | 1, 1 | (5 << 16), 0, 0, 0, 0))[0] == nvme.Status.INVALID_CQ
+    assert drv.submit(0, 0x05, prp1=IOCQ, cdw=((9999 << 16) | 1, 1, 0, 0, 0, 0))[0] == nvme.Status.INVALID_QUEUE_SIZE
+    assert drv.submit(0, 0x02, prp1=BUF, cdw=(0x7F | (127 << 16), 0, 0, 0, 0, 0))[0] == nvme.Status.INVALID_LOG_PAGE
     assert drv.submit(0, 0x05, prp1=IOCQ, cdw=((31 << 16) | 1, 0b11 | (1 << 16), 0, 0, 0, 0))[0] == 0
     assert drv.submit(0, 0x01, prp1=IOSQ, cdw=((31 << 16) | 1, 1 | (1 << 16), 0, 0, 0, 0))[0] == 0
     blocks = (1 << 20) // 512
-    assert drv.submit(1, 0x02, nsid=1, prp1=BUF, cdw=(blocks - 1, 0, 1, 0, 0, 0))[0] == nvme.SC_LBA_RANGE
-    assert drv.submit(1, 0x02, nsid=1, prp1=0x1000, cdw=(0, 0, 0, 0, 0, 0))[0] == nvme.SC_DATA_XFER_ERROR
-    assert drv.submit(0, 0x04, cdw=(1, 0, 0, 0, 0, 0))[0] == 0x10C  # CQ still used by SQ 1
+    assert drv.submit(1, 0x02, nsid=1, prp1=BUF, cdw=(blocks - 1, 0, 1, 0, 0, 0))[0] == nvme.Status.LBA_OUT_OF_RANGE
+    assert drv.submit(1, 0x02, nsid=1, prp1=0x1000, cdw=(0, 0, 0, 0, 0, 0))[0] == nvme.Status.DATA_TRANSFER_ERROR
+    assert drv.submit(0, 0x04, cdw=(1, 0, 0, 0, 0, 0))[0] == nvme.Status.INVALID_QUEUE_DELETION  # CQ still used by SQ 1
 
 
 def test_features_logs_and_held_async_event(ctrl):

@@ -5,14 +5,15 @@ the remote proxy of its GPU box when served from the lab). Tests and benchmarks 
 
 from __future__ import annotations
 
+import io
 import signal
-import struct
 import time
-import zlib
 from pathlib import Path
 
-from dxpu_vfio.procs import request_file, request_json
+from PIL import Image, UnidentifiedImageError
+
 from dxpu_vfio.daemon import screenshot_path
+from dxpu_vfio.procs import request_file, request_json
 
 
 class DisplayProbe:
@@ -75,17 +76,10 @@ class DisplayProbe:
 
 
 def png_pixels(png: bytes) -> tuple[int, int, bytes]:
-    """Decode the plain 8-bit RGB PNGs the adapter writes (filter type 0 on every row)."""
-    if png[:8] != b"\x89PNG\r\n\x1a\n":
-        raise ValueError("not a PNG")
-    pos, idat, w, h = 8, b"", 0, 0
-    while pos < len(png):
-        length, kind = struct.unpack(">I4s", png[pos:pos + 8])
-        data = png[pos + 8:pos + 8 + length]
-        if kind == b"IHDR":
-            w, h = struct.unpack(">II", data[:8])
-        elif kind == b"IDAT":
-            idat += data
-        pos += 12 + length
-    raw = zlib.decompress(idat)
-    return w, h, b"".join(raw[y * (w * 3 + 1) + 1:(y + 1) * (w * 3 + 1)] for y in range(h))
+    """(width, height, RGB bytes, 3 per pixel, row after row) of a PNG."""
+    try:
+        with Image.open(io.BytesIO(png), formats=["PNG"]) as image:
+            rgb = image.convert("RGB")
+    except UnidentifiedImageError as exc:
+        raise ValueError(f"not a PNG ({len(png)} bytes)") from exc
+    return rgb.width, rgb.height, rgb.tobytes()

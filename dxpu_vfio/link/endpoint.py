@@ -5,11 +5,13 @@ A reader thread takes messages in stream order: replies go to the thread waiting
 them, requests to ``handlers`` (run inline, so their effects keep the stream's order).
 A heartbeat thread posts HEARTBEAT every ``heartbeat`` seconds and declares the link
 down when nothing at all was heard for ``dead_after`` seconds (a peer that is stopped,
-not closed). Once down, a link stays down: recovery is a new link (re-attach).
+not closed). Once down, a link stays down (:class:`LinkState`): recovery is a new link
+(re-attach).
 """
 
 from __future__ import annotations
 
+import enum
 import errno
 import itertools
 import logging
@@ -27,6 +29,13 @@ from dxpu_vfio.link.protocol import LinkCommand
 log = logging.getLogger("dxpu.link")
 
 Handler = Callable[[Message], "bytes | None"]
+
+
+class LinkState(enum.StrEnum):
+    """UP from the start; DOWN once, for good (``down_reason`` says why)."""
+
+    UP = "up"
+    DOWN = "down"
 
 
 class LinkDown(Exception):
@@ -68,7 +77,8 @@ class LinkEndpoint:
         self.heartbeat = heartbeat
         self.dead_after = dead_after
         self.on_down = on_down
-        self.down_reason: str | None = None
+        self._state = LinkState.UP
+        self.down_reason: str | None = None  # set just before the state goes DOWN
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[threading.Event, list]] = {}
         self._lock = threading.Lock()
@@ -83,8 +93,12 @@ class LinkEndpoint:
         self.timeouts = 0
 
     @property
+    def state(self) -> LinkState:
+        return self._state
+
+    @property
     def up(self) -> bool:
-        return self.down_reason is None
+        return self._state is LinkState.UP
 
     def start(self) -> "LinkEndpoint":
         for target, label in ((self._read_loop, "read"), (self._heartbeat_loop, "beat")):
@@ -96,9 +110,10 @@ class LinkEndpoint:
     # --- state -----------------------------------------------------------------------
     def mark_down(self, reason: str) -> None:
         with self._lock:
-            if self.down_reason is not None:
+            if self._state is LinkState.DOWN:
                 return
-            self.down_reason = reason
+            self.down_reason = reason  # first: whoever sees DOWN (unlocked) finds the reason
+            self._state = LinkState.DOWN
             waiters, self._pending = list(self._pending.values()), {}
         log.warning("link %s down: %s", self.name, reason)
         for event, _ in waiters:

@@ -28,6 +28,7 @@ from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.procs import request_json, terminate_pid
 from dxpu_vfio.vmm.qmp import QmpError
 from dxpu_vfio.pool.boxes import TLS_ROLE, BoxUnreachable, fetch_inventory, fetch_screenshot
+from dxpu_vfio.pool.states import BoxState, LeaseState
 from dxpu_vfio.pool.store import QDEV_PREFIX, Lease, Store, StoreError
 from dxpu_vfio.vmm.errors import VmGone
 from dxpu_vfio.vmm.targets import VmTarget
@@ -129,15 +130,15 @@ class Manager:
                         f"{(box['cert_sha256'] or 'none')[:16]}...)",
                         hint=f"if the box was re-keyed on purpose: dxpu box add {box['name']} {box['address']}")
             except BoxUnreachable as exc:
-                if box["state"] == "up" and time.time() - box["last_seen"] >= self.dead_after:
+                if box["state"] == BoxState.UP and time.time() - box["last_seen"] >= self.dead_after:
                     self.store.mark_box(box["name"], up=False, error=exc.message)
-                    changes.append({"box": box["name"], "state": "down", "error": exc.message})
+                    changes.append({"box": box["name"], "state": BoxState.DOWN, "error": exc.message})
                     log.warning("box %s is down: %s", box["name"], exc.message)
                 continue
-            if box["state"] == "down":
+            if box["state"] == BoxState.DOWN:
                 self.store.register_box(box["name"], box["address"], box["tls_dir"], inventory["devices"],
                                         box["cert_sha256"])
-                changes.append({"box": box["name"], "state": "up"})
+                changes.append({"box": box["name"], "state": BoxState.UP})
                 log.warning("box %s is back", box["name"])
             else:
                 self.store.mark_box(box["name"], up=True)
@@ -151,7 +152,7 @@ class Manager:
         lease. At most once per ``heal_interval`` s per lease; a failure releases the lease."""
         actions = []
         for lease in self.store.leases():
-            if lease.box != box or lease.state != "attached":
+            if lease.box != box or lease.state != LeaseState.ATTACHED:
                 continue
             if time.monotonic() - self._healed.get(lease.id, -1e9) < self.heal_interval:
                 continue
@@ -174,9 +175,9 @@ class Manager:
 
     def _replug(self, target: VmTarget, lease: Lease) -> None:
         """Unplug, new proxy, plug again (lease 'attaching' meanwhile: a crash rolls it back)."""
-        if self.store.lease_for(target.key, lease.id).state != "attached":
+        if self.store.lease_for(target.key, lease.id).state != LeaseState.ATTACHED:
             return  # detached or changed since we looked
-        self.store.update_lease(lease.id, state="attaching", owner_pid=os.getpid())
+        self.store.update_lease(lease.id, state=LeaseState.ATTACHING, owner_pid=os.getpid())
         try:
             if device_present(target, lease.qdev_id):
                 target.unplug(lease.qdev_id, self.unplug_timeout)
@@ -185,7 +186,7 @@ class Manager:
         except BaseException:
             self._undo(target, lease, plugged=device_present(target, lease.qdev_id))
             raise
-        self.store.update_lease(lease.id, state="attached")
+        self.store.update_lease(lease.id, state=LeaseState.ATTACHED)
 
     # --- attach / detach ---------------------------------------------------------
     def attach(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
@@ -202,8 +203,8 @@ class Manager:
                     self._plug(target, lease, timeout)
                     done[-1] = (lease, True)
                 for lease in leases:
-                    self.store.update_lease(lease.id, state="attached")
-                    lease.state = "attached"
+                    self.store.update_lease(lease.id, state=LeaseState.ATTACHED)
+                    lease.state = LeaseState.ATTACHED
             except BaseException as exc:
                 for lease, plugged in reversed(done):
                     self._undo(target, lease, plugged)
@@ -245,7 +246,7 @@ class Manager:
                 target.unplug(lease.qdev_id, self.unplug_timeout)
             except DxpuError as exc:
                 log.error("rollback could not unplug %s from %s: %s", lease.qdev_id, target.name, exc)
-                self.store.update_lease(lease.id, state="detaching")
+                self.store.update_lease(lease.id, state=LeaseState.DETACHING)
                 return  # keep the lease: the device is still in the VM; reconcile retries
         stop_proxy(lease)  # its log stays: the AttachError names it
         self.store.delete_lease(lease.id)
@@ -269,7 +270,7 @@ class Manager:
     def _detach_one(self, target: VmTarget, lease: Lease, timeout: float) -> dict:
         """Unplug (UnplugTimeout leaves the lease 'detaching' and the device served: detach
         again later), then release."""
-        self.store.update_lease(lease.id, state="detaching", owner_pid=os.getpid())
+        self.store.update_lease(lease.id, state=LeaseState.DETACHING, owner_pid=os.getpid())
         counters = self._proxy_stats(lease)
         if target.alive() and device_present(target, lease.qdev_id):
             target.unplug(lease.qdev_id, timeout)
@@ -325,17 +326,17 @@ class Manager:
             # Under the VM lock no attach or detach of this process is in flight, so an
             # unfinished lease is stale unless another live process owns it.
             stale = lease.owner_pid == os.getpid() or not _pid_alive(lease.owner_pid)
-            if lease.state == "attaching" and stale:
+            if lease.state == LeaseState.ATTACHING and stale:
                 why = "attach interrupted"
-            elif lease.state == "detaching" and stale:
+            elif lease.state == LeaseState.DETACHING and stale:
                 why = "detach interrupted"
-            elif lease.state == "attached" and lease.qdev_id not in present:
+            elif lease.state == LeaseState.ATTACHED and lease.qdev_id not in present:
                 why = "device no longer in the VM"
-            elif lease.state == "attached" and not proxy_alive(lease):
+            elif lease.state == LeaseState.ATTACHED and not proxy_alive(lease):
                 why = "host proxy died"
             if why is None:
                 continue
-            self.store.update_lease(lease.id, state="detaching", owner_pid=os.getpid())
+            self.store.update_lease(lease.id, state=LeaseState.DETACHING, owner_pid=os.getpid())
             if lease.qdev_id in present:
                 try:
                     target.unplug(lease.qdev_id, self.reconcile_unplug_timeout)
@@ -403,7 +404,7 @@ class Manager:
         """Prometheus text exposition: pool gauges and per-device counters from the proxies."""
         from dxpu_vfio.pool.metrics import render
         return render(self.store, {lease.id: self._proxy_stats(lease) for lease in self.store.leases()
-                                   if lease.state == "attached"})
+                                   if lease.state == LeaseState.ATTACHED})
 
 
 def _free_ports(target: VmTarget) -> int:

@@ -6,10 +6,14 @@ IMMEDIATE`` transaction and ``leases.device`` is UNIQUE, so two attaches -- in o
 process or in two -- can never get the same device. Schema changes go through
 :data:`MIGRATIONS`, numbered by ``PRAGMA user_version``.
 
-A lease moves ``attaching`` -> ``attached`` -> ``detaching`` -> (deleted). Its row
+A lease moves ``attaching`` -> ``attached`` -> ``detaching`` -> (deleted)
+(:class:`~dxpu_vfio.pool.states.LeaseState`). Its row
 exists before anything is plugged and is deleted only after the device left the VM, so
 at no moment is a device plugged without a lease; a lease left ``attaching`` or
 ``detaching`` by a manager that died is finished or rolled back by reconciliation.
+
+The CHECK constraints on the state columns are written from the enums. A database keeps
+the CHECK it was created with, so a new state needs a migration that rebuilds its table.
 """
 
 from __future__ import annotations
@@ -25,15 +29,16 @@ from pathlib import Path
 from typing import Iterator
 
 from dxpu_vfio.errors import DxpuError
+from dxpu_vfio.pool.states import BoxState, LeaseState, sql_check
 
 MIGRATIONS: list[str] = [
     # 1: boxes, devices, leases
-    """
+    f"""
     CREATE TABLE boxes (
         name TEXT PRIMARY KEY,
         address TEXT NOT NULL,            -- host:port of its remote proxy
         tls_dir TEXT,                     -- ca.pem + host.pem/key used to reach it, NULL for plaintext
-        state TEXT NOT NULL DEFAULT 'up' CHECK (state IN ('up', 'down')),
+        state TEXT NOT NULL DEFAULT '{BoxState.UP}' {sql_check("state", BoxState)},
         registered_at REAL NOT NULL,
         last_seen REAL NOT NULL,
         last_error TEXT
@@ -53,7 +58,7 @@ MIGRATIONS: list[str] = [
         id TEXT PRIMARY KEY,
         device TEXT NOT NULL UNIQUE REFERENCES devices(id),
         vm TEXT NOT NULL,                 -- target key: qmp:/path or libvirt:name
-        state TEXT NOT NULL CHECK (state IN ('attaching', 'attached', 'detaching')),
+        state TEXT NOT NULL {sql_check("state", LeaseState)},
         port TEXT, qdev_id TEXT NOT NULL, socket TEXT,
         proxy_pid INTEGER, owner_pid INTEGER,
         created_at REAL NOT NULL, updated_at REAL NOT NULL
@@ -100,7 +105,7 @@ class Lease:
     id: str
     device: str
     vm: str
-    state: str
+    state: LeaseState
     qdev_id: str
     port: str | None = None
     socket: str | None = None
@@ -109,9 +114,16 @@ class Lease:
     created_at: float = 0.0
     updated_at: float = 0.0
 
+    def __post_init__(self) -> None:
+        self.state = LeaseState(self.state)  # rows hold plain strings
+
     @property
     def box(self) -> str:
         return self.device.split("/", 1)[0]
+
+
+def _box_dict(row: sqlite3.Row) -> dict:
+    return {**dict(row), "state": BoxState(row["state"])}
 
 
 def default_path() -> Path:
@@ -199,10 +211,10 @@ class Store:
         now = time.time()
         with self.transaction() as db:
             db.execute("INSERT INTO boxes (name, address, tls_dir, state, registered_at, last_seen, cert_sha256) "
-                       "VALUES (?, ?, ?, 'up', ?, ?, ?) ON CONFLICT(name) DO UPDATE SET address=excluded.address, "
-                       "tls_dir=excluded.tls_dir, state='up', last_seen=excluded.last_seen, last_error=NULL, "
-                       "cert_sha256=excluded.cert_sha256",
-                       (name, address, tls_dir, now, now, cert_sha256))
+                       "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET address=excluded.address, "
+                       "tls_dir=excluded.tls_dir, state=excluded.state, last_seen=excluded.last_seen, "
+                       "last_error=NULL, cert_sha256=excluded.cert_sha256",
+                       (name, address, tls_dir, BoxState.UP, now, now, cert_sha256))
             seen = []
             for d in devices:
                 device_id = f"{name}/{d['id']}"
@@ -237,21 +249,21 @@ class Store:
 
     def box(self, name: str) -> dict:
         with self._lock:
-            return dict(self._box_row(self._db, name))
+            return _box_dict(self._box_row(self._db, name))
 
-    def mark_box(self, name: str, up: bool, error: str | None = None) -> str:
+    def mark_box(self, name: str, up: bool, error: str | None = None) -> BoxState:
         """Record a heartbeat result; returns the box's state before it."""
         with self.transaction() as db:
-            before = self._box_row(db, name)["state"]
+            before = BoxState(self._box_row(db, name)["state"])
             if up:
-                db.execute("UPDATE boxes SET state='up', last_seen=?, last_error=NULL WHERE name=?",
-                           (time.time(), name))
+                db.execute("UPDATE boxes SET state=?, last_seen=?, last_error=NULL WHERE name=?",
+                           (BoxState.UP, time.time(), name))
             else:
-                db.execute("UPDATE boxes SET state='down', last_error=? WHERE name=?", (error, name))
+                db.execute("UPDATE boxes SET state=?, last_error=? WHERE name=?", (BoxState.DOWN, error, name))
             return before
 
     def boxes(self) -> list[dict]:
-        return [dict(r) for r in self._query(
+        return [_box_dict(r) for r in self._query(
             "SELECT boxes.*, (SELECT COUNT(*) FROM devices WHERE box = boxes.name) AS devices, "
             "(SELECT COUNT(*) FROM leases JOIN devices d ON d.id = leases.device WHERE d.box = boxes.name) "
             "AS leased FROM boxes ORDER BY name")]
@@ -261,7 +273,8 @@ class Store:
                            "boxes.state AS box_state, leases.id AS lease, leases.vm AS vm "
                            "FROM devices JOIN boxes ON boxes.name = devices.box "
                            "LEFT JOIN leases ON leases.device = devices.id ORDER BY devices.id")
-        return [{**dict(r), "available": r["lease"] is None and r["box_state"] == "up"} for r in rows]
+        return [{**dict(r), "box_state": BoxState(r["box_state"]),
+                 "available": r["lease"] is None and r["box_state"] == BoxState.UP} for r in rows]
 
     def device(self, device_id: str) -> dict:
         rows = self._query("SELECT devices.*, boxes.address, boxes.tls_dir FROM devices "
@@ -293,17 +306,18 @@ class Store:
                 dev_filter += " AND d.id = ?" if "/" in device else " AND d.name = ?"
                 dev_args.append(device)
             order = "b.lent DESC, b.name" if policy == "pack" else "b.lent, b.name"
+            box_args = [BoxState.UP] + ([box] if box else [])
             now = time.time()
             leases = []
             for _ in range(count):
                 row = db.execute(
-                    f"SELECT b.name FROM boxes b WHERE b.state = 'up'{box_filter} AND EXISTS (SELECT 1 FROM devices d "
+                    f"SELECT b.name FROM boxes b WHERE b.state = ?{box_filter} AND EXISTS (SELECT 1 FROM devices d "
                     f"WHERE d.box = b.name AND d.leased = 0{dev_filter}) ORDER BY {order} LIMIT 1",
-                    ([box] if box else []) + dev_args).fetchone()
+                    box_args + dev_args).fetchone()
                 if row is None:
                     free = len(leases) + db.execute(
-                        "SELECT COUNT(*) FROM devices d JOIN boxes b ON b.name = d.box WHERE b.state = 'up' "
-                        f"AND d.leased = 0{box_filter}{dev_filter}", ([box] if box else []) + dev_args).fetchone()[0]
+                        "SELECT COUNT(*) FROM devices d JOIN boxes b ON b.name = d.box WHERE b.state = ? "
+                        f"AND d.leased = 0{box_filter}{dev_filter}", box_args + dev_args).fetchone()[0]
                     what = " ".join(filter(None, [f"class {device_class}" if device_class else "",
                                                   f"on box {box}" if box else "",
                                                   f"named {device}" if device else ""]))
@@ -312,7 +326,7 @@ class Store:
                 device_id = db.execute(f"SELECT d.id FROM devices d WHERE d.box = ? AND d.leased = 0{dev_filter} "
                                        "ORDER BY d.id LIMIT 1", [row[0]] + dev_args).fetchone()[0]
                 lease_id = secrets.token_hex(4)
-                lease = Lease(lease_id, device_id, vm, "attaching", QDEV_PREFIX + lease_id,
+                lease = Lease(lease_id, device_id, vm, LeaseState.ATTACHING, QDEV_PREFIX + lease_id,
                               owner_pid=owner_pid, created_at=now, updated_at=now)
                 db.execute("INSERT INTO leases (id, device, vm, state, qdev_id, owner_pid, created_at, updated_at) "
                            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -324,6 +338,8 @@ class Store:
         allowed = {"state", "port", "socket", "proxy_pid", "owner_pid"}
         if not fields or set(fields) - allowed:
             raise ValueError(f"cannot update lease fields {sorted(set(fields) - allowed)}")
+        if "state" in fields:
+            fields["state"] = LeaseState(fields["state"])  # ValueError before the database sees it
         sets = ", ".join(f"{k} = ?" for k in fields)
         with self.transaction() as db:
             db.execute(f"UPDATE leases SET {sets}, updated_at = ? WHERE id = ?",
