@@ -20,17 +20,15 @@ import errno
 import threading
 from typing import Callable
 
-from qemu_device.device import RegionInfo
-from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
-
+from dxpu_vfio.hostproxy.coalescer import DEFAULT_COALESCE_DELAY, PostedCoalescer
+from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
+from dxpu_vfio.link.protocol import IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello, LinkCommand, unpack_irq
+from dxpu_vfio.link.transport import TlsFiles, connect
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection
 from dxpu_vfio.vfio_user.posted import Run, pack_batch
-from dxpu_vfio.hostproxy.coalescer import DEFAULT_COALESCE_DELAY, PostedCoalescer
-from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
-from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello, LinkCommand,
-                                     unpack_irq)
-from dxpu_vfio.link.transport import TlsFiles, connect
+from qemu_device.device import RegionInfo
+from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
 
 DEFAULT_COMPLETION_TIMEOUT = 1.0  # far below QEMU's 5 s x-msg-timeout
 
@@ -42,9 +40,11 @@ class RemoteAttachError(Exception):
 
 
 class RemoteFunction:
-    """A device reached over the link; the vfio-user server serves it like any model."""
+    """A device reached over the link; the vfio-user server serves it like any model.
 
-    event_source = None
+    Its ``event_source`` is the link: the vfio-user session thread serves the box's DMA
+    requests and interrupts itself and receives its own read completions (no hand-off).
+    """
 
     def __init__(self, conn: Connection, description: DeviceDescription, name: str, *,
                  completion_timeout: float = DEFAULT_COMPLETION_TIMEOUT,
@@ -66,9 +66,13 @@ class RemoteFunction:
             LinkCommand.DMA_READ: self._dma_read,
             LinkCommand.DMA_WRITE: self._dma_write,
             LinkCommand.IRQ: self._irq,
-        }, heartbeat=heartbeat, dead_after=dead_after, on_down=self._link_down)
+        }, heartbeat=heartbeat, dead_after=dead_after, on_down=self._link_down, waiters_serve=True)
         self.coalescer = PostedCoalescer(self._post_runs, merge=description.coalesce, name=name,
                                          delay=coalesce_delay) if coalesce else None
+
+    @property
+    def event_source(self) -> LinkEndpoint:
+        return self.endpoint
 
     @property
     def coalesce_posted(self) -> bool:  # the vfio-user server then offers write_multiple too

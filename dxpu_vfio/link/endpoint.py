@@ -1,12 +1,27 @@
 """One end of a device's link stream: requests with completion timeouts, posted
 messages, heartbeats, and counters. Both proxies use it, with their own handlers.
 
-A reader thread takes messages in stream order: replies go to the thread waiting for
-them, requests to ``handlers`` (run inline, so their effects keep the stream's order).
+Messages are taken in stream order by whichever thread reads: replies go to the request
+they answer, requests to ``handlers`` (run inline, so their effects keep the stream's
+order). Who reads, one thread at a time (the read lock):
+
+* a thread waiting for a completion reads the stream itself when nobody else is reading,
+  so the thread that waits for a completion is usually the thread that receives it
+  (no hand-off between threads, no extra wake-up). It runs the handlers of the requests
+  it reads only with ``waiters_serve=True`` (the host proxy's handlers never wait for
+  anyone); otherwise (the box: a device worker waiting for its DMA must not run a
+  register write that waits for that worker) it stops at the first request and leaves
+  it, and everything after it, to the background reader;
+* a *driver* (the host proxy's vfio-user session thread, :meth:`claim`) reads for good: it
+  serves the stream from its own poll loop (:meth:`service`) and receives its own
+  completions inline; the background reader is parked meanwhile;
+* otherwise the background reader thread does.
+
 A heartbeat thread posts HEARTBEAT every ``heartbeat`` seconds and declares the link
 down when nothing at all was heard for ``dead_after`` seconds (a peer that is stopped,
 not closed). Once down, a link stays down (:class:`LinkState`): recovery is a new link
-(re-attach).
+(re-attach). The stream is a :class:`~dxpu_vfio.link.stream.LinkStream`, which threads use
+one at a time (TLS allows no more).
 """
 
 from __future__ import annotations
@@ -16,19 +31,23 @@ import errno
 import itertools
 import logging
 import os
+import select
+import socket
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from dxpu_vfio.vfio_user import protocol as vp
-from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message
 from dxpu_vfio.link.protocol import LinkCommand
+from dxpu_vfio.link.stream import LinkStream
+from dxpu_vfio.vfio_user import protocol as vp
+from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message, ReceiveTimeout
 
 log = logging.getLogger("dxpu.link")
 
 Handler = Callable[[Message], "bytes | None"]
+REST_OF_MESSAGE = 1.0  # the longest a reader waits for the rest of a message that started
 
 
 class LinkState(enum.StrEnum):
@@ -59,7 +78,7 @@ def _cmd_name(command: int) -> str:
 
 @dataclass
 class Pending:
-    """A request in flight."""
+    """A request in flight; ``reply`` gets the completion (None: the link went down)."""
 
     command: int
     event: threading.Event
@@ -70,8 +89,11 @@ class Pending:
 class LinkEndpoint:
     def __init__(self, conn: Connection, name: str, handlers: dict[int, Handler], *,
                  heartbeat: float = 0.25, dead_after: float = 3.0,
-                 on_down: Callable[[str], None] | None = None) -> None:
+                 on_down: Callable[[str], None] | None = None, waiters_serve: bool = False) -> None:
+        if not isinstance(conn.sock, LinkStream):
+            conn.sock = LinkStream(conn.sock)
         self.conn = conn
+        self.stream: LinkStream = conn.sock
         self.name = name
         self.handlers = handlers
         self.heartbeat = heartbeat
@@ -80,8 +102,14 @@ class LinkEndpoint:
         self._state = LinkState.UP
         self.down_reason: str | None = None  # set just before the state goes DOWN
         self._ids = itertools.count(1)
-        self._pending: dict[int, tuple[threading.Event, list]] = {}
+        self._pending: dict[int, Pending] = {}
         self._lock = threading.Lock()
+        self._read_lock = threading.Lock()  # held by the one thread that reads the stream
+        self._driver: threading.Thread | None = None
+        self.waiters_serve = waiters_serve
+        self._deferred: Message | None = None  # a request a waiter read but may not serve
+        self._parked = threading.Condition()
+        self._wake_r, self._wake_w = os.pipe()  # wakes the background reader when a driver claims
         self._last_heard = time.monotonic()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -91,6 +119,7 @@ class LinkEndpoint:
         self.received: dict[str, int] = defaultdict(int)
         self.handled: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [count, handler ns]
         self.timeouts = 0
+        self.self_received = 0  # completions received by the thread that waited for them
 
     @property
     def state(self) -> LinkState:
@@ -101,7 +130,7 @@ class LinkEndpoint:
         return self._state is LinkState.UP
 
     def start(self) -> "LinkEndpoint":
-        for target, label in ((self._read_loop, "read"), (self._heartbeat_loop, "beat")):
+        for target, label in ((self._background_reader, "read"), (self._heartbeat_loop, "beat")):
             thread = threading.Thread(target=target, name=f"link-{label}-{self.name}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -116,9 +145,13 @@ class LinkEndpoint:
             self._state = LinkState.DOWN
             waiters, self._pending = list(self._pending.values()), {}
         log.warning("link %s down: %s", self.name, reason)
-        for event, _ in waiters:
-            event.set()
-        self.conn.close()
+        for pending in waiters:
+            pending.event.set()
+        try:  # wakes every thread in poll on the stream; the descriptor stays valid until close()
+            self.stream.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        os.write(self._wake_w, b"d")
         if self.on_down:
             self.on_down(reason)
 
@@ -137,14 +170,14 @@ class LinkEndpoint:
         """Send and wait for the completion; LinkDown on timeout (the link goes down)."""
         return self.wait(self.send_request(command, payload), timeout)
 
-    def send_request(self, command: int, payload: bytes) -> "Pending":
+    def send_request(self, command: int, payload: bytes) -> Pending:
         """Send a non-posted request without waiting: several may be in flight (pipelining)."""
         if not self.up:
             raise LinkDown(self.down_reason)
         msg_id = next(self._ids) & 0xFFFF
         pending = Pending(command, threading.Event(), [], time.perf_counter_ns())
         with self._lock:
-            self._pending[msg_id] = (pending.event, pending.reply)
+            self._pending[msg_id] = pending
         try:
             self.conn.send(vp.message(msg_id, command, payload))
         except ConnectionClosed as exc:
@@ -152,9 +185,23 @@ class LinkEndpoint:
             raise LinkDown(self.down_reason) from exc
         return pending
 
-    def wait(self, pending: "Pending", timeout: float) -> memoryview:
-        """The completion of a request sent with :meth:`send_request`."""
-        if not pending.event.wait(timeout):
+    def wait(self, pending: Pending, timeout: float) -> memoryview:
+        """The completion of a request sent with :meth:`send_request`, received by this
+        thread itself where it can (see the module docstring)."""
+        deadline = time.monotonic() + timeout
+        if threading.current_thread() is self._driver:
+            self._read_until(pending, deadline)
+        else:
+            while not pending.event.is_set() and time.monotonic() < deadline:
+                if self._deferred is None and self._read_lock.acquire(blocking=False):
+                    try:
+                        self._read_until(pending, deadline)
+                    finally:
+                        self._read_lock.release()
+                    continue
+                # someone else reads: it hands our completion over, or lets go of the stream
+                pending.event.wait(min(0.002, max(0.0, deadline - time.monotonic())))
+        if not pending.event.is_set():
             self.timeouts += 1
             self.mark_down(f"completion timeout: no answer to {_cmd_name(pending.command)} in {timeout * 1000:.0f} ms")
             raise LinkDown(self.down_reason)
@@ -169,28 +216,51 @@ class LinkEndpoint:
         return reply.payload
 
     # --- receiving ---------------------------------------------------------------------
-    def _read_loop(self) -> None:
+    def _read_until(self, pending: Pending, deadline: float) -> None:
+        """Read (holding the read lock, or as the driver) until ``pending`` completes."""
+        serve = self.waiters_serve or threading.current_thread() is self._driver
+        while not pending.event.is_set() and self.up and self._deferred is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            msg = self._receive(left)
+            if msg is None:
+                continue
+            if not serve and not msg.header.is_reply:
+                self._deferred = msg  # the background reader serves it, then reads on
+                os.write(self._wake_w, b"r")
+                return
+            self._dispatch(msg)
+            if pending.event.is_set():
+                self.self_received += 1
+
+    def _receive(self, timeout: float) -> Message | None:
+        """One message within ``timeout`` (None if none came); marks the link down if the
+        stream ends or cannot be trusted."""
         try:
-            while not self._stop.is_set():
-                msg = self.conn.receive()
-                self._last_heard = time.monotonic()
-                hdr = msg.header
-                if hdr.is_reply:
-                    with self._lock:
-                        waiter = self._pending.pop(hdr.msg_id, None)
-                    if waiter:
-                        waiter[1].append(msg)
-                        waiter[0].set()
-                    continue
-                self.received[_cmd_name(hdr.command)] += 1
-                if hdr.command == LinkCommand.HEARTBEAT:
-                    continue
-                self._dispatch(msg)
+            if not self.conn.has_message() and not self.stream.readable(timeout):
+                return None
+            msg = self.conn.receive(timeout=REST_OF_MESSAGE)
+        except ReceiveTimeout:
+            return None
         except (ConnectionClosed, vp.ProtocolError) as exc:
             self.mark_down(f"peer closed the link ({exc})" if not self._stop.is_set() else "closed")
+            return None
+        self._last_heard = time.monotonic()
+        return msg
 
     def _dispatch(self, msg: Message) -> None:
         hdr = msg.header
+        if hdr.is_reply:
+            with self._lock:
+                pending = self._pending.pop(hdr.msg_id, None)
+            if pending is not None:
+                pending.reply.append(msg)
+                pending.event.set()
+            return
+        self.received[_cmd_name(hdr.command)] += 1
+        if hdr.command == LinkCommand.HEARTBEAT:
+            return
         handler = self.handlers.get(hdr.command)
         try:
             if handler is None:
@@ -202,13 +272,74 @@ class LinkEndpoint:
             spent[1] += time.perf_counter_ns() - started
             if not hdr.no_reply:
                 self.conn.send(vp.message(hdr.msg_id, hdr.command, reply or b"", reply=True))
-        except ConnectionClosed:
-            raise
+        except ConnectionClosed as exc:
+            self.mark_down(f"send failed: {exc}")
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error completion
             err = getattr(exc, "errno", None) or errno.EIO
             log.info("link %s: %s failed: %s", self.name, _cmd_name(hdr.command), exc)
             if not hdr.no_reply:
-                self.conn.send(vp.error_reply(hdr.msg_id, hdr.command, err))
+                try:
+                    self.conn.send(vp.error_reply(hdr.msg_id, hdr.command, err))
+                except ConnectionClosed as closed:
+                    self.mark_down(f"send failed: {closed}")
+
+    def _background_reader(self) -> None:
+        """Reads when nobody else does: parked while a driver holds the stream, and never
+        holding the read lock while it waits, so a waiting thread can read for itself."""
+        poller = select.poll()
+        poller.register(self.stream.fileno(), select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while self.up and not self._stop.is_set():
+            with self._parked:
+                while self._driver is not None and self.up and not self._stop.is_set():
+                    self._parked.wait()
+            if not self.up or self._stop.is_set():
+                return
+            if self._deferred is None and not (self.conn.has_message() or self.stream.pending()):
+                ready = dict(poller.poll())
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 64)
+                    if self._deferred is None:
+                        continue  # a driver claims the stream (or the link went down)
+            with self._read_lock:
+                if self._driver is None:
+                    msg, self._deferred = self._deferred, None
+                    msg = msg or self._receive(0)
+                    if msg is not None:
+                        self._dispatch(msg)
+
+    # --- a driver thread -------------------------------------------------------------
+    def claim(self) -> None:
+        """The calling thread reads the stream from now on: it calls :meth:`service` when
+        :meth:`fileno` is readable or :meth:`ready` says so, and receives its own
+        completions inline. Until :meth:`release`."""
+        with self._parked:
+            self._driver = threading.current_thread()
+        os.write(self._wake_w, b"c")
+        self._read_lock.acquire()  # the background reader (or a waiter) lets go between messages
+
+    def release(self) -> None:
+        if self._driver is not threading.current_thread():
+            return
+        self._read_lock.release()
+        with self._parked:
+            self._driver = None
+            self._parked.notify_all()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def ready(self) -> bool:
+        """Something can be read without waiting (buffered here or in TLS)."""
+        return self.up and (self.conn.has_message() or self.stream.pending())
+
+    def service(self) -> None:
+        """The driver's turn: handle every message that is there now, never waiting for one."""
+        while self.up:
+            msg = self._receive(0)
+            if msg is None:
+                return
+            self._dispatch(msg)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat):
@@ -222,12 +353,21 @@ class LinkEndpoint:
     def close(self) -> None:
         self._stop.set()
         self.mark_down("closed")
+        with self._parked:
+            self._parked.notify_all()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(2)
+        self.conn.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def stats(self) -> dict:
         return {"up": self.up, "down_reason": self.down_reason, "timeouts": self.timeouts,
+                "self_received": self.self_received,
                 "requests": {k: {"count": c, "wait_us": round(ns / 1000, 1)} for k, (c, ns) in self.requests.items()},
                 "posted": dict(self.posted), "received": dict(self.received),
                 "handled": {k: {"count": c, "us": round(ns / 1000, 1)} for k, (c, ns) in self.handled.items()}}

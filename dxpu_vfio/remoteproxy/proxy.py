@@ -16,10 +16,6 @@ import logging
 import socket
 import threading
 
-from qemu_device.device import PciFunction
-from qemu_device.models import create_model
-from qemu_device.ports import NullDmaPort, NullIrqPort
-
 from dxpu_vfio.link.endpoint import LinkEndpoint
 from dxpu_vfio.link.protocol import DeviceDescription, Hello, LinkCommand
 from dxpu_vfio.link.transport import TlsFiles, server_context
@@ -31,6 +27,9 @@ from dxpu_vfio.remoteproxy.ports import LinkDmaPort, LinkIrqPort
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, Message, close_listener
 from dxpu_vfio.vfio_user.posted import unpack_batch
+from qemu_device.device import PciFunction
+from qemu_device.models import create_model
+from qemu_device.ports import NullDmaPort, NullIrqPort
 
 log = logging.getLogger("dxpu.remote")
 
@@ -124,12 +123,14 @@ class RemoteProxy:
         err = check_hello(hello, slot.spec.lease if slot else None)
         if err == errno.EACCES:
             self.admission.refused["lease"] += 1
+        old = None
         if err is None:
             with self._lock:
                 if slot.in_use():
                     err = errno.EBUSY
                     self.admission.refused["busy"] += 1
                 else:
+                    old = slot.endpoint
                     slot.endpoint = LinkEndpoint(conn, f"{self.config.name}/{slot.spec.id}",
                                                  self._handlers(slot), on_down=lambda r, s=slot: self._released(s, r))
         if err is not None:
@@ -139,7 +140,8 @@ class RemoteProxy:
             finally:
                 conn.close()
             return
-        conn.sock.settimeout(None)
+        if old is not None:
+            old.close()  # the link before, down: its descriptors go now
         slot.links_served += 1
         slot.dma, slot.irq = LinkDmaPort(slot.endpoint), LinkIrqPort(slot.endpoint)
         with slot.device.lock:

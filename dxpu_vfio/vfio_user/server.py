@@ -37,14 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
-from qemu_device.device import PciFunction
-from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
-
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message, close_listener
 from dxpu_vfio.vfio_user.dma import DmaTable
 from dxpu_vfio.vfio_user.irq import EventfdIrqs
 from dxpu_vfio.vfio_user.posted import WriteRuns
+from qemu_device.device import PciFunction
+from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
 
 log = logging.getLogger("dxpu.vfio_user.server")
 
@@ -189,6 +188,8 @@ class _Session:
         """Serve the device's events until QEMU has something for us."""
         poller = select.poll()
         client, events = self.conn.fileno(), source.fileno()
+        if client < 0:
+            raise ConnectionClosed("the server closed this session")
         poller.register(client, select.POLLIN)
         if events >= 0:
             poller.register(events, select.POLLIN)
