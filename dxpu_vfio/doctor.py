@@ -11,8 +11,8 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dxpu_vfio.vms import images, qemu
 from dxpu_vfio.errors import DxpuError
+from dxpu_vfio.vms import images, qemu
 
 SETUP = "scripts/setup.sh"
 

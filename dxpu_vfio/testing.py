@@ -27,9 +27,9 @@ import pytest
 from pyroute2 import netns
 
 from dxpu_vfio.lab import lab
-from dxpu_vfio.vms.images import Image, load_image
 from dxpu_vfio.paths import PROJECT_ROOT, run_dir
 from dxpu_vfio.procs import pid_alive, request_json, wait_until
+from dxpu_vfio.vms.images import Image, load_image
 from dxpu_vfio.vms.runner import Vm, VmConfig
 
 RESULTS_DIR = Path(os.environ.get("DXPU_RESULTS", PROJECT_ROOT / "results"))
@@ -567,8 +567,8 @@ class LibvirtVm:
         self.guest = None
 
     def boot(self, timeout: float = 120.0) -> "LibvirtVm":
-        from dxpu_vfio.vms.libvirt_domain import DomainConfig, LibvirtGuest, define_domain
         from dxpu_vfio.vmm.libvirt_target import LibvirtTarget
+        from dxpu_vfio.vms.libvirt_domain import DomainConfig, LibvirtGuest, define_domain
         define_domain(DomainConfig(name=self.name, image="tiny"), start=True)
         self.target = LibvirtTarget(self.name)
         self.guest = LibvirtGuest(self.name).wait_booted(timeout)
@@ -579,8 +579,8 @@ class LibvirtVm:
 
     @property
     def logs(self) -> list[Path]:
-        from dxpu_vfio.vms.libvirt_domain import domain_dir
         from dxpu_vfio.vmm.libvirt_conn import qemu_log_path
+        from dxpu_vfio.vms.libvirt_domain import domain_dir
         return [domain_dir(self.name) / "serial.log", qemu_log_path(self.name)]
 
     def save_logs(self, dest: Path) -> list[Path]:

@@ -3,7 +3,7 @@
 from .bars import BarKind, BarSpec
 from .capabilities import CapabilityList, MsiState, walk_capabilities
 from .config_space import ConfigSpace
-from .device import IrqConfig, PciFunction, PcieLink, RegionInfo
+from .device import IrqConfig, PcieLink, PciFunction, RegionInfo
 from .header import PciIdentity
 from .msix import MsixTable
 from .ports import DmaError, DmaPort, IrqPort, NullDmaPort, NullIrqPort

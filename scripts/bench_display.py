@@ -24,9 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dxpu_vfio.lab import kms as guest_kms, hotplug  # noqa: E402
 from dxpu_vfio.bench import table, write_json  # noqa: E402
 from dxpu_vfio.lab import lab  # noqa: E402
+from dxpu_vfio.lab import hotplug
+from dxpu_vfio.lab import kms as guest_kms  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 QEMU_BDF = "0000:00:06.0"

@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dxpu_vfio.lab import hotplug  # noqa: E402
 from dxpu_vfio.bench import table, write_json  # noqa: E402
-from dxpu_vfio.lab.guest_devices import nvme_disk  # noqa: E402
+from dxpu_vfio.lab import hotplug  # noqa: E402
 from dxpu_vfio.lab import lab  # noqa: E402
+from dxpu_vfio.lab.guest_devices import nvme_disk  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 WORKLOADS = {"seq-read-128k": ("read", "128k"), "seq-write-128k": ("write", "128k"),

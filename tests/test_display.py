@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from dxpu_vfio.lab import kms as guest_kms, hotplug
+from dxpu_vfio.lab import hotplug
+from dxpu_vfio.lab import kms as guest_kms
 from dxpu_vfio.lab.display_probe import DisplayProbe, png_pixels
 from dxpu_vfio.testing import Serve
 

@@ -10,15 +10,13 @@ import os
 import signal
 import time
 
-
 import pytest
 
-from dxpu_vfio.lab import hotplug
-from dxpu_vfio.hostproxy.process import HostProxyError, HostProxyProcess
 from dxpu_vfio.errors import VmError
-from dxpu_vfio.lab import lab
-from dxpu_vfio.vmm.rootports import used_root_ports
+from dxpu_vfio.hostproxy.process import HostProxyError, HostProxyProcess
+from dxpu_vfio.lab import hotplug, lab
 from dxpu_vfio.testing import GuestLoop, Serve
+from dxpu_vfio.vmm.rootports import used_root_ports
 
 pytestmark = pytest.mark.vm
 

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from dxpu_vfio.vms import images
 from dxpu_vfio.errors import ImageError
+from dxpu_vfio.vms import images
 
 
 @pytest.fixture

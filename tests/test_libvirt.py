@@ -7,19 +7,17 @@ import subprocess
 import sys
 
 import pytest
+from test_pool import pool, pool_lab  # noqa: F401 - the pool manager fixtures (lab with two boxes)
 
 from dxpu_vfio.hostproxy.process import HostProxyProcess
 from dxpu_vfio.lab.hotplug import guest_wait_for_child
-from dxpu_vfio.vms.libvirt_domain import (DomainConfig, LibvirtGuest, define_domain, domain_dir,
-                                          undefine_domain)
-from dxpu_vfio.vmm.errors import DomainNotRunning, LibvirtUnavailable
+from dxpu_vfio.testing import LibvirtVm, register
+from dxpu_vfio.vmm.errors import DomainNotRunning, LibvirtUnavailable, UnknownVm
 from dxpu_vfio.vmm.libvirt_target import LibvirtTarget, dac_ids, grant_socket, prepare_socket_dir
-from dxpu_vfio.vmm.errors import UnknownVm
-from dxpu_vfio.vmm.rootports import device_present, free_root_port, root_ports
 from dxpu_vfio.vmm.naming import open_target
 from dxpu_vfio.vmm.qmp import QmpError
-from dxpu_vfio.testing import LibvirtVm, register
-from test_pool import pool, pool_lab  # noqa: F401 - the pool manager fixtures (lab with two boxes)
+from dxpu_vfio.vmm.rootports import device_present, free_root_port, root_ports
+from dxpu_vfio.vms.libvirt_domain import DomainConfig, LibvirtGuest, define_domain, domain_dir, undefine_domain
 
 pytestmark = pytest.mark.vm
 

@@ -2,10 +2,10 @@
 TLS), the host proxy's vfio-user server in forward mode, and our vfio-user client in
 QEMU's place with a real memfd for guest memory."""
 
-import mmap
-import select
 import hashlib
+import mmap
 import os
+import select
 import signal
 import socket
 import ssl
@@ -15,13 +15,13 @@ import pytest
 from fakes import map_guest_memory
 
 from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, connect_remote
-from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 from dxpu_vfio.link.endpoint import LinkState
 from dxpu_vfio.link.transport import TlsFiles, make_certs
+from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
+from dxpu_vfio.testing import eventually
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import VfioUserClient
 from dxpu_vfio.vfio_user.server import VfioUserServer
-from dxpu_vfio.testing import eventually
 
 BAR0 = 0
 GUEST = 0x100000
@@ -288,9 +288,9 @@ def test_inventory_and_screenshot_requests_of_the_pool_manager(box, certs):
 def test_a_screenshot_larger_than_one_message_comes_in_pieces():
     """Noise does not compress: a 1024x768 scanout of random pixels is a ~2.3 MiB PNG,
     more than one link message, and arrives whole."""
+    from dxpu_vfio.pool.boxes import fetch_screenshot
     from dxpu_vfio.remoteproxy.config import BoxConfig, BoxDevice
     from dxpu_vfio.remoteproxy.proxy import RemoteProxy
-    from dxpu_vfio.pool.boxes import fetch_screenshot
     proxy = RemoteProxy(BoxConfig("box1", "127.0.0.1", 0, [BoxDevice("fb0", "display", "t")],
                                   plaintext=True)).start()
     try:

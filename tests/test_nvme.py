@@ -5,12 +5,10 @@ import os
 import signal
 import time
 
-
 import pytest
 
-from dxpu_vfio.lab import hotplug
+from dxpu_vfio.lab import hotplug, lab
 from dxpu_vfio.lab.guest_devices import nvme_disk
-from dxpu_vfio.lab import lab
 from dxpu_vfio.testing import GuestLoop, Serve
 
 pytestmark = pytest.mark.vm

@@ -10,14 +10,14 @@ import pytest
 from fakes import map_guest_memory
 
 from dxpu_vfio.hostproxy.forwarder import connect_remote
+from dxpu_vfio.link.transport import TlsFiles, make_certs
 from dxpu_vfio.remoteproxy.config import BoxConfig, BoxDevice
 from dxpu_vfio.remoteproxy.proxy import RemoteProxy
-from dxpu_vfio.link.transport import TlsFiles, make_certs
+from dxpu_vfio.testing import eventually
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import VfioUserClient
 from dxpu_vfio.vfio_user.posted import WriteRuns, pack_batch, unpack_batch
 from dxpu_vfio.vfio_user.server import ServerOptions, VfioUserServer
-from dxpu_vfio.testing import eventually
 from qemu_device.display import DisplayAdapter
 
 VRAM, MMIO = 0, 2

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from dxpu_vfio.vms import qemu
 from dxpu_vfio.errors import QemuNotFound
+from dxpu_vfio.vms import qemu
 
 
 def fake_qemu(tmp_path: Path, version: str, devices: tuple[str, ...] = ()) -> Path:

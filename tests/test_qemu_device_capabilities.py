@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 
 from qemu_device import capabilities as caps_mod
-from qemu_device.capabilities import (CAP_ID_MSI, CAP_ID_MSIX, CAP_ID_PCIE, CAP_ID_PM,
-                                      CapabilityList, walk_capabilities)
+from qemu_device.bars import BarSpec
+from qemu_device.capabilities import CAP_ID_MSI, CAP_ID_MSIX, CAP_ID_PCIE, CAP_ID_PM, CapabilityList, walk_capabilities
 from qemu_device.config_space import ConfigSpace
 from qemu_device.device import IrqConfig, PciFunction
-from qemu_device.bars import BarSpec
 from qemu_device.header import PciIdentity
 
 IDENTITY = PciIdentity(0x1B36, 0x10F0, 0xFF0000)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from fakes import RecordingIrqPort
 
 from qemu_device.bars import BarSpec
 from qemu_device.capabilities import CAP_ID_MSI, CAP_ID_MSIX
 from qemu_device.device import IrqConfig, PciFunction
 from qemu_device.header import PciIdentity
 from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
-
-from fakes import RecordingIrqPort
 
 IDENTITY = PciIdentity(0x1B36, 0x10F0, 0xFF0000, revision=1)
 CONFIG = 7

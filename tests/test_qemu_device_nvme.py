@@ -7,8 +7,8 @@ import struct
 import time
 
 import pytest
-
 from fakes import RAM_BASE, FakeGuestRam, RecordingIrqPort
+
 from qemu_device import nvme
 
 BAR0 = 0

@@ -6,12 +6,11 @@ import threading
 import zlib
 
 import pytest
+from fakes import FakeGuestRam, RecordingIrqPort
 
 from qemu_device import testdev as td
 from qemu_device.capabilities import CAP_ID_MSI, CAP_ID_MSIX, walk_capabilities
 from qemu_device.testdev import TestDevice
-
-from fakes import FakeGuestRam, RecordingIrqPort
 
 CONFIG = 7
 RAM_BASE = 0x1_0000_0000

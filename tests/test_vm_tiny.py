@@ -6,8 +6,7 @@ import time
 
 import pytest
 
-from dxpu_vfio.errors import (GuestBootTimeout, GuestCommandFailed, GuestCommandTimeout, GuestPanic,
-                              QemuStartError)
+from dxpu_vfio.errors import GuestBootTimeout, GuestCommandFailed, GuestCommandTimeout, GuestPanic, QemuStartError
 from dxpu_vfio.vms.runner import VmState
 
 pytestmark = pytest.mark.vm

@@ -21,12 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-from qemu_device.models import create_model
-
 from dxpu_vfio.daemon import run_until_terminated
 from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, RemoteFunction, connect_remote
 from dxpu_vfio.link.transport import TlsFiles
 from dxpu_vfio.vfio_user.server import ServerOptions, VfioUserServer
+from qemu_device.models import create_model
 
 
 def parse_settings(items: list[str]) -> dict:

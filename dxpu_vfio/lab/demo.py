@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 from dxpu_vfio.lab import kms as guest_kms
+from dxpu_vfio.lab import lab
 from dxpu_vfio.lab.display_probe import DisplayProbe, png_pixels
 from dxpu_vfio.lab.guest_devices import nvme_disk
 from dxpu_vfio.lab.hotplug import guest_wait_for_child, port_bdf
-from dxpu_vfio.lab import lab
 from dxpu_vfio.paths import PROJECT_ROOT
 from dxpu_vfio.pool.service import ManagerClient, ManagerProcess
 from dxpu_vfio.vms.runner import Vm, VmConfig

@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dxpu_vfio.hostproxy.process import HostProxyProcess
 from dxpu_vfio.errors import DxpuError, VmError
+from dxpu_vfio.hostproxy.process import HostProxyProcess
+from dxpu_vfio.vmm import rootports
 from dxpu_vfio.vmm.errors import HotplugError, NoFreeRootPort, UnplugTimeout  # noqa: F401 - part of this API
 from dxpu_vfio.vmm.qmp import QmpError
-from dxpu_vfio.vmm import rootports
 from dxpu_vfio.vms.runner import Vm
 
 _ids = itertools.count(0)

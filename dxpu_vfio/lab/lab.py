@@ -30,10 +30,10 @@ from pathlib import Path
 from pyroute2 import IPRoute, netns
 
 from dxpu_vfio.errors import DxpuError
-from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 from dxpu_vfio.link.transport import make_certs
 from dxpu_vfio.paths import run_dir
 from dxpu_vfio.procs import request_json, terminate_pid
+from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 
 BOX_PORT = 7000
 DELAY_PORT = 7100

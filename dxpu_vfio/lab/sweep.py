@@ -19,10 +19,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from dxpu_vfio.lab import hotplug
 from dxpu_vfio import registry
+from dxpu_vfio.lab import hotplug, lab
 from dxpu_vfio.lab.guest_devices import nvme_disk
-from dxpu_vfio.lab import lab
 from dxpu_vfio.perfmodel import Point, fit, prediction_error
 from dxpu_vfio.vms.runner import Vm, VmConfig
 

@@ -22,19 +22,18 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
-from dxpu_vfio.hostproxy.process import HostProxyProcess
 from dxpu_vfio import registry
 from dxpu_vfio.errors import DxpuError
-from dxpu_vfio.procs import request_json, terminate_pid
-from dxpu_vfio.vmm.qmp import QmpError
+from dxpu_vfio.hostproxy.process import HostProxyProcess
 from dxpu_vfio.pool.boxes import TLS_ROLE, BoxUnreachable, fetch_inventory, fetch_screenshot
 from dxpu_vfio.pool.states import BoxState, LeaseState
 from dxpu_vfio.pool.store import QDEV_PREFIX, Lease, Store, StoreError
+from dxpu_vfio.procs import request_json, terminate_pid
 from dxpu_vfio.vmm.errors import VmGone
-from dxpu_vfio.vmm.targets import VmTarget
-from dxpu_vfio.vmm.rootports import (device_present, free_root_port, plugged_devices, root_ports,
-                                     used_root_ports)
 from dxpu_vfio.vmm.naming import open_target, target_key
+from dxpu_vfio.vmm.qmp import QmpError
+from dxpu_vfio.vmm.rootports import device_present, free_root_port, plugged_devices, root_ports, used_root_ports
+from dxpu_vfio.vmm.targets import VmTarget
 
 log = logging.getLogger("dxpu.manager")
 

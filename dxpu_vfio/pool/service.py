@@ -33,9 +33,9 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 from dxpu_vfio.errors import DxpuError
-from dxpu_vfio.procs import ChildProcess, terminate
 from dxpu_vfio.pool.manager import Manager
 from dxpu_vfio.pool.store import Store, default_path
+from dxpu_vfio.procs import ChildProcess, terminate
 
 log = logging.getLogger("dxpu.manager")
 

@@ -15,11 +15,10 @@ import select
 import threading
 from pathlib import Path
 
-from qemu_device.device import RegionInfo
-from qemu_device.ports import NullDmaPort, NullIrqPort
-
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import VfioUserClient
+from qemu_device.device import RegionInfo
+from qemu_device.ports import NullDmaPort, NullIrqPort
 
 WHOLE_SPACE = 1 << 48  # every guest-physical address a q35 guest can have
 IRQ_NAMES = {p.IRQ_INTX: "intx", p.IRQ_MSI: "msi", p.IRQ_MSIX: "msix", p.IRQ_ERR: "err", p.IRQ_REQ: "req"}

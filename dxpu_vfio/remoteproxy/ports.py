@@ -9,11 +9,10 @@ ordered stream, so an interrupt never passes the DMA writes before it.
 
 from __future__ import annotations
 
-from qemu_device.ports import DmaError
-
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
 from dxpu_vfio.link.protocol import IRQ_INTX, IRQ_MSI, IRQ_MSIX, LinkCommand, pack_irq
 from dxpu_vfio.vfio_user import protocol as vp
+from qemu_device.ports import DmaError
 
 DMA_TIMEOUT = 2.0
 CHUNK = vp.MAX_DATA_XFER

@@ -16,9 +16,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from qemu_device.ports import DmaError
-
 from dxpu_vfio.vfio_user.protocol import DMA_FLAG_READ, DMA_FLAG_WRITE, PAGE_SIZE
+from qemu_device.ports import DmaError
 
 
 @dataclass

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import threading
 
-from dxpu_vfio.vfio_user.protocol import (IRQ_ACTION_MASK, IRQ_ACTION_TRIGGER, IRQ_ACTION_UNMASK,
-                                          IRQ_DATA_BOOL, IRQ_DATA_EVENTFD, IRQ_DATA_NONE, IRQ_INTX, IRQ_MSI,
-                                          IRQ_MSIX, NUM_IRQS, ProtocolError, SetIrqs)
+from dxpu_vfio.vfio_user.protocol import (IRQ_ACTION_MASK, IRQ_ACTION_TRIGGER, IRQ_ACTION_UNMASK, IRQ_DATA_BOOL,
+                                          IRQ_DATA_EVENTFD, IRQ_DATA_NONE, IRQ_INTX, IRQ_MSI, IRQ_MSIX, NUM_IRQS,
+                                          ProtocolError, SetIrqs)
 
 
 class EventfdIrqs:

@@ -19,9 +19,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from dxpu_vfio.vmm.qmp import QmpError, QmpTimeout
 from dxpu_vfio.vmm.errors import DomainNotRunning, UnplugTimeout
 from dxpu_vfio.vmm.libvirt_conn import DEFAULT_URI, connect, lookup, qemu_log_path
+from dxpu_vfio.vmm.qmp import QmpError, QmpTimeout
 from dxpu_vfio.vmm.rootports import device_present
 from dxpu_vfio.vmm.targets import VmTarget
 

@@ -42,11 +42,11 @@ from typing import Callable
 
 from dxpu_vfio.errors import GuestBootTimeout, GuestPanic, SetupError, VmError
 from dxpu_vfio.procs import process_start_time
+from dxpu_vfio.vmm.libvirt_conn import DAEMONS, DEFAULT_URI, connect, ensure_daemons, lookup, qemu_log_path
+from dxpu_vfio.vmm.libvirt_target import socket_dir_for
 from dxpu_vfio.vms.guest_exec import CommandResult, GuestDied, SerialChannel, run_checked, wait_ready
 from dxpu_vfio.vms.images import load_image
 from dxpu_vfio.vms.qemu import find_qemu
-from dxpu_vfio.vmm.libvirt_conn import DAEMONS, DEFAULT_URI, connect, ensure_daemons, lookup, qemu_log_path
-from dxpu_vfio.vmm.libvirt_target import socket_dir_for
 
 QEMU_CONF = Path("/etc/libvirt/qemu.conf")
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"

@@ -20,14 +20,14 @@ from enum import Enum
 from pathlib import Path
 
 from dxpu_vfio.errors import GuestBootTimeout, GuestPanic, QemuStartError, VmError
-from dxpu_vfio.vms.guest_exec import (AgentChannel, CommandResult, GuestChannel, GuestDied, SerialChannel,
-                                      run_checked, wait_ready)
-from dxpu_vfio.vms.images import Image, load_image
 from dxpu_vfio.paths import run_dir
 from dxpu_vfio.procs import terminate
-from dxpu_vfio.vms.qemu import Qemu, find_qemu
 from dxpu_vfio.vmm.qmp import QmpSession
 from dxpu_vfio.vmm.targets import SessionTarget
+from dxpu_vfio.vms.guest_exec import (AgentChannel, CommandResult, GuestChannel, GuestDied, SerialChannel, run_checked,
+                                      wait_ready)
+from dxpu_vfio.vms.images import Image, load_image
+from dxpu_vfio.vms.qemu import Qemu, find_qemu
 
 PANIC_MARKERS = ("Kernel panic - not syncing", "---[ end Kernel panic")
 
