@@ -145,28 +145,38 @@ struct dx_bar {
 	char path[96];
 };
 
-/* mmap BAR n of a device (uncached, via sysfs resource<n>). */
-static inline void dx_bar_map(struct dx_bar *b, const char *bdf, unsigned n)
+/* Open sysfs resource<n> of a device for mapping (uncached); its size in *size. */
+static inline int dx_resource_open(struct dx_bar *b, const char *bdf, unsigned n, dx_u64 *size)
 {
 	char file[16];
 	struct stat st;
-	void *p;
 	int fd;
 
 	snprintf(file, sizeof(file), "resource%u", n);
 	fd = dx_sysfs_open(b->path, sizeof(b->path), bdf, file, O_RDWR | O_SYNC);
 	if (fstat(fd, &st) < 0)
 		dx_fail("fstat %s: %s", b->path, dx_err());
-	if (st.st_size <= 0)
+	*size = st.st_size;
+	return fd;
+}
+
+/* mmap BAR n of a device (uncached, via sysfs resource<n>). */
+static inline void dx_bar_map(struct dx_bar *b, const char *bdf, unsigned n)
+{
+	dx_u64 size;
+	void *p;
+	int fd = dx_resource_open(b, bdf, n, &size);
+
+	if (size == 0)
 		dx_fail("%s: BAR size is 0", b->path);
-	p = mmap(NULL, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	if (p == MAP_FAILED)
 		dx_fail("mmap %s: %s%s", b->path, dx_err(),
 			errno == EINVAL || errno == ENODEV || errno == ENXIO ?
 			" (I/O port BAR? only memory BARs can be mapped)" : "");
 	close(fd);
 	b->base = p;
-	b->size = st.st_size;
+	b->size = size;
 }
 
 /* Size in bytes of BAR n (st_size of sysfs resource<n>), without mapping it. */
@@ -192,19 +202,13 @@ static inline dx_u64 dx_bar_size(const char *bdf, unsigned n)
 static inline void dx_bar_map_window(struct dx_bar *b, const char *bdf, unsigned n,
 				     dx_u64 off, size_t len)
 {
-	char file[16];
-	struct stat st;
+	dx_u64 size;
 	void *p;
-	int fd;
+	int fd = dx_resource_open(b, bdf, n, &size);
 
-	snprintf(file, sizeof(file), "resource%u", n);
-	fd = dx_sysfs_open(b->path, sizeof(b->path), bdf, file, O_RDWR | O_SYNC);
-	if (fstat(fd, &st) < 0)
-		dx_fail("fstat %s: %s", b->path, dx_err());
-	if (!len || off % sysconf(_SC_PAGESIZE) || off > (dx_u64)st.st_size ||
-	    len > (dx_u64)st.st_size - off)
+	if (!len || off % sysconf(_SC_PAGESIZE) || off > size || len > size - off)
 		dx_fail("%s: window 0x%llx+0x%zx is unaligned or outside the BAR (size 0x%llx)",
-			b->path, off, len, (dx_u64)st.st_size);
+			b->path, off, len, size);
 	p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, off);
 	if (p == MAP_FAILED)
 		dx_fail("mmap %s at 0x%llx: %s", b->path, off, dx_err());
