@@ -34,6 +34,10 @@ class LinkStream:
         self._io = threading.Lock()  # held for each call into the socket, never while waiting
         self._send_order = threading.Lock()  # held for a whole sendall
         self._fd = sock.fileno()
+        # one poller each for the reader side and the sender side (each used by one thread at a time)
+        self._read_poll = select.poll()
+        self._read_poll.register(self._fd, select.POLLIN)
+        self._send_poll = select.poll()
 
     def fileno(self) -> int:
         return self._fd
@@ -42,20 +46,24 @@ class LinkStream:
         """TLS holds decrypted bytes nobody read yet (the fd may not be readable)."""
         return self.tls and self.sock.pending() > 0
 
-    def _wait(self, events: int, deadline: float | None) -> None:
+    def _wait(self, poller: select.poll, events: int, deadline: float | None) -> None:
         timeout_ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
-        poller = select.poll()
-        poller.register(self._fd, events)
-        if not poller.poll(timeout_ms) and deadline is not None and time.monotonic() >= deadline:
-            raise TimeoutError("link stream: timed out")
+        poller.modify(self._fd, events) if poller is self._read_poll else poller.register(self._fd, events)
+        try:
+            if not poller.poll(timeout_ms) and deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError("link stream: timed out")
+        finally:
+            if poller is self._read_poll:
+                poller.modify(self._fd, select.POLLIN)
+            else:
+                poller.unregister(self._fd)
 
     def readable(self, timeout: float | None) -> bool:
-        """Bytes can be read now, or within ``timeout`` seconds (None: wait for ever)."""
+        """Bytes can be read now, or within ``timeout`` seconds (None: wait for ever).
+        Only the thread that reads calls this."""
         if self.pending():
             return True
-        poller = select.poll()
-        poller.register(self._fd, select.POLLIN)
-        return bool(poller.poll(-1 if timeout is None else max(0, int(timeout * 1000))))
+        return bool(self._read_poll.poll(-1 if timeout is None else max(0, int(timeout * 1000))))
 
     def recv_into(self, view: memoryview, timeout: float | None = None) -> int:
         """Read at least one byte (0 at end of stream); TimeoutError past ``timeout``."""
@@ -70,7 +78,7 @@ class LinkStream:
                     events = select.POLLIN
                 except ssl.SSLZeroReturnError:
                     return 0
-            self._wait(events, deadline)
+            self._wait(self._read_poll, events, deadline)
 
     def sendall(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -85,7 +93,7 @@ class LinkStream:
                         events = select.POLLIN
                     except _WOULD_BLOCK:
                         events = select.POLLOUT
-                self._wait(events, None)
+                self._wait(self._send_poll, events, None)
 
     def settimeout(self, _timeout: float | None) -> None:
         """Waits are bounded by the callers' own timeouts; the socket stays non-blocking."""

@@ -133,6 +133,8 @@ class _Session:
         self.thread = threading.Thread(target=self._run, name=f"vfio-user-{server.name}",
                                        daemon=True)
         self.version_seen = False
+        self._event_poll: select.poll | None = None  # QEMU's socket + the device's event source
+        self._events_fd = 0
         # posted writes not yet given to the device; glued together only for a device that
         # asks (its posted writes go to memory, e.g. a framebuffer)
         self.posted = WriteRuns(merge=server.device.coalesce_posted)
@@ -186,13 +188,17 @@ class _Session:
 
     def _serve_events_until_client(self, source: EventSource) -> None:
         """Serve the device's events until QEMU has something for us."""
-        poller = select.poll()
         client, events = self.conn.fileno(), source.fileno()
         if client < 0:
             raise ConnectionClosed("the server closed this session")
-        poller.register(client, select.POLLIN)
-        if events >= 0:
-            poller.register(events, select.POLLIN)
+        poller = self._event_poll
+        if poller is None:
+            poller = self._event_poll = select.poll()
+            poller.register(client, select.POLLIN)
+            if events >= 0:
+                poller.register(events, select.POLLIN)
+        elif self._events_fd < 0:
+            events = -1
         while True:
             if source.ready():
                 source.service()
@@ -200,7 +206,7 @@ class _Session:
             if events in ready:
                 if ready[events] & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
                     poller.unregister(events)  # the link closed: nothing more will come from it
-                    events = -1
+                    events = self._events_fd = -1
                 source.service()
             if client in ready:
                 return
