@@ -149,6 +149,19 @@ def measure_lab(state, box: str, round_trips: int = 3000, bulk_bytes: int = 64 <
     return out
 
 
+def measure_tls_loopback(client: TlsFiles, server_dir: Path, role: str, port: int, round_trips: int = 3000) -> dict:
+    """The TLS ping-pong floor on loopback: a server process, this process the client."""
+    server = subprocess.Popen([sys.executable, "-m", "dxpu_vfio.lab.floors", "serve", "--listen", "127.0.0.1",
+                               "--port", str(port), "--tls-dir", str(server_dir), "--role", role],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        if b"serving" not in server.stdout.readline():
+            raise RuntimeError("floor server did not start")
+        return ping_pong(f"127.0.0.1:{port}", client, round_trips)
+    finally:
+        terminate(server)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dxpu_vfio.lab.floors", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
