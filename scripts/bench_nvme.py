@@ -4,9 +4,13 @@
 same full-image VM, measured by fio in the guest with the guest's own nvme driver.
 
 Workloads: sequential 128 KiB read and write, random 4 KiB read and write (direct I/O,
-libaio, iodepth 4). Prints a table with ratios and writes results/bench/nvme.json.
+libaio), each at iodepth 1, 4 and 16 (the workload key names the depth, e.g.
+``seq-read-128k-qd16``). QEMU's own nvme is the floor of the device; the network floor
+between the lab's namespaces (TLS ping-pong and bulk, :mod:`dxpu_vfio.lab.floors`) is
+measured in the same run. Prints a table with ratios and the data path's NVMe goals, and
+writes results/bench/nvme.json (``results -> path -> workload -> MBps``, ``floor``, ``goals``).
 
-    .venv/bin/python scripts/bench_nvme.py [--runtime 8] [--size-mib 64]
+    .venv/bin/python scripts/bench_nvme.py [--runtime 8] [--size-mib 64] [--depths 1,4,16]
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dxpu_vfio.bench import table, write_json  # noqa: E402
 from dxpu_vfio.lab import hotplug  # noqa: E402
-from dxpu_vfio.lab import lab  # noqa: E402
+from dxpu_vfio.lab import floors, lab  # noqa: E402
 from dxpu_vfio.lab.guest_devices import nvme_disk  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
@@ -29,8 +33,8 @@ WORKLOADS = {"seq-read-128k": ("read", "128k"), "seq-write-128k": ("write", "128
              "rand-read-4k": ("randread", "4k"), "rand-write-4k": ("randwrite", "4k")}
 
 
-def fio(vm: Vm, dev: str, rw: str, bs: str, runtime: int, size_mib: int) -> dict:
-    out = vm.run(f"fio --name=b --filename=/dev/{dev} --direct=1 --ioengine=libaio --iodepth=4 --rw={rw} "
+def fio(vm: Vm, dev: str, rw: str, bs: str, depth: int, runtime: int, size_mib: int) -> dict:
+    out = vm.run(f"fio --name=b --filename=/dev/{dev} --direct=1 --ioengine=libaio --iodepth={depth} --rw={rw} "
                  f"--bs={bs} --size={size_mib}M --runtime={runtime} --time_based --output-format=json",
                  timeout=runtime * 10 + 120).stdout
     job = json.loads(out[out.index("{"):])["jobs"][0]
@@ -43,8 +47,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runtime", type=int, default=8)
     parser.add_argument("--size-mib", type=int, default=64)
+    parser.add_argument("--depths", default="1,4,16", help="fio iodepths")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    depths = [int(d) for d in args.depths.split(",")]
+    workloads = {f"{name}-qd{depth}": (rw, bs, depth) for name, (rw, bs) in WORKLOADS.items() for depth in depths}
     size = args.size_mib << 20
     work = Path(tempfile.mkdtemp(prefix="dxpu-bench-nvme-"))
     qemu_disk = work / "qemu-nvme.img"
@@ -55,6 +62,7 @@ def main() -> int:
     state = lab.up(topology)
     results: dict[str, dict] = {}
     try:
+        floor = floors.measure_lab(state, "box1")
         extra = ["-drive", f"file={qemu_disk},if=none,id=qn,format=raw,cache=none,aio=threads",
                  "-device", "nvme,drive=qn,serial=QEMUNVME,addr=0x6"]
         with Vm(VmConfig(image="full", name="bench-nvme", extra_args=extra, boot_timeout=240)) as vm:
@@ -66,20 +74,32 @@ def main() -> int:
                        "remote": nvme_disk(vm, remote.guest_bdf)}
             for name, dev in devices.items():
                 results[name] = {}
-                for workload, (rw, bs) in WORKLOADS.items():
-                    results[name][workload] = fio(vm, dev, rw, bs, args.runtime, args.size_mib)
+                for workload, (rw, bs, depth) in workloads.items():
+                    results[name][workload] = fio(vm, dev, rw, bs, depth, args.runtime, args.size_mib)
                     print(f"  {name:9} {workload:15} {results[name][workload]['MBps']:8.1f} MB/s", flush=True)
             hotplug.detach(remote)
             hotplug.detach(local)
     finally:
         lab.down(state.name)
     rows = []
-    for workload in WORKLOADS:
+    for workload in workloads:
         q, lo, re = (results[d][workload]["MBps"] for d in ("qemu-nvme", "local", "remote"))
-        rows.append([workload, q, lo, re, re / q, re / lo])
+        rows.append([workload, q, lo, re, lo / q, re / q, re / lo])
     print()
-    print(table(["workload", "QEMU nvme MB/s", "local MB/s", "remote MB/s", "remote/QEMU", "remote/local"], rows))
-    path = write_json("nvme", {"runtime_s": args.runtime, "size_mib": args.size_mib, "results": results}, args.out)
+    print(table(["workload", "QEMU nvme MB/s", "local MB/s", "remote MB/s", "local/QEMU", "remote/QEMU",
+                 "remote/local"], rows))
+    print(f"\nnetwork floor (same run): TLS ping-pong {floor['tls']['ping_pong']['median_us']:.1f} µs, TLS bulk "
+          f"{floor['tls']['bulk']['to_box_MBps']:.0f}/{floor['tls']['bulk']['from_box_MBps']:.0f} MB/s")
+    deepest = max(depths)
+
+    def ratio(path: str, workload: str) -> float:
+        return results[path][workload]["MBps"] / results["qemu-nvme"][workload]["MBps"]
+    goals = {f"remote_vs_qemu_seq-read-128k-qd{deepest}": ratio("remote", f"seq-read-128k-qd{deepest}"),
+             f"local_vs_qemu_seq-read-128k-qd{deepest}": ratio("local", f"seq-read-128k-qd{deepest}"),
+             f"remote_vs_qemu_rand-read-4k-qd{deepest}": ratio("remote", f"rand-read-4k-qd{deepest}")}
+    print("goals (want remote >= 0.5, local >= 0.8 of QEMU): " + ", ".join(f"{k} = {v:.2f}" for k, v in goals.items()))
+    path = write_json("nvme", {"runtime_s": args.runtime, "size_mib": args.size_mib, "depths": depths,
+                               "results": results, "floor": floor, "goals": goals}, args.out)
     print(f"\nJSON: {path}")
     return 0
 
