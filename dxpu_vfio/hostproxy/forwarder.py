@@ -169,7 +169,7 @@ class RemoteFunction:
         return {**self.counters, "link": self.endpoint.stats()}
 
     # --- the remote's requests (link reader thread, stream order) --------------------
-    def _dma_read(self, msg) -> bytes:
+    def _dma_read(self, msg) -> tuple:
         req = vp.DmaAccess.unpack(msg.payload, with_data=False)
         try:
             data = self.dma.read(req.address, req.count)
@@ -178,7 +178,7 @@ class RemoteFunction:
             raise LinkError(str(exc), errno.EFAULT) from exc
         self.counters["dma_bytes_read"] += req.count
         self.flush_posted()  # a completion never passes the posted writes before it
-        return vp.DmaAccess(req.address, req.count, data).pack()
+        return vp.DmaAccess(req.address, req.count, data).parts()
 
     def _dma_write(self, msg) -> None:
         req = vp.DmaAccess.unpack(msg.payload, with_data=True)

@@ -46,7 +46,7 @@ from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message
 
 log = logging.getLogger("dxpu.link")
 
-Handler = Callable[[Message], "bytes | None"]
+Handler = Callable[[Message], "bytes | tuple | None"]  # a tuple: the payload in parts (no copy to join them)
 REST_OF_MESSAGE = 1.0  # the longest a reader waits for the rest of a message that started
 
 
@@ -159,12 +159,15 @@ class LinkEndpoint:
             self.on_down(reason)
 
     # --- sending -----------------------------------------------------------------------
-    def post(self, command: int, payload: bytes = b"") -> None:
-        """Send without awaiting a completion (posted); dropped once the link is down."""
+    def post(self, command: int, payload: bytes | tuple = b"") -> None:
+        """Send without awaiting a completion (posted); dropped once the link is down.
+        ``payload`` may be a tuple of buffers, framed with one copy."""
         if not self.up:
             return
         try:
-            self.conn.send(vp.message(next(self._ids) & 0xFFFF, command, payload, no_reply=True))
+            msg_id = next(self._ids) & 0xFFFF
+            self.conn.send(vp.message_parts(msg_id, command, payload, no_reply=True) if isinstance(payload, tuple)
+                           else vp.message(msg_id, command, payload, no_reply=True))
             self.posted[_cmd_name(command)] += 1
         except ConnectionClosed as exc:
             self.mark_down(f"send failed: {exc}")
@@ -279,7 +282,8 @@ class LinkEndpoint:
             spent[0] += 1
             spent[1] += time.perf_counter_ns() - started
             if not hdr.no_reply:
-                self.conn.send(vp.message(hdr.msg_id, hdr.command, reply or b"", reply=True))
+                self.conn.send(vp.message_parts(hdr.msg_id, hdr.command, reply, reply=True) if isinstance(reply, tuple)
+                               else vp.message(hdr.msg_id, hdr.command, reply or b"", reply=True))
         except ConnectionClosed as exc:
             self.mark_down(f"send failed: {exc}")
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error completion

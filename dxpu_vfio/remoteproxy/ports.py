@@ -16,8 +16,8 @@ from qemu_device.ports import DmaError
 
 DMA_TIMEOUT = 2.0
 CHUNK = vp.MAX_DATA_XFER
-READ_PIECE = 64 << 10  # a large DMA read goes as several pieces in flight at once
-READ_WINDOW = 8
+READ_PIECE = 256 << 10  # a large DMA read goes as several pieces in flight at once: each
+READ_WINDOW = 4  # message costs ~100 µs of Python per side, so pieces are large (1 MiB in flight)
 
 
 class LinkDmaPort:
@@ -37,15 +37,20 @@ class LinkDmaPort:
         round trip per page or per piece."""
         pieces = [(i, addr + pos, min(READ_PIECE, length - pos))
                   for i, (addr, length) in enumerate(ranges) for pos in range(0, length, READ_PIECE)]
-        out = [bytearray() for _ in ranges]
+        out = [bytearray(length) for _, length in ranges]
         in_flight: list = []
         try:
             while pieces or in_flight:
                 while pieces and len(in_flight) < READ_WINDOW:
                     i, a, n = pieces.pop(0)
-                    in_flight.append((i, self.endpoint.send_request(LinkCommand.DMA_READ, vp.DmaAccess(a, n).pack())))
-                i, pending = in_flight.pop(0)
-                out[i] += vp.DmaAccess.unpack(self.endpoint.wait(pending, DMA_TIMEOUT), with_data=True).data
+                    pos = a - ranges[i][0]
+                    in_flight.append((i, pos, n, self.endpoint.send_request(LinkCommand.DMA_READ,
+                                                                            vp.DmaAccess(a, n).pack())))
+                i, pos, n, pending = in_flight.pop(0)
+                data = vp.DmaAccess.unpack(self.endpoint.wait(pending, DMA_TIMEOUT), with_data=True).data
+                if len(data) != n:
+                    raise DmaError(f"host answered a DMA read of {n} bytes with {len(data)}")
+                out[i][pos:pos + n] = data
         except LinkError as exc:
             raise DmaError(f"host refused a DMA read: {exc}") from exc
         except LinkDown as exc:
@@ -56,9 +61,10 @@ class LinkDmaPort:
     def write(self, addr: int, data: bytes) -> None:
         if not self.endpoint.up:
             raise DmaError(f"link down: {self.endpoint.down_reason}")
-        for pos in range(0, len(data), CHUNK):
-            chunk = data[pos:pos + CHUNK]
-            self.endpoint.post(LinkCommand.DMA_WRITE, vp.DmaAccess(addr + pos, len(chunk), chunk).pack())
+        view = memoryview(data)
+        for pos in range(0, len(view), CHUNK):
+            chunk = view[pos:pos + CHUNK]
+            self.endpoint.post(LinkCommand.DMA_WRITE, vp.DmaAccess(addr + pos, len(chunk), chunk).parts())
         self.bytes_written += len(data)
 
 

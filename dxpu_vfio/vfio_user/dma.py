@@ -115,20 +115,26 @@ class DmaTable:
         return pieces
 
     def read(self, address: int, length: int) -> bytes:
+        pieces = self._pieces(address, length, DMA_FLAG_READ)
+        self.bytes_read += length
+        if len(pieces) == 1 and pieces[0][0].memory is not None:  # the common case: one copy
+            m, off, n = pieces[0]
+            start = m.map_delta + off
+            return m.memory[start:start + n]
         out = bytearray()
-        for m, off, n in self._pieces(address, length, DMA_FLAG_READ):
+        for m, off, n in pieces:
             if m.memory is not None:
                 start = m.map_delta + off
                 out += m.memory[start:start + n]
             else:
                 out += self._fallback_access(m.address + off, n, False)
-        self.bytes_read += length
         return bytes(out)
 
-    def write(self, address: int, data: bytes) -> None:
+    def write(self, address: int, data: bytes | memoryview) -> None:
+        view = memoryview(data)
         done = 0
-        for m, off, n in self._pieces(address, len(data), DMA_FLAG_WRITE):
-            chunk = data[done:done + n]
+        for m, off, n in self._pieces(address, len(view), DMA_FLAG_WRITE):
+            chunk = view[done:done + n]
             if m.memory is not None:
                 start = m.map_delta + off
                 m.memory[start:start + n] = chunk

@@ -97,6 +97,15 @@ def message(msg_id: int, command: int, payload: bytes = b"", *, reply: bool = Fa
     return HEADER.pack(msg_id, command, HEADER_SIZE + len(payload), flags, 0) + payload
 
 
+def message_parts(msg_id: int, command: int, parts: tuple, *, reply: bool = False,
+                  no_reply: bool = False) -> bytes:
+    """Frame a payload given as several buffers (e.g. a DMA header and the data): one copy
+    of the data, where ``message(..., a + b)`` would make two."""
+    flags = (TYPE_REPLY if reply else TYPE_COMMAND) | (FLAG_NO_REPLY if no_reply else 0)
+    size = HEADER_SIZE + sum(len(part) for part in parts)
+    return b"".join((HEADER.pack(msg_id, command, size, flags, 0), *parts))
+
+
 def error_reply(msg_id: int, command: int, err: int) -> bytes:
     return HEADER.pack(msg_id, command, HEADER_SIZE, TYPE_REPLY | FLAG_ERROR, err)
 
@@ -351,12 +360,16 @@ class DmaAccess:
         count &= 0xFFFFFFFF
         if count > MAX_DATA_XFER:
             raise ProtocolError(f"DMA access of {count} bytes", errno.E2BIG)
-        data = b""
+        data: bytes | memoryview = b""
         if with_data:
-            data = bytes(payload[DMA_RW.size:DMA_RW.size + count])
+            data = memoryview(payload)[DMA_RW.size:DMA_RW.size + count]  # a view: no copy of the data
             if len(data) != count:
                 raise ProtocolError(f"DMA data of {len(data)} bytes, expected {count}")
         return cls(address, count, data)
 
     def pack(self) -> bytes:
         return DMA_RW.pack(self.address, self.count) + self.data
+
+    def parts(self) -> tuple:
+        """The payload as (header, data) for :func:`message_parts`."""
+        return DMA_RW.pack(self.address, self.count), self.data
