@@ -8,17 +8,27 @@ I/O commands Read, Write, Flush, Write Zeroes and Dataset Management; PRP entrie
 PRP lists; phase tags; one interrupt vector per completion queue (MSI; INTx works too).
 
 Namespaces are files (sparse: only what is written costs disk); a completed Flush has
-fsynced them. Commands run on the device's worker thread, never on the thread that
-delivered the doorbell write. Data moves through the DMA port in as few, as large
-transfers as the PRPs allow (adjacent pages are merged).
+fsynced them. Data moves through the DMA port in as few, as large transfers as the PRPs
+allow (adjacent pages are merged).
+
+Concurrency (docs/devices/nvme.md, "Commands in flight"): nothing runs on the thread that
+delivered the doorbell write. The device's worker fetches the entries a doorbell announced
+(one DMA read per batch), runs admin commands itself, one at a time and in order, and
+hands I/O commands to a pool of ``io_workers`` threads, so their DMA round trips overlap;
+they complete in the order they finish. A Flush waits for the commands of its namespace
+dispatched before it, then fsyncs. A queue pair deleted or reset while commands are in
+flight gets no completion for them: Delete SQ waits for its commands, CC.EN=0 keeps
+CSTS.RDY up until the commands in flight have ended.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import os
 import struct
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass, field
 
@@ -26,20 +36,22 @@ from .bars import BarSpec
 from .device import IrqConfig, PciFunction
 from .header import PciIdentity
 from .ports import DmaError
-from .worker import DeviceWorker
+from .worker import DeviceWorker, WorkerPool
 
 PAGE = 4096
 LBA_SHIFT = 9  # 512-byte blocks
 MAX_QUEUES = 8  # I/O queue pairs
 MQES = 1023  # max queue entries - 1
 MDTS = 5  # max transfer 2^5 pages = 128 KiB
+IO_WORKERS = 4  # I/O commands running at once, by default
+DELETE_WAIT = 10.0  # s Delete SQ waits for the queue's commands in flight before dropping them
 DOORBELLS = 0x1000
 MSIX_TABLE, MSIX_PBA = 0x3000, 0x3800
 
 # registers
 CAP, VS, INTMS, INTMC, CC, CSTS, AQA, ASQ, ACQ = 0x00, 0x08, 0x0C, 0x10, 0x14, 0x1C, 0x24, 0x28, 0x30
 CC_EN, CSTS_RDY, CSTS_CFS = 1, 1, 2
-CSTS_SHST_DONE = 2 << 2
+CSTS_SHST_OCCURRING, CSTS_SHST_DONE, CSTS_SHST = 1 << 2, 2 << 2, 3 << 2
 
 
 class AdminOpcode(enum.IntEnum):
@@ -159,6 +171,7 @@ class Queue:
     tail: int = 0
     phase: int = 1  # CQ
     sq_ids: set = field(default_factory=set)  # CQ: SQs that post here
+    in_flight: int = 0  # SQ: commands taken from it that have not ended yet
 
 
 class Namespace:
@@ -182,7 +195,7 @@ class NvmeController(PciFunction):
     """``namespaces``: list of {"size": bytes, "path": file or None (a temp file)}."""
 
     def __init__(self, *, namespaces: list[dict] | None = None, serial: str | None = None,
-                 msi_vectors: int = 8, msix: bool = False) -> None:
+                 msi_vectors: int = 8, msix: bool = False, io_workers: int = IO_WORKERS) -> None:
         # MSI-X (table and PBA in BAR0 above the doorbells) only on request: QEMU 11.1
         # aborts when a vfio-user device with MSI-X is unplugged (docs/architecture.md, "QEMU").
         irq = IrqConfig(intx=True, msix_vectors=MAX_QUEUES + 1, msix_bar=0, msix_table_offset=MSIX_TABLE,
@@ -195,9 +208,16 @@ class NvmeController(PciFunction):
         # keeps its identity across replugs and restarts of its proxy.
         self.serial = serial or "DX" + uuid.uuid5(uuid.NAMESPACE_URL, "|".join(
             ns.path for ns in self.namespaces.values())).hex[:18].upper()
-        self.worker = DeviceWorker("nvme")
-        self.stats_counters = {"commands": 0, "errors": 0, "bytes_read": 0, "bytes_written": 0, "flushes": 0}
+        self.worker = DeviceWorker("nvme")  # fetches entries, runs admin commands in order
+        self.io_pool = WorkerPool("nvme-io", io_workers)  # runs I/O commands side by side
+        self.stats_counters = {"commands": 0, "errors": 0, "bytes_read": 0, "bytes_written": 0, "flushes": 0,
+                               "io_in_flight_peak": 0}
         self._features: dict[int, int] = {}
+        # Commands in flight survive a reset of the registers (they are still running):
+        self._ended = threading.Condition(self.lock)  # notified whenever a command ends
+        self._in_flight = 0  # commands taken from any SQ that have not ended
+        self._tickets = itertools.count()  # I/O commands in the order they were taken
+        self._ns_pending: dict[int, set[int]] = {}  # nsid -> tickets of its commands in flight
         self.reset_registers()
 
     # --- registers -----------------------------------------------------------------------
@@ -207,6 +227,8 @@ class NvmeController(PciFunction):
         self.cqs: dict[int, Queue] = {}
         self.pending_aers: list[int] = []
         self._features = {}
+        self._draining = False  # CC.EN went to 0 with commands in flight: RDY falls when they end
+        self._shutdown_pending = False  # CC.SHN with commands in flight: done when they end
 
     def _cap(self) -> int:
         return MQES | (1 << 16) | (10 << 24) | (1 << 37)  # CQR, 5 s timeout, NVM command set
@@ -247,12 +269,21 @@ class NvmeController(PciFunction):
             self.cqs = {0: Queue(0, self.acq & ~0xFFF, ((self.aqa >> 16) & 0xFFF) + 1, sq_ids={0})}
             self.csts = CSTS_RDY
         elif not value & CC_EN and was & CC_EN:
-            self.reset_registers()
+            self.reset_registers()  # the queues are gone: nothing in flight completes into them
             self.cc = value
+            if self._in_flight:  # the host waits for RDY=0 before it reuses their memory
+                self._draining, self.csts = True, CSTS_RDY
         if (value >> 14) & 3:  # shutdown notification: flush and report done
-            for ns in self.namespaces.values():
-                os.fsync(ns.fd)
-            self.csts |= CSTS_SHST_DONE
+            if self._in_flight:  # the last command to end does it (_end)
+                self._shutdown_pending = True
+                self.csts = (self.csts & ~CSTS_SHST) | CSTS_SHST_OCCURRING
+            else:
+                self._fsync_all()
+                self.csts = (self.csts & ~CSTS_SHST) | CSTS_SHST_DONE
+
+    def _fsync_all(self) -> None:
+        for ns in self.namespaces.values():
+            os.fsync(ns.fd)
 
     def _doorbell(self, index: int, value: int) -> None:
         qid, is_cq = index // 2, index % 2
@@ -270,11 +301,12 @@ class NvmeController(PciFunction):
             sq.tail = value % sq.size
             self.worker.submit(lambda: self._process(qid))
 
-    # --- the command loop (worker thread) ---------------------------------------------------
+    # --- the command loop (worker thread, I/O pool) -------------------------------------------
     def _process(self, qid: int) -> None:
-        """Run what the submission queue holds. All entries the doorbell announced are
-        fetched with one DMA read (up to the ring's end): on a remote device that is one
-        network round trip for the batch, not one per command."""
+        """Take what the submission queue holds (on the worker). All entries the doorbell
+        announced are fetched with one DMA read (up to the ring's end): on a remote device
+        that is one network round trip for the batch, not one per command. Admin commands
+        run here, in order; I/O commands go to the pool."""
         while True:
             with self.lock:
                 sq = self.sqs.get(qid)
@@ -284,19 +316,79 @@ class NvmeController(PciFunction):
                 count = (sq.tail - first) % sq.size
                 count = min(count, sq.size - first)  # do not wrap inside one read
             try:
-                batch = self.dma_read(sq.base + first * 64, count * 64)
+                batch = memoryview(self.dma_read(sq.base + first * 64, count * 64))
             except DmaError:
                 with self.lock:
                     self.csts |= CSTS_CFS  # the controller cannot reach its own queue
                 return
-            for i in range(count):
-                with self.lock:
-                    if self.sqs.get(qid) is not sq:
-                        return  # deleted or reset meanwhile
-                    sq.head = (first + i + 1) % sq.size
-                self._execute(sq, batch[i * 64:(i + 1) * 64])
+            if qid == 0:
+                for i in range(count):
+                    with self.lock:
+                        if self.sqs.get(qid) is not sq:
+                            return  # deleted or reset meanwhile
+                        sq.head = (first + i + 1) % sq.size
+                        self._begin(sq)
+                    try:
+                        self._execute(sq, batch[i * 64:(i + 1) * 64])
+                    finally:
+                        self._end(sq)
+                continue
+            with self.lock:
+                if self.sqs.get(qid) is not sq:
+                    return
+                sq.head = (first + count) % sq.size  # the whole batch is in our hands
+                jobs = [self._dispatch(sq, batch[i * 64:(i + 1) * 64]) for i in range(count)]
+            for job in jobs:  # in ticket order: a Flush is never taken before what it waits for
+                self.io_pool.submit(job)
 
-    def _execute(self, sq: Queue, sqe: bytes) -> None:
+    def _begin(self, sq: Queue) -> None:
+        """Count a command as in flight (lock held)."""
+        sq.in_flight += 1
+        self._in_flight += 1
+
+    def _dispatch(self, sq: Queue, sqe: memoryview):
+        """An I/O command as a pool job, counted in flight from now on (lock held)."""
+        nsid = struct.unpack_from("<I", sqe, 4)[0]
+        ticket = next(self._tickets)
+        self._ns_pending.setdefault(nsid, set()).add(ticket)
+        self._begin(sq)
+        peak = self.stats_counters["io_in_flight_peak"]
+        self.stats_counters["io_in_flight_peak"] = max(peak, self._in_flight)
+        return lambda: self._run_io(sq, sqe, nsid, ticket)
+
+    def _run_io(self, sq: Queue, sqe: memoryview, nsid: int, ticket: int) -> None:
+        """One I/O command on a pool thread; dropped if its queue went away before it ran."""
+        try:
+            with self.lock:
+                if self.sqs.get(sq.qid) is not sq:
+                    return
+                if sqe[0] == IoOpcode.FLUSH:  # after the commands of its namespace taken before it
+                    self._ended.wait_for(lambda: min(self._ns_pending[nsid]) == ticket)
+            self._execute(sq, sqe)
+        finally:
+            self._end(sq, nsid, ticket)
+
+    def _end(self, sq: Queue, nsid: int | None = None, ticket: int | None = None) -> None:
+        """A command has ended (its completion, if any, written): wake who waits for that."""
+        with self.lock:
+            if ticket is not None:
+                self._ns_pending[nsid].discard(ticket)
+            sq.in_flight -= 1
+            self._in_flight -= 1
+            shutdown = False
+            if not self._in_flight:
+                if self._draining:
+                    self._draining = False
+                    if not self.cc & CC_EN:
+                        self.csts &= ~CSTS_RDY
+                shutdown, self._shutdown_pending = self._shutdown_pending, False
+            self._ended.notify_all()
+        if shutdown:
+            self._fsync_all()
+            with self.lock:
+                self.csts = (self.csts & ~CSTS_SHST) | CSTS_SHST_DONE
+
+    def _execute(self, sq: Queue, sqe: memoryview) -> None:
         opcode, cid = sqe[0], struct.unpack_from("<H", sqe, 2)[0]
         result: int | Deferred = 0
         status = Status.SUCCESS
@@ -313,28 +405,34 @@ class NvmeController(PciFunction):
         self._complete(sq, cid, status, result)
 
     def _complete(self, sq: Queue, cid: int, status: Status, result: int) -> None:
-        self.stats_counters["commands"] += 1
-        self.stats_counters["errors"] += status != Status.SUCCESS
+        """Post a completion: the CQ slot, phase and the SQ head it reports are taken under
+        the lock (several threads complete at once); the entry is written without it."""
         with self.lock:
             cq = self.cqs.get(sq.cqid)
-            if cq is None:
-                return
+            if self.sqs.get(sq.qid) is not sq or cq is None:
+                return  # the queue pair was deleted or the controller reset
+            self.stats_counters["commands"] += 1
+            self.stats_counters["errors"] += status != Status.SUCCESS
             entry = struct.pack("<IIHHHH", result & 0xFFFFFFFF, 0, sq.head, sq.qid, cid,
                                 (status << 1) | cq.phase)
             addr = cq.base + cq.tail * 16
             cq.tail = (cq.tail + 1) % cq.size
             if cq.tail == 0:
                 cq.phase ^= 1
-            vector, interrupts = cq.vector, cq.interrupts
         try:
             self.dma_write(addr, entry)
         except DmaError:
             return
-        if interrupts:
-            self.raise_interrupt(vector)
+        with self.lock:
+            if self.cqs.get(cq.qid) is cq and cq.interrupts:
+                self.raise_interrupt(cq.vector)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            self.stats_counters[name] += n
 
     # --- admin commands ----------------------------------------------------------------------
-    def _admin(self, opcode: int, sqe: bytes) -> int | Deferred:
+    def _admin(self, opcode: int, sqe: memoryview) -> int | Deferred:
         cdw10, cdw11 = struct.unpack_from("<II", sqe, 40)
         prp1, prp2 = struct.unpack_from("<QQ", sqe, 24)
         nsid = struct.unpack_from("<I", sqe, 4)[0]
@@ -469,19 +567,24 @@ class NvmeController(PciFunction):
                 raise CommandError(Status.INVALID_QID)
             if cq and table[qid].sq_ids:
                 raise CommandError(Status.INVALID_QUEUE_DELETION)
+            if not cq:  # its commands in flight complete first (into the CQ, which stays);
+                sq = table[qid]  # one stuck longer is dropped: its completion finds no SQ
+                self._ended.wait_for(lambda: sq.in_flight == 0, DELETE_WAIT)
+                if table.get(qid) is not sq:  # reset meanwhile (table is the old dict)
+                    raise CommandError(Status.INVALID_QID)
             queue = table.pop(qid)
             if not cq:
                 self.cqs.get(queue.cqid, Queue(0, 0, 1)).sq_ids.discard(qid)
 
     # --- I/O commands --------------------------------------------------------------------------
-    def _io(self, opcode: int, sqe: bytes) -> int:
+    def _io(self, opcode: int, sqe: memoryview) -> int:
         nsid = struct.unpack_from("<I", sqe, 4)[0]
         ns = self.namespaces.get(nsid)
         if ns is None:
             raise CommandError(Status.INVALID_NAMESPACE)
-        if opcode == IoOpcode.FLUSH:  # durable from here on
+        if opcode == IoOpcode.FLUSH:  # durable from here on (_run_io waited for earlier writes)
             os.fsync(ns.fd)
-            self.stats_counters["flushes"] += 1
+            self._count("flushes")
             return 0
         prp1, prp2 = struct.unpack_from("<QQ", sqe, 24)
         slba, cdw12 = struct.unpack_from("<QI", sqe, 40)
@@ -492,12 +595,13 @@ class NvmeController(PciFunction):
             offset, length = slba << LBA_SHIFT, nlb << LBA_SHIFT
             if opcode == IoOpcode.READ:
                 self._write_prp(prp1, prp2, os.pread(ns.fd, length, offset))
-                self.stats_counters["bytes_read"] += length
+                self._count("bytes_read", length)
             elif opcode == IoOpcode.WRITE:
                 if length > (PAGE << MDTS):
                     raise CommandError(Status.INVALID_FIELD)
-                os.pwrite(ns.fd, self._read_prp(prp1, prp2, length), offset)
-                self.stats_counters["bytes_written"] += length
+                pieces = self.dma_read_many(self._segments(prp1, prp2, length))
+                _pwritev(ns.fd, pieces, offset)  # from the DMA buffers, not joined first
+                self._count("bytes_written", length)
             else:  # IoOpcode.WRITE_ZEROES
                 os.pwrite(ns.fd, bytes(length), offset)
             return 0
@@ -550,9 +654,9 @@ class NvmeController(PciFunction):
         return b"".join(self.dma_read_many(self._segments(prp1, prp2, length)))
 
     def _write_prp(self, prp1: int, prp2: int, data: bytes) -> None:
-        pos = 0
+        view, pos = memoryview(data), 0
         for addr, n in self._segments(prp1, prp2, len(data)):
-            self.dma_write(addr, data[pos:pos + n])
+            self.dma_write(addr, view[pos:pos + n])
             pos += n
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -564,8 +668,21 @@ class NvmeController(PciFunction):
         return {**self.stats_counters, "suppressed_interrupts": self.suppressed_interrupts}
 
     def close(self, timeout: float = 2.0) -> bool:
+        """Stop the worker, then the I/O threads (each within ``timeout`` s), then the files."""
         done = self.worker.close(timeout)
+        done = self.io_pool.close(timeout) and done
         for ns in self.namespaces.values():
             ns.close()
         return done
 
+
+def _pwritev(fd: int, pieces: list[bytes], offset: int) -> None:
+    """Write ``pieces`` back to back at ``offset``; a short write (rare) is finished by pwrite."""
+    done = os.pwritev(fd, pieces, offset)
+    if done < sum(len(piece) for piece in pieces):
+        rest, pos = memoryview(b"".join(pieces))[done:], offset + done
+        while rest:
+            n = os.pwrite(fd, rest, pos)
+            if n <= 0:
+                raise OSError(f"pwrite wrote nothing at {pos}")
+            rest, pos = rest[n:], pos + n
