@@ -4,6 +4,7 @@ in tests/test_nvme.py)."""
 
 import os
 import struct
+import threading
 import time
 
 import pytest
@@ -13,6 +14,40 @@ from qemu_device import nvme
 
 BAR0 = 0
 ASQ, ACQ, IOSQ, IOCQ, BUF, PRPLIST = (RAM_BASE + n * 0x10000 for n in range(6))
+QUEUES = 3  # admin + two I/O queue pairs, 32 entries each; I/O queue q at IOSQ/IOCQ + (q - 1) pages
+
+
+def sq_base(qid: int) -> int:
+    return ASQ if qid == 0 else IOSQ + (qid - 1) * 0x1000
+
+
+def cq_base(qid: int) -> int:
+    return ACQ if qid == 0 else IOCQ + (qid - 1) * 0x1000
+
+
+class HoldingRam(FakeGuestRam):
+    """Guest RAM whose accesses touching a held address wait until it is released:
+    a command caught in the middle of its DMA, as a slow network round trip leaves it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holds: dict[int, tuple[threading.Event, threading.Event]] = {}  # addr -> (reached, release)
+
+    def hold(self, addr: int) -> tuple[threading.Event, threading.Event]:
+        self.holds[addr] = (threading.Event(), threading.Event())
+        return self.holds[addr]
+
+    def _window(self, addr: int, length: int) -> slice:
+        for start, (reached, release) in list(self.holds.items()):
+            if addr <= start < addr + length:
+                reached.set()
+                assert release.wait(10), "a held DMA was never released"
+        return super()._window(addr, length)
+
+    def cq_writes(self, qid: int) -> int:
+        """DMA writes into completion queue ``qid`` so far."""
+        base = cq_base(qid)
+        return sum(1 for kind, addr, _ in list(self.calls) if kind == "write" and base <= addr < base + 32 * 16)
 
 
 class Driver:
@@ -20,9 +55,9 @@ class Driver:
 
     def __init__(self, dev: nvme.NvmeController, ram: FakeGuestRam) -> None:
         self.dev, self.ram = dev, ram
-        self.tails = {0: 0, 1: 0}
-        self.cq_heads = {0: 0, 1: 0}
-        self.phases = {0: 1, 1: 1}
+        self.tails = dict.fromkeys(range(QUEUES), 0)
+        self.cq_heads = dict.fromkeys(range(QUEUES), 0)
+        self.phases = dict.fromkeys(range(QUEUES), 1)
         self.cid = 0
 
     def w32(self, off: int, value: int) -> None:
@@ -39,39 +74,81 @@ class Driver:
         self.w32(nvme.CC, (4 << 20) | (6 << 16) | 1)
         assert self.r32(nvme.CSTS) & 1
 
-    def submit(self, qid: int, opcode: int, *, nsid=0, prp1=0, prp2=0, cdw=(0,) * 6) -> tuple[int, int]:
+    def post(self, qid: int, opcode: int, *, nsid=0, prp1=0, prp2=0, cdw=(0,) * 6) -> int:
+        """Put a command in submission queue ``qid`` without ringing; returns its CID."""
         self.cid += 1
         sqe = struct.pack("<BBHIQQQQ6I", opcode, 0, self.cid, nsid, 0, 0, prp1, prp2, *cdw)
-        base = ASQ if qid == 0 else IOSQ
-        off = base - RAM_BASE + self.tails[qid] * 64
+        off = sq_base(qid) - RAM_BASE + self.tails[qid] * 64
         self.ram.ram[off:off + 64] = sqe
         self.tails[qid] = (self.tails[qid] + 1) % 32
+        return self.cid
+
+    def ring(self, qid: int) -> None:
         self.w32(nvme.DOORBELLS + 8 * qid, self.tails[qid])
-        cq = (ACQ if qid == 0 else IOCQ) - RAM_BASE + self.cq_heads[qid] * 16
-        deadline = time.monotonic() + 5
-        while (struct.unpack_from("<H", self.ram.ram, cq + 14)[0] & 1) != self.phases[qid]:
-            assert time.monotonic() < deadline, "no completion"
-            time.sleep(0.001)
-        result, _, _sqhd, _sqid, cid, status = struct.unpack_from("<IIHHHH", self.ram.ram, cq)
-        assert cid == self.cid
-        self.cq_heads[qid] = (self.cq_heads[qid] + 1) % 32
-        if self.cq_heads[qid] == 0:
-            self.phases[qid] ^= 1
-        self.w32(nvme.DOORBELLS + 8 * qid + 4, self.cq_heads[qid])
-        return status >> 1, result
+
+    def reap(self, qid: int, count: int = 1, timeout: float = 5) -> list[tuple[int, int, int, int]]:
+        """The next ``count`` completions of CQ ``qid`` as (cid, status, result, sq head)."""
+        out = []
+        deadline = time.monotonic() + timeout
+        while len(out) < count:
+            cq = cq_base(qid) - RAM_BASE + self.cq_heads[qid] * 16
+            if (struct.unpack_from("<H", self.ram.ram, cq + 14)[0] & 1) != self.phases[qid]:
+                assert time.monotonic() < deadline, f"{count - len(out)} completions missing"
+                time.sleep(0.001)
+                continue
+            result, _, sqhd, _sqid, cid, status = struct.unpack_from("<IIHHHH", self.ram.ram, cq)
+            out.append((cid, status >> 1, result, sqhd))
+            self.cq_heads[qid] = (self.cq_heads[qid] + 1) % 32
+            if self.cq_heads[qid] == 0:
+                self.phases[qid] ^= 1
+            self.w32(nvme.DOORBELLS + 8 * qid + 4, self.cq_heads[qid])
+        return out
+
+    def nothing_completes(self, qid: int, seconds: float = 0.3) -> bool:
+        try:
+            self.reap(qid, 1, timeout=seconds)
+        except AssertionError:
+            return True
+        return False
+
+    def submit(self, qid: int, opcode: int, **kw) -> tuple[int, int]:
+        cid = self.post(qid, opcode, **kw)
+        self.ring(qid)
+        [(got, status, result, _)] = self.reap(qid)
+        assert got == cid
+        return status, result
+
+    def io_queues(self, count: int) -> None:
+        """Create I/O queue pairs 1..count (32 entries, interrupts on vector q)."""
+        for q in range(1, count + 1):
+            assert self.submit(0, 0x05, prp1=cq_base(q), cdw=((31 << 16) | q, 0b11 | (q << 16), 0, 0, 0, 0))[0] == 0
+            assert self.submit(0, 0x01, prp1=sq_base(q), cdw=((31 << 16) | q, 1 | (q << 16), 0, 0, 0, 0))[0] == 0
+
+    def read(self, qid: int, buf: int, lba: int = 0, nsid: int = 1, blocks: int = 8) -> int:
+        return self.post(qid, 0x02, nsid=nsid, prp1=buf, cdw=(lba, 0, blocks - 1, 0, 0, 0))
+
+    def write(self, qid: int, buf: int, lba: int = 0, nsid: int = 1, blocks: int = 8) -> int:
+        return self.post(qid, 0x01, nsid=nsid, prp1=buf, cdw=(lba, 0, blocks - 1, 0, 0, 0))
 
 
-@pytest.fixture
-def ctrl(tmp_path):
+def enabled_controller(tmp_path, **settings) -> tuple[Driver, RecordingIrqPort]:
     dev = nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "ns1")},
-                                          {"size": 1 << 20, "path": str(tmp_path / "ns2")}])
-    ram, irq = FakeGuestRam(), RecordingIrqPort()
+                                          {"size": 1 << 20, "path": str(tmp_path / "ns2")}], **settings)
+    ram, irq = HoldingRam(), RecordingIrqPort()
     dev.attach(ram, irq)
     dev.config.write(4, 2, 0x6)  # memory + bus master
     drv = Driver(dev, ram)
     drv.enable()
+    return drv, irq
+
+
+@pytest.fixture
+def ctrl(tmp_path):
+    drv, irq = enabled_controller(tmp_path)
     yield drv, irq
-    dev.close()
+    for _, release in drv.ram.holds.values():
+        release.set()
+    drv.dev.close()
 
 
 def test_identify_controller_and_namespaces(ctrl):
@@ -149,3 +226,136 @@ def test_msix_option_places_table_and_pba_above_the_doorbells(tmp_path):
         assert int.from_bytes(dev.region_read(BAR0, nvme.MSIX_TABLE + 8, 4), "little") == 0x4321
     finally:
         dev.close()
+
+
+# --- commands in flight ----------------------------------------------------------------------
+
+def bufs(n: int) -> list[int]:
+    return [BUF + 0x1000 * i for i in range(n)]
+
+
+def test_commands_in_flight_complete_out_of_order_each_cid_once(ctrl):
+    drv, _ = ctrl
+    drv.io_queues(1)
+    a, b, c, d = bufs(4)
+    data = os.urandom(4096)
+    drv.ram.ram[d - RAM_BASE:d - RAM_BASE + 4096] = data
+    reached, release = drv.ram.hold(a)  # the first read's data DMA is slow
+    cids = [drv.read(1, a), drv.read(1, b, lba=8), drv.read(1, c, lba=16), drv.write(1, d, lba=24)]
+    drv.ring(1)  # one doorbell, one batch
+    assert reached.wait(5)
+    early = drv.reap(1, 3)
+    assert sorted(cid for cid, *_ in early) == cids[1:], "the others waited for the slow one"
+    release.set()
+    late = drv.reap(1, 1)
+    assert late[0][0] == cids[0] and drv.nothing_completes(1)
+    assert all(status == 0 for _, status, _, _ in early + late)
+    assert {sqhd for *_, sqhd in early + late} == {4}  # the batch was taken whole
+    assert drv.dev.stats()["io_in_flight_peak"] >= 2
+    assert drv.submit(1, 0x02, nsid=1, prp1=a, cdw=(24, 0, 7, 0, 0, 0)) == (0, 0)
+    assert bytes(drv.ram.ram[a - RAM_BASE:a - RAM_BASE + 4096]) == data
+
+
+def test_flush_waits_for_the_writes_of_its_namespace_taken_before_it(ctrl, monkeypatch):
+    drv, _ = ctrl
+    drv.io_queues(1)
+    a, b = bufs(2)
+    reached, release = drv.ram.hold(a)  # the write's data is slow to arrive
+    write = drv.write(1, a, nsid=1)
+    flush = drv.post(1, 0x00, nsid=1)
+    other = drv.post(1, 0x00, nsid=2)  # another namespace's flush need not wait
+    read = drv.read(1, b, nsid=2)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(nvme.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    drv.ring(1)
+    assert reached.wait(5)
+    assert sorted(cid for cid, *_ in drv.reap(1, 2)) == [other, read]
+    assert drv.nothing_completes(1), "the flush did not wait for the write before it"
+    release.set()
+    assert [cid for cid, *_ in drv.reap(1, 2)] == [write, flush]
+    assert synced[-1] == drv.dev.namespaces[1].fd
+
+
+def test_two_io_queues_are_served_side_by_side(ctrl):
+    drv, _ = ctrl
+    drv.io_queues(2)
+    a, b = bufs(2)
+    reached, release = drv.ram.hold(a)
+    slow = drv.read(1, a)
+    drv.ring(1)
+    assert reached.wait(5)
+    assert drv.submit(2, 0x02, nsid=1, prp1=b, cdw=(0, 0, 7, 0, 0, 0)) == (0, 0)  # queue 2 is not stuck behind 1
+    release.set()
+    assert drv.reap(1)[0][:2] == (slow, 0)
+
+
+def test_delete_sq_completes_after_its_commands_in_flight(ctrl):
+    drv, _ = ctrl
+    drv.io_queues(1)
+    reached, release = drv.ram.hold(BUF)
+    read = drv.read(1, BUF)
+    drv.ring(1)
+    assert reached.wait(5)
+    delete = drv.post(0, 0x00, cdw=(1, 0, 0, 0, 0, 0))
+    drv.ring(0)
+    assert drv.nothing_completes(0)
+    release.set()
+    assert drv.reap(1)[0][:2] == (read, 0)
+    assert drv.reap(0)[0][:2] == (delete, 0)
+
+
+def test_reset_with_commands_in_flight_writes_no_completion_after_it(ctrl):
+    drv, irq = ctrl
+    drv.io_queues(1)
+    reached, release = drv.ram.hold(BUF)
+    drv.read(1, BUF)
+    drv.read(1, BUF + 0x1000)
+    drv.ring(1)
+    assert reached.wait(5)
+    drv.reap(1, 1)  # the other one completed
+    drv.w32(nvme.CC, 0)  # reset with the first in flight
+    assert drv.r32(nvme.CSTS) & nvme.CSTS_RDY, "RDY fell while a command could still write"
+    writes = drv.ram.cq_writes(1)
+    irq.take()
+    release.set()
+    deadline = time.monotonic() + 5
+    while drv.r32(nvme.CSTS) & nvme.CSTS_RDY:
+        assert time.monotonic() < deadline, "RDY stayed up after the command ended"
+        time.sleep(0.001)
+    assert drv.ram.cq_writes(1) == writes, "a completion was written into a queue of before the reset"
+    assert not [e for e in irq.take() if e != ("intx", False)], "an interrupt for it after the reset"
+
+
+def test_shutdown_with_commands_in_flight_is_done_after_them(ctrl):
+    drv, _ = ctrl
+    drv.io_queues(1)
+    reached, release = drv.ram.hold(BUF)
+    read = drv.read(1, BUF)
+    drv.ring(1)
+    assert reached.wait(5)
+    drv.w32(nvme.CC, drv.r32(nvme.CC) | (1 << 14))
+    assert drv.r32(nvme.CSTS) & nvme.CSTS_SHST == nvme.CSTS_SHST_OCCURRING
+    release.set()
+    assert drv.reap(1)[0][:2] == (read, 0)
+    deadline = time.monotonic() + 5
+    while drv.r32(nvme.CSTS) & nvme.CSTS_SHST != nvme.CSTS_SHST_DONE:
+        assert time.monotonic() < deadline, "shutdown never reported done"
+        time.sleep(0.001)
+
+
+def test_close_ends_the_io_threads(tmp_path):
+    drv, _ = enabled_controller(tmp_path, io_workers=3)
+    drv.io_queues(1)
+    for i in range(6):
+        drv.read(1, BUF + 0x1000 * i)
+    drv.ring(1)
+    assert sorted(cid for cid, *_ in drv.reap(1, 6)) == list(range(drv.cid - 5, drv.cid + 1))
+    assert len([t for t in threading.enumerate() if t.name.startswith("nvme-io")]) >= 3
+    assert drv.dev.close(timeout=2)
+    assert not drv.dev.io_pool.running and not drv.dev.worker.running
+
+
+def test_io_workers_must_be_positive(tmp_path):
+    with pytest.raises(ValueError):
+        nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "n")}], io_workers=0)
