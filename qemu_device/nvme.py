@@ -372,7 +372,10 @@ class NvmeController(PciFunction):
         """A command has ended (its completion, if any, written): wake who waits for that."""
         with self.lock:
             if ticket is not None:
-                self._ns_pending[nsid].discard(ticket)
+                pending = self._ns_pending[nsid]
+                pending.discard(ticket)
+                if not pending:  # a guest naming many bad NSIDs must not grow this
+                    del self._ns_pending[nsid]
             sq.in_flight -= 1
             self._in_flight -= 1
             shutdown = False
