@@ -13,9 +13,12 @@ allow (adjacent pages are merged).
 
 Concurrency (docs/devices/nvme.md, "Commands in flight"): nothing runs on the thread that
 delivered the doorbell write. The device's worker fetches the entries a doorbell announced
-(one DMA read per batch), runs admin commands itself, one at a time and in order, and
-hands I/O commands to a pool of ``io_workers`` threads, so their DMA round trips overlap;
-they complete in the order they finish. A Flush waits for the commands of its namespace
+(one DMA read per batch) and runs admin commands itself, one at a time and in order. I/O
+commands run on the worker too, in order (``io_workers = 0``, the default), or on a pool
+of ``io_workers`` threads, so their DMA round trips overlap; they complete in the order
+they finish. The pool pays off where DMA waits for a network round trip (a box); served
+locally its hand-offs cost more than they overlap on this 2-core machine
+(docs/benchmarks.md, "NVMe"). A Flush waits for the commands of its namespace
 dispatched before it, then fsyncs. A queue pair deleted or reset while commands are in
 flight gets no completion for them: Delete SQ waits for its commands, CC.EN=0 keeps
 CSTS.RDY up until the commands in flight have ended.
@@ -43,7 +46,7 @@ LBA_SHIFT = 9  # 512-byte blocks
 MAX_QUEUES = 8  # I/O queue pairs
 MQES = 1023  # max queue entries - 1
 MDTS = 5  # max transfer 2^5 pages = 128 KiB
-IO_WORKERS = 4  # I/O commands running at once, by default
+IO_WORKERS = 0  # I/O commands on the worker itself, in order; N > 0: a pool of N threads
 DELETE_WAIT = 10.0  # s Delete SQ waits for the queue's commands in flight before dropping them
 DOORBELLS = 0x1000
 MSIX_TABLE, MSIX_PBA = 0x3000, 0x3800
@@ -209,7 +212,9 @@ class NvmeController(PciFunction):
         self.serial = serial or "DX" + uuid.uuid5(uuid.NAMESPACE_URL, "|".join(
             ns.path for ns in self.namespaces.values())).hex[:18].upper()
         self.worker = DeviceWorker("nvme")  # fetches entries, runs admin commands in order
-        self.io_pool = WorkerPool("nvme-io", io_workers)  # runs I/O commands side by side
+        if io_workers < 0:
+            raise ValueError(f"io_workers must be 0 (I/O on the worker) or a thread count, not {io_workers}")
+        self.io_pool = WorkerPool("nvme-io", io_workers) if io_workers else None  # I/O side by side
         self.stats_counters = {"commands": 0, "errors": 0, "bytes_read": 0, "bytes_written": 0, "flushes": 0,
                                "io_in_flight_peak": 0}
         self._features: dict[int, int] = {}
@@ -339,7 +344,10 @@ class NvmeController(PciFunction):
                 sq.head = (first + count) % sq.size  # the whole batch is in our hands
                 jobs = [self._dispatch(sq, batch[i * 64:(i + 1) * 64]) for i in range(count)]
             for job in jobs:  # in ticket order: a Flush is never taken before what it waits for
-                self.io_pool.submit(job)
+                if self.io_pool is None:
+                    job()  # inline: in order, a Flush after what it waits for
+                else:
+                    self.io_pool.submit(job)
 
     def _begin(self, sq: Queue) -> None:
         """Count a command as in flight (lock held)."""
@@ -673,7 +681,7 @@ class NvmeController(PciFunction):
     def close(self, timeout: float = 2.0) -> bool:
         """Stop the worker, then the I/O threads (each within ``timeout`` s), then the files."""
         done = self.worker.close(timeout)
-        done = self.io_pool.close(timeout) and done
+        done = (self.io_pool is None or self.io_pool.close(timeout)) and done
         for ns in self.namespaces.values():
             ns.close()
         return done

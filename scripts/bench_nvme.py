@@ -48,6 +48,7 @@ def main() -> int:
     parser.add_argument("--runtime", type=int, default=8)
     parser.add_argument("--size-mib", type=int, default=64)
     parser.add_argument("--depths", default="1,4,16", help="fio iodepths")
+    parser.add_argument("--io-workers", type=int, default=0, help="our controllers' I/O threads (0: on the worker)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
@@ -58,7 +59,7 @@ def main() -> int:
     with open(qemu_disk, "wb") as f:
         f.truncate(size)
     topology = lab.Topology("bn", [lab.BoxSpec("box1", [{"id": "nv0", "model": "nvme", "settings": {
-        "namespaces": [{"size": size, "path": str(work / "remote.img")}]}}])])
+        "namespaces": [{"size": size, "path": str(work / "remote.img")}], "io_workers": args.io_workers}}])])
     state = lab.up(topology)
     results: dict[str, dict] = {}
     try:
@@ -68,7 +69,8 @@ def main() -> int:
         with Vm(VmConfig(image="full", name="bench-nvme", extra_args=extra, boot_timeout=240)) as vm:
             vm.boot()
             qemu_dev = nvme_disk(vm, "0000:00:06.0")
-            local = hotplug.attach(vm, "nvme", settings={"namespaces": [{"size": size, "path": str(work / "local.img")}]})
+            local = hotplug.attach(vm, "nvme", settings={"namespaces": [{"size": size, "path": str(work / "local.img")}],
+                                                         "io_workers": args.io_workers})
             remote = hotplug.attach(vm, "remote", settings=state.remote_settings("box1", "nv0"), netns=state.host_netns)
             devices = {"qemu-nvme": qemu_dev, "local": nvme_disk(vm, local.guest_bdf),
                        "remote": nvme_disk(vm, remote.guest_bdf)}
@@ -99,6 +101,7 @@ def main() -> int:
              f"remote_vs_qemu_rand-read-4k-qd{deepest}": ratio("remote", f"rand-read-4k-qd{deepest}")}
     print("goals (want remote >= 0.5, local >= 0.8 of QEMU): " + ", ".join(f"{k} = {v:.2f}" for k, v in goals.items()))
     path = write_json("nvme", {"runtime_s": args.runtime, "size_mib": args.size_mib, "depths": depths,
+                               "io_workers": args.io_workers,
                                "results": results, "floor": floor, "goals": goals}, args.out)
     print(f"\nJSON: {path}")
     return 0

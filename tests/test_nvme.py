@@ -26,8 +26,10 @@ def served_specs(lab_factory, local_disks):
     local: two namespaces of 64 and 16 MiB."""
     disks = lab_factory.directory("nvme-disks")
     ns = lambda where, name, size: {"size": size, "path": str(where / name)}  # noqa: E731
-    local = lambda n: {"namespaces": [ns(local_disks, f"l{n}n1", 64 * MiB), ns(local_disks, f"l{n}n2", 16 * MiB)]}  # noqa: E731
-    return [Serve("nvme", "nv0", "box1", {"namespaces": [ns(disks, "b1n1", 64 * MiB), ns(disks, "b1n2", 16 * MiB)]},
+    local = lambda n: {"namespaces": [ns(local_disks, f"l{n}n1", 64 * MiB), ns(local_disks, f"l{n}n2", 16 * MiB)],  # noqa: E731
+                       "io_workers": 4}
+    return [Serve("nvme", "nv0", "box1", {"namespaces": [ns(disks, "b1n1", 64 * MiB), ns(disks, "b1n2", 16 * MiB)],
+                                          "io_workers": 4},
                   local=local(0)),
             Serve("nvme", "nv1", "box2", {"namespaces": [ns(disks, "b2n1", 32 * MiB)], "serial": "DXPUBOX2"},
                   local=local(1))]

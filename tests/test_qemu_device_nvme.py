@@ -132,6 +132,7 @@ class Driver:
 
 
 def enabled_controller(tmp_path, **settings) -> tuple[Driver, RecordingIrqPort]:
+    settings.setdefault("io_workers", 4)  # these tests are about commands in flight
     dev = nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "ns1")},
                                           {"size": 1 << 20, "path": str(tmp_path / "ns2")}], **settings)
     ram, irq = HoldingRam(), RecordingIrqPort()
@@ -356,6 +357,21 @@ def test_close_ends_the_io_threads(tmp_path):
     assert not drv.dev.io_pool.running and not drv.dev.worker.running
 
 
-def test_io_workers_must_be_positive(tmp_path):
+def test_io_workers_must_not_be_negative(tmp_path):
     with pytest.raises(ValueError):
-        nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "n")}], io_workers=0)
+        nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "n")}], io_workers=-1)
+
+
+def test_io_inline_by_default_runs_commands_in_order(tmp_path):
+    """Without a pool (the default) a slow command holds the ones after it: in order, one at a time."""
+    drv, _ = enabled_controller(tmp_path, io_workers=0)
+    drv.io_queues(1)
+    a, b, c = bufs(3)
+    reached, release = drv.ram.hold(a)
+    cids = [drv.read(1, a), drv.read(1, b, lba=8), drv.read(1, c, lba=16)]
+    drv.ring(1)
+    assert reached.wait(5)
+    assert drv.nothing_completes(1), "a command passed the slow one before it"
+    release.set()
+    assert [cid for cid, *_ in drv.reap(1, 3)] == cids
+    assert drv.dev.close()
