@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -83,6 +84,7 @@ def main() -> int:
             hotplug.detach(local)
     finally:
         lab.down(state.name)
+        shutil.rmtree(work, ignore_errors=True)  # three disk images of --size-mib each
     rows = []
     for workload in workloads:
         q, lo, re = (results[d][workload]["MBps"] for d in ("qemu-nvme", "local", "remote"))

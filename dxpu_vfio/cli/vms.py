@@ -38,10 +38,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_vm_run(args: argparse.Namespace) -> int:
+    import os
+
+    from dxpu_vfio.paths import run_dir
     from dxpu_vfio.vms.runner import Vm, VmConfig
     config = VmConfig(image=args.image, name=args.name, accel=args.accel,
                       memory_mib=args.memory, cpus=args.cpus, edu=args.edu)
-    with Vm(config) as vm:
+    # a workdir of our own choosing stays after the run: its serial log and QEMU stderr are the answer's logs
+    with Vm(config, workdir=run_dir() / f"vm-{config.name}-{os.getpid()}") as vm:
         vm.boot()
         result = vm.run(args.command, timeout=args.timeout, check=False)
         vm.shutdown()

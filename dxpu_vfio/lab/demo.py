@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -140,7 +141,8 @@ def run_demo(image: str = "full", accel: str = "tcg", as_json: bool = False) -> 
         if manager is not None:
             manager.stop()
         lab.down(state.name)
-    say("demo: pool manager stopped, lab down (namespaces, proxies, certificates removed)")
+        shutil.rmtree(work, ignore_errors=True)  # the box's disk image and the pool database
+    say("demo: pool manager stopped, lab down (namespaces, proxies, certificates, disk image removed)")
     results = PROJECT_ROOT / "results"
     results.mkdir(exist_ok=True)
     (results / "demo.json").write_text(json.dumps(out, indent=2, default=str))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import asdict
@@ -138,6 +139,7 @@ def run_sweep(delays_us: list[float], calibration_us: list[float], out: Path,
                     hotplug.detach(att)
     finally:
         lab.down(state.name)
+        shutil.rmtree(disks, ignore_errors=True)
 
     results = {"delays_us": delays_us, "calibration_us": calibration_us, "sizes": sizes,
                "local_s": local, "workloads": {}}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ class Vm:
                  qemu: Qemu | None = None, image: Image | None = None) -> None:
         self.config = config
         self.workdir = Path(workdir) if workdir else run_dir() / f"vm-{config.name}-{os.getpid()}"
+        self._own_workdir = workdir is None  # made here: removed after a clean exit (kept for the logs otherwise)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.qemu = qemu or find_qemu()
         self.image = image or load_image(config.image)
@@ -327,5 +329,7 @@ class Vm:
     def __enter__(self) -> "Vm":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         self.kill()
+        if exc_type is None and self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
