@@ -291,13 +291,19 @@ def test_two_io_queues_are_served_side_by_side(ctrl):
     assert drv.reap(1)[0][:2] == (slow, 0)
 
 
-def test_delete_sq_completes_after_its_commands_in_flight(ctrl):
-    drv, _ = ctrl
+def held_read(drv: Driver) -> tuple[int, "threading.Event"]:
+    """One read on a new I/O queue 1 whose data DMA is held: (its CID, the release)."""
     drv.io_queues(1)
     reached, release = drv.ram.hold(BUF)
-    read = drv.read(1, BUF)
+    cid = drv.read(1, BUF)
     drv.ring(1)
     assert reached.wait(5)
+    return cid, release
+
+
+def test_delete_sq_completes_after_its_commands_in_flight(ctrl):
+    drv, _ = ctrl
+    read, release = held_read(drv)
     delete = drv.post(0, 0x00, cdw=(1, 0, 0, 0, 0, 0))
     drv.ring(0)
     assert drv.nothing_completes(0)
@@ -330,11 +336,7 @@ def test_reset_with_commands_in_flight_writes_no_completion_after_it(ctrl):
 
 def test_shutdown_with_commands_in_flight_is_done_after_them(ctrl):
     drv, _ = ctrl
-    drv.io_queues(1)
-    reached, release = drv.ram.hold(BUF)
-    read = drv.read(1, BUF)
-    drv.ring(1)
-    assert reached.wait(5)
+    read, release = held_read(drv)
     drv.w32(nvme.CC, drv.r32(nvme.CC) | (1 << 14))
     assert drv.r32(nvme.CSTS) & nvme.CSTS_SHST == nvme.CSTS_SHST_OCCURRING
     release.set()
