@@ -67,14 +67,21 @@ def test_driver_binds_and_disks_have_the_configured_size(vm, plugged):
     assert int(vm.run(f"cat /sys/block/{ns2}/size").stdout) * 512 == 16 * MiB
 
 
+def round_trip(vm, dev: str, size: str, write_args: str, read_args: str) -> bool:
+    """Random data of ``size`` (dd bs= count=) written to /dev/``dev``, synced, the page
+    cache dropped, read back: the same bytes?"""
+    out = vm.run(f"dd if=/dev/urandom of=/tmp/data {size} 2>/dev/null && "
+                 f"dd if=/tmp/data of=/dev/{dev} {size.split()[0]} {write_args} 2>/dev/null && sync && "
+                 f"echo 3 > /proc/sys/vm/drop_caches && "
+                 f"dd if=/dev/{dev} of=/tmp/back {size} {read_args} 2>/dev/null && "
+                 f"md5sum /tmp/data /tmp/back", timeout=300).stdout.split()
+    return out[0] == out[2]
+
+
 def test_random_data_survives_dropped_caches(vm, plugged):
     _, ns1, _ = plugged
-    out = vm.run(f"dd if=/dev/urandom of=/tmp/data bs=1M count=6 2>/dev/null && "
-                 f"dd if=/tmp/data of=/dev/{ns1} bs=128k oflag=direct 2>/dev/null && sync && "
-                 f"echo 3 > /proc/sys/vm/drop_caches && "
-                 f"dd if=/dev/{ns1} of=/tmp/back bs=128k count=48 iflag=direct 2>/dev/null && "
-                 f"md5sum /tmp/data /tmp/back", timeout=300).stdout.split()
-    assert out[0] == out[2], "data read back differs from data written"
+    assert round_trip(vm, ns1, "bs=128k count=48", "oflag=direct", "iflag=direct"), \
+        "data read back differs from data written"
 
 
 def queue_interrupts(vm, ctrl: str) -> dict[str, int]:
@@ -92,12 +99,7 @@ def test_commands_overlap(vm, plugged, served):
     (With MSI the guest has one vector, so one I/O queue: x86 gives a device several MSI
     messages only behind interrupt remapping. Queues per vCPU: the MSI-X test below.)"""
     att, ns1, _ = plugged
-    out = vm.run(f"dd if=/dev/urandom of=/tmp/burst bs=1M count=4 2>/dev/null && "
-                 f"dd if=/tmp/burst of=/dev/{ns1} bs=1M seek=8 2>/dev/null && sync && "
-                 f"echo 3 > /proc/sys/vm/drop_caches && "
-                 f"dd if=/dev/{ns1} of=/tmp/burst.back bs=1M skip=8 count=4 2>/dev/null && "
-                 f"md5sum /tmp/burst /tmp/burst.back", timeout=300).stdout.split()
-    assert out[0] == out[2], "data written at depth read back differs"
+    assert round_trip(vm, ns1, "bs=1M count=4", "seek=8", "skip=8"), "data written at depth read back differs"
     if served == "local":  # the device's own counters (a box keeps them in its proxy)
         assert att.server.stats()["device"]["io_in_flight_peak"] >= 2
 
