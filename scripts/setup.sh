@@ -13,6 +13,8 @@ PACKAGES=(
     cpio gzip xz-utils    # tiny initramfs
     e2fsprogs             # mke2fs -d for the full guest disk
     gcc make libc6-dev    # static guest tools
+    libssl-dev python3-dev  # the native link stream (scripts/build_native.py)
+    clang libclang-rt-14-dev  # its libFuzzer harness (scripts/fuzz_native.sh)
     iproute2              # network namespaces for the lab
     libvirt-daemon-system libvirt-clients libvirt-dev pkg-config  # libvirt + what libvirt-python builds against
     python3-venv
@@ -45,6 +47,15 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -c 'import dxpu_vfio, qemu.qmp, libvirt, pyudev, pyroute2, pytest' \
         || { echo "setup: Python dependencies failed to install" >&2; exit 1; }
     echo "$want" > "$stamp"
+else
+    echo "up to date"
+fi
+
+step "Native link stream (C)"
+src=dxpu_vfio/link/native
+so=$(ls dxpu_vfio/link/_fastlink*.so 2>/dev/null | head -1 || true)
+if [ -z "$so" ] || [ -n "$(find "$src" scripts/build_native.py -newer "$so" 2>/dev/null)" ]; then
+    .venv/bin/python scripts/build_native.py
 else
     echo "up to date"
 fi

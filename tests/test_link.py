@@ -15,6 +15,7 @@ import pytest
 from fakes import map_guest_memory
 
 from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, connect_remote
+from dxpu_vfio.link import native_stream
 from dxpu_vfio.link.endpoint import LinkState
 from dxpu_vfio.link.transport import TlsFiles, make_certs
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
@@ -48,8 +49,18 @@ def certs(tmp_path_factory):
     return d, other
 
 
+@pytest.fixture(params=["native", "python"])
+def stream(request, monkeypatch):
+    """Every link test runs over both link streams: the native one (C) and the Python one
+    (the reference); the box process inherits the choice."""
+    if request.param == "native" and not native_stream.built():
+        pytest.fail("the native link stream is not built: run scripts/setup.sh")
+    monkeypatch.setenv("DXPU_FASTLINK", "1" if request.param == "native" else "0")
+    return request.param
+
+
 @pytest.fixture
-def box(tmp_path, certs):
+def box(tmp_path, certs, stream):
     port = free_port()
     config = tmp_path / f"{BOX}.toml"
     config.write_text(f'name = "{BOX}"\nlisten = "127.0.0.1"\nport = {port}\ntls_dir = "{certs[0]}"\n'
@@ -62,11 +73,12 @@ def box(tmp_path, certs):
 
 
 @pytest.fixture
-def forwarded(tmp_path, box, certs):
+def forwarded(tmp_path, box, certs, stream):
     """Host proxy in forward mode with a client in QEMU's place and a memfd as guest RAM."""
     down = []
     device = connect_remote(box.address, "td0", "lease-td0", TlsFiles.in_dir(certs[0], "host"),
                             completion_timeout=0.5, on_down=down.append)
+    assert device.endpoint.native == (stream == "native")
     device.endpoint.dead_after = 1.0
     server = VfioUserServer(device, tmp_path / "host.sock", name="fwd").start()
     client = VfioUserClient(server.socket_path)

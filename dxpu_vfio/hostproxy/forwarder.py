@@ -21,11 +21,12 @@ import threading
 from typing import Callable
 
 from dxpu_vfio.hostproxy.coalescer import DEFAULT_COALESCE_DELAY, PostedCoalescer
+from dxpu_vfio.link import native_stream
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
 from dxpu_vfio.link.protocol import IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello, LinkCommand, unpack_irq
 from dxpu_vfio.link.transport import TlsFiles, connect
 from dxpu_vfio.vfio_user import protocol as vp
-from dxpu_vfio.vfio_user.connection import Connection
+from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
 from dxpu_vfio.vfio_user.posted import Run, pack_batch
 from qemu_device.device import RegionInfo
 from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
@@ -210,11 +211,13 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
     device's own hint (on for the display adapter)."""
     host, _, port = address.rpartition(":")
     try:
-        sock = connect(host, int(port), tls, timeout)
-    except OSError as exc:
+        if native_stream.enabled():
+            conn = native_stream.connect(host, int(port), tls, timeout)
+        else:
+            conn = Connection(connect(host, int(port), tls, timeout))
+    except (OSError, ConnectionClosed) as exc:
         raise RemoteAttachError(f"cannot reach remote proxy {address}: {exc}", getattr(exc, "errno", 0) or errno.EIO) from exc
-    conn = Connection(sock)
-    sock.settimeout(timeout)
+    conn.sock.settimeout(timeout)
     try:
         conn.send(vp.message(1, LinkCommand.HELLO, Hello(device, lease).pack()))
         reply = conn.receive()
@@ -227,7 +230,7 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
         what = {errno.EACCES: "lease token refused", errno.ENODEV: "no such device",
                 errno.EBUSY: "device is in use by another host", errno.EPROTO: "link version mismatch"}
         raise RemoteAttachError(f"remote proxy {address} refused device {device!r}: {what.get(err, err)}", err)
-    sock.settimeout(None)
+    conn.sock.settimeout(None)
     description = DeviceDescription.unpack(reply.payload)
     if coalesce is None:  # the device says whether its posted writes come in floods
         coalesce = description.coalesce

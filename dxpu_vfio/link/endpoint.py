@@ -20,8 +20,9 @@ order). Who reads, one thread at a time (the read lock):
 A heartbeat thread posts HEARTBEAT every ``heartbeat`` seconds and declares the link
 down when nothing at all was heard for ``dead_after`` seconds (a peer that is stopped,
 not closed). Once down, a link stays down (:class:`LinkState`): recovery is a new link
-(re-attach). The stream is a :class:`~dxpu_vfio.link.stream.LinkStream`, which threads use
-one at a time (TLS allows no more).
+(re-attach). The stream is the native one in C (:mod:`dxpu_vfio.link.native_stream`) or a
+:class:`~dxpu_vfio.link.stream.LinkStream`; either lets threads in one at a time (TLS allows
+no more).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class LinkError(Exception):
         self.errno = err
 
 
+_POSTED = vp.TYPE_COMMAND | vp.FLAG_NO_REPLY
 _NAMES = {int(c): c.name for c in LinkCommand}  # an enum lookup per message costs microseconds
 
 
@@ -93,10 +95,11 @@ class LinkEndpoint:
     def __init__(self, conn: Connection, name: str, handlers: dict[int, Handler], *,
                  heartbeat: float = 0.25, dead_after: float = 3.0,
                  on_down: Callable[[str], None] | None = None, waiters_serve: bool = False) -> None:
-        if not isinstance(conn.sock, LinkStream):
+        self.native = getattr(conn, "native", False)  # a NativeConnection: framing and TLS in C
+        if not self.native and not isinstance(conn.sock, LinkStream):
             conn.sock = LinkStream(conn.sock)
         self.conn = conn
-        self.stream: LinkStream = conn.sock
+        self.stream = conn.sock
         self.name = name
         self.handlers = handlers
         self.heartbeat = heartbeat
@@ -166,8 +169,7 @@ class LinkEndpoint:
             return
         try:
             msg_id = next(self._ids) & 0xFFFF
-            self.conn.send(vp.message_parts(msg_id, command, payload, no_reply=True) if isinstance(payload, tuple)
-                           else vp.message(msg_id, command, payload, no_reply=True))
+            self.conn.send_message(msg_id, command, _POSTED, payload)
             self.posted[_cmd_name(command)] += 1
         except ConnectionClosed as exc:
             self.mark_down(f"send failed: {exc}")
@@ -185,7 +187,7 @@ class LinkEndpoint:
         with self._lock:
             self._pending[msg_id] = pending
         try:
-            self.conn.send(vp.message(msg_id, command, payload))
+            self.conn.send_message(msg_id, command, vp.TYPE_COMMAND, payload)
         except ConnectionClosed as exc:
             self.mark_down(f"send failed: {exc}")
             raise LinkDown(self.down_reason) from exc
@@ -249,9 +251,12 @@ class LinkEndpoint:
         """One message within ``timeout`` (None if none came); marks the link down if the
         stream ends or cannot be trusted."""
         try:
-            if not self.conn.has_message() and not self.stream.readable(timeout):
-                return None
-            msg = self.conn.receive(timeout=REST_OF_MESSAGE)
+            if self.native:  # one call: waits up to timeout; a message begun stays buffered
+                msg = self.conn.receive(timeout)
+            else:
+                if not self.conn.has_message() and not self.stream.readable(timeout):
+                    return None
+                msg = self.conn.receive(timeout=REST_OF_MESSAGE)
         except ReceiveTimeout:
             return None
         except (ConnectionClosed, vp.ProtocolError) as exc:
@@ -282,8 +287,7 @@ class LinkEndpoint:
             spent[0] += 1
             spent[1] += time.perf_counter_ns() - started
             if not hdr.no_reply:
-                self.conn.send(vp.message_parts(hdr.msg_id, hdr.command, reply, reply=True) if isinstance(reply, tuple)
-                               else vp.message(hdr.msg_id, hdr.command, reply or b"", reply=True))
+                self.conn.send_message(hdr.msg_id, hdr.command, vp.TYPE_REPLY, reply or b"")
         except ConnectionClosed as exc:
             self.mark_down(f"send failed: {exc}")
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error completion

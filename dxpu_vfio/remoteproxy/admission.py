@@ -15,8 +15,9 @@ import socket
 import ssl
 from collections import Counter
 
+from dxpu_vfio.link import native_stream
 from dxpu_vfio.link.protocol import LINK_VERSION, Hello
-from dxpu_vfio.link.transport import tune
+from dxpu_vfio.link.transport import TlsFiles, tune
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message
 
@@ -28,8 +29,11 @@ HANDSHAKE_TIMEOUT = 5.0
 class Admission:
     """TLS handshake and first message; counts what it refused in ``refused``."""
 
-    def __init__(self, tls: ssl.SSLContext | None, handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
+    def __init__(self, tls: ssl.SSLContext | None, handshake_timeout: float = HANDSHAKE_TIMEOUT, *,
+                 native_tls: TlsFiles | None = None, native: bool = False) -> None:
         self.tls = tls
+        self.native = native  # the native stream (C) does framing and TLS: native_tls, or plaintext
+        self.native_tls = native_tls
         self.handshake_timeout = handshake_timeout
         self.refused: Counter[str] = Counter({"tls": 0, "hello": 0, "lease": 0, "busy": 0})
 
@@ -39,14 +43,18 @@ class Admission:
         tune(sock)
         sock.settimeout(self.handshake_timeout)
         try:
-            if self.tls is not None:
-                sock = self.tls.wrap_socket(sock, server_side=True)
-        except (ssl.SSLError, OSError) as exc:
+            if self.native:
+                conn = native_stream.accept(sock, self.native_tls, self.handshake_timeout)
+                conn.settimeout(self.handshake_timeout)
+            else:
+                if self.tls is not None:
+                    sock = self.tls.wrap_socket(sock, server_side=True)
+                conn = Connection(sock)
+        except (ssl.SSLError, OSError, ConnectionClosed) as exc:
             self.refused["tls"] += 1
             log.warning("refused %s: TLS: %s", peer, exc)
             sock.close()
             return None
-        conn = Connection(sock)
         try:
             return conn, conn.receive()
         except (vp.ProtocolError, ConnectionClosed, OSError) as exc:

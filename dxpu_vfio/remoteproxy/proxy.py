@@ -16,6 +16,7 @@ import logging
 import socket
 import threading
 
+from dxpu_vfio.link import native_stream
 from dxpu_vfio.link.endpoint import LinkEndpoint
 from dxpu_vfio.link.protocol import DeviceDescription, Hello, LinkCommand
 from dxpu_vfio.link.transport import TlsFiles, server_context
@@ -71,8 +72,11 @@ class RemoteProxy:
         self.slots = {d.id: Slot(d) for d in config.devices}
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
-        tls = None if config.plaintext else server_context(TlsFiles.in_dir(config.tls_dir, config.name))
-        self.admission = Admission(tls)
+        files = None if config.plaintext else TlsFiles.in_dir(config.tls_dir, config.name)
+        if native_stream.enabled():
+            self.admission = Admission(None, native=True, native_tls=files)
+        else:
+            self.admission = Admission(server_context(files) if files else None)
         self.control = ControlServices(config.name, self.slots)
         self.port = config.port
 

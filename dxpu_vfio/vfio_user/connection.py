@@ -165,6 +165,12 @@ class Connection:
             except OSError as exc:
                 raise ConnectionClosed(str(exc)) from exc
 
+    def send_message(self, msg_id: int, command: int, flags: int, payload: bytes | tuple = b"") -> None:
+        """Frame and send one message; ``payload`` may be a tuple of buffers (one copy)."""
+        parts = payload if isinstance(payload, tuple) else (payload,)
+        size = HEADER_SIZE + sum(len(part) for part in parts)
+        self.send(b"".join((HEADER.pack(msg_id, command, size, flags, 0), *parts)))
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True

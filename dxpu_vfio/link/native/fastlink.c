@@ -1,0 +1,815 @@
+/* dxpu_vfio.link._fastlink: the link's framing and TLS in C (docs/link-protocol.md, "Native stream").
+ *
+ * Why it exists: on these machines every Python layer between a link message and the
+ * socket (ssl.SSLSocket, the stream's locks and polls, the buffer bookkeeping, the header
+ * dataclass) costs microseconds, and a register read crosses them four times. Here one call
+ * sends a whole framed message and one call returns the next whole message, with the GIL
+ * released while they wait. What a message means stays in Python.
+ *
+ * Invariants (the same as dxpu_vfio/link/stream.py, which is the reference and fallback):
+ *  - OpenSSL allows one call into an SSL object at a time: every SSL_* call on the stream is
+ *    made holding `io`, and a thread that must wait for the socket waits in poll() without it,
+ *    so a reader waiting for bytes never blocks a writer and the other way round;
+ *  - whole messages are sent holding `send_order`, so messages of different threads never
+ *    interleave; one thread receives at a time (`reader`);
+ *  - a length from the peer is checked (frame.h) before anything is allocated for it;
+ *  - every wait is bounded by the caller's timeout (None: for ever), sends included.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "frame.h"
+
+#define RX_INITIAL (256 * 1024)
+#define TX_STAGE (64 * 1024)
+
+static PyObject *ClosedError;   /* the peer closed the stream, or it failed */
+static PyObject *BadFrameError; /* the peer sent bytes that are not a message: the stream is lost */
+static PyObject *TlsError;      /* the TLS handshake failed */
+
+/* --- time and waiting ------------------------------------------------------------- */
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static int64_t deadline_after(double timeout)
+{
+    return timeout < 0 ? -1 : now_ns() + (int64_t)(timeout * 1e9);
+}
+
+/* 1: ready, 0: deadline passed, -1: poll failed (errno). */
+static int wait_fd(int fd, short events, int64_t deadline)
+{
+    for (;;) {
+        int ms = -1;
+        if (deadline >= 0) {
+            int64_t left = deadline - now_ns();
+            if (left <= 0)
+                return 0;
+            ms = (int)((left + 999999) / 1000000);
+        }
+        struct pollfd p = {.fd = fd, .events = events};
+        int r = poll(&p, 1, ms);
+        if (r > 0)
+            return 1;
+        if (r < 0 && errno != EINTR)
+            return -1;
+        if (r == 0 && deadline >= 0 && now_ns() >= deadline)
+            return 0;
+    }
+}
+
+/* --- TlsContext --------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD SSL_CTX *ctx;
+    int server;
+} TlsContext;
+
+static void set_ssl_error(PyObject *type, const char *what)
+{
+    unsigned long e = ERR_get_error();
+    char buf[256] = "no detail";
+    if (e)
+        ERR_error_string_n(e, buf, sizeof buf);
+    ERR_clear_error();
+    PyErr_Format(type, "%s: %s", what, buf);
+}
+
+static int TlsContext_init(TlsContext *self, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"ca", "cert", "key", "server", NULL};
+    const char *ca, *cert, *key;
+    int server;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sssp", kw, &ca, &cert, &key, &server))
+        return -1;
+    SSL_CTX *ctx = SSL_CTX_new(server ? TLS_server_method() : TLS_client_method());
+    if (!ctx) {
+        set_ssl_error(PyExc_OSError, "SSL_CTX_new");
+        return -1;
+    }
+    /* mutual TLS 1.3 with the pool's CA as the trust root; names are not checked (boxes move
+     * between addresses), exactly like transport.server_context/client_context */
+    SSL_CTX_set_min_proto_version(ctx, TLS1_3_VERSION);
+    SSL_CTX_set_mode(ctx, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+    if (server)
+        SSL_CTX_set_num_tickets(ctx, 0); /* links are not resumed: no tickets to read or write */
+    if (SSL_CTX_use_certificate_chain_file(ctx, cert) != 1 ||
+        SSL_CTX_use_PrivateKey_file(ctx, key, SSL_FILETYPE_PEM) != 1 || SSL_CTX_check_private_key(ctx) != 1 ||
+        SSL_CTX_load_verify_locations(ctx, ca, NULL) != 1) {
+        SSL_CTX_free(ctx);
+        set_ssl_error(PyExc_ValueError, "loading the certificate, key or CA");
+        return -1;
+    }
+    SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, NULL);
+    if (self->ctx)
+        SSL_CTX_free(self->ctx);
+    self->ctx = ctx;
+    self->server = server;
+    return 0;
+}
+
+static void TlsContext_dealloc(TlsContext *self)
+{
+    if (self->ctx)
+        SSL_CTX_free(self->ctx);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject TlsContextType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dxpu_vfio.link._fastlink.TlsContext",
+    .tp_basicsize = sizeof(TlsContext),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "TlsContext(ca, cert, key, server): mutual TLS 1.3 settings for link streams.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)TlsContext_init,
+    .tp_dealloc = (destructor)TlsContext_dealloc,
+};
+
+/* --- Stream ------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD int fd; /* owned; -1 once closed */
+    SSL *ssl;             /* NULL: plain TCP */
+    pthread_mutex_t io, send_order, reader;
+    rxbuf rx;             /* under `reader` */
+    unsigned char *tx;    /* staging for small parts, under `send_order` */
+    uint32_t max_message;
+    double send_timeout;  /* seconds; negative: for ever */
+    volatile int shut;    /* shutdown() was called: every wait ends */
+    unsigned long long bytes_in, bytes_out, messages_in, messages_out;
+} Stream;
+
+enum { IO_TIMEOUT = -2, IO_ERROR = -1, IO_EOF = 0 };
+
+/* Read at least one byte into buf (GIL released by the caller). >0: bytes, IO_EOF, IO_ERROR
+ * (errbuf says why), IO_TIMEOUT. */
+static ssize_t stream_read(Stream *s, unsigned char *buf, size_t len, int64_t deadline, char *errbuf, size_t errlen)
+{
+    for (;;) {
+        short events;
+        pthread_mutex_lock(&s->io);
+        if (s->fd < 0 || s->shut) {
+            pthread_mutex_unlock(&s->io);
+            return IO_EOF;
+        }
+        if (s->ssl) {
+            size_t n = 0;
+            ERR_clear_error();
+            int r = SSL_read_ex(s->ssl, buf, len, &n);
+            if (r == 1) {
+                pthread_mutex_unlock(&s->io);
+                return (ssize_t)n;
+            }
+            int e = SSL_get_error(s->ssl, r);
+            if (e == SSL_ERROR_WANT_READ) {
+                events = POLLIN;
+            } else if (e == SSL_ERROR_WANT_WRITE) {
+                events = POLLOUT;
+            } else {
+                unsigned long code = ERR_get_error();
+                if (e == SSL_ERROR_ZERO_RETURN || (e == SSL_ERROR_SYSCALL && errno == 0) ||
+                    ERR_GET_REASON(code) == SSL_R_UNEXPECTED_EOF_WHILE_READING) {
+                    pthread_mutex_unlock(&s->io);
+                    return IO_EOF;
+                }
+                if (code)
+                    ERR_error_string_n(code, errbuf, errlen);
+                else
+                    snprintf(errbuf, errlen, "TLS read failed: %s", strerror(errno));
+                ERR_clear_error();
+                pthread_mutex_unlock(&s->io);
+                return IO_ERROR;
+            }
+        } else {
+            ssize_t n = recv(s->fd, buf, len, 0);
+            if (n >= 0) {
+                pthread_mutex_unlock(&s->io);
+                return n;
+            }
+            if (errno == EINTR) {
+                pthread_mutex_unlock(&s->io);
+                continue;
+            }
+            if (errno != EAGAIN) {
+                snprintf(errbuf, errlen, "recv: %s", strerror(errno));
+                pthread_mutex_unlock(&s->io);
+                return IO_ERROR;
+            }
+            events = POLLIN;
+        }
+        int fd = s->fd;
+        pthread_mutex_unlock(&s->io);
+        int w = wait_fd(fd, events, deadline);
+        if (w == 0)
+            return IO_TIMEOUT;
+        if (w < 0) {
+            snprintf(errbuf, errlen, "poll: %s", strerror(errno));
+            return IO_ERROR;
+        }
+    }
+}
+
+/* Write all of buf (GIL released, send_order held by the caller). 0, IO_ERROR, IO_TIMEOUT. */
+static int stream_write(Stream *s, const unsigned char *buf, size_t len, int64_t deadline, char *errbuf, size_t errlen)
+{
+    size_t pos = 0;
+    while (pos < len) {
+        short events;
+        pthread_mutex_lock(&s->io);
+        if (s->fd < 0 || s->shut) {
+            pthread_mutex_unlock(&s->io);
+            snprintf(errbuf, errlen, "stream shut down");
+            return IO_ERROR;
+        }
+        if (s->ssl) {
+            size_t n = 0;
+            ERR_clear_error();
+            int r = SSL_write_ex(s->ssl, buf + pos, len - pos, &n);
+            if (r == 1) {
+                pos += n;
+                pthread_mutex_unlock(&s->io);
+                continue;
+            }
+            int e = SSL_get_error(s->ssl, r);
+            if (e == SSL_ERROR_WANT_WRITE) {
+                events = POLLOUT;
+            } else if (e == SSL_ERROR_WANT_READ) {
+                events = POLLIN;
+            } else {
+                unsigned long code = ERR_get_error();
+                if (code)
+                    ERR_error_string_n(code, errbuf, errlen);
+                else
+                    snprintf(errbuf, errlen, "TLS write failed: %s", errno ? strerror(errno) : "peer closed");
+                ERR_clear_error();
+                pthread_mutex_unlock(&s->io);
+                return IO_ERROR;
+            }
+        } else {
+            ssize_t n = send(s->fd, buf + pos, len - pos, MSG_NOSIGNAL);
+            if (n >= 0) {
+                pos += (size_t)n;
+                pthread_mutex_unlock(&s->io);
+                continue;
+            }
+            if (errno == EINTR) {
+                pthread_mutex_unlock(&s->io);
+                continue;
+            }
+            if (errno != EAGAIN) {
+                snprintf(errbuf, errlen, "send: %s", strerror(errno));
+                pthread_mutex_unlock(&s->io);
+                return IO_ERROR;
+            }
+            events = POLLOUT;
+        }
+        int fd = s->fd;
+        pthread_mutex_unlock(&s->io);
+        int w = wait_fd(fd, events, deadline);
+        if (w == 0)
+            return IO_TIMEOUT;
+        if (w < 0) {
+            snprintf(errbuf, errlen, "poll: %s", strerror(errno));
+            return IO_ERROR;
+        }
+    }
+    return 0;
+}
+
+/* Lock a mutex another thread may hold for long, without holding the GIL meanwhile. */
+static void lock_released(pthread_mutex_t *m)
+{
+    if (pthread_mutex_trylock(m) == 0)
+        return;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(m);
+    Py_END_ALLOW_THREADS
+}
+
+static int handshake(Stream *s, int64_t deadline, char *errbuf, size_t errlen)
+{
+    for (;;) {
+        ERR_clear_error();
+        int r = SSL_do_handshake(s->ssl);
+        if (r == 1)
+            return 0;
+        int e = SSL_get_error(s->ssl, r);
+        short events;
+        if (e == SSL_ERROR_WANT_READ) {
+            events = POLLIN;
+        } else if (e == SSL_ERROR_WANT_WRITE) {
+            events = POLLOUT;
+        } else {
+            unsigned long code = ERR_get_error();
+            if (code)
+                ERR_error_string_n(code, errbuf, errlen);
+            else
+                snprintf(errbuf, errlen, "peer closed during the handshake");
+            ERR_clear_error();
+            return IO_ERROR;
+        }
+        int w = wait_fd(s->fd, events, deadline);
+        if (w == 0) {
+            snprintf(errbuf, errlen, "handshake timed out");
+            return IO_TIMEOUT;
+        }
+        if (w < 0) {
+            snprintf(errbuf, errlen, "poll: %s", strerror(errno));
+            return IO_ERROR;
+        }
+    }
+}
+
+static void stream_free_now(Stream *s)
+{
+    if (s->ssl) {
+        SSL_free(s->ssl);
+        s->ssl = NULL;
+    }
+    if (s->fd >= 0) {
+        close(s->fd);
+        s->fd = -1;
+    }
+}
+
+static int Stream_init(Stream *self, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"fd", "tls", "max_message", "handshake_timeout", NULL};
+    int fd;
+    PyObject *tls = Py_None;
+    unsigned int max_message = (1u << 20) + 4096;
+    double handshake_timeout = 5.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|OId", kw, &fd, &tls, &max_message, &handshake_timeout))
+        return -1;
+    if (tls != Py_None && !PyObject_TypeCheck(tls, &TlsContextType)) {
+        PyErr_SetString(PyExc_TypeError, "tls must be a TlsContext or None");
+        return -1;
+    }
+    if (max_message < FRAME_HEADER_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "max_message below the header size");
+        return -1;
+    }
+    if (self->fd >= 0 || self->rx.data) {
+        PyErr_SetString(PyExc_RuntimeError, "Stream already initialised");
+        return -1;
+    }
+    self->fd = fd; /* owned from here on, whatever happens next (closed with the object) */
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    self->rx.data = (unsigned char *)malloc(RX_INITIAL);
+    self->tx = (unsigned char *)malloc(TX_STAGE);
+    if (!self->rx.data || !self->tx) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->rx.cap = RX_INITIAL;
+    self->max_message = max_message;
+    if (tls != Py_None) {
+        TlsContext *ctx = (TlsContext *)tls;
+        self->ssl = SSL_new(ctx->ctx);
+        if (!self->ssl || SSL_set_fd(self->ssl, fd) != 1) {
+            set_ssl_error(TlsError, "SSL_new");
+            return -1;
+        }
+        if (ctx->server)
+            SSL_set_accept_state(self->ssl);
+        else
+            SSL_set_connect_state(self->ssl);
+        char err[256] = "";
+        int r;
+        int64_t deadline = deadline_after(handshake_timeout);
+        Py_BEGIN_ALLOW_THREADS
+        r = handshake(self, deadline, err, sizeof err);
+        Py_END_ALLOW_THREADS
+        if (r != 0) {
+            PyErr_Format(r == IO_TIMEOUT ? PyExc_TimeoutError : TlsError, "TLS handshake: %s", err);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *Stream_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    Stream *self = (Stream *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    self->fd = -1;
+    self->send_timeout = -1.0;
+    pthread_mutex_init(&self->io, NULL);
+    pthread_mutex_init(&self->send_order, NULL);
+    pthread_mutex_init(&self->reader, NULL);
+    return (PyObject *)self;
+}
+
+static void Stream_dealloc(Stream *self)
+{
+    stream_free_now(self); /* no thread is inside a method: each holds a reference */
+    free(self->rx.data);
+    free(self->tx);
+    pthread_mutex_destroy(&self->io);
+    pthread_mutex_destroy(&self->send_order);
+    pthread_mutex_destroy(&self->reader);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static double timeout_arg(PyObject *obj, double none_value)
+{
+    if (obj == Py_None || obj == NULL)
+        return none_value;
+    double t = PyFloat_AsDouble(obj);
+    if (t == -1.0 && PyErr_Occurred())
+        return -2.0;
+    return t < 0 ? 0 : t;
+}
+
+/* receive(timeout=None) -> (msg_id, command, flags, error, payload: bytes) | None */
+static PyObject *Stream_receive(Stream *self, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"timeout", NULL};
+    PyObject *timeout_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kw, &timeout_obj))
+        return NULL;
+    double timeout = timeout_arg(timeout_obj, -1.0);
+    if (timeout == -2.0)
+        return NULL;
+    int64_t deadline = deadline_after(timeout);
+    lock_released(&self->reader);
+    PyObject *result = NULL;
+    for (;;) {
+        frame_header hdr;
+        const unsigned char *msg;
+        int st = rx_next(&self->rx, self->max_message, &hdr, &msg);
+        if (st == FRAME_OK) {
+            result = Py_BuildValue("(HHIIy#)", hdr.msg_id, hdr.command, hdr.flags, hdr.error,
+                                   (const char *)msg + FRAME_HEADER_SIZE, (Py_ssize_t)(hdr.size - FRAME_HEADER_SIZE));
+            if (result) {
+                rx_consume(&self->rx, hdr.size);
+                self->messages_in++;
+            }
+            break;
+        }
+        if (st == FRAME_TOO_SMALL || st == FRAME_TOO_LARGE) {
+            PyErr_Format(BadFrameError, "message size %u %s", hdr.size,
+                         st == FRAME_TOO_SMALL ? "is smaller than its header" : "exceeds the stream's maximum");
+            break;
+        }
+        if (rx_reserve(&self->rx, rx_wanted(&self->rx, &hdr, st), RX_INITIAL) < 0) {
+            PyErr_NoMemory();
+            break;
+        }
+        char err[256] = "";
+        ssize_t n;
+        unsigned char *room = self->rx.data + self->rx.end;
+        size_t room_len = self->rx.cap - self->rx.end;
+        Py_BEGIN_ALLOW_THREADS
+        n = stream_read(self, room, room_len, deadline, err, sizeof err);
+        Py_END_ALLOW_THREADS
+        if (n > 0) {
+            self->rx.end += (size_t)n;
+            self->bytes_in += (unsigned long long)n;
+            continue;
+        }
+        if (n == IO_TIMEOUT) {
+            Py_INCREF(Py_None); /* what arrived so far stays buffered */
+            result = Py_None;
+        } else if (n == IO_EOF) {
+            PyErr_SetString(ClosedError, "peer closed the connection");
+        } else {
+            PyErr_SetString(ClosedError, err);
+        }
+        break;
+    }
+    pthread_mutex_unlock(&self->reader);
+    return result;
+}
+
+/* The parts of a message, held for the send. */
+typedef struct {
+    Py_buffer views[8];
+    int count;
+    size_t total;
+} parts_t;
+
+static void parts_release(parts_t *p)
+{
+    for (int i = 0; i < p->count; i++)
+        PyBuffer_Release(&p->views[i]);
+    p->count = 0;
+}
+
+static int parts_get(PyObject *payload, parts_t *p)
+{
+    p->count = 0;
+    p->total = 0;
+    if (PyTuple_Check(payload)) {
+        Py_ssize_t n = PyTuple_GET_SIZE(payload);
+        if (n > 8) {
+            PyErr_SetString(PyExc_ValueError, "at most 8 payload parts");
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (PyObject_GetBuffer(PyTuple_GET_ITEM(payload, i), &p->views[p->count], PyBUF_SIMPLE) < 0) {
+                parts_release(p);
+                return -1;
+            }
+            p->total += (size_t)p->views[p->count++].len;
+        }
+    } else {
+        if (PyObject_GetBuffer(payload, &p->views[0], PyBUF_SIMPLE) < 0)
+            return -1;
+        p->count = 1;
+        p->total = (size_t)p->views[0].len;
+    }
+    return 0;
+}
+
+/* Write a header (or nothing) and parts: small pieces are staged into one write (one TLS
+ * record, one segment), large ones written from where they are. GIL released by caller. */
+static int write_parts(Stream *s, const unsigned char *head, size_t head_len, parts_t *p, int64_t deadline, char *err,
+                       size_t errlen)
+{
+    size_t staged = 0;
+    if (head_len) {
+        memcpy(s->tx, head, head_len);
+        staged = head_len;
+    }
+    for (int i = 0; i < p->count; i++) {
+        const unsigned char *data = (const unsigned char *)p->views[i].buf;
+        size_t len = (size_t)p->views[i].len;
+        if (staged + len <= TX_STAGE) {
+            memcpy(s->tx + staged, data, len);
+            staged += len;
+            continue;
+        }
+        if (staged) {
+            int r = stream_write(s, s->tx, staged, deadline, err, errlen);
+            if (r)
+                return r;
+            staged = 0;
+        }
+        int r = stream_write(s, data, len, deadline, err, errlen);
+        if (r)
+            return r;
+    }
+    return staged ? stream_write(s, s->tx, staged, deadline, err, errlen) : 0;
+}
+
+static PyObject *finish_send(Stream *self, int r, const char *err, size_t total)
+{
+    if (r == IO_TIMEOUT) {
+        PyErr_SetString(PyExc_TimeoutError, "link send timed out: the peer does not read");
+        return NULL;
+    }
+    if (r) {
+        PyErr_SetString(ClosedError, err);
+        return NULL;
+    }
+    self->bytes_out += total;
+    self->messages_out++;
+    Py_RETURN_NONE;
+}
+
+/* send(data): bytes that are already framed (one or more whole messages). */
+static PyObject *Stream_send(Stream *self, PyObject *arg)
+{
+    parts_t p;
+    if (parts_get(arg, &p) < 0)
+        return NULL;
+    int64_t deadline = deadline_after(self->send_timeout);
+    char err[256] = "";
+    int r;
+    lock_released(&self->send_order);
+    Py_BEGIN_ALLOW_THREADS
+    r = write_parts(self, NULL, 0, &p, deadline, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    pthread_mutex_unlock(&self->send_order);
+    size_t total = p.total;
+    parts_release(&p);
+    return finish_send(self, r, err, total);
+}
+
+/* send_message(msg_id, command, flags, payload=b"", error=0): frame and send one message;
+ * payload is a buffer or a tuple of buffers. */
+static PyObject *Stream_send_message(Stream *self, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"msg_id", "command", "flags", "payload", "error", NULL};
+    unsigned int msg_id, command, flags, error = 0;
+    PyObject *payload = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "III|OI", kw, &msg_id, &command, &flags, &payload, &error))
+        return NULL;
+    parts_t p = {.count = 0, .total = 0};
+    if (payload && parts_get(payload, &p) < 0)
+        return NULL;
+    if (p.total + FRAME_HEADER_SIZE > self->max_message) {
+        parts_release(&p);
+        PyErr_Format(PyExc_ValueError, "message of %zu bytes exceeds the stream's maximum", p.total + FRAME_HEADER_SIZE);
+        return NULL;
+    }
+    unsigned char head[FRAME_HEADER_SIZE];
+    frame_encode(head, (uint16_t)msg_id, (uint16_t)command, (uint32_t)(p.total + FRAME_HEADER_SIZE), flags, error);
+    int64_t deadline = deadline_after(self->send_timeout);
+    char err[256] = "";
+    int r;
+    lock_released(&self->send_order);
+    Py_BEGIN_ALLOW_THREADS
+    r = write_parts(self, head, sizeof head, &p, deadline, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    pthread_mutex_unlock(&self->send_order);
+    size_t total = p.total + FRAME_HEADER_SIZE;
+    parts_release(&p);
+    return finish_send(self, r, err, total);
+}
+
+static PyObject *Stream_has_message(Stream *self, PyObject *unused)
+{
+    frame_header hdr;
+    int st = frame_parse(self->rx.data + self->rx.start, self->rx.end - self->rx.start, self->max_message, &hdr);
+    return PyBool_FromLong(st != FRAME_NEED_MORE); /* a bad frame too: the next receive reports it */
+}
+
+static PyObject *Stream_pending(Stream *self, PyObject *unused)
+{
+    int pending = 0;
+    pthread_mutex_lock(&self->io);
+    if (self->ssl && self->fd >= 0)
+        pending = SSL_pending(self->ssl) > 0;
+    pthread_mutex_unlock(&self->io);
+    return PyBool_FromLong(pending);
+}
+
+static PyObject *Stream_readable(Stream *self, PyObject *args)
+{
+    PyObject *timeout_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "|O", &timeout_obj))
+        return NULL;
+    double timeout = timeout_arg(timeout_obj, -1.0);
+    if (timeout == -2.0)
+        return NULL;
+    int pending = 0;
+    pthread_mutex_lock(&self->io);
+    if (self->ssl && self->fd >= 0)
+        pending = SSL_pending(self->ssl) > 0;
+    int fd = self->fd;
+    pthread_mutex_unlock(&self->io);
+    if (pending || self->shut || fd < 0)
+        Py_RETURN_TRUE;
+    int w;
+    int64_t deadline = deadline_after(timeout);
+    Py_BEGIN_ALLOW_THREADS
+    w = wait_fd(fd, POLLIN, deadline);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(w != 0);
+}
+
+static PyObject *Stream_fileno(Stream *self, PyObject *unused)
+{
+    return PyLong_FromLong(self->fd);
+}
+
+/* shutdown(): both directions; wakes every thread waiting on the stream. */
+static PyObject *Stream_shutdown(Stream *self, PyObject *unused)
+{
+    self->shut = 1;
+    if (self->fd >= 0)
+        shutdown(self->fd, SHUT_RDWR);
+    Py_RETURN_NONE;
+}
+
+/* close(): shut down, then free the TLS state and the descriptor once no thread reads or
+ * sends (they wake from the shutdown); if one does not let go within a second the
+ * descriptor is freed with the object instead (never while a thread may use it). */
+static PyObject *Stream_close(Stream *self, PyObject *unused)
+{
+    Stream_shutdown(self, NULL);
+    int got_reader = 0, got_sender = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < 1000 && !(got_reader && got_sender); i++) {
+        if (!got_reader)
+            got_reader = pthread_mutex_trylock(&self->reader) == 0;
+        if (!got_sender)
+            got_sender = pthread_mutex_trylock(&self->send_order) == 0;
+        if (!(got_reader && got_sender))
+            usleep(1000);
+    }
+    if (got_reader && got_sender) {
+        pthread_mutex_lock(&self->io);
+        stream_free_now(self);
+        pthread_mutex_unlock(&self->io);
+    }
+    if (got_reader)
+        pthread_mutex_unlock(&self->reader);
+    if (got_sender)
+        pthread_mutex_unlock(&self->send_order);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *Stream_stats(Stream *self, PyObject *unused)
+{
+    return Py_BuildValue("{sKsKsKsKsn}", "bytes_in", self->bytes_in, "bytes_out", self->bytes_out, "messages_in",
+                         self->messages_in, "messages_out", self->messages_out, "buffered",
+                         (Py_ssize_t)(self->rx.end - self->rx.start));
+}
+
+static PyObject *Stream_get_send_timeout(Stream *self, void *closure)
+{
+    if (self->send_timeout < 0)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(self->send_timeout);
+}
+
+static int Stream_set_send_timeout(Stream *self, PyObject *value, void *closure)
+{
+    double t = timeout_arg(value, -1.0);
+    if (t == -2.0)
+        return -1;
+    self->send_timeout = t;
+    return 0;
+}
+
+static PyObject *Stream_get_tls(Stream *self, void *closure)
+{
+    return PyBool_FromLong(self->ssl != NULL);
+}
+
+static PyMethodDef Stream_methods[] = {
+    {"receive", (PyCFunction)(void (*)(void))Stream_receive, METH_VARARGS | METH_KEYWORDS,
+     "receive(timeout=None) -> (msg_id, command, flags, error, payload) or None when the timeout passed."},
+    {"send", (PyCFunction)Stream_send, METH_O, "send(data): framed bytes, whole, in order with other sends."},
+    {"send_message", (PyCFunction)(void (*)(void))Stream_send_message, METH_VARARGS | METH_KEYWORDS,
+     "send_message(msg_id, command, flags, payload=b'', error=0): frame and send one message."},
+    {"has_message", (PyCFunction)Stream_has_message, METH_NOARGS, "A whole message is buffered."},
+    {"pending", (PyCFunction)Stream_pending, METH_NOARGS, "TLS holds decrypted bytes nobody read yet."},
+    {"readable", (PyCFunction)Stream_readable, METH_VARARGS, "readable(timeout=None): bytes can be read."},
+    {"fileno", (PyCFunction)Stream_fileno, METH_NOARGS, "The socket's descriptor (-1 once closed)."},
+    {"shutdown", (PyCFunction)Stream_shutdown, METH_NOARGS, "Shut both directions down; wakes waiters."},
+    {"close", (PyCFunction)Stream_close, METH_NOARGS, "Shut down and free the descriptor."},
+    {"stats", (PyCFunction)Stream_stats, METH_NOARGS, "Byte and message counters."},
+    {NULL},
+};
+
+static PyGetSetDef Stream_getset[] = {
+    {"send_timeout", (getter)Stream_get_send_timeout, (setter)Stream_set_send_timeout,
+     "Seconds a send may wait for the peer to read (None: for ever).", NULL},
+    {"tls", (getter)Stream_get_tls, NULL, "The stream is TLS.", NULL},
+    {NULL},
+};
+
+static PyTypeObject StreamType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dxpu_vfio.link._fastlink.Stream",
+    .tp_basicsize = sizeof(Stream),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Stream(fd, tls=None, max_message=..., handshake_timeout=5.0): framed link messages over a "
+              "connected TCP socket it owns; with a TlsContext, after a bounded handshake.",
+    .tp_new = Stream_new,
+    .tp_init = (initproc)Stream_init,
+    .tp_dealloc = (destructor)Stream_dealloc,
+    .tp_methods = Stream_methods,
+    .tp_getset = Stream_getset,
+};
+
+static struct PyModuleDef fastlink_module = {
+    PyModuleDef_HEAD_INIT, "_fastlink", "The link's framing and TLS in C (see fastlink.c).", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__fastlink(void)
+{
+    if (PyType_Ready(&TlsContextType) < 0 || PyType_Ready(&StreamType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&fastlink_module);
+    if (!m)
+        return NULL;
+    ClosedError = PyErr_NewException("dxpu_vfio.link._fastlink.Closed", PyExc_ConnectionError, NULL);
+    BadFrameError = PyErr_NewException("dxpu_vfio.link._fastlink.BadFrame", PyExc_ValueError, NULL);
+    TlsError = PyErr_NewException("dxpu_vfio.link._fastlink.TlsError", PyExc_ConnectionError, NULL);
+    Py_INCREF(&TlsContextType);
+    Py_INCREF(&StreamType);
+    if (PyModule_AddObject(m, "TlsContext", (PyObject *)&TlsContextType) < 0 ||
+        PyModule_AddObject(m, "Stream", (PyObject *)&StreamType) < 0 ||
+        PyModule_AddObject(m, "Closed", ClosedError) < 0 || PyModule_AddObject(m, "BadFrame", BadFrameError) < 0 ||
+        PyModule_AddObject(m, "TlsError", TlsError) < 0 ||
+        PyModule_AddIntConstant(m, "HEADER_SIZE", FRAME_HEADER_SIZE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,188 @@
+"""The native link stream: framing and TLS in C (``native/fastlink.c``), behind the
+interface :class:`~dxpu_vfio.vfio_user.connection.Connection` gives the link.
+
+Why: a register read crosses the link's Python layers (ssl.SSLSocket, the stream's locks
+and polls, the buffer, the header) four times, and on these machines each costs
+microseconds (docs/benchmarks.md, "The link in C"). The C stream sends a framed message
+in one call and returns the next whole message in one call, the GIL released while it
+waits. What messages mean stays in Python (:mod:`dxpu_vfio.link.endpoint`).
+
+It is used for every link when it is built (``scripts/setup.sh`` builds it) unless
+``DXPU_FASTLINK=0``: the Python stream (:mod:`dxpu_vfio.link.stream`) stays as the
+reference, the fallback, and the other half of a same-run comparison
+(``scripts/bench_remote.py --streams``). ``DXPU_FASTLINK_SO`` loads another build of the
+module (the sanitized one, ``scripts/sanitize.sh``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from dxpu_vfio.errors import SetupError
+from dxpu_vfio.link.transport import TlsFiles, tune
+from dxpu_vfio.vfio_user.connection import ConnectionClosed, Message, ReceiveTimeout
+from dxpu_vfio.vfio_user.protocol import HEADER_SIZE, MAX_MESSAGE, Header, ProtocolError
+
+
+def _load() -> ModuleType | None:
+    override = os.environ.get("DXPU_FASTLINK_SO")
+    if override:  # e.g. the ASan build: it must be what runs, or the run checks nothing
+        spec = importlib.util.spec_from_file_location("dxpu_vfio.link._fastlink", override)
+        if spec is None or spec.loader is None:
+            raise SetupError(f"DXPU_FASTLINK_SO={override} is not a loadable module",
+                             hint="scripts/build_native.py --sanitize builds one")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["dxpu_vfio.link._fastlink"] = module
+        return module
+    try:
+        from dxpu_vfio.link import _fastlink
+    except ImportError:
+        return None
+    return _fastlink
+
+
+_native = _load()
+
+
+def built() -> bool:
+    return _native is not None
+
+
+def enabled() -> bool:
+    """Links use the native stream: it is built and not switched off with DXPU_FASTLINK=0."""
+    return _native is not None and os.environ.get("DXPU_FASTLINK", "1") != "0"
+
+
+def module_path() -> Path | None:
+    return Path(_native.__file__) if _native is not None else None
+
+
+def require() -> ModuleType:
+    if _native is None:
+        raise SetupError("the native link stream (dxpu_vfio/link/_fastlink) is not built",
+                         hint="run scripts/setup.sh (or: .venv/bin/python scripts/build_native.py)")
+    return _native
+
+
+_contexts: dict[tuple, object] = {}
+
+
+def tls_context(files: TlsFiles, server: bool):
+    """One context per certificate set and side (loading keys costs milliseconds)."""
+    key = (str(files.ca), str(files.cert), str(files.key), server)
+    if key not in _contexts:
+        try:
+            _contexts[key] = require().TlsContext(str(files.ca), str(files.cert), str(files.key), server)
+        except ValueError as exc:
+            raise SetupError(f"TLS files in {files.cert.parent} cannot be used: {exc}",
+                             hint="dxpu certs DIR ROLE... writes a CA and certificates") from exc
+    return _contexts[key]
+
+
+class NativeConnection:
+    """A link stream in C with the faces the link uses: a Connection's (send/receive) and a
+    :class:`~dxpu_vfio.link.stream.LinkStream`'s (readable/pending/fileno/shutdown); so
+    ``conn.sock`` is the connection itself."""
+
+    native = True
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.sock = self
+        self.family = socket.AF_INET
+        self.tls = stream.tls
+        self.closed = False
+        self._timeout: float | None = None
+        self._closed_exc = require().Closed
+        self._bad_frame = require().BadFrame
+
+    # --- a Connection's face --------------------------------------------------------
+    def send(self, data: bytes, fds: list[int] | None = None) -> None:
+        if fds:
+            raise ProtocolError("descriptors cannot travel on the link")
+        try:
+            self.stream.send(data)
+        except (self._closed_exc, TimeoutError) as exc:
+            raise ConnectionClosed(str(exc)) from exc
+
+    def send_message(self, msg_id: int, command: int, flags: int, payload: bytes | tuple = b"") -> None:
+        try:
+            self.stream.send_message(msg_id, command, flags, payload)
+        except (self._closed_exc, TimeoutError) as exc:
+            raise ConnectionClosed(str(exc)) from exc
+
+    def receive(self, timeout: float | None = None) -> Message:
+        """The next whole message; ReceiveTimeout after ``timeout`` (default: the one
+        :meth:`settimeout` set), what arrived so far staying buffered."""
+        try:
+            got = self.stream.receive(self._timeout if timeout is None else timeout)
+        except self._closed_exc as exc:
+            raise ConnectionClosed(str(exc)) from exc
+        except self._bad_frame as exc:
+            raise ProtocolError(str(exc)) from exc
+        if got is None:
+            raise ReceiveTimeout("link stream: timed out")
+        msg_id, command, flags, error, payload = got
+        return Message(Header(msg_id, command, HEADER_SIZE + len(payload), flags, error), memoryview(payload))
+
+    def has_message(self) -> bool:
+        return self.stream.has_message()
+
+    # --- a LinkStream's face ---------------------------------------------------------
+    def readable(self, timeout: float | None) -> bool:
+        return self.stream.readable(timeout)
+
+    def pending(self) -> bool:
+        return self.stream.pending()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def settimeout(self, timeout: float | None) -> None:
+        """The default timeout of :meth:`receive` (None: for ever), as a socket's would be."""
+        self._timeout = timeout
+
+    def set_send_timeout(self, timeout: float | None) -> None:
+        """How long a send may wait for a peer that does not read (None: for ever)."""
+        self.stream.send_timeout = timeout
+
+    def shutdown(self, _how: int = socket.SHUT_RDWR) -> None:
+        self.stream.shutdown()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.stream.close()
+
+    def stats(self) -> dict:
+        return self.stream.stats()
+
+
+def _wrap(sock: socket.socket, tls: TlsFiles | None, server: bool, handshake_timeout: float) -> NativeConnection:
+    """Hand a connected TCP socket to a native stream (which owns it from here on)."""
+    module = require()
+    ctx = tls_context(tls, server) if tls is not None else None
+    fd = sock.detach()
+    try:
+        stream = module.Stream(fd, ctx, max_message=MAX_MESSAGE, handshake_timeout=handshake_timeout)
+    except module.TlsError as exc:
+        raise ConnectionClosed(str(exc)) from exc
+    return NativeConnection(stream)
+
+
+def connect(host: str, port: int, tls: TlsFiles | None, timeout: float = 5.0) -> NativeConnection:
+    """TCP (and mutual TLS) to a box, the handshake bounded by ``timeout``."""
+    sock = tune(socket.create_connection((host, port), timeout=timeout))
+    return _wrap(sock, tls, server=False, handshake_timeout=timeout)
+
+
+def accept(sock: socket.socket, tls: TlsFiles | None, handshake_timeout: float) -> NativeConnection:
+    """The box's side of a connection it accepted."""
+    tune(sock)
+    return _wrap(sock, tls, server=True, handshake_timeout=handshake_timeout)

@@ -1,0 +1,212 @@
+"""The native link stream (dxpu_vfio/link/native/fastlink.c) on its own: framing, TLS
+against Python's ssl on the other end, bounded waits, and bytes that are not messages.
+Real sockets on loopback; the C module must be built (scripts/setup.sh builds it)."""
+
+import socket
+import ssl
+import threading
+import time
+
+import pytest
+
+from dxpu_vfio.link import native_stream
+from dxpu_vfio.link.transport import TlsFiles, client_context, make_certs, server_context
+from dxpu_vfio.vfio_user import protocol as vp
+from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, ReceiveTimeout
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    if not native_stream.built():
+        pytest.fail("the native link stream is not built: run scripts/setup.sh")
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("certs")
+    make_certs(d, ["host", "box"])
+    return d
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    return client, server
+
+
+def native_pair(certs=None):
+    """(native client, native server); TLS when certs is given (handshakes run concurrently)."""
+    a, b = tcp_pair()
+    out = {}
+    server = threading.Thread(target=lambda: out.update(server=native_stream.accept(
+        b, TlsFiles.in_dir(certs, "box") if certs else None, 5.0)))
+    server.start()
+    client = native_stream._wrap(a, TlsFiles.in_dir(certs, "host") if certs else None, server=False,
+                                 handshake_timeout=5.0)
+    server.join(10)
+    return client, out["server"]
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_messages_of_every_size_arrive_whole_and_in_order(certs, tls):
+    client, server = native_pair(certs if tls else None)
+    sizes = [0, 1, 15, 16, 4095, 16384, 65536 - 16, 65536, 300_000, vp.MAX_DATA_XFER]
+    payloads = [bytes((i + n) % 251 for i in range(n)) for n in sizes]
+
+    def send():
+        for i, data in enumerate(payloads):
+            if i % 2:
+                client.send_message(i, 9, vp.TYPE_COMMAND, (data[:7], data[7:]))  # in parts
+            else:
+                client.send(vp.message(i, 9, data))  # framed by the caller
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    for i, data in enumerate(payloads):
+        msg = server.receive(timeout=10)
+        assert (msg.header.msg_id, msg.header.command, msg.header.size) == (i, 9, 16 + len(data))
+        assert bytes(msg.payload) == data
+    sender.join(10)
+    assert server.stats()["messages_in"] == len(payloads)
+    client.close()
+    server.close()
+
+
+def test_native_client_and_python_ssl_server_talk_tls(certs):
+    a, b = tcp_pair()
+    result = {}
+
+    def python_server():
+        tls = server_context(TlsFiles.in_dir(certs, "box")).wrap_socket(b, server_side=True)
+        conn = Connection(tls)
+        msg = conn.receive()
+        conn.send(vp.message(msg.header.msg_id, msg.header.command, bytes(msg.payload[::-1]), reply=True))
+        result["ok"] = True
+        conn.close()
+
+    thread = threading.Thread(target=python_server)
+    thread.start()
+    client = native_stream._wrap(a, TlsFiles.in_dir(certs, "host"), server=False, handshake_timeout=5.0)
+    client.send_message(7, vp.Command.REGION_READ, vp.TYPE_COMMAND, b"abc")
+    reply = client.receive(timeout=5)
+    assert reply.header.is_reply and bytes(reply.payload) == b"cba"
+    thread.join(5)
+    assert result == {"ok": True}
+    client.close()
+
+
+def test_python_ssl_client_and_native_server_talk_tls(certs):
+    a, b = tcp_pair()
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(conn=native_stream.accept(b, TlsFiles.in_dir(certs, "box"), 5.0)))
+    thread.start()
+    tls = client_context(TlsFiles.in_dir(certs, "host")).wrap_socket(a)
+    thread.join(5)
+    py = Connection(tls)
+    py.send(vp.message(3, 4, b"hello"))
+    msg = out["conn"].receive(timeout=5)
+    assert bytes(msg.payload) == b"hello"
+    out["conn"].send_message(3, 4, vp.TYPE_REPLY, b"world")
+    assert bytes(py.receive().payload) == b"world"
+    py.close()
+    out["conn"].close()
+
+
+def test_a_certificate_from_another_ca_is_refused(certs, tmp_path):
+    make_certs(tmp_path, ["host"])
+    a, b = tcp_pair()
+    errors = []
+
+    def server():
+        try:
+            native_stream.accept(b, TlsFiles.in_dir(certs, "box"), 5.0)
+        except ConnectionClosed as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=server)
+    thread.start()
+    with pytest.raises((ConnectionClosed, ssl.SSLError, OSError)):
+        conn = native_stream._wrap(a, TlsFiles.in_dir(tmp_path, "host"), server=False, handshake_timeout=5.0)
+        conn.receive(timeout=2)  # TLS 1.3: the client may learn of the refusal only here
+    thread.join(10)
+    assert errors and "TLS handshake" in errors[0]  # the box refused the link
+
+
+def test_a_silent_peer_cannot_hold_the_handshake(certs):
+    a, b = tcp_pair()  # nobody speaks TLS on `a`
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        native_stream.accept(b, TlsFiles.in_dir(certs, "box"), 0.3)
+    assert time.monotonic() - started < 2
+    a.close()
+
+
+def test_receive_timeout_keeps_a_partial_message_for_the_next_call():
+    client, server = native_pair()
+    framed = vp.message(1, 9, b"x" * 100)
+    client.send(framed[:20])
+    with pytest.raises(ReceiveTimeout):
+        server.receive(timeout=0.05)
+    client.send(framed[20:])
+    assert bytes(server.receive(timeout=5).payload) == b"x" * 100
+    client.close()
+    server.close()
+
+
+@pytest.mark.parametrize("size", [0, 15, vp.MAX_MESSAGE + 1, 0xFFFFFFFF])
+def test_a_length_that_cannot_be_a_message_is_refused_before_it_is_read(size):
+    client, server = native_pair()
+    client.send(vp.HEADER.pack(1, 9, size, 0, 0))
+    with pytest.raises(vp.ProtocolError):
+        server.receive(timeout=5)
+    client.close()
+    server.close()
+
+
+def test_a_send_to_a_peer_that_does_not_read_times_out():
+    client, server = native_pair()
+    client.set_send_timeout(0.3)
+    started = time.monotonic()
+    with pytest.raises(ConnectionClosed, match="timed out"):
+        for _ in range(1000):  # fills both socket buffers; the peer never reads
+            client.send_message(1, 12, vp.TYPE_COMMAND | vp.FLAG_NO_REPLY, bytes(1 << 20))
+    assert time.monotonic() - started < 5
+    client.close()
+    server.close()
+
+
+def test_a_reader_waiting_does_not_block_a_sender_and_shutdown_wakes_it():
+    client, server = native_pair()
+    woke = []
+
+    def reader():
+        try:
+            server.receive(timeout=30)
+        except ConnectionClosed as exc:
+            woke.append(exc)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    time.sleep(0.1)
+    client.send_message(1, 9, vp.TYPE_COMMAND, b"while you wait")  # another thread sends meanwhile
+    thread.join(5)
+    assert not woke  # it got the message
+    thread = threading.Thread(target=reader)
+    thread.start()
+    time.sleep(0.1)
+    started = time.monotonic()
+    server.shutdown()
+    thread.join(5)
+    assert woke and time.monotonic() - started < 2
+    server.close()
+    client.close()
+
+
+def test_the_peer_closing_is_reported_not_hung():
+    client, server = native_pair()
+    client.close()
+    with pytest.raises(ConnectionClosed):
+        server.receive(timeout=5)
+    server.close()
+    assert server.fileno() == -1  # the descriptor is freed at close
