@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The native link stream under AddressSanitizer + UndefinedBehaviorSanitizer: builds the
+# sanitized module (build/native-asan) and runs the tests that drive it (its own tests and
+# the link tests, both proxies in processes) with that build loaded (DXPU_FASTLINK_SO).
+#   scripts/sanitize.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+so=$(.venv/bin/python scripts/build_native.py --sanitize)
+asan=$(gcc -print-file-name=libasan.so)
+ubsan=$(gcc -print-file-name=libubsan.so)
+# Python is not built with ASan: preload the runtime; CPython's own allocations at exit are
+# not leaks of ours (detect_leaks=0); any report aborts the process and fails the test.
+export LD_PRELOAD="$asan $ubsan"
+export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1
+export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+export DXPU_FASTLINK_SO="$so" DXPU_FASTLINK=1
+exec .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_native_stream.py tests/test_link.py -k "not python" "$@"
