@@ -14,21 +14,28 @@ namespaces in the same run (Python ping-pong and bulk transfer, plain TCP and TL
 Table on stdout, JSON in results/bench/remote.json (``results -> local / remote+Nus`` and
 ``results -> floor``).
 
-    .venv/bin/python scripts/bench_remote.py [--delays 0,50,200,1000] [--reads 2000]
+    .venv/bin/python scripts/bench_remote.py [--delays 0,50,200,1000] [--reads 2000] [--streams native,python]
+
+``--streams`` compares the link's native stream (C, the default) with the Python one in
+the same run (rows ``remote[python]+Nus``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dxpu_vfio import procs  # noqa: E402
 from dxpu_vfio.bench import table, write_json  # noqa: E402
 from dxpu_vfio.lab import hotplug  # noqa: E402
 from dxpu_vfio.lab import floors, lab  # noqa: E402
+from dxpu_vfio.link import native_stream  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 
@@ -64,6 +71,31 @@ def read_hops(att: hotplug.Attachment, box_pid: int) -> tuple[float, float, int]
     return request["wait_us"], handled["us"], request["count"]
 
 
+def row_key(stream: str, delay: float) -> str:
+    """``remote+0us`` for the default (native) stream, ``remote[python]+0us`` for the other."""
+    return f"remote+{delay:g}us" if stream == "native" else f"remote[{stream}]+{delay:g}us"
+
+
+def use_stream(state, stream: str) -> None:
+    """Both proxies of the next links use ``stream``: host proxies inherit the setting, the
+    box's proxy is restarted with it."""
+    os.environ["DXPU_FASTLINK"] = "1" if stream == "native" else "0"
+    box = state.box("box1")
+    def gone() -> bool:
+        try:
+            os.waitpid(box.proxy_pid, os.WNOHANG)  # lab.up started it from this process: reap it
+        except ChildProcessError:
+            pass
+        return not procs.pid_alive(box.proxy_pid)
+
+    if box.proxy_pid and procs.pid_alive(box.proxy_pid):
+        os.kill(box.proxy_pid, signal.SIGTERM)
+        if not procs.wait_until(gone, 10):
+            sys.exit(f"box proxy {box.proxy_pid} did not exit on SIGTERM")
+    lab.restart_proxy(state, "box1")
+    time.sleep(0.5)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--delays", default="0,50,200,1000", help="added one-way delays in µs")
@@ -71,9 +103,14 @@ def main() -> int:
     parser.add_argument("--writes", type=int, default=20000)
     parser.add_argument("--copies", type=int, default=3)
     parser.add_argument("--irqs", type=int, default=20)
+    parser.add_argument("--streams", default="native,python",
+                        help="link streams to compare in this run: native (C) and/or python")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     delays = [float(d) for d in args.delays.split(",")]
+    streams = args.streams.split(",")
+    if "native" in streams and not native_stream.built():
+        sys.exit("the native link stream is not built: run scripts/setup.sh")
     topology = lab.Topology.load(None)  # the default lab: box1 with test device td0
     topology.name = "bench"
     state = lab.up(topology)
@@ -91,26 +128,28 @@ def main() -> int:
                                                                             args.copies, args.irqs)}
             hotplug.detach(att)
             print(f"  local: read {results['local']['read_median_us']:.1f} µs", flush=True)
-            for delay in delays:
-                box = lab.set_delay(state, "box1", delay)
-                att = hotplug.attach(vm, "remote", settings=state.remote_settings("box1", "td0"),
-                                     netns=state.host_netns)
-                row = {"delay_us": delay, "delay_mode": box.delay_mode,
-                       **measure(vm, att, args.reads, args.writes, args.copies, args.irqs)}
-                report = lab.delay_report(state, "box1")
-                row["delay_achieved_us"] = report["achieved_median_us"] if report else (0.0 if not delay else None)
-                before = read_hops(att, box.proxy_pid)
-                vm.run(f"dxpu-mmio {att.guest_bdf} 0 time-read 8 {args.reads}", timeout=900)
-                wait_us, remote_us, n = (a - b for a, b in zip(read_hops(att, box.proxy_pid), before))
-                row["hops_per_read_us"] = {
-                    "qemu_and_host_proxy": row["read_median_us"] - wait_us / n,
-                    "link_network_tls_relay": (wait_us - remote_us) / n,
-                    "remote_proxy_device": remote_us / n,
-                    "host_link_wait": wait_us / n}
-                row["host_link_wait_us_per_read"] = wait_us / n
-                hotplug.detach(att)
-                results[f"remote+{delay:g}us"] = row
-                print(f"  remote at {delay:g} µs ({box.delay_mode}): read {row['read_median_us']:.1f} µs", flush=True)
+            for stream in streams:
+                use_stream(state, stream)
+                for delay in delays:
+                    box = lab.set_delay(state, "box1", delay)
+                    att = hotplug.attach(vm, "remote", settings=state.remote_settings("box1", "td0"),
+                                         netns=state.host_netns)
+                    row = {"delay_us": delay, "delay_mode": box.delay_mode,
+                           **measure(vm, att, args.reads, args.writes, args.copies, args.irqs)}
+                    report = lab.delay_report(state, "box1")
+                    row["delay_achieved_us"] = report["achieved_median_us"] if report else (0.0 if not delay else None)
+                    before = read_hops(att, box.proxy_pid)
+                    vm.run(f"dxpu-mmio {att.guest_bdf} 0 time-read 8 {args.reads}", timeout=900)
+                    wait_us, remote_us, n = (a - b for a, b in zip(read_hops(att, box.proxy_pid), before))
+                    row["hops_per_read_us"] = {
+                        "qemu_and_host_proxy": row["read_median_us"] - wait_us / n,
+                        "link_network_tls_relay": (wait_us - remote_us) / n,
+                        "remote_proxy_device": remote_us / n,
+                        "host_link_wait": wait_us / n}
+                    row["host_link_wait_us_per_read"] = wait_us / n
+                    hotplug.detach(att)
+                    results[row_key(stream, delay)] = row
+                    print(f"  remote ({stream} stream) at {delay:g} µs ({box.delay_mode}): read {row['read_median_us']:.1f} µs", flush=True)
     finally:
         lab.down(state.name)
     local = results["local"]
@@ -138,6 +177,12 @@ def main() -> int:
                  "remote_dma_vs_tls_bulk": zero["dma_MBps"] / tls_bulk,
                  "remote_dma_vs_local": zero["dma_MBps"] / local["dma_MBps"]}
         results["goals"] = goals
+        python_row = rows.get("remote[python]+0us")
+        if python_row:  # the same goals with the Python stream, for the comparison
+            goals["python_stream"] = {
+                "remote_minus_local_read_vs_tls_rtt": (python_row["read_median_us"] - local["read_median_us"]) / tls_rtt,
+                "remote_dma_vs_tls_bulk": python_row["dma_MBps"] / tls_bulk,
+                "remote_dma_vs_local": python_row["dma_MBps"] / local["dma_MBps"]}
         print(f"\ngoals at 0 added delay: (remote - local read) / TLS ping-pong = "
               f"{goals['remote_minus_local_read_vs_tls_rtt']:.2f} (want <= 1.3), remote/local read = "
               f"{goals['remote_vs_local_read']:.2f} (stretch <= 1.5), remote DMA / TLS bulk = "

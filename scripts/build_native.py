@@ -37,13 +37,17 @@ def build_module(out_dir: Path, sanitize: bool) -> Path:
     if sanitize:
         flags = ["-O1", "-g", "-fPIC", "-shared", "-pthread", "-fno-omit-frame-pointer",
                  "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+    # built beside and renamed over: processes that have the old module mapped keep it intact
+    tmp = out.with_name(out.name + ".tmp")
     cmd = [compiler("gcc", "apt-get install gcc (scripts/setup.sh does)"), *flags, *WARNINGS,
-           f"-I{sysconfig.get_paths()['include']}", str(SRC / "fastlink.c"), "-o", str(out), "-lssl", "-lcrypto"]
+           f"-I{sysconfig.get_paths()['include']}", str(SRC / "fastlink.c"), "-o", str(tmp), "-lssl", "-lcrypto"]
     out_dir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
+        tmp.unlink(missing_ok=True)
         sys.exit(f"building {out.name} failed (is libssl-dev installed? scripts/setup.sh installs it):\n"
                  f"{' '.join(cmd)}\n{proc.stderr}")
+    tmp.replace(out)
     return out
 
 

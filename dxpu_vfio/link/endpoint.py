@@ -176,7 +176,47 @@ class LinkEndpoint:
 
     def request(self, command: int, payload: bytes, timeout: float) -> memoryview:
         """Send and wait for the completion; LinkDown on timeout (the link goes down)."""
+        if self.native and not self._pending and threading.current_thread() is self._driver:
+            return self._exchange(command, payload, timeout)
         return self.wait(self.send_request(command, payload), timeout)
+
+    def _exchange(self, command: int, payload: bytes, timeout: float) -> memoryview:
+        """The driver's request when nothing else is in flight, on the native stream: one
+        call sends it and usually returns its completion; whatever the peer sent before
+        that is dispatched first, in stream order (the same rules as :meth:`wait`, with no
+        Pending to keep: only this thread reads and waits)."""
+        if not self.up:
+            raise LinkDown(self.down_reason)
+        msg_id = next(self._ids) & 0xFFFF
+        started = time.perf_counter_ns()
+        deadline = time.monotonic() + timeout
+        try:
+            got = self.conn.exchange(msg_id, command, payload, timeout)
+            while True:
+                if got is not None:
+                    self._last_heard = time.monotonic()
+                    if got[2] & vp.TYPE_MASK == vp.TYPE_REPLY and got[0] == msg_id:
+                        break
+                    self._dispatch(Message(vp.Header(got[0], got[1], vp.HEADER_SIZE + len(got[4]), got[2], got[3]),
+                                           memoryview(got[4])))
+                    if not self.up:
+                        raise LinkDown(self.down_reason)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.timeouts += 1
+                    self.mark_down(f"completion timeout: no answer to {_cmd_name(command)} in {timeout * 1000:.0f} ms")
+                    raise LinkDown(self.down_reason)
+                got = self.conn.receive_raw(left)
+        except (ConnectionClosed, vp.ProtocolError) as exc:
+            self.mark_down(f"peer closed the link ({exc})" if not self._stop.is_set() else "closed")
+            raise LinkDown(self.down_reason) from exc
+        stats = self.requests[_cmd_name(command)]
+        stats[0] += 1
+        stats[1] += time.perf_counter_ns() - started
+        self.self_received += 1
+        if got[2] & vp.FLAG_ERROR:
+            raise LinkError(f"{_cmd_name(command)}: {os.strerror(got[3])}", got[3])
+        return memoryview(got[4])
 
     def send_request(self, command: int, payload: bytes) -> Pending:
         """Send a non-posted request without waiting: several may be in flight (pipelining)."""

@@ -26,7 +26,7 @@ from types import ModuleType
 from dxpu_vfio.errors import SetupError
 from dxpu_vfio.link.transport import TlsFiles, tune
 from dxpu_vfio.vfio_user.connection import ConnectionClosed, Message, ReceiveTimeout
-from dxpu_vfio.vfio_user.protocol import HEADER_SIZE, MAX_MESSAGE, Header, ProtocolError
+from dxpu_vfio.vfio_user.protocol import HEADER_SIZE, MAX_MESSAGE, TYPE_COMMAND, Header, ProtocolError
 
 
 def _load() -> ModuleType | None:
@@ -130,6 +130,26 @@ class NativeConnection:
             raise ReceiveTimeout("link stream: timed out")
         msg_id, command, flags, error, payload = got
         return Message(Header(msg_id, command, HEADER_SIZE + len(payload), flags, error), memoryview(payload))
+
+    def exchange(self, msg_id: int, command: int, payload: bytes, timeout: float) -> tuple | None:
+        """Send a request and return the next message received within ``timeout`` as
+        (msg_id, command, flags, error, payload), or None: one call into C for the thread
+        that reads its own completion (which it must still recognise as its own)."""
+        try:
+            return self.stream.exchange(msg_id, command, TYPE_COMMAND, payload, timeout)
+        except (self._closed_exc, TimeoutError) as exc:
+            raise ConnectionClosed(str(exc)) from exc
+        except self._bad_frame as exc:
+            raise ProtocolError(str(exc)) from exc
+
+    def receive_raw(self, timeout: float) -> tuple | None:
+        """:meth:`receive` as a tuple, None after ``timeout``."""
+        try:
+            return self.stream.receive(timeout)
+        except self._closed_exc as exc:
+            raise ConnectionClosed(str(exc)) from exc
+        except self._bad_frame as exc:
+            raise ProtocolError(str(exc)) from exc
 
     def has_message(self) -> bool:
         return self.stream.has_message()

@@ -639,6 +639,31 @@ static PyObject *Stream_send_message(Stream *self, PyObject *args, PyObject *kwd
     return finish_send(self, r, err, total);
 }
 
+/* exchange(msg_id, command, flags, payload, timeout) -> the next message received, or None:
+ * send_message() and receive() in one call, for a thread that sends a request and reads its
+ * own completion (it must still check that what came is that completion). */
+static PyObject *Stream_exchange(Stream *self, PyObject *args)
+{
+    unsigned int msg_id, command, flags;
+    PyObject *payload, *timeout_obj;
+    if (!PyArg_ParseTuple(args, "IIIOO", &msg_id, &command, &flags, &payload, &timeout_obj))
+        return NULL;
+    PyObject *send_args = Py_BuildValue("(IIIO)", msg_id, command, flags, payload);
+    if (!send_args)
+        return NULL;
+    PyObject *sent = Stream_send_message(self, send_args, NULL);
+    Py_DECREF(send_args);
+    if (!sent)
+        return NULL;
+    Py_DECREF(sent);
+    PyObject *recv_args = PyTuple_Pack(1, timeout_obj);
+    if (!recv_args)
+        return NULL;
+    PyObject *got = Stream_receive(self, recv_args, NULL);
+    Py_DECREF(recv_args);
+    return got;
+}
+
 static PyObject *Stream_has_message(Stream *self, PyObject *unused)
 {
     frame_header hdr;
@@ -757,6 +782,8 @@ static PyMethodDef Stream_methods[] = {
     {"send", (PyCFunction)Stream_send, METH_O, "send(data): framed bytes, whole, in order with other sends."},
     {"send_message", (PyCFunction)(void (*)(void))Stream_send_message, METH_VARARGS | METH_KEYWORDS,
      "send_message(msg_id, command, flags, payload=b'', error=0): frame and send one message."},
+    {"exchange", (PyCFunction)Stream_exchange, METH_VARARGS,
+     "exchange(msg_id, command, flags, payload, timeout): send a message, return the next one received (or None)."},
     {"has_message", (PyCFunction)Stream_has_message, METH_NOARGS, "A whole message is buffered."},
     {"pending", (PyCFunction)Stream_pending, METH_NOARGS, "TLS holds decrypted bytes nobody read yet."},
     {"readable", (PyCFunction)Stream_readable, METH_VARARGS, "readable(timeout=None): bytes can be read."},
