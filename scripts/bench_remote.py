@@ -35,7 +35,7 @@ from dxpu_vfio import procs  # noqa: E402
 from dxpu_vfio.bench import table, write_json  # noqa: E402
 from dxpu_vfio.lab import hotplug  # noqa: E402
 from dxpu_vfio.lab import floors, lab  # noqa: E402
-from dxpu_vfio.link import native_stream  # noqa: E402
+from dxpu_vfio.native import stream as native  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 
@@ -109,7 +109,7 @@ def main() -> int:
     args = parser.parse_args()
     delays = [float(d) for d in args.delays.split(",")]
     streams = args.streams.split(",")
-    if "native" in streams and not native_stream.built():
+    if "native" in streams and not native.built():
         sys.exit("the native link stream is not built: run scripts/setup.sh")
     topology = lab.Topology.load(None)  # the default lab: box1 with test device td0
     topology.name = "bench"

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Build the link's native stream (dxpu_vfio/link/native/fastlink.c) with Debian's gcc
+"""Build the native stream (dxpu_vfio/native/fastlink.c) with Debian's gcc
 and libssl-dev; scripts/setup.sh runs this. Variants for checking it:
 
-    .venv/bin/python scripts/build_native.py             # dxpu_vfio/link/_fastlink*.so (what runs)
+    .venv/bin/python scripts/build_native.py             # dxpu_vfio/native/_fastlink*.so (what runs)
     .venv/bin/python scripts/build_native.py --sanitize  # build/native-asan/_fastlink*.so (ASan + UBSan)
     .venv/bin/python scripts/build_native.py --fuzz      # build/native-fuzz/fuzz_frame (libFuzzer, clang)
 
@@ -20,7 +20,7 @@ import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SRC = ROOT / "dxpu_vfio" / "link" / "native"
+SRC = ROOT / "dxpu_vfio" / "native"
 WARNINGS = ["-Wall", "-Wextra", "-Wno-missing-field-initializers", "-Wno-unused-parameter", "-Werror"]
 
 
@@ -74,7 +74,7 @@ def main() -> int:
     elif args.sanitize:
         print(build_module(ROOT / "build" / "native-asan", sanitize=True))
     else:
-        print(build_module(ROOT / "dxpu_vfio" / "link", sanitize=False))
+        print(build_module(ROOT / "dxpu_vfio" / "native", sanitize=False))
     return 0
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Coverage-guided fuzzing (libFuzzer + ASan + UBSan) of the native link stream's parser
-# and receive buffer (dxpu_vfio/link/native/frame.h, harness fuzz_frame.c).
+# and receive buffer (dxpu_vfio/native/frame.h, harness fuzz_frame.c).
 #   scripts/fuzz_native.sh [SECONDS]     default 60; CI runs it briefly
 # Exit status is non-zero on any crash, leak or assertion; the crashing input is kept
 # under build/native-fuzz/ (libFuzzer prints its name).

@@ -51,10 +51,10 @@ else
     echo "up to date"
 fi
 
-step "Native link stream (C)"
-src=dxpu_vfio/link/native
-so=$(ls dxpu_vfio/link/_fastlink*.so 2>/dev/null | head -1 || true)
-if [ -z "$so" ] || [ -n "$(find "$src" scripts/build_native.py -newer "$so" 2>/dev/null)" ]; then
+step "Native stream (C: framing and TLS of the data path)"
+src=dxpu_vfio/native
+so=$(ls dxpu_vfio/native/_fastlink*.so 2>/dev/null | head -1 || true)
+if [ -z "$so" ] || [ -n "$(find "$src" scripts/build_native.py -newer "$so" \( -name '*.[ch]' -o -name build_native.py \) 2>/dev/null)" ]; then
     .venv/bin/python scripts/build_native.py
 else
     echo "up to date"

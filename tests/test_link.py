@@ -15,7 +15,7 @@ import pytest
 from fakes import map_guest_memory
 
 from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, connect_remote
-from dxpu_vfio.link import native_stream
+from dxpu_vfio.native import stream as native
 from dxpu_vfio.link.endpoint import LinkState
 from dxpu_vfio.link.transport import TlsFiles, make_certs
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
@@ -53,8 +53,8 @@ def certs(tmp_path_factory):
 def stream(request, monkeypatch):
     """Every link test runs over both link streams: the native one (C) and the Python one
     (the reference); the box process inherits the choice."""
-    if request.param == "native" and not native_stream.built():
-        pytest.fail("the native link stream is not built: run scripts/setup.sh")
+    if request.param == "native" and not native.built():
+        pytest.fail("the native stream is not built: run scripts/setup.sh")
     monkeypatch.setenv("DXPU_FASTLINK", "1" if request.param == "native" else "0")
     return request.param
 

@@ -1,7 +1,9 @@
-"""The native link stream (dxpu_vfio/link/native/fastlink.c) on its own: framing, TLS
+"""The native link stream (dxpu_vfio/native/fastlink.c) on its own: framing, TLS
 against Python's ssl on the other end, bounded waits, and bytes that are not messages.
 Real sockets on loopback; the C module must be built (scripts/setup.sh builds it)."""
 
+import array
+import os
 import socket
 import ssl
 import threading
@@ -9,8 +11,8 @@ import time
 
 import pytest
 
-from dxpu_vfio.link import native_stream
-from dxpu_vfio.link.transport import TlsFiles, client_context, make_certs, server_context
+from dxpu_vfio.native import stream as native_stream
+from dxpu_vfio.link.transport import TlsFiles, accept_native, client_context, make_certs, server_context
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, ReceiveTimeout
 
@@ -39,10 +41,10 @@ def native_pair(certs=None):
     """(native client, native server); TLS when certs is given (handshakes run concurrently)."""
     a, b = tcp_pair()
     out = {}
-    server = threading.Thread(target=lambda: out.update(server=native_stream.accept(
+    server = threading.Thread(target=lambda: out.update(server=accept_native(
         b, TlsFiles.in_dir(certs, "box") if certs else None, 5.0)))
     server.start()
-    client = native_stream._wrap(a, TlsFiles.in_dir(certs, "host") if certs else None, server=False,
+    client = native_stream.tcp(a, TlsFiles.in_dir(certs, "host") if certs else None, server=False,
                                  handshake_timeout=5.0)
     server.join(10)
     return client, out["server"]
@@ -87,7 +89,7 @@ def test_native_client_and_python_ssl_server_talk_tls(certs):
 
     thread = threading.Thread(target=python_server)
     thread.start()
-    client = native_stream._wrap(a, TlsFiles.in_dir(certs, "host"), server=False, handshake_timeout=5.0)
+    client = native_stream.tcp(a, TlsFiles.in_dir(certs, "host"), server=False, handshake_timeout=5.0)
     client.send_message(7, vp.Command.REGION_READ, vp.TYPE_COMMAND, b"abc")
     reply = client.receive(timeout=5)
     assert reply.header.is_reply and bytes(reply.payload) == b"cba"
@@ -99,7 +101,7 @@ def test_native_client_and_python_ssl_server_talk_tls(certs):
 def test_python_ssl_client_and_native_server_talk_tls(certs):
     a, b = tcp_pair()
     out = {}
-    thread = threading.Thread(target=lambda: out.update(conn=native_stream.accept(b, TlsFiles.in_dir(certs, "box"), 5.0)))
+    thread = threading.Thread(target=lambda: out.update(conn=accept_native(b, TlsFiles.in_dir(certs, "box"), 5.0)))
     thread.start()
     tls = client_context(TlsFiles.in_dir(certs, "host")).wrap_socket(a)
     thread.join(5)
@@ -120,14 +122,14 @@ def test_a_certificate_from_another_ca_is_refused(certs, tmp_path):
 
     def server():
         try:
-            native_stream.accept(b, TlsFiles.in_dir(certs, "box"), 5.0)
+            accept_native(b, TlsFiles.in_dir(certs, "box"), 5.0)
         except ConnectionClosed as exc:
             errors.append(str(exc))
 
     thread = threading.Thread(target=server)
     thread.start()
     with pytest.raises((ConnectionClosed, ssl.SSLError, OSError)):
-        conn = native_stream._wrap(a, TlsFiles.in_dir(tmp_path, "host"), server=False, handshake_timeout=5.0)
+        conn = native_stream.tcp(a, TlsFiles.in_dir(tmp_path, "host"), server=False, handshake_timeout=5.0)
         conn.receive(timeout=2)  # TLS 1.3: the client may learn of the refusal only here
     thread.join(10)
     assert errors and "TLS handshake" in errors[0]  # the box refused the link
@@ -137,7 +139,7 @@ def test_a_silent_peer_cannot_hold_the_handshake(certs):
     a, b = tcp_pair()  # nobody speaks TLS on `a`
     started = time.monotonic()
     with pytest.raises(TimeoutError):
-        native_stream.accept(b, TlsFiles.in_dir(certs, "box"), 0.3)
+        accept_native(b, TlsFiles.in_dir(certs, "box"), 0.3)
     assert time.monotonic() - started < 2
     a.close()
 
@@ -210,3 +212,35 @@ def test_the_peer_closing_is_reported_not_hung():
         server.receive(timeout=5)
     server.close()
     assert server.fileno() == -1  # the descriptor is freed at close
+
+
+def test_descriptors_travel_with_their_message_on_a_unix_socket():
+    a, b = socket.socketpair()
+    native, python = native_stream.unix(b), Connection(a)
+    r1, w1 = os.pipe()
+    python.send(vp.message(1, vp.Command.DMA_MAP, b"first"), [w1])
+    python.send(vp.message(2, vp.Command.VERSION, b"second"))
+    first, second = native.receive(timeout=5), native.receive(timeout=5)
+    assert bytes(first.payload) == b"first" and len(first.fds) == 1 and second.fds == []
+    os.write(first.fds[0], b"!")  # the very pipe: a working descriptor in this process
+    assert os.read(r1, 1) == b"!"
+    first.close_fds()
+    os.close(w1)
+    os.close(r1)
+    native.close()
+    python.close()
+
+
+def test_more_descriptors_than_a_message_may_carry_end_the_stream_and_are_closed():
+    a, b = socket.socketpair()
+    native = native_stream.unix(b)
+    fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(20)]
+    before = len(os.listdir("/proc/self/fd"))
+    a.sendmsg([vp.message(1, 2, b"x")], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    with pytest.raises(ConnectionClosed, match="descriptors"):
+        native.receive(timeout=5)
+    assert len(os.listdir("/proc/self/fd")) <= before  # none of what arrived is kept
+    for fd in fds:
+        os.close(fd)
+    native.close()
+    a.close()

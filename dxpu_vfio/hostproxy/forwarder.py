@@ -21,10 +21,10 @@ import threading
 from typing import Callable
 
 from dxpu_vfio.hostproxy.coalescer import DEFAULT_COALESCE_DELAY, PostedCoalescer
-from dxpu_vfio.link import native_stream
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
 from dxpu_vfio.link.protocol import IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello, LinkCommand, unpack_irq
-from dxpu_vfio.link.transport import TlsFiles, connect
+from dxpu_vfio.link.transport import TlsFiles, connect, connect_native
+from dxpu_vfio.native import stream as native
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
 from dxpu_vfio.vfio_user.posted import Run, pack_batch
@@ -211,8 +211,8 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
     device's own hint (on for the display adapter)."""
     host, _, port = address.rpartition(":")
     try:
-        if native_stream.enabled():
-            conn = native_stream.connect(host, int(port), tls, timeout)
+        if native.enabled():
+            conn = connect_native(host, int(port), tls, timeout)
         else:
             conn = Connection(connect(host, int(port), tls, timeout))
     except (OSError, ConnectionClosed) as exc:

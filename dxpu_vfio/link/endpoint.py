@@ -20,7 +20,7 @@ order). Who reads, one thread at a time (the read lock):
 A heartbeat thread posts HEARTBEAT every ``heartbeat`` seconds and declares the link
 down when nothing at all was heard for ``dead_after`` seconds (a peer that is stopped,
 not closed). Once down, a link stays down (:class:`LinkState`): recovery is a new link
-(re-attach). The stream is the native one in C (:mod:`dxpu_vfio.link.native_stream`) or a
+(re-attach). The stream is the native one in C (:mod:`dxpu_vfio.native.stream`) or a
 :class:`~dxpu_vfio.link.stream.LinkStream`; either lets threads in one at a time (TLS allows
 no more).
 """

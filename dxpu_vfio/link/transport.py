@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dxpu_vfio.errors import SetupError
+from dxpu_vfio.native import stream as native
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,17 @@ def connect(host: str, port: int, tls: TlsFiles | None, timeout: float = 5.0) ->
         sock = client_context(tls).wrap_socket(sock)
     sock.settimeout(None)
     return sock
+
+
+def connect_native(host: str, port: int, tls: TlsFiles | None, timeout: float = 5.0):
+    """:func:`connect` onto the native stream (framing and TLS in C): a NativeConnection."""
+    sock = tune(socket.create_connection((host, port), timeout=timeout))
+    return native.tcp(sock, tls, server=False, handshake_timeout=timeout)
+
+
+def accept_native(sock: socket.socket, tls: TlsFiles | None, handshake_timeout: float):
+    """The box's side of an accepted connection on the native stream."""
+    return native.tcp(tune(sock), tls, server=True, handshake_timeout=handshake_timeout)
 
 
 def make_certs(directory: Path, roles: list[str], days: int = 365) -> list[Path]:

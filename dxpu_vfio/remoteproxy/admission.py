@@ -15,9 +15,8 @@ import socket
 import ssl
 from collections import Counter
 
-from dxpu_vfio.link import native_stream
 from dxpu_vfio.link.protocol import LINK_VERSION, Hello
-from dxpu_vfio.link.transport import TlsFiles, tune
+from dxpu_vfio.link.transport import TlsFiles, accept_native, tune
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message
 
@@ -44,7 +43,7 @@ class Admission:
         sock.settimeout(self.handshake_timeout)
         try:
             if self.native:
-                conn = native_stream.accept(sock, self.native_tls, self.handshake_timeout)
+                conn = accept_native(sock, self.native_tls, self.handshake_timeout)
                 conn.settimeout(self.handshake_timeout)
             else:
                 if self.tls is not None:

@@ -16,10 +16,10 @@ import logging
 import socket
 import threading
 
-from dxpu_vfio.link import native_stream
 from dxpu_vfio.link.endpoint import LinkEndpoint
 from dxpu_vfio.link.protocol import DeviceDescription, Hello, LinkCommand
 from dxpu_vfio.link.transport import TlsFiles, server_context
+from dxpu_vfio.native import stream as native
 from dxpu_vfio.remoteproxy.admission import Admission, check_hello
 from dxpu_vfio.remoteproxy.config import EXTERNAL_MODEL, BoxConfig, BoxDevice
 from dxpu_vfio.remoteproxy.control import CONTROL_COMMANDS, ControlServices
@@ -73,7 +73,7 @@ class RemoteProxy:
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         files = None if config.plaintext else TlsFiles.in_dir(config.tls_dir, config.name)
-        if native_stream.enabled():
+        if native.enabled():
             self.admission = Admission(None, native=True, native_tls=files)
         else:
             self.admission = Admission(server_context(files) if files else None)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
+from dxpu_vfio.native import stream as native
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message, close_listener
 from dxpu_vfio.vfio_user.dma import DmaTable
@@ -511,7 +512,7 @@ class VfioUserServer:
                     self.rejected_connections += 1
                     sock.close()  # one client per device, like one slot per card
                     continue
-                self._session = _Session(self, Connection(sock))
+                self._session = _Session(self, native.unix(sock) if native.enabled() else Connection(sock))
                 self.sessions_served += 1
                 self._session.thread.start()
 

@@ -1,17 +1,19 @@
-"""The native link stream: framing and TLS in C (``native/fastlink.c``), behind the
-interface :class:`~dxpu_vfio.vfio_user.connection.Connection` gives the link.
+"""The native stream: message framing (and TLS) in C (``fastlink.c``), behind the
+interface of :class:`~dxpu_vfio.vfio_user.connection.Connection`. Two uses: the link
+between the proxies (TCP + mutual TLS, :mod:`dxpu_vfio.link.transport`) and the vfio-user
+server's connection to QEMU (a UNIX socket; descriptors travel with messages).
 
-Why: a register read crosses the link's Python layers (ssl.SSLSocket, the stream's locks
-and polls, the buffer, the header) four times, and on these machines each costs
-microseconds (docs/benchmarks.md, "The link in C"). The C stream sends a framed message
+Why: a register read crosses the Python layers of a stream (ssl.SSLSocket, the stream's
+locks and polls, the buffer, the header) four times, and on these machines each costs
+microseconds (docs/benchmarks.md, "Native stream"). The C stream sends a framed message
 in one call and returns the next whole message in one call, the GIL released while it
-waits. What messages mean stays in Python (:mod:`dxpu_vfio.link.endpoint`).
+waits. What messages mean stays in Python.
 
-It is used for every link when it is built (``scripts/setup.sh`` builds it) unless
-``DXPU_FASTLINK=0``: the Python stream (:mod:`dxpu_vfio.link.stream`) stays as the
-reference, the fallback, and the other half of a same-run comparison
-(``scripts/bench_remote.py --streams``). ``DXPU_FASTLINK_SO`` loads another build of the
-module (the sanitized one, ``scripts/sanitize.sh``).
+It is used wherever it is built (``scripts/setup.sh`` builds it) unless ``DXPU_FASTLINK=0``:
+the Python streams (:class:`~dxpu_vfio.vfio_user.connection.Connection`,
+:class:`~dxpu_vfio.link.stream.LinkStream`) stay as the reference, the fallback, and the
+other half of a same-run comparison (``scripts/bench_remote.py --streams``).
+``DXPU_FASTLINK_SO`` loads another build of the module (the sanitized one, ``scripts/sanitize.sh``).
 """
 
 from __future__ import annotations
@@ -23,25 +25,29 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from typing import TYPE_CHECKING
+
 from dxpu_vfio.errors import SetupError
-from dxpu_vfio.link.transport import TlsFiles, tune
 from dxpu_vfio.vfio_user.connection import ConnectionClosed, Message, ReceiveTimeout
 from dxpu_vfio.vfio_user.protocol import HEADER_SIZE, MAX_MESSAGE, TYPE_COMMAND, Header, ProtocolError
+
+if TYPE_CHECKING:
+    from dxpu_vfio.link.transport import TlsFiles
 
 
 def _load() -> ModuleType | None:
     override = os.environ.get("DXPU_FASTLINK_SO")
     if override:  # e.g. the ASan build: it must be what runs, or the run checks nothing
-        spec = importlib.util.spec_from_file_location("dxpu_vfio.link._fastlink", override)
+        spec = importlib.util.spec_from_file_location("dxpu_vfio.native._fastlink", override)
         if spec is None or spec.loader is None:
             raise SetupError(f"DXPU_FASTLINK_SO={override} is not a loadable module",
                              hint="scripts/build_native.py --sanitize builds one")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        sys.modules["dxpu_vfio.link._fastlink"] = module
+        sys.modules["dxpu_vfio.native._fastlink"] = module
         return module
     try:
-        from dxpu_vfio.link import _fastlink
+        from dxpu_vfio.native import _fastlink
     except ImportError:
         return None
     return _fastlink
@@ -55,7 +61,7 @@ def built() -> bool:
 
 
 def enabled() -> bool:
-    """Links use the native stream: it is built and not switched off with DXPU_FASTLINK=0."""
+    """Streams are native: the module is built and not switched off with DXPU_FASTLINK=0."""
     return _native is not None and os.environ.get("DXPU_FASTLINK", "1") != "0"
 
 
@@ -65,7 +71,7 @@ def module_path() -> Path | None:
 
 def require() -> ModuleType:
     if _native is None:
-        raise SetupError("the native link stream (dxpu_vfio/link/_fastlink) is not built",
+        raise SetupError("the native stream (dxpu_vfio/native/_fastlink) is not built",
                          hint="run scripts/setup.sh (or: .venv/bin/python scripts/build_native.py)")
     return _native
 
@@ -73,7 +79,7 @@ def require() -> ModuleType:
 _contexts: dict[tuple, object] = {}
 
 
-def tls_context(files: TlsFiles, server: bool):
+def tls_context(files: "TlsFiles", server: bool):
     """One context per certificate set and side (loading keys costs milliseconds)."""
     key = (str(files.ca), str(files.cert), str(files.key), server)
     if key not in _contexts:
@@ -86,16 +92,16 @@ def tls_context(files: TlsFiles, server: bool):
 
 
 class NativeConnection:
-    """A link stream in C with the faces the link uses: a Connection's (send/receive) and a
-    :class:`~dxpu_vfio.link.stream.LinkStream`'s (readable/pending/fileno/shutdown); so
-    ``conn.sock`` is the connection itself."""
+    """A stream in C with the faces its users need: a Connection's (send/receive) and, for
+    the link, a :class:`~dxpu_vfio.link.stream.LinkStream`'s (readable/pending/fileno/
+    shutdown); so ``conn.sock`` is the connection itself."""
 
-    native = True
+    native = True  # LinkEndpoint: framing in C, use receive_raw/exchange
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream, family: int = socket.AF_INET) -> None:
         self.stream = stream
         self.sock = self
-        self.family = socket.AF_INET
+        self.family = family
         self.tls = stream.tls
         self.closed = False
         self._timeout: float | None = None
@@ -128,6 +134,9 @@ class NativeConnection:
             raise ProtocolError(str(exc)) from exc
         if got is None:
             raise ReceiveTimeout("link stream: timed out")
+        if len(got) == 6:  # a UNIX socket: with the message's descriptors
+            msg_id, command, flags, error, payload, fds = got
+            return Message(Header(msg_id, command, HEADER_SIZE + len(payload), flags, error), memoryview(payload), fds)
         msg_id, command, flags, error, payload = got
         return Message(Header(msg_id, command, HEADER_SIZE + len(payload), flags, error), memoryview(payload))
 
@@ -184,8 +193,9 @@ class NativeConnection:
         return self.stream.stats()
 
 
-def _wrap(sock: socket.socket, tls: TlsFiles | None, server: bool, handshake_timeout: float) -> NativeConnection:
-    """Hand a connected TCP socket to a native stream (which owns it from here on)."""
+def tcp(sock: socket.socket, tls: "TlsFiles | None", server: bool, handshake_timeout: float) -> NativeConnection:
+    """Hand a connected TCP socket to a native stream (which owns it from here on); with
+    ``tls``, after a mutual TLS handshake bounded by ``handshake_timeout``."""
     module = require()
     ctx = tls_context(tls, server) if tls is not None else None
     fd = sock.detach()
@@ -196,13 +206,6 @@ def _wrap(sock: socket.socket, tls: TlsFiles | None, server: bool, handshake_tim
     return NativeConnection(stream)
 
 
-def connect(host: str, port: int, tls: TlsFiles | None, timeout: float = 5.0) -> NativeConnection:
-    """TCP (and mutual TLS) to a box, the handshake bounded by ``timeout``."""
-    sock = tune(socket.create_connection((host, port), timeout=timeout))
-    return _wrap(sock, tls, server=False, handshake_timeout=timeout)
-
-
-def accept(sock: socket.socket, tls: TlsFiles | None, handshake_timeout: float) -> NativeConnection:
-    """The box's side of a connection it accepted."""
-    tune(sock)
-    return _wrap(sock, tls, server=True, handshake_timeout=handshake_timeout)
+def unix(sock: socket.socket) -> NativeConnection:
+    """A vfio-user connection (UNIX socket, descriptors with messages) on the native stream."""
+    return NativeConnection(require().Stream(sock.detach(), None, max_message=MAX_MESSAGE), socket.AF_UNIX)

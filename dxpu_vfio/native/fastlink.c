@@ -1,4 +1,4 @@
-/* dxpu_vfio.link._fastlink: the link's framing and TLS in C (docs/link-protocol.md, "Native stream").
+/* dxpu_vfio.native._fastlink: message framing and TLS in C (docs/link-protocol.md, "Native stream").
  *
  * Why it exists: on these machines every Python layer between a link message and the
  * socket (ssl.SSLSocket, the stream's locks and polls, the buffer bookkeeping, the header
@@ -131,7 +131,7 @@ static void TlsContext_dealloc(TlsContext *self)
 }
 
 static PyTypeObject TlsContextType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dxpu_vfio.link._fastlink.TlsContext",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dxpu_vfio.native._fastlink.TlsContext",
     .tp_basicsize = sizeof(TlsContext),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "TlsContext(ca, cert, key, server): mutual TLS 1.3 settings for link streams.",
@@ -142,6 +142,18 @@ static PyTypeObject TlsContextType = {
 
 /* --- Stream ------------------------------------------------------------------------- */
 
+#define MAX_FDS 16 /* per message, as vfio-user's max_msg_fds */
+#define FDQ_LEN 8
+
+/* Descriptors that came with a read, and where in the receive buffer that read began: they
+ * belong to the message that starts there (the kernel never merges bytes carrying different
+ * descriptors into one read, and senders pass a message's descriptors with its first byte). */
+typedef struct {
+    size_t pos;
+    int count;
+    int fds[MAX_FDS];
+} fd_batch;
+
 typedef struct {
     PyObject_HEAD int fd; /* owned; -1 once closed */
     SSL *ssl;             /* NULL: plain TCP */
@@ -151,10 +163,57 @@ typedef struct {
     uint32_t max_message;
     double send_timeout;  /* seconds; negative: for ever */
     volatile int shut;    /* shutdown() was called: every wait ends */
+    int with_fds;         /* a UNIX socket: descriptors travel with messages (vfio-user to QEMU) */
+    fd_batch fdq[FDQ_LEN]; /* descriptors from reads, by buffer position, under `reader` */
+    int fdq_len;
     unsigned long long bytes_in, bytes_out, messages_in, messages_out;
 } Stream;
 
-enum { IO_TIMEOUT = -2, IO_ERROR = -1, IO_EOF = 0 };
+enum { IO_ERRNO = -3, IO_TIMEOUT = -2, IO_ERROR = -1, IO_EOF = 0 };
+
+static void close_fds(const int *fds, int count)
+{
+    for (int i = 0; i < count; i++)
+        close(fds[i]);
+}
+
+/* recvmsg into buf, queueing the descriptors that came with it at the buffer position the
+ * read began (s->rx.end: the caller reads into the room after end). IO_ERRNO: see errno
+ * (EAGAIN, EINTR, ...); IO_ERROR (errbuf): too many descriptors. */
+static ssize_t recv_with_fds(Stream *s, unsigned char *buf, size_t len, char *errbuf, size_t errlen)
+{
+    union {
+        char space[CMSG_SPACE(MAX_FDS * sizeof(int))];
+        struct cmsghdr align;
+    } control;
+    struct iovec iov = {.iov_base = buf, .iov_len = len};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.space,
+                        .msg_controllen = sizeof control.space};
+    ssize_t n = recvmsg(s->fd, &mh, MSG_CMSG_CLOEXEC);
+    if (n < 0)
+        return IO_ERRNO;
+    fd_batch batch = {.pos = s->rx.end, .count = 0};
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        int count = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+        const int *fds = (const int *)CMSG_DATA(c);
+        for (int i = 0; i < count; i++) {
+            if (batch.count < MAX_FDS)
+                batch.fds[batch.count++] = fds[i];
+            else
+                close(fds[i]);
+        }
+    }
+    if (mh.msg_flags & MSG_CTRUNC || (batch.count && (n == 0 || s->fdq_len == FDQ_LEN))) {
+        close_fds(batch.fds, batch.count);
+        snprintf(errbuf, errlen, "more than %d descriptors in one message", MAX_FDS);
+        return IO_ERROR;
+    }
+    if (batch.count)
+        s->fdq[s->fdq_len++] = batch;
+    return n;
+}
 
 /* Read at least one byte into buf (GIL released by the caller). >0: bytes, IO_EOF, IO_ERROR
  * (errbuf says why), IO_TIMEOUT. */
@@ -195,6 +254,22 @@ static ssize_t stream_read(Stream *s, unsigned char *buf, size_t len, int64_t de
                 pthread_mutex_unlock(&s->io);
                 return IO_ERROR;
             }
+        } else if (s->with_fds) {
+            ssize_t n = recv_with_fds(s, buf, len, errbuf, errlen);
+            if (n >= 0 || n == IO_ERROR) {
+                pthread_mutex_unlock(&s->io);
+                return n;
+            }
+            if (errno == EINTR) {
+                pthread_mutex_unlock(&s->io);
+                continue;
+            }
+            if (errno != EAGAIN) {
+                snprintf(errbuf, errlen, "recvmsg: %s", strerror(errno));
+                pthread_mutex_unlock(&s->io);
+                return IO_ERROR;
+            }
+            events = POLLIN;
         } else {
             ssize_t n = recv(s->fd, buf, len, 0);
             if (n >= 0) {
@@ -369,6 +444,17 @@ static int Stream_init(Stream *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     self->fd = fd; /* owned from here on, whatever happens next (closed with the object) */
+    int domain = 0;
+    socklen_t domain_len = sizeof domain;
+    if (getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &domain_len) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    self->with_fds = domain == AF_UNIX;
+    if (self->with_fds && tls != Py_None) {
+        PyErr_SetString(PyExc_ValueError, "TLS on a UNIX socket");
+        return -1;
+    }
     int flags = fcntl(fd, F_GETFL);
     if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
@@ -423,6 +509,9 @@ static PyObject *Stream_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static void Stream_dealloc(Stream *self)
 {
     stream_free_now(self); /* no thread is inside a method: each holds a reference */
+    for (int i = 0; i < self->fdq_len; i++)
+        close_fds(self->fdq[i].fds, self->fdq[i].count);
+    self->fdq_len = 0;
     free(self->rx.data);
     free(self->tx);
     pthread_mutex_destroy(&self->io);
@@ -441,7 +530,47 @@ static double timeout_arg(PyObject *obj, double none_value)
     return t < 0 ? 0 : t;
 }
 
-/* receive(timeout=None) -> (msg_id, command, flags, error, payload: bytes) | None */
+/* The message at msg with its descriptors as a 6-tuple; descriptors of reads that began
+ * inside it (a sender that split them from their message's first byte) are closed. */
+static PyObject *message_with_fds(Stream *self, const frame_header *hdr, const unsigned char *msg)
+{
+    size_t start = (size_t)(msg - self->rx.data), end = start + hdr->size;
+    PyObject *fds = PyList_New(0);
+    if (!fds)
+        return NULL;
+    int taken = 0;
+    while (taken < self->fdq_len && self->fdq[taken].pos < end) {
+        fd_batch *b = &self->fdq[taken];
+        for (int i = 0; i < b->count; i++) {
+            if (b->pos == start) {
+                PyObject *fd = PyLong_FromLong(b->fds[i]);
+                if (!fd || PyList_Append(fds, fd) < 0) {
+                    Py_XDECREF(fd);
+                    close_fds(b->fds + i, b->count - i);
+                    b->count = 0;
+                    break;
+                }
+                Py_DECREF(fd);
+            } else {
+                close(b->fds[i]);
+            }
+        }
+        b->count = 0;
+        taken++;
+    }
+    memmove(self->fdq, self->fdq + taken, (size_t)(self->fdq_len - taken) * sizeof(fd_batch));
+    self->fdq_len -= taken;
+    if (PyErr_Occurred()) {
+        Py_DECREF(fds);
+        return NULL;
+    }
+    PyObject *out = Py_BuildValue("(HHIIy#N)", hdr->msg_id, hdr->command, hdr->flags, hdr->error,
+                                  (const char *)msg + FRAME_HEADER_SIZE, (Py_ssize_t)(hdr->size - FRAME_HEADER_SIZE),
+                                  fds);
+    return out;
+}
+
+/* receive(timeout=None) -> (msg_id, command, flags, error, payload: bytes[, fds]) | None */
 static PyObject *Stream_receive(Stream *self, PyObject *args, PyObject *kwds)
 {
     static char *kw[] = {"timeout", NULL};
@@ -459,8 +588,12 @@ static PyObject *Stream_receive(Stream *self, PyObject *args, PyObject *kwds)
         const unsigned char *msg;
         int st = rx_next(&self->rx, self->max_message, &hdr, &msg);
         if (st == FRAME_OK) {
-            result = Py_BuildValue("(HHIIy#)", hdr.msg_id, hdr.command, hdr.flags, hdr.error,
-                                   (const char *)msg + FRAME_HEADER_SIZE, (Py_ssize_t)(hdr.size - FRAME_HEADER_SIZE));
+            if (self->with_fds)
+                result = message_with_fds(self, &hdr, msg);
+            else
+                result = Py_BuildValue("(HHIIy#)", hdr.msg_id, hdr.command, hdr.flags, hdr.error,
+                                       (const char *)msg + FRAME_HEADER_SIZE,
+                                       (Py_ssize_t)(hdr.size - FRAME_HEADER_SIZE));
             if (result) {
                 rx_consume(&self->rx, hdr.size);
                 self->messages_in++;
@@ -472,10 +605,13 @@ static PyObject *Stream_receive(Stream *self, PyObject *args, PyObject *kwds)
                          st == FRAME_TOO_SMALL ? "is smaller than its header" : "exceeds the stream's maximum");
             break;
         }
+        size_t start_before = self->rx.start;
         if (rx_reserve(&self->rx, rx_wanted(&self->rx, &hdr, st), RX_INITIAL) < 0) {
             PyErr_NoMemory();
             break;
         }
+        for (int i = 0; i < self->fdq_len; i++) /* the bytes moved to the front: so do their fds */
+            self->fdq[i].pos -= start_before - self->rx.start;
         char err[256] = "";
         ssize_t n;
         unsigned char *room = self->rx.data + self->rx.end;
@@ -802,7 +938,7 @@ static PyGetSetDef Stream_getset[] = {
 };
 
 static PyTypeObject StreamType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dxpu_vfio.link._fastlink.Stream",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dxpu_vfio.native._fastlink.Stream",
     .tp_basicsize = sizeof(Stream),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Stream(fd, tls=None, max_message=..., handshake_timeout=5.0): framed link messages over a "
@@ -825,9 +961,9 @@ PyMODINIT_FUNC PyInit__fastlink(void)
     PyObject *m = PyModule_Create(&fastlink_module);
     if (!m)
         return NULL;
-    ClosedError = PyErr_NewException("dxpu_vfio.link._fastlink.Closed", PyExc_ConnectionError, NULL);
-    BadFrameError = PyErr_NewException("dxpu_vfio.link._fastlink.BadFrame", PyExc_ValueError, NULL);
-    TlsError = PyErr_NewException("dxpu_vfio.link._fastlink.TlsError", PyExc_ConnectionError, NULL);
+    ClosedError = PyErr_NewException("dxpu_vfio.native._fastlink.Closed", PyExc_ConnectionError, NULL);
+    BadFrameError = PyErr_NewException("dxpu_vfio.native._fastlink.BadFrame", PyExc_ValueError, NULL);
+    TlsError = PyErr_NewException("dxpu_vfio.native._fastlink.TlsError", PyExc_ConnectionError, NULL);
     Py_INCREF(&TlsContextType);
     Py_INCREF(&StreamType);
     if (PyModule_AddObject(m, "TlsContext", (PyObject *)&TlsContextType) < 0 ||

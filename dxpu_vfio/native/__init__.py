@@ -1,0 +1,1 @@
+"""Native (C) pieces of the data path: the message stream (stream.py, fastlink.c)."""
