@@ -97,6 +97,7 @@ class PciFunction:
     # Optional features, declared (never probed): whoever serves the device reads these.
     coalesce_posted = False  # posted writes go to memory (a framebuffer): they may be glued into runs
     event_source = None  # events on a descriptor of the device's own (only the host proxy's link has one)
+    native_forward = None  # region accesses may be forwarded in C (only the host proxy's link, on the native stream)
 
     def __init__(self, identity: PciIdentity, bars: Sequence[BarSpec],
                  irq: IrqConfig = IrqConfig(), *, config_size: int = 4096,

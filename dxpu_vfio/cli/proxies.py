@@ -72,7 +72,9 @@ def stats_rows(entries: list[tuple[dict, dict | None]]) -> list[dict]:
             rows.append({
                 "proxy": "host", "name": entry["name"], "pid": entry["pid"], "model": entry.get("model"),
                 "link": None if link is None else ("up" if link["up"] else f"down: {link['down_reason']}"),
-                "nonposted": cmds.get("REGION_READ", {}).get("count", 0) + device.get("writes_nonposted", 0),
+                # a forwarding device counts its reads itself (the native forwarder's bypass the server)
+                "nonposted": device.get("reads", cmds.get("REGION_READ", {}).get("count", 0))
+                + device.get("writes_nonposted", 0),
                 "posted_writes": device.get("writes_posted", cmds.get("REGION_WRITE", {}).get("count", 0)),
                 "dma_read_bytes": device.get("dma_bytes_read", (server.get("dma") or {}).get("bytes_read", 0)),
                 "dma_write_bytes": device.get("dma_bytes_written", (server.get("dma") or {}).get("bytes_written", 0)),

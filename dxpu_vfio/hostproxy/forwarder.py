@@ -70,6 +70,9 @@ class RemoteFunction:
         }, heartbeat=heartbeat, dead_after=dead_after, on_down=self._link_down, waiters_serve=True)
         self.coalescer = PostedCoalescer(self._post_runs, merge=description.coalesce, name=name,
                                          delay=coalesce_delay) if coalesce else None
+        self.conn = conn
+        self._forwarder = None  # the native Forwarder serving this device now, if any
+        self._forwarded: dict[str, int] = {}  # counters of forwarders that ended
 
     @property
     def event_source(self) -> LinkEndpoint:
@@ -78,6 +81,38 @@ class RemoteFunction:
     @property
     def coalesce_posted(self) -> bool:  # the vfio-user server then offers write_multiple too
         return self.coalesce
+
+    # --- the native forwarder (dxpu_vfio/native/forward.c) --------------------------------
+    @property
+    def native_forward(self) -> "RemoteFunction | None":
+        """Region accesses, DMA and MSI/MSI-X forwarded in C: on the native link stream,
+        without posted-write coalescing (whose batching is Python's), while the link is up."""
+        return self if self.endpoint.native and self.coalescer is None and self.endpoint.up else None
+
+    @property
+    def link_stream(self):
+        return self.conn.stream
+
+    def forwarding(self, forwarder) -> None:
+        if forwarder is None and self._forwarder is not None:
+            self._forwarded = self._native_counters()  # keep what it did
+        self._forwarder = forwarder
+
+    def deliver(self, messages: list[tuple]) -> None:
+        for got in messages:
+            self.endpoint.deliver(got)
+
+    def link_failed(self, reason: str, timeout: bool) -> None:
+        if timeout:
+            self.endpoint.timeouts += 1
+            reason = f"completion timeout: no answer in {self.completion_timeout * 1000:.0f} ms"
+        self.endpoint.mark_down(reason if timeout else f"peer closed the link ({reason})")
+
+    def _native_counters(self) -> dict:
+        if self._forwarder is None:
+            return dict(self._forwarded)
+        now = self._forwarder.counters()
+        return {k: now.get(k, 0) + self._forwarded.get(k, 0) for k in now}
 
     @property
     def link_up(self) -> bool:
@@ -167,7 +202,19 @@ class RemoteFunction:
         self.endpoint.close()
 
     def stats(self) -> dict:
-        return {**self.counters, "link": self.endpoint.stats()}
+        """The counters, with what the native forwarder did in C added in."""
+        native = self._native_counters()
+        counters = {k: v + native.get(k, 0) for k, v in self.counters.items()}
+        link = self.endpoint.stats()
+        for name, count, wait_ns in (("REGION_READ", "reads", "read_wait_ns"),
+                                     ("REGION_WRITE", "writes_nonposted", "write_wait_ns")):
+            if native.get(count):
+                row = link["requests"].setdefault(name, {"count": 0, "wait_us": 0.0})
+                row["count"] += native[count]
+                row["wait_us"] = round(row["wait_us"] + native[wait_ns] / 1000, 1)
+        if native:
+            link["native"] = native
+        return {**counters, "link": link}
 
     # --- the remote's requests (link reader thread, stream order) --------------------
     def _dma_read(self, msg) -> tuple:

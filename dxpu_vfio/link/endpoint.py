@@ -339,6 +339,14 @@ class LinkEndpoint:
                 except ConnectionClosed as closed:
                     self.mark_down(f"send failed: {closed}")
 
+    def deliver(self, got: tuple) -> None:
+        """A message someone else read off the stream in order (the native forwarder), as a
+        (msg_id, command, flags, error, payload) tuple: dispatched like one read here."""
+        msg_id, command, flags, error, payload = got
+        self._last_heard = time.monotonic()
+        self._dispatch(Message(vp.Header(msg_id, command, vp.HEADER_SIZE + len(payload), flags, error),
+                               memoryview(payload)))
+
     @staticmethod
     def _complete(pending: Pending) -> None:
         """Mark done (under ``_lock``) and wake a thread that sleeps on it."""
@@ -408,7 +416,8 @@ class LinkEndpoint:
         while not self._stop.wait(self.heartbeat):
             if not self.up:
                 return
-            if time.monotonic() - self._last_heard > self.dead_after:
+            heard = max(self._last_heard, self.stream.stream.last_heard) if self.native else self._last_heard
+            if time.monotonic() - heard > self.dead_after:
                 self.mark_down(f"peer silent for {self.dead_after:.1f} s (heartbeats stopped)")
                 return
             self.post(LinkCommand.HEARTBEAT)

@@ -167,6 +167,7 @@ typedef struct {
     fd_batch fdq[FDQ_LEN]; /* descriptors from reads, by buffer position, under `reader` */
     int fdq_len;
     unsigned long long bytes_in, bytes_out, messages_in, messages_out;
+    volatile int64_t last_rx_ns; /* when bytes last came (CLOCK_MONOTONIC): the heartbeat's "heard" */
 } Stream;
 
 enum { IO_ERRNO = -3, IO_TIMEOUT = -2, IO_ERROR = -1, IO_EOF = 0 };
@@ -212,6 +213,7 @@ static ssize_t recv_with_fds(Stream *s, unsigned char *buf, size_t len, char *er
     }
     if (batch.count)
         s->fdq[s->fdq_len++] = batch;
+    s->last_rx_ns = now_ns();
     return n;
 }
 
@@ -232,6 +234,7 @@ static ssize_t stream_read(Stream *s, unsigned char *buf, size_t len, int64_t de
             int r = SSL_read_ex(s->ssl, buf, len, &n);
             if (r == 1) {
                 pthread_mutex_unlock(&s->io);
+                s->last_rx_ns = now_ns();
                 return (ssize_t)n;
             }
             int e = SSL_get_error(s->ssl, r);
@@ -274,6 +277,7 @@ static ssize_t stream_read(Stream *s, unsigned char *buf, size_t len, int64_t de
             ssize_t n = recv(s->fd, buf, len, 0);
             if (n >= 0) {
                 pthread_mutex_unlock(&s->io);
+                s->last_rx_ns = now_ns();
                 return n;
             }
             if (errno == EINTR) {
@@ -500,6 +504,7 @@ static PyObject *Stream_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     self->fd = -1;
     self->send_timeout = -1.0;
+    self->last_rx_ns = now_ns();
     pthread_mutex_init(&self->io, NULL);
     pthread_mutex_init(&self->send_order, NULL);
     pthread_mutex_init(&self->reader, NULL);
@@ -907,6 +912,11 @@ static int Stream_set_send_timeout(Stream *self, PyObject *value, void *closure)
     return 0;
 }
 
+static PyObject *Stream_get_last_heard(Stream *self, void *closure)
+{
+    return PyFloat_FromDouble((double)self->last_rx_ns / 1e9);
+}
+
 static PyObject *Stream_get_tls(Stream *self, void *closure)
 {
     return PyBool_FromLong(self->ssl != NULL);
@@ -934,6 +944,7 @@ static PyGetSetDef Stream_getset[] = {
     {"send_timeout", (getter)Stream_get_send_timeout, (setter)Stream_set_send_timeout,
      "Seconds a send may wait for the peer to read (None: for ever).", NULL},
     {"tls", (getter)Stream_get_tls, NULL, "The stream is TLS.", NULL},
+    {"last_heard", (getter)Stream_get_last_heard, NULL, "time.monotonic() when bytes last arrived.", NULL},
     {NULL},
 };
 
@@ -950,13 +961,16 @@ static PyTypeObject StreamType = {
     .tp_getset = Stream_getset,
 };
 
+/* The host proxy's forwarder uses the stream's static functions: one translation unit. */
+#include "forward.c"
+
 static struct PyModuleDef fastlink_module = {
     PyModuleDef_HEAD_INIT, "_fastlink", "The link's framing and TLS in C (see fastlink.c).", -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__fastlink(void)
 {
-    if (PyType_Ready(&TlsContextType) < 0 || PyType_Ready(&StreamType) < 0)
+    if (PyType_Ready(&TlsContextType) < 0 || PyType_Ready(&StreamType) < 0 || PyType_Ready(&ForwarderType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&fastlink_module);
     if (!m)
@@ -966,8 +980,10 @@ PyMODINIT_FUNC PyInit__fastlink(void)
     TlsError = PyErr_NewException("dxpu_vfio.native._fastlink.TlsError", PyExc_ConnectionError, NULL);
     Py_INCREF(&TlsContextType);
     Py_INCREF(&StreamType);
+    Py_INCREF(&ForwarderType);
     if (PyModule_AddObject(m, "TlsContext", (PyObject *)&TlsContextType) < 0 ||
         PyModule_AddObject(m, "Stream", (PyObject *)&StreamType) < 0 ||
+        PyModule_AddObject(m, "Forwarder", (PyObject *)&ForwarderType) < 0 ||
         PyModule_AddObject(m, "Closed", ClosedError) < 0 || PyModule_AddObject(m, "BadFrame", BadFrameError) < 0 ||
         PyModule_AddObject(m, "TlsError", TlsError) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_SIZE", FRAME_HEADER_SIZE) < 0) {

@@ -56,6 +56,8 @@ class Message:
 class Connection:
     """Message framing on a connected socket; ``send`` may be called from any thread."""
 
+    native = False  # the Python stream (dxpu_vfio.native.stream.NativeConnection is the C one)
+
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         # fds travel only on UNIX sockets; TCP and TLS streams carry bytes alone

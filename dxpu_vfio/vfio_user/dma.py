@@ -27,6 +27,8 @@ class Mapping:
     flags: int
     memory: mmap.mmap | None  # None: reached through DMA_READ/DMA_WRITE messages
     map_delta: int = 0  # where ``address`` sits inside ``memory`` (fd offset not page-aligned)
+    fd: int | None = None  # the memfd behind ``memory``, kept for the native forwarder's pread/pwrite
+    file_offset: int = 0  # where ``address`` sits in the file
 
     @property
     def end(self) -> int:
@@ -60,14 +62,15 @@ class DmaTable:
                 if (i > 0 and self._maps[i - 1].end > address) or \
                         (i < len(self._maps) and self._maps[i].address < address + size):
                     raise ValueError(f"DMA map {address:#x}+{size:#x} overlaps an existing map")
-                memory, delta = None, 0
+                memory, delta, kept = None, 0, None
                 if fd is not None:
                     delta = offset % PAGE_SIZE
                     prot = (mmap.PROT_READ if flags & DMA_FLAG_READ else 0) | \
                            (mmap.PROT_WRITE if flags & DMA_FLAG_WRITE else 0)
                     memory = mmap.mmap(fd, size + delta, mmap.MAP_SHARED, prot or mmap.PROT_READ,
                                        offset=offset - delta)
-                self._maps.insert(i, Mapping(address, size, flags, memory, delta))
+                    kept, fd = fd, None  # the window owns it now
+                self._maps.insert(i, Mapping(address, size, flags, memory, delta, kept, offset))
         finally:
             if fd is not None:
                 os.close(fd)
@@ -82,10 +85,18 @@ class DmaTable:
         for m in gone:
             if m.memory is not None:
                 m.memory.close()
+            if m.fd is not None:
+                os.close(m.fd)
         return len(gone)
 
     def clear(self) -> None:
         self.remove(0, 1 << 64)
+
+    def native_windows(self) -> list[tuple[int, int, int, int, int]]:
+        """(address, size, flags, fd, file offset) of the windows with a memfd, sorted, for
+        the native forwarder (which borrows the fds: call again after every change)."""
+        with self._lock:
+            return [(m.address, m.size, m.flags, m.fd, m.file_offset) for m in self._maps if m.fd is not None]
 
     def windows(self) -> list[tuple[int, int, int, bool]]:
         """(address, size, flags, has_fd) of every window, for stats and tests."""

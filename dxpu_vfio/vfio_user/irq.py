@@ -81,6 +81,11 @@ class EventfdIrqs:
                 self._close_index(index)
             self._intx_level = self._intx_masked = False
 
+    def vector_fds(self, index: int) -> dict[int, int]:
+        """vector -> eventfd of one index (a copy), for the native forwarder (it borrows them)."""
+        with self._lock:
+            return dict(self._fds[index])
+
     def fd_count(self) -> int:
         with self._lock:
             return sum(len(t) for t in self._fds.values())

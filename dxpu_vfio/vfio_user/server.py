@@ -68,6 +68,24 @@ class EventSource(Protocol):
     def release(self) -> None: ...
 
 
+class NativeForward(Protocol):
+    """A device whose region accesses the session may forward in C (a ``Forwarder`` of
+    :mod:`dxpu_vfio.native`, which also serves the link's DMA and MSI/MSI-X) while QEMU's
+    socket is a native stream; declared as ``native_forward`` (None: not this device)."""
+
+    link_stream: object  # the link's native Stream
+    completion_timeout: float
+
+    def forwarding(self, forwarder: object | None) -> None:
+        """The forwarder now serving the device (None: no more), for its counters."""
+
+    def deliver(self, messages: list[tuple]) -> None:
+        """Link messages the forwarder leaves to Python, in stream order."""
+
+    def link_failed(self, reason: str, timeout: bool) -> None:
+        """The link closed or a completion timed out: the device's link is down from now on."""
+
+
 class SocketInUse(OSError):
     """Another live server already listens on this path."""
 
@@ -149,8 +167,20 @@ class _Session:
         source: EventSource | None = device.event_source
         if source is not None:
             source.claim()
+        forward: NativeForward | None = device.native_forward if self.conn.native else None
+        forwarder = None
         try:
             while True:
+                if forwarder is None and forward is not None and self.version_seen:
+                    forwarder = self._start_forwarder(forward)
+                if forwarder is not None:
+                    msg, keep = self._forward_until_python(forwarder, forward)
+                    if not keep:  # the link is down: the Python path answers from now on
+                        forward.forwarding(None)
+                        forwarder = forward = None
+                    if msg is not None:
+                        self._handle_for_forwarder(msg, forwarder)
+                    continue
                 if self.posted and not self.conn.has_message():
                     self._flush_posted(idle=True)  # about to wait: nothing may linger
                 if source is not None and not self.conn.has_message():
@@ -174,6 +204,8 @@ class _Session:
         except ConnectionClosed:
             pass
         finally:
+            if forward is not None:
+                forward.forwarding(None)
             if self.posted:
                 self._flush_posted(idle=True)
             if source is not None:
@@ -186,6 +218,51 @@ class _Session:
             with device.lock:
                 device.reset()
             self.server._session_ended(self)
+
+    # --- the native forwarder (a device with native_forward, QEMU on a native stream) ------
+    def _start_forwarder(self, forward: NativeForward):
+        forwarder = native.require().Forwarder(self.conn.stream, forward.link_stream, forward.completion_timeout)
+        self._refresh_forwarder(forwarder)
+        forward.forwarding(forwarder)
+        return forwarder
+
+    def _refresh_forwarder(self, forwarder) -> None:
+        """The forwarder borrows the DMA table's memfds and the eventfds: after anything
+        Python handled (DMA_MAP, DMA_UNMAP, SET_IRQS...) it gets the tables again."""
+        forwarder.set_windows(self.dma.native_windows())
+        forwarder.set_irqs(self.irqs.vector_fds(p.IRQ_MSI), self.irqs.vector_fds(p.IRQ_MSIX))
+
+    def _forward_until_python(self, forwarder, forward: NativeForward) -> tuple[Message | None, bool]:
+        """Let the forwarder serve until something needs Python: (the QEMU message it left,
+        or None; whether it may go on forwarding)."""
+        what = forwarder.serve()
+        kind = what[0]
+        if kind == "qemu":
+            return _message(what[1]), True
+        if kind == "link":
+            forward.deliver(what[1])
+            return None, True
+        if kind == "timeout":  # the access stays unanswered: Python answers it (all-ones)
+            if what[2]:
+                forward.deliver(what[2])
+            forward.link_failed("completion timeout", timeout=True)
+            return _message(what[1]), False
+        if kind == "link-closed":  # a QEMU message in progress stays buffered for Python
+            if len(what) > 2 and what[2]:
+                forward.deliver(what[2])
+            forward.link_failed(what[1], timeout=False)
+            return None, False
+        raise ConnectionClosed(what[1])  # qemu-closed
+
+    def _handle_for_forwarder(self, msg: Message, forwarder) -> None:
+        """A QEMU message the forwarder left to Python: handled as always, then the
+        forwarder (if it goes on) sees the tables it may have changed."""
+        if msg.header.is_reply:
+            self._complete(msg)
+            return
+        self._handle(msg)
+        if forwarder is not None:
+            self._refresh_forwarder(forwarder)
 
     def _serve_events_until_client(self, source: EventSource) -> None:
         """Serve the device's events until QEMU has something for us."""
@@ -445,6 +522,12 @@ HANDLERS: dict[int, Callable[[_Session, Message], bytes]] = {
     p.Command.DEVICE_RESET: _reset,
     p.Command.DIRTY_PAGES: _not_supported,
 }
+
+
+def _message(got: tuple) -> Message:
+    """A message the native forwarder returned: (msg_id, command, flags, error, payload, fds)."""
+    msg_id, command, flags, error, payload, fds = got
+    return Message(p.Header(msg_id, command, p.HEADER_SIZE + len(payload), flags, error), memoryview(payload), fds)
 
 
 def _name(command: int) -> str:

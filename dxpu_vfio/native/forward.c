@@ -1,0 +1,563 @@
+/* The host proxy's hot path in C: QEMU's register accesses to a device in a GPU box, and the
+ * box's DMA and MSI/MSI-X interrupts, forwarded between two native streams without Python.
+ * (Part of fastlink.c's translation unit: it uses the stream's static functions.)
+ *
+ * Forwarder(qemu, link, completion_timeout).serve() runs the vfio-user session thread's loop:
+ *  - from QEMU: REGION_READ and REGION_WRITE go to the box with the same payload (the link
+ *    reuses vfio-user's layouts); posted writes are posted, anything non-posted waits for the
+ *    box's completion, which is checked against what was asked before it is answered;
+ *  - from the box: HEARTBEAT is noted, IRQ (MSI, MSI-X) is an eventfd write, DMA_WRITE is a
+ *    pwrite into the guest memory's memfd, DMA_READ a pread from it and a completion; only
+ *    inside the DMA windows QEMU mapped, with their rights;
+ *  - everything else returns to Python as (source, message) — QEMU's control messages, INTx,
+ *    whatever is unknown — and so does a completion timeout or a closed stream.
+ * Ordering is the stream's: one thread, messages in arrival order, each finished before the
+ * next. Once a box message had to go to Python while a completion was awaited, every later box
+ * message up to that completion goes to Python too (in order), so nothing overtakes it.
+ * Descriptors (memfds, eventfds) are borrowed from Python's tables, which call set_windows /
+ * set_irqs on the same thread after every change; pread/pwrite cannot fault on a memfd that
+ * shrank (they return short) where a memcpy into a mapping would SIGBUS.
+ */
+
+#include <sys/uio.h>
+
+#define CMD_REGION_READ 9
+#define CMD_REGION_WRITE 10
+#define CMD_DMA_READ 11
+#define CMD_DMA_WRITE 12
+#define CMD_IRQ 0x101
+#define CMD_HEARTBEAT 0x102
+#define DMA_FLAG_READ 1
+#define DMA_FLAG_WRITE 2
+#define MAX_DATA (1u << 20)
+#define MAX_VECTORS 2048
+
+typedef struct {
+    uint64_t iova, size, file_offset;
+    uint32_t flags;
+    int fd;
+} window_t;
+
+typedef struct {
+    PyObject_HEAD Stream *qemu;
+    Stream *link;
+    double completion_timeout;
+    window_t *windows; /* sorted by iova, not overlapping (DmaTable's invariant) */
+    int n_windows;
+    int msi[MAX_VECTORS], msix[MAX_VECTORS]; /* eventfds, -1: none */
+    uint16_t next_id;
+    unsigned char *dma_buf; /* a DMA_READ completion: header + data */
+    unsigned long long reads, writes_posted, writes_nonposted, dma_read_bytes, dma_write_bytes, dma_refused,
+        irqs, bad_completions, to_python, read_wait_ns, write_wait_ns;
+} Forwarder;
+
+static PyTypeObject ForwarderType;
+
+/* --- one message from a stream, without Python ------------------------------------- */
+
+/* Wait (GIL released) until stream s has a whole message or the deadline passes. 1: there is
+ * one (hdr, msg point into the receive buffer until rx_consume), 0: timeout, -1: closed or
+ * broken (err says why). The caller holds s->reader. */
+static int next_message(Stream *s, int64_t deadline, frame_header *hdr, const unsigned char **msg, char *err,
+                        size_t errlen)
+{
+    for (;;) {
+        int st = rx_next(&s->rx, s->max_message, hdr, msg);
+        if (st == FRAME_OK)
+            return 1;
+        if (st != FRAME_NEED_MORE) {
+            snprintf(err, errlen, "message size %u cannot be a message", hdr->size);
+            return -1;
+        }
+        size_t start_before = s->rx.start;
+        if (rx_reserve(&s->rx, rx_wanted(&s->rx, hdr, st), RX_INITIAL) < 0) {
+            snprintf(err, errlen, "out of memory");
+            return -1;
+        }
+        for (int i = 0; i < s->fdq_len; i++)
+            s->fdq[i].pos -= start_before - s->rx.start;
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = stream_read(s, s->rx.data + s->rx.end, s->rx.cap - s->rx.end, deadline, err, errlen);
+        Py_END_ALLOW_THREADS
+        if (n > 0) {
+            s->rx.end += (size_t)n;
+            s->bytes_in += (unsigned long long)n;
+            continue;
+        }
+        if (n == IO_TIMEOUT)
+            return 0;
+        if (n == IO_EOF)
+            snprintf(err, errlen, "peer closed the connection");
+        return -1;
+    }
+}
+
+static int send_frame(Stream *s, uint16_t id, uint16_t cmd, uint32_t flags, uint32_t error, const void *a,
+                      size_t alen, const void *b, size_t blen, char *err, size_t errlen)
+{
+    unsigned char head[FRAME_HEADER_SIZE];
+    frame_encode(head, id, cmd, (uint32_t)(FRAME_HEADER_SIZE + alen + blen), flags, error);
+    parts_t p = {.count = 0, .total = alen + blen};
+    if (alen) {
+        p.views[p.count].buf = (void *)a;
+        p.views[p.count++].len = (Py_ssize_t)alen;
+    }
+    if (blen) {
+        p.views[p.count].buf = (void *)b;
+        p.views[p.count++].len = (Py_ssize_t)blen;
+    }
+    int r;
+    int64_t deadline = deadline_after(s->send_timeout);
+    lock_released(&s->send_order);
+    Py_BEGIN_ALLOW_THREADS
+    r = write_parts(s, head, sizeof head, &p, deadline, err, errlen);
+    Py_END_ALLOW_THREADS
+    pthread_mutex_unlock(&s->send_order);
+    if (r == IO_TIMEOUT)
+        snprintf(err, errlen, "send timed out: the peer does not read");
+    if (!r) {
+        s->bytes_out += FRAME_HEADER_SIZE + alen + blen;
+        s->messages_out++;
+    }
+    return r ? -1 : 0;
+}
+
+/* A message as Python sees it: (msg_id, command, flags, error, payload[, fds]). */
+static PyObject *as_python(Stream *s, const frame_header *hdr, const unsigned char *msg)
+{
+    if (s->with_fds)
+        return message_with_fds(s, hdr, msg);
+    return Py_BuildValue("(HHIIy#)", hdr->msg_id, hdr->command, hdr->flags, hdr->error,
+                         (const char *)msg + FRAME_HEADER_SIZE, (Py_ssize_t)(hdr->size - FRAME_HEADER_SIZE));
+}
+
+static inline uint64_t le64(const unsigned char *p)
+{
+    return (uint64_t)frame_le32(p) | (uint64_t)frame_le32(p + 4) << 32;
+}
+
+/* The window holding [addr, addr+len) whole, with `need` rights, or NULL. */
+static const window_t *find_window(const Forwarder *f, uint64_t addr, uint64_t len, uint32_t need)
+{
+    int lo = 0, hi = f->n_windows - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2;
+        const window_t *w = &f->windows[mid];
+        if (addr < w->iova)
+            hi = mid - 1;
+        else if (addr - w->iova >= w->size)
+            lo = mid + 1;
+        else
+            return (len <= w->size - (addr - w->iova) && (w->flags & need) == need && w->fd >= 0) ? w : NULL;
+    }
+    return NULL;
+}
+
+/* --- the box's messages ----------------------------------------------------------------- */
+
+enum { HANDLED = 0, TO_PYTHON = 1, BROKEN = -1 };
+
+/* Handle one message from the box in C if it is one of the hot ones. */
+static int box_message(Forwarder *f, const frame_header *hdr, const unsigned char *msg, char *err, size_t errlen)
+{
+    const unsigned char *pl = msg + FRAME_HEADER_SIZE;
+    size_t len = hdr->size - FRAME_HEADER_SIZE;
+    if (hdr->flags & FRAME_TYPE_REPLY)
+        return TO_PYTHON; /* a completion nobody here waits for: Python's endpoint knows */
+    switch (hdr->command) {
+    case CMD_HEARTBEAT:
+        return HANDLED;
+    case CMD_IRQ: {
+        if (len < 12)
+            return TO_PYTHON; /* Python rejects it with its reason */
+        uint32_t kind = frame_le32(pl), vector = frame_le32(pl + 4);
+        if ((kind != 1 && kind != 2) || vector >= MAX_VECTORS)
+            return TO_PYTHON; /* INTx keeps its automask state in Python */
+        int fd = kind == 1 ? f->msi[vector] : f->msix[vector];
+        if (fd < 0)
+            return TO_PYTHON; /* counted as dropped there */
+        uint64_t one = 1;
+        if (write(fd, &one, sizeof one) == sizeof one)
+            f->irqs++;
+        return HANDLED;
+    }
+    case CMD_DMA_WRITE: {
+        if (len < 16 || !(hdr->flags & FRAME_NO_REPLY))
+            return TO_PYTHON;
+        uint64_t addr = le64(pl), count = le64(pl + 8) & 0xFFFFFFFFu;
+        if (count > MAX_DATA || len != 16 + count)
+            return TO_PYTHON;
+        const window_t *w = find_window(f, addr, count, DMA_FLAG_WRITE);
+        if (!w)
+            return TO_PYTHON; /* refused and counted by the DMA table */
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = pwrite(w->fd, pl + 16, count, (off_t)(w->file_offset + (addr - w->iova)));
+        Py_END_ALLOW_THREADS
+        if (n == (ssize_t)count)
+            f->dma_write_bytes += count;
+        else
+            f->dma_refused++; /* posted: the box is not told, like an unsupported request */
+        return HANDLED;
+    }
+    case CMD_DMA_READ: {
+        if (len < 16 || (hdr->flags & FRAME_NO_REPLY))
+            return TO_PYTHON;
+        uint64_t addr = le64(pl), count = le64(pl + 8) & 0xFFFFFFFFu;
+        if (count > MAX_DATA)
+            return TO_PYTHON;
+        const window_t *w = find_window(f, addr, count, DMA_FLAG_READ);
+        if (!w)
+            return TO_PYTHON;
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = pread(w->fd, f->dma_buf + 16, count, (off_t)(w->file_offset + (addr - w->iova)));
+        Py_END_ALLOW_THREADS
+        if (n != (ssize_t)count) {
+            f->dma_refused++;
+            return send_frame(f->link, hdr->msg_id, CMD_DMA_READ, FRAME_TYPE_REPLY | FRAME_ERROR, EFAULT, NULL, 0,
+                              NULL, 0, err, errlen) ? BROKEN : HANDLED;
+        }
+        memcpy(f->dma_buf, pl, 8); /* address, then the count as the Python path packs it */
+        frame_put32(f->dma_buf + 8, (uint32_t)count);
+        frame_put32(f->dma_buf + 12, 0);
+        f->dma_read_bytes += count;
+        return send_frame(f->link, hdr->msg_id, CMD_DMA_READ, FRAME_TYPE_REPLY, 0, f->dma_buf, 16 + count, NULL, 0,
+                          err, errlen) ? BROKEN : HANDLED;
+    }
+    default:
+        return TO_PYTHON;
+    }
+}
+
+/* --- QEMU's region accesses ------------------------------------------------------------ */
+
+static PyObject *result(const char *source, PyObject *what)
+{
+    if (!what)
+        return NULL;
+    return Py_BuildValue("(sN)", source, what);
+}
+
+/* Forward one REGION_READ/REGION_WRITE (non-posted) and answer QEMU. Returns NULL to go on,
+ * or what serve() must return to Python. */
+static PyObject *forward_nonposted(Forwarder *f, const frame_header *qhdr, const unsigned char *qmsg)
+{
+    char err[256] = "";
+    const unsigned char *qpl = qmsg + FRAME_HEADER_SIZE;
+    size_t qlen = qhdr->size - FRAME_HEADER_SIZE;
+    uint32_t count = frame_le32(qpl + 12);
+    int is_read = qhdr->command == CMD_REGION_READ;
+    uint16_t id = (uint16_t)(0x8000 | (f->next_id++ & 0x7FFF)); /* Python's own requests count from 1 */
+    if (send_frame(f->link, id, qhdr->command, 0, 0, qpl, is_read ? 16 : qlen, NULL, 0, err, sizeof err))
+        return Py_BuildValue("(ss)", "link-closed", err);
+    int64_t sent = now_ns();
+    int64_t deadline = deadline_after(f->completion_timeout);
+    PyObject *deferred = NULL; /* box messages for Python, in order, once one needed Python */
+    for (;;) {
+        frame_header hdr;
+        const unsigned char *msg;
+        int got = next_message(f->link, deadline, &hdr, &msg, err, sizeof err);
+        if (got <= 0) {
+            PyObject *out = got == 0 ? Py_BuildValue("(sNO)", "timeout", as_python(f->qemu, qhdr, qmsg),
+                                                     deferred ? deferred : Py_None)
+                                     : Py_BuildValue("(ssO)", "link-closed", err, deferred ? deferred : Py_None);
+            if (got == 0)
+                rx_consume(&f->qemu->rx, qhdr->size); /* Python answers it */
+            Py_XDECREF(deferred);
+            return out;
+        }
+        if ((hdr.flags & FRAME_TYPE_REPLY) && hdr.msg_id == id) {
+            const unsigned char *pl = msg + FRAME_HEADER_SIZE;
+            size_t len = hdr.size - FRAME_HEADER_SIZE;
+            uint32_t qflags = FRAME_TYPE_REPLY, qerror = 0;
+            const unsigned char *body = pl;
+            size_t body_len = len;
+            if (hdr.flags & FRAME_ERROR) {
+                qflags |= FRAME_ERROR;
+                qerror = EINVAL; /* the box refused: as the Python path answers (ValueError) */
+                body_len = 0;
+            } else if (len != (is_read ? 16u + count : 16u) || memcmp(pl, qpl, 16) != 0) {
+                f->bad_completions++; /* not what was asked: never forwarded to QEMU */
+                qflags |= FRAME_ERROR;
+                qerror = EIO;
+                body_len = 0;
+            }
+            int r = send_frame(f->qemu, qhdr->msg_id, qhdr->command, qflags, qerror, body, body_len, NULL, 0, err,
+                               sizeof err);
+            rx_consume(&f->link->rx, hdr.size);
+            rx_consume(&f->qemu->rx, qhdr->size);
+            f->link->messages_in++;
+            f->qemu->messages_in++;
+            if (is_read) {
+                f->reads++;
+                f->read_wait_ns += (unsigned long long)(now_ns() - sent);
+            } else {
+                f->writes_nonposted++;
+                f->write_wait_ns += (unsigned long long)(now_ns() - sent);
+            }
+            if (r) {
+                Py_XDECREF(deferred);
+                return Py_BuildValue("(ss)", "qemu-closed", err);
+            }
+            if (deferred)
+                return Py_BuildValue("(sN)", "link", deferred);
+            return NULL;
+        }
+        int h = deferred ? TO_PYTHON : box_message(f, &hdr, msg, err, sizeof err);
+        if (h == BROKEN) {
+            Py_XDECREF(deferred);
+            return Py_BuildValue("(ss)", "link-closed", err);
+        }
+        if (h == TO_PYTHON) {
+            if (!deferred && !(deferred = PyList_New(0)))
+                return Py_BuildValue("(ss)", "error", "out of memory");
+            PyObject *m = as_python(f->link, &hdr, msg);
+            if (!m || PyList_Append(deferred, m) < 0) {
+                Py_XDECREF(m);
+                Py_DECREF(deferred);
+                return NULL;
+            }
+            Py_DECREF(m);
+            f->to_python++;
+        }
+        rx_consume(&f->link->rx, hdr.size);
+        f->link->messages_in++;
+    }
+}
+
+/* serve() -> (what, ...): runs until something needs Python:
+ *   ("qemu", message)               a message from QEMU for the Python server
+ *   ("link", [messages])            box messages for Python's link endpoint, in order
+ *   ("timeout", message, [msgs]|None) no completion in time for this QEMU message (not answered)
+ *   ("link-closed", reason[, msgs]) / ("qemu-closed", reason)
+ */
+static PyObject *Forwarder_serve(Forwarder *f, PyObject *unused)
+{
+    lock_released(&f->qemu->reader);
+    lock_released(&f->link->reader);
+    PyObject *out = NULL;
+    char err[256] = "";
+    while (!out) {
+        frame_header hdr;
+        const unsigned char *msg;
+        /* the box first: what it sent before QEMU's next request goes first */
+        if (rx_next(&f->link->rx, f->link->max_message, &hdr, &msg) == FRAME_OK) {
+            int h = box_message(f, &hdr, msg, err, sizeof err);
+            if (h == BROKEN) {
+                out = Py_BuildValue("(ss)", "link-closed", err);
+                break;
+            }
+            if (h == TO_PYTHON) {
+                PyObject *m = as_python(f->link, &hdr, msg);
+                out = m ? Py_BuildValue("(s[N])", "link", m) : NULL;
+                if (!out)
+                    break; /* the exception goes up; the message stays buffered */
+                f->to_python++;
+            }
+            rx_consume(&f->link->rx, hdr.size);
+            f->link->messages_in++;
+            continue;
+        }
+        int st = rx_next(&f->qemu->rx, f->qemu->max_message, &hdr, &msg);
+        if (st == FRAME_OK) {
+            const unsigned char *pl = msg + FRAME_HEADER_SIZE;
+            size_t len = hdr.size - FRAME_HEADER_SIZE;
+            int region_access = !(hdr.flags & FRAME_TYPE_REPLY) && len >= 16 &&
+                                (hdr.command == CMD_REGION_READ || hdr.command == CMD_REGION_WRITE);
+            uint32_t count = region_access ? frame_le32(pl + 12) : 0;
+            int well_formed = region_access && count <= MAX_DATA &&
+                              (hdr.command == CMD_REGION_READ ? !(hdr.flags & FRAME_NO_REPLY) : len == 16u + count);
+            int has_fds = f->qemu->fdq_len && f->qemu->fdq[0].pos == f->qemu->rx.start;
+            if (!well_formed || has_fds) { /* Python answers with its reasons (and closes fds) */
+                out = result("qemu", as_python(f->qemu, &hdr, msg));
+                if (out) {
+                    rx_consume(&f->qemu->rx, hdr.size);
+                    f->qemu->messages_in++;
+                }
+                break;
+            }
+            if (hdr.command == CMD_REGION_WRITE && (hdr.flags & FRAME_NO_REPLY)) {
+                if (send_frame(f->link, (uint16_t)(0x8000 | (f->next_id++ & 0x7FFF)), CMD_REGION_WRITE,
+                               FRAME_NO_REPLY, 0, pl, len, NULL, 0, err, sizeof err)) {
+                    out = Py_BuildValue("(ss)", "link-closed", err); /* QEMU's write is dropped, as by Python */
+                }
+                rx_consume(&f->qemu->rx, hdr.size);
+                f->qemu->messages_in++;
+                f->writes_posted++;
+                continue;
+            }
+            out = forward_nonposted(f, &hdr, msg);
+            if (!out && PyErr_Occurred())
+                break;
+            continue;
+        }
+        if (st != FRAME_NEED_MORE) {
+            out = Py_BuildValue("(ss)", "qemu-closed", "QEMU sent bytes that are not a message");
+            break;
+        }
+        /* nothing whole buffered: wait for either side (GIL released) */
+        struct pollfd fds[2] = {{.fd = f->qemu->fd, .events = POLLIN}, {.fd = f->link->fd, .events = POLLIN}};
+        int tls_pending = 0, r = 0;
+        pthread_mutex_lock(&f->link->io);
+        if (f->link->ssl && f->link->fd >= 0)
+            tls_pending = SSL_pending(f->link->ssl) > 0;
+        pthread_mutex_unlock(&f->link->io);
+        if (!tls_pending) {
+            Py_BEGIN_ALLOW_THREADS
+            do {
+                r = poll(fds, 2, -1);
+            } while (r < 0 && errno == EINTR);
+            Py_END_ALLOW_THREADS
+            if (r < 0) {
+                out = Py_BuildValue("(ss)", "qemu-closed", strerror(errno));
+                break;
+            }
+        }
+        if (tls_pending || fds[1].revents) {
+            int got = next_message(f->link, deadline_after(0), &hdr, &msg, err, sizeof err);
+            if (got < 0) {
+                out = Py_BuildValue("(ss)", "link-closed", err);
+                break;
+            }
+        }
+        if (fds[0].revents) {
+            int got = next_message(f->qemu, deadline_after(0), &hdr, &msg, err, sizeof err);
+            if (got < 0) {
+                out = Py_BuildValue("(ss)", "qemu-closed", err);
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock(&f->link->reader);
+    pthread_mutex_unlock(&f->qemu->reader);
+    return out;
+}
+
+/* set_windows([(iova, size, flags, fd, file_offset), ...]) sorted by iova: borrowed fds. */
+static PyObject *Forwarder_set_windows(Forwarder *f, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "windows must be a sequence");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    window_t *w = n ? (window_t *)calloc((size_t)n, sizeof *w) : NULL;
+    if (n && !w) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long iova, size, offset;
+        unsigned int flags;
+        int fd;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKIiK", &iova, &size, &flags, &fd, &offset) ||
+            (i && iova < w[i - 1].iova + w[i - 1].size) || size == 0 || iova + size < iova) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "windows must be sorted, non-empty and apart");
+            free(w);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        w[i] = (window_t){.iova = iova, .size = size, .flags = flags, .fd = fd, .file_offset = offset};
+    }
+    Py_DECREF(seq);
+    free(f->windows);
+    f->windows = w;
+    f->n_windows = (int)n;
+    Py_RETURN_NONE;
+}
+
+/* set_irqs(msi_fds: dict[int, int], msix_fds: dict[int, int]): borrowed eventfds by vector. */
+static PyObject *Forwarder_set_irqs(Forwarder *f, PyObject *args)
+{
+    PyObject *msi, *msix;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyDict_Type, &msi, &PyDict_Type, &msix))
+        return NULL;
+    int new_msi[MAX_VECTORS], new_msix[MAX_VECTORS];
+    for (int i = 0; i < MAX_VECTORS; i++)
+        new_msi[i] = new_msix[i] = -1;
+    PyObject *tables[2] = {msi, msix};
+    int *targets[2] = {new_msi, new_msix};
+    for (int t = 0; t < 2; t++) {
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(tables[t], &pos, &key, &value)) {
+            long vector = PyLong_AsLong(key), fd = PyLong_AsLong(value);
+            if (PyErr_Occurred())
+                return NULL;
+            if (vector < 0 || vector >= MAX_VECTORS || fd < 0) {
+                PyErr_Format(PyExc_ValueError, "vector %ld / fd %ld", vector, fd);
+                return NULL;
+            }
+            targets[t][vector] = (int)fd;
+        }
+    }
+    memcpy(f->msi, new_msi, sizeof new_msi);
+    memcpy(f->msix, new_msix, sizeof new_msix);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Forwarder_counters(Forwarder *f, PyObject *unused)
+{
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsK}", "reads", f->reads, "writes_posted", f->writes_posted,
+                         "writes_nonposted", f->writes_nonposted, "dma_bytes_read", f->dma_read_bytes,
+                         "dma_bytes_written", f->dma_write_bytes, "dma_refused", f->dma_refused, "irqs", f->irqs,
+                         "bad_completions", f->bad_completions, "to_python", f->to_python, "read_wait_ns",
+                         f->read_wait_ns, "write_wait_ns", f->write_wait_ns);
+}
+
+static int Forwarder_init(Forwarder *f, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"qemu", "link", "completion_timeout", NULL};
+    Stream *qemu, *link;
+    double timeout;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!d", kw, &StreamType, &qemu, &StreamType, &link, &timeout))
+        return -1;
+    if (!qemu->with_fds || link->with_fds) {
+        PyErr_SetString(PyExc_ValueError, "Forwarder(qemu: a UNIX stream, link: a TCP stream, ...)");
+        return -1;
+    }
+    if (!f->dma_buf && !(f->dma_buf = (unsigned char *)malloc(16 + MAX_DATA))) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_INCREF(qemu);
+    Py_INCREF(link);
+    Py_XSETREF(f->qemu, qemu);
+    Py_XSETREF(f->link, link);
+    f->completion_timeout = timeout;
+    for (int i = 0; i < MAX_VECTORS; i++)
+        f->msi[i] = f->msix[i] = -1;
+    return 0;
+}
+
+static void Forwarder_dealloc(Forwarder *f)
+{
+    Py_XDECREF(f->qemu);
+    Py_XDECREF(f->link);
+    free(f->windows);
+    free(f->dma_buf);
+    Py_TYPE(f)->tp_free((PyObject *)f);
+}
+
+static PyMethodDef Forwarder_methods[] = {
+    {"serve", (PyCFunction)Forwarder_serve, METH_NOARGS, "Forward until something needs Python (see forward.c)."},
+    {"set_windows", (PyCFunction)Forwarder_set_windows, METH_O,
+     "set_windows([(iova, size, flags, fd, file_offset)]): QEMU's DMA windows, sorted; fds borrowed."},
+    {"set_irqs", (PyCFunction)Forwarder_set_irqs, METH_VARARGS,
+     "set_irqs(msi: {vector: eventfd}, msix: {vector: eventfd}): borrowed eventfds."},
+    {"counters", (PyCFunction)Forwarder_counters, METH_NOARGS, "What was forwarded in C."},
+    {NULL},
+};
+
+static PyTypeObject ForwarderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dxpu_vfio.native._fastlink.Forwarder",
+    .tp_basicsize = sizeof(Forwarder),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Forwarder(qemu, link, completion_timeout): the host proxy's hot path (forward.c).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Forwarder_init,
+    .tp_dealloc = (destructor)Forwarder_dealloc,
+    .tp_methods = Forwarder_methods,
+};
