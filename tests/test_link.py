@@ -316,3 +316,27 @@ def test_a_screenshot_larger_than_one_message_comes_in_pieces():
         assert len(png) > 2 << 20 and png == dev.render_png()
     finally:
         proxy.stop()
+
+
+def test_large_dma_copies_cross_the_link_intact(forwarded):
+    """Half a MiB each way per copy: pipelined DMA reads of the box and posted DMA writes
+    interleaved with the guest's status reads (the native forwarder serves both in C)."""
+    client, ram, device, down = forwarded
+    data = os.urandom(1 << 19)
+    ram[0:len(data)] = data
+    for _ in range(3):
+        start_dma(client, GUEST, GUEST + (1 << 19), len(data))
+        assert wait_dma(client) == 2, down
+    assert ram[1 << 19:(1 << 19) + len(data)] == data
+    assert device.stats()["dma_bytes_read"] == device.stats()["dma_bytes_written"] == 3 * len(data)
+
+
+def test_a_read_after_a_flood_of_posted_writes_waits_for_them_not_for_a_timeout(forwarded):
+    """20,000 posted writes sent at once take the box longer than the completion timeout
+    (0.5 s here) to apply; the host must not let them pile up in the box's socket ahead
+    of the read (PCIe's posted-write credits: the native forwarder SYNCs every 256)."""
+    client, _, device, down = forwarded
+    client.conn.send(b"".join(p.message(i, p.Command.REGION_WRITE, p.RegionAccess(BAR0, 0x08, 4, i.to_bytes(4, "little")).pack(),
+                                        no_reply=True) for i in range(20000)))
+    assert client.read32(BAR0, 0x08) == 19999
+    assert device.link_up and not down

@@ -32,6 +32,12 @@ from qemu_device.device import RegionInfo
 from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
 
 DEFAULT_COMPLETION_TIMEOUT = 1.0  # far below QEMU's 5 s x-msg-timeout
+# Posted messages (and bytes) the box may have queued before the host waits for it to catch
+# up with a SYNC: PCIe's posted-write credits. Without them a host faster than the box fills
+# the box's socket with writes, and a read behind them waits out its completion timeout.
+# (The same numbers bound the native forwarder: dxpu_vfio/native/forward.c.)
+POSTED_WINDOW = 256
+POSTED_BYTES_WINDOW = 1 << 20
 
 
 class RemoteAttachError(Exception):
@@ -71,6 +77,7 @@ class RemoteFunction:
         self.coalescer = PostedCoalescer(self._post_runs, merge=description.coalesce, name=name,
                                          delay=coalesce_delay) if coalesce else None
         self.conn = conn
+        self._posted_since_sync = self._posted_bytes_since_sync = 0
         self._forwarder = None  # the native Forwarder serving this device now, if any
         self._forwarded: dict[str, int] = {}  # counters of forwarders that ended
 
@@ -139,8 +146,7 @@ class RemoteFunction:
             self.counters["master_aborts"] += 1
             return b"\xff" * size
         try:
-            reply = self.endpoint.request(LinkCommand.REGION_READ, vp.RegionAccess(index, offset, size).pack(),
-                                          self.completion_timeout)
+            reply = self._request(LinkCommand.REGION_READ, vp.RegionAccess(index, offset, size).pack())
         except LinkDown:
             self.counters["master_aborts"] += 1
             return b"\xff" * size  # completion timeout: master abort semantics
@@ -162,7 +168,7 @@ class RemoteFunction:
         if not self.endpoint.up:
             return  # dropped, like a write to a device that fell off the bus
         try:
-            self.endpoint.request(LinkCommand.REGION_WRITE, payload, self.completion_timeout)
+            self._request(LinkCommand.REGION_WRITE, payload)
         except LinkDown:
             pass
         except LinkError as exc:
@@ -180,19 +186,36 @@ class RemoteFunction:
             self.coalescer.idle()
 
     def _post_runs(self, runs: list[Run]) -> None:
-        """One link message for ``runs``."""
+        """One link message for ``runs``; a SYNC when the box may be too far behind."""
         self.counters["posted_messages"] += 1
         if len(runs) == 1:
             index, offset, data = runs[0]
-            self.endpoint.post(LinkCommand.REGION_WRITE, vp.RegionAccess(index, offset, len(data), bytes(data)).pack())
+            payload = vp.RegionAccess(index, offset, len(data), bytes(data)).pack()
+            self.endpoint.post(LinkCommand.REGION_WRITE, payload)
         else:
-            self.endpoint.post(LinkCommand.WRITE_BATCH, pack_batch(runs))
+            payload = pack_batch(runs)
+            self.endpoint.post(LinkCommand.WRITE_BATCH, payload)
+        self._posted_since_sync += 1
+        self._posted_bytes_since_sync += len(payload)
+        if self._posted_since_sync >= POSTED_WINDOW or self._posted_bytes_since_sync >= POSTED_BYTES_WINDOW:
+            try:
+                self._request(LinkCommand.SYNC, b"")
+            except LinkError:
+                pass  # an error completion (an older box: ENOSYS) still comes after everything before it
+            except LinkDown:
+                pass  # posted writes to a device that fell off the bus are dropped
+
+    def _request(self, command: int, payload: bytes, timeout: float | None = None) -> memoryview:
+        """A non-posted request; its completion means the box did everything before it."""
+        reply = self.endpoint.request(command, payload, timeout or self.completion_timeout)
+        self._posted_since_sync = self._posted_bytes_since_sync = 0
+        return reply
 
     def reset(self) -> None:
         self.flush_posted()
         if self.endpoint.up:
             try:
-                self.endpoint.request(LinkCommand.DEVICE_RESET, b"", max(self.completion_timeout, 2.0))
+                self._request(LinkCommand.DEVICE_RESET, b"", max(self.completion_timeout, 2.0))
             except (LinkDown, LinkError):
                 pass
 

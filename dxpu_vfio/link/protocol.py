@@ -34,6 +34,7 @@ class LinkCommand(enum.IntEnum):
     WRITE_BATCH = 0x103  # host -> remote, posted: coalesced posted writes (REGION_WRITE payloads back to back)
     INVENTORY = 0x104  # manager -> remote, instead of HELLO: the box's devices (JSON); then the link closes
     SCREENSHOT = 0x105  # manager -> remote, instead of HELLO: a display's scanout as PNG, in pieces
+    SYNC = 0x106  # host -> remote, non-posted, empty: completed once everything before it was done
 
 
 IRQ_MSG = struct.Struct("<III")  # kind, vector, level

@@ -10,10 +10,15 @@
  *    pwrite into the guest memory's memfd, DMA_READ a pread from it and a completion; only
  *    inside the DMA windows QEMU mapped, with their rights;
  *  - everything else returns to Python as (source, message) — QEMU's control messages, INTx,
- *    whatever is unknown — and so does a completion timeout or a closed stream.
+ *    whatever is unknown — and so does a completion timeout or a closed stream. DMA outside
+ *    the windows is refused here (a DMA_READ gets EFAULT) and counted in dma_refused.
  * Ordering is the stream's: one thread, messages in arrival order, each finished before the
- * next. Once a box message had to go to Python while a completion was awaited, every later box
- * message up to that completion goes to Python too (in order), so nothing overtakes it.
+ * next. While a completion is awaited, box messages for Python are kept (in order) and handed
+ * over right after it, and later box messages are still served here: the box must not wait
+ * for the DMA completions its device needs to answer us. Nothing that goes to Python can be
+ * overtaken in a way that matters: an INTx level is merely delivered a little later (the
+ * guest's handler reads the device anyway), and every other such message is refused or
+ * dropped there (IRQs without an eventfd, unknown commands).
  * Descriptors (memfds, eventfds) are borrowed from Python's tables, which call set_windows /
  * set_irqs on the same thread after every change; pread/pwrite cannot fault on a memfd that
  * shrank (they return short) where a memcpy into a mapping would SIGBUS.
@@ -27,6 +32,12 @@
 #define CMD_DMA_WRITE 12
 #define CMD_IRQ 0x101
 #define CMD_HEARTBEAT 0x102
+#define CMD_SYNC 0x106
+/* Posted writes the box may have queued before the forwarder waits for it to catch up (a
+ * SYNC): PCIe's posted-write credits. Without them a fast host fills the box's socket with
+ * writes and a read behind them waits out its completion timeout. */
+#define POSTED_WINDOW 256
+#define POSTED_BYTES_WINDOW (1u << 20)
 #define DMA_FLAG_READ 1
 #define DMA_FLAG_WRITE 2
 #define MAX_DATA (1u << 20)
@@ -46,9 +57,11 @@ typedef struct {
     int n_windows;
     int msi[MAX_VECTORS], msix[MAX_VECTORS]; /* eventfds, -1: none */
     uint16_t next_id;
+    int posted_since_sync;
+    size_t posted_bytes_since_sync;
     unsigned char *dma_buf; /* a DMA_READ completion: header + data */
     unsigned long long reads, writes_posted, writes_nonposted, dma_read_bytes, dma_write_bytes, dma_refused,
-        irqs, bad_completions, to_python, read_wait_ns, write_wait_ns;
+        irqs, bad_completions, to_python, read_wait_ns, write_wait_ns, syncs;
 } Forwarder;
 
 static PyTypeObject ForwarderType;
@@ -189,8 +202,10 @@ static int box_message(Forwarder *f, const frame_header *hdr, const unsigned cha
         if (count > MAX_DATA || len != 16 + count)
             return TO_PYTHON;
         const window_t *w = find_window(f, addr, count, DMA_FLAG_WRITE);
-        if (!w)
-            return TO_PYTHON; /* refused and counted by the DMA table */
+        if (!w) { /* outside QEMU's windows or their rights (or one without a memfd, which the */
+            f->dma_refused++; /* session thread could not serve either): refused and counted */
+            return HANDLED;
+        }
         ssize_t n;
         Py_BEGIN_ALLOW_THREADS
         n = pwrite(w->fd, pl + 16, count, (off_t)(w->file_offset + (addr - w->iova)));
@@ -208,13 +223,13 @@ static int box_message(Forwarder *f, const frame_header *hdr, const unsigned cha
         if (count > MAX_DATA)
             return TO_PYTHON;
         const window_t *w = find_window(f, addr, count, DMA_FLAG_READ);
-        if (!w)
-            return TO_PYTHON;
-        ssize_t n;
-        Py_BEGIN_ALLOW_THREADS
-        n = pread(w->fd, f->dma_buf + 16, count, (off_t)(w->file_offset + (addr - w->iova)));
-        Py_END_ALLOW_THREADS
-        if (n != (ssize_t)count) {
+        ssize_t n = -1;
+        if (w) {
+            Py_BEGIN_ALLOW_THREADS
+            n = pread(w->fd, f->dma_buf + 16, count, (off_t)(w->file_offset + (addr - w->iova)));
+            Py_END_ALLOW_THREADS
+        }
+        if (n != (ssize_t)count) { /* outside the windows, or the memfd shrank: EFAULT, counted */
             f->dma_refused++;
             return send_frame(f->link, hdr->msg_id, CMD_DMA_READ, FRAME_TYPE_REPLY | FRAME_ERROR, EFAULT, NULL, 0,
                               NULL, 0, err, errlen) ? BROKEN : HANDLED;
@@ -240,33 +255,47 @@ static PyObject *result(const char *source, PyObject *what)
     return Py_BuildValue("(sN)", source, what);
 }
 
-/* Forward one REGION_READ/REGION_WRITE (non-posted) and answer QEMU. Returns NULL to go on,
- * or what serve() must return to Python. */
+/* Forward one REGION_READ/REGION_WRITE (non-posted) and answer QEMU; with qhdr NULL, send a
+ * SYNC and wait for its completion (any, an error too: an old box answers ENOSYS, after
+ * everything before it all the same). Returns NULL to go on, or what serve() must return. */
 static PyObject *forward_nonposted(Forwarder *f, const frame_header *qhdr, const unsigned char *qmsg)
 {
     char err[256] = "";
-    const unsigned char *qpl = qmsg + FRAME_HEADER_SIZE;
-    size_t qlen = qhdr->size - FRAME_HEADER_SIZE;
-    uint32_t count = frame_le32(qpl + 12);
-    int is_read = qhdr->command == CMD_REGION_READ;
+    const unsigned char *qpl = qhdr ? qmsg + FRAME_HEADER_SIZE : NULL;
+    size_t qlen = qhdr ? qhdr->size - FRAME_HEADER_SIZE : 0;
+    uint32_t count = qhdr ? frame_le32(qpl + 12) : 0;
+    int is_read = qhdr && qhdr->command == CMD_REGION_READ;
     uint16_t id = (uint16_t)(0x8000 | (f->next_id++ & 0x7FFF)); /* Python's own requests count from 1 */
-    if (send_frame(f->link, id, qhdr->command, 0, 0, qpl, is_read ? 16 : qlen, NULL, 0, err, sizeof err))
+    if (send_frame(f->link, id, qhdr ? qhdr->command : CMD_SYNC, 0, 0, qpl, is_read ? 16 : qlen, NULL, 0, err,
+                   sizeof err))
         return Py_BuildValue("(ss)", "link-closed", err);
+    f->posted_since_sync = 0; /* a completion means the box did everything before it */
+    f->posted_bytes_since_sync = 0;
     int64_t sent = now_ns();
     int64_t deadline = deadline_after(f->completion_timeout);
-    PyObject *deferred = NULL; /* box messages for Python, in order, once one needed Python */
+    PyObject *deferred = NULL; /* box messages for Python meanwhile, in order */
     for (;;) {
         frame_header hdr;
         const unsigned char *msg;
         int got = next_message(f->link, deadline, &hdr, &msg, err, sizeof err);
         if (got <= 0) {
-            PyObject *out = got == 0 ? Py_BuildValue("(sNO)", "timeout", as_python(f->qemu, qhdr, qmsg),
-                                                     deferred ? deferred : Py_None)
-                                     : Py_BuildValue("(ssO)", "link-closed", err, deferred ? deferred : Py_None);
-            if (got == 0)
+            PyObject *out;
+            if (got == 0 && qhdr) {
+                out = Py_BuildValue("(sNO)", "timeout", as_python(f->qemu, qhdr, qmsg), deferred ? deferred : Py_None);
                 rx_consume(&f->qemu->rx, qhdr->size); /* Python answers it */
+            } else if (got == 0) {
+                out = Py_BuildValue("(sOO)", "timeout", Py_None, deferred ? deferred : Py_None);
+            } else {
+                out = Py_BuildValue("(ssO)", "link-closed", err, deferred ? deferred : Py_None);
+            }
             Py_XDECREF(deferred);
             return out;
+        }
+        if ((hdr.flags & FRAME_TYPE_REPLY) && hdr.msg_id == id && !qhdr) { /* SYNC: any completion */
+            rx_consume(&f->link->rx, hdr.size);
+            f->link->messages_in++;
+            f->syncs++;
+            return deferred ? Py_BuildValue("(sN)", "link", deferred) : NULL;
         }
         if ((hdr.flags & FRAME_TYPE_REPLY) && hdr.msg_id == id) {
             const unsigned char *pl = msg + FRAME_HEADER_SIZE;
@@ -305,7 +334,7 @@ static PyObject *forward_nonposted(Forwarder *f, const frame_header *qhdr, const
                 return Py_BuildValue("(sN)", "link", deferred);
             return NULL;
         }
-        int h = deferred ? TO_PYTHON : box_message(f, &hdr, msg, err, sizeof err);
+        int h = box_message(f, &hdr, msg, err, sizeof err);
         if (h == BROKEN) {
             Py_XDECREF(deferred);
             return Py_BuildValue("(ss)", "link-closed", err);
@@ -386,6 +415,12 @@ static PyObject *Forwarder_serve(Forwarder *f, PyObject *unused)
                 rx_consume(&f->qemu->rx, hdr.size);
                 f->qemu->messages_in++;
                 f->writes_posted++;
+                f->posted_bytes_since_sync += len;
+                if (!out && (++f->posted_since_sync >= POSTED_WINDOW || f->posted_bytes_since_sync >= POSTED_BYTES_WINDOW)) {
+                    out = forward_nonposted(f, NULL, NULL); /* wait for the box to catch up */
+                    if (!out && PyErr_Occurred())
+                        break;
+                }
                 continue;
             }
             out = forward_nonposted(f, &hdr, msg);
@@ -500,11 +535,11 @@ static PyObject *Forwarder_set_irqs(Forwarder *f, PyObject *args)
 
 static PyObject *Forwarder_counters(Forwarder *f, PyObject *unused)
 {
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsK}", "reads", f->reads, "writes_posted", f->writes_posted,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsK}", "reads", f->reads, "writes_posted", f->writes_posted,
                          "writes_nonposted", f->writes_nonposted, "dma_bytes_read", f->dma_read_bytes,
                          "dma_bytes_written", f->dma_write_bytes, "dma_refused", f->dma_refused, "irqs", f->irqs,
                          "bad_completions", f->bad_completions, "to_python", f->to_python, "read_wait_ns",
-                         f->read_wait_ns, "write_wait_ns", f->write_wait_ns);
+                         f->read_wait_ns, "write_wait_ns", f->write_wait_ns, "syncs", f->syncs);
 }
 
 static int Forwarder_init(Forwarder *f, PyObject *args, PyObject *kwds)

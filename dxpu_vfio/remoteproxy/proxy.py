@@ -186,8 +186,11 @@ class RemoteProxy:
                 device.reset()
             return b""
 
+        def sync(msg):  # the reader got here, so everything before it is done
+            return b""
+
         return {LinkCommand.REGION_READ: region_read, LinkCommand.REGION_WRITE: region_write,
-                LinkCommand.WRITE_BATCH: write_batch, LinkCommand.DEVICE_RESET: reset}
+                LinkCommand.WRITE_BATCH: write_batch, LinkCommand.DEVICE_RESET: reset, LinkCommand.SYNC: sync}
 
     def inventory(self) -> dict:
         return self.control.inventory()

@@ -242,11 +242,11 @@ class _Session:
         if kind == "link":
             forward.deliver(what[1])
             return None, True
-        if kind == "timeout":  # the access stays unanswered: Python answers it (all-ones)
+        if kind == "timeout":  # an access (or SYNC) without completion: Python answers it (all-ones)
             if what[2]:
                 forward.deliver(what[2])
             forward.link_failed("completion timeout", timeout=True)
-            return _message(what[1]), False
+            return (_message(what[1]) if what[1] is not None else None), False
         if kind == "link-closed":  # a QEMU message in progress stays buffered for Python
             if len(what) > 2 and what[2]:
                 forward.deliver(what[2])
