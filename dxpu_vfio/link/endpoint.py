@@ -100,6 +100,8 @@ class LinkEndpoint:
             conn.sock = LinkStream(conn.sock)
         self.conn = conn
         self.stream = conn.sock
+        if self.native:  # a peer that stops reading cannot hold a sender longer than a silent one
+            conn.set_send_timeout(dead_after)
         self.name = name
         self.handlers = handlers
         self.heartbeat = heartbeat

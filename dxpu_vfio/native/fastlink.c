@@ -168,7 +168,10 @@ typedef struct {
     int fdq_len;
     unsigned long long bytes_in, bytes_out, messages_in, messages_out;
     volatile int64_t last_rx_ns; /* when bytes last came (CLOCK_MONOTONIC): the heartbeat's "heard" */
+    int drain_on_send; /* the thread that sends also owns `reader` (the forwarder): see stream_write */
 } Stream;
+
+#define RX_DRAIN_MAX (64u << 20) /* what a sender buffers from a peer that sends while not reading */
 
 enum { IO_ERRNO = -3, IO_TIMEOUT = -2, IO_ERROR = -1, IO_EOF = 0 };
 
@@ -303,6 +306,44 @@ static ssize_t stream_read(Stream *s, unsigned char *buf, size_t len, int64_t de
     }
 }
 
+/* Room for `need` bytes from rx.start (moving the descriptors' positions with the bytes). */
+static int rx_make_room(Stream *s, size_t need)
+{
+    size_t start_before = s->rx.start;
+    if (rx_reserve(&s->rx, need, RX_INITIAL) < 0)
+        return -1;
+    for (int i = 0; i < s->fdq_len; i++)
+        s->fdq[i].pos -= start_before - s->rx.start;
+    return 0;
+}
+
+/* A sender waiting for room that owns the receive side reads what the peer sent meanwhile
+ * into the receive buffer: two ends that both send without reading would otherwise wait on
+ * each other for ever (the box sends DMA writes while we send it DMA read completions). */
+static int drain_some(Stream *s, char *errbuf, size_t errlen)
+{
+    size_t unread = s->rx.end - s->rx.start;
+    if (unread + 65536 > RX_DRAIN_MAX) {
+        snprintf(errbuf, errlen, "peer sent %zu bytes without reading ours", unread);
+        return IO_ERROR;
+    }
+    if (s->rx.cap - s->rx.end < 16384 && rx_make_room(s, unread + 65536) < 0) {
+        snprintf(errbuf, errlen, "out of memory");
+        return IO_ERROR;
+    }
+    ssize_t n = stream_read(s, s->rx.data + s->rx.end, s->rx.cap - s->rx.end, now_ns(), errbuf, errlen);
+    if (n > 0) {
+        s->rx.end += (size_t)n;
+        s->bytes_in += (unsigned long long)n;
+        return 0;
+    }
+    if (n == IO_TIMEOUT)
+        return 0;
+    if (n == IO_EOF)
+        snprintf(errbuf, errlen, "peer closed the connection");
+    return IO_ERROR;
+}
+
 /* Write all of buf (GIL released, send_order held by the caller). 0, IO_ERROR, IO_TIMEOUT. */
 static int stream_write(Stream *s, const unsigned char *buf, size_t len, int64_t deadline, char *errbuf, size_t errlen)
 {
@@ -359,6 +400,18 @@ static int stream_write(Stream *s, const unsigned char *buf, size_t len, int64_t
         }
         int fd = s->fd;
         pthread_mutex_unlock(&s->io);
+        if (s->drain_on_send) {
+            int w = wait_fd(fd, events | POLLIN, deadline);
+            if (w == 0)
+                return IO_TIMEOUT;
+            if (w < 0) {
+                snprintf(errbuf, errlen, "poll: %s", strerror(errno));
+                return IO_ERROR;
+            }
+            if (drain_some(s, errbuf, errlen))
+                return IO_ERROR;
+            continue;
+        }
         int w = wait_fd(fd, events, deadline);
         if (w == 0)
             return IO_TIMEOUT;

@@ -82,13 +82,10 @@ static int next_message(Stream *s, int64_t deadline, frame_header *hdr, const un
             snprintf(err, errlen, "message size %u cannot be a message", hdr->size);
             return -1;
         }
-        size_t start_before = s->rx.start;
-        if (rx_reserve(&s->rx, rx_wanted(&s->rx, hdr, st), RX_INITIAL) < 0) {
+        if (rx_make_room(s, rx_wanted(&s->rx, hdr, st)) < 0) {
             snprintf(err, errlen, "out of memory");
             return -1;
         }
-        for (int i = 0; i < s->fdq_len; i++)
-            s->fdq[i].pos -= start_before - s->rx.start;
         ssize_t n;
         Py_BEGIN_ALLOW_THREADS
         n = stream_read(s, s->rx.data + s->rx.end, s->rx.cap - s->rx.end, deadline, err, errlen);
@@ -366,6 +363,7 @@ static PyObject *Forwarder_serve(Forwarder *f, PyObject *unused)
 {
     lock_released(&f->qemu->reader);
     lock_released(&f->link->reader);
+    f->qemu->drain_on_send = f->link->drain_on_send = 1; /* this thread owns both receive sides */
     PyObject *out = NULL;
     char err[256] = "";
     while (!out) {
@@ -465,6 +463,7 @@ static PyObject *Forwarder_serve(Forwarder *f, PyObject *unused)
             }
         }
     }
+    f->qemu->drain_on_send = f->link->drain_on_send = 0;
     pthread_mutex_unlock(&f->link->reader);
     pthread_mutex_unlock(&f->qemu->reader);
     return out;

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from dxpu_vfio.errors import DxpuError
-from dxpu_vfio.procs import ChildProcess, request_json, terminate
+from dxpu_vfio.procs import ChildProcess, request_json, terminate, wait_until
 
 
 class RemoteProxyError(DxpuError):
@@ -49,8 +50,20 @@ class RemoteProxyProcess(ChildProcess):
         return stats
 
     def signal(self, sig: int) -> None:
-        """For failure tests: SIGKILL, SIGSTOP, SIGCONT."""
+        """For failure tests: SIGKILL, SIGSTOP, SIGCONT. Returns once a SIGSTOP took effect
+        (kill() does not wait for it: a stopped box must not still answer the next request)."""
         os.kill(self.pid, sig)
+        if sig == signal.SIGSTOP:
+            wait_until(lambda: _state(self.pid) in ("T", "t", None), 5.0, interval=0.005)
 
     def stop(self, timeout: float = 5.0) -> None:
         terminate(self.process, timeout)
+
+
+def _state(pid: int) -> str | None:
+    """The scheduler state of a process (/proc/PID/stat field 3), None if gone."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2]
