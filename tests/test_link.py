@@ -334,7 +334,7 @@ def test_large_dma_copies_cross_the_link_intact(forwarded):
 def test_a_read_after_a_flood_of_posted_writes_waits_for_them_not_for_a_timeout(forwarded):
     """20,000 posted writes sent at once take the box longer than the completion timeout
     (0.5 s here) to apply; the host must not let them pile up in the box's socket ahead
-    of the read (PCIe's posted-write credits: the native forwarder SYNCs every 256)."""
+    of the read (PCIe's posted-write credits: the host SYNCs every 2048)."""
     client, _, device, down = forwarded
     client.conn.send(b"".join(p.message(i, p.Command.REGION_WRITE, p.RegionAccess(BAR0, 0x08, 4, i.to_bytes(4, "little")).pack(),
                                         no_reply=True) for i in range(20000)))

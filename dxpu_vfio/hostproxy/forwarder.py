@@ -36,8 +36,8 @@ DEFAULT_COMPLETION_TIMEOUT = 1.0  # far below QEMU's 5 s x-msg-timeout
 # up with a SYNC: PCIe's posted-write credits. Without them a host faster than the box fills
 # the box's socket with writes, and a read behind them waits out its completion timeout.
 # (The same numbers bound the native forwarder: dxpu_vfio/native/forward.c.)
-POSTED_WINDOW = 256
-POSTED_BYTES_WINDOW = 1 << 20
+POSTED_WINDOW = 2048  # at the box's ~50 µs per posted write: at most ~0.1 s of its work queued
+POSTED_BYTES_WINDOW = 4 << 20
 
 
 class RemoteAttachError(Exception):

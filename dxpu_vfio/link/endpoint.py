@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dxpu_vfio.link.protocol import LinkCommand
+from dxpu_vfio.native import stream as native
 from dxpu_vfio.link.stream import LinkStream
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message, ReceiveTimeout
@@ -94,12 +95,16 @@ class Pending:
 class LinkEndpoint:
     def __init__(self, conn: Connection, name: str, handlers: dict[int, Handler], *,
                  heartbeat: float = 0.25, dead_after: float = 3.0,
-                 on_down: Callable[[str], None] | None = None, waiters_serve: bool = False) -> None:
+                 on_down: Callable[[str], None] | None = None, waiters_serve: bool = False,
+                 region_access: "tuple[Callable, Callable] | None" = None) -> None:
         self.native = getattr(conn, "native", False)  # a NativeConnection: framing and TLS in C
         if not self.native and not isinstance(conn.sock, LinkStream):
             conn.sock = LinkStream(conn.sock)
         self.conn = conn
         self.stream = conn.sock
+        # (read, write) callbacks: on the native stream the background reader answers the
+        # peer's REGION_READ/REGION_WRITE (and SYNC) in C through them (native/serve.c)
+        self.region_access = region_access if self.native else None
         if self.native:  # a peer that stops reading cannot hold a sender longer than a silent one
             conn.set_send_timeout(dead_after)
         self.name = name
@@ -377,9 +382,24 @@ class LinkEndpoint:
             with self._read_lock:
                 if self._driver is None:
                     msg, self._deferred = self._deferred, None
+                    if msg is None and self.region_access is not None:
+                        msg = self._serve_region_access()
                     msg = msg or self._receive(0)
                     if msg is not None:
                         self._dispatch(msg)
+
+    def _serve_region_access(self) -> Message | None:
+        """Let C answer the register accesses that are there; the first message it leaves."""
+        read, write = self.region_access
+        try:
+            got = native.require().serve_requests(self.conn.stream, read, write, 0)
+        except (native.require().Closed, native.require().BadFrame, TimeoutError) as exc:
+            self.mark_down(f"peer closed the link ({exc})" if not self._stop.is_set() else "closed")
+            return None
+        if got is None:
+            return None
+        self._last_heard = time.monotonic()
+        return Message(vp.Header(got[0], got[1], vp.HEADER_SIZE + len(got[4]), got[2], got[3]), memoryview(got[4]))
 
     # --- a driver thread -------------------------------------------------------------
     def claim(self) -> None:
@@ -440,8 +460,14 @@ class LinkEndpoint:
                 pass
 
     def stats(self) -> dict:
+        handled = {k: {"count": c, "us": round(ns / 1000, 1)} for k, (c, ns) in self.handled.items()}
+        if self.region_access is not None:  # what C answered (native/serve.c)
+            for name, row in native.require().served(self.conn.stream).items():
+                if row["count"]:
+                    mine = handled.setdefault(name, {"count": 0, "us": 0.0})
+                    mine["count"] += row["count"]
+                    mine["us"] = round(mine["us"] + row["ns"] / 1000, 1)
         return {"up": self.up, "down_reason": self.down_reason, "timeouts": self.timeouts,
                 "self_received": self.self_received,
                 "requests": {k: {"count": c, "wait_us": round(ns / 1000, 1)} for k, (c, ns) in self.requests.items()},
-                "posted": dict(self.posted), "received": dict(self.received),
-                "handled": {k: {"count": c, "us": round(ns / 1000, 1)} for k, (c, ns) in self.handled.items()}}
+                "posted": dict(self.posted), "received": dict(self.received), "handled": handled}

@@ -142,6 +142,10 @@ static PyTypeObject TlsContextType = {
 
 /* --- Stream ------------------------------------------------------------------------- */
 
+typedef struct {
+    unsigned long long count, ns;
+} served_t;
+
 #define MAX_FDS 16 /* per message, as vfio-user's max_msg_fds */
 #define FDQ_LEN 8
 
@@ -169,6 +173,7 @@ typedef struct {
     unsigned long long bytes_in, bytes_out, messages_in, messages_out;
     volatile int64_t last_rx_ns; /* when bytes last came (CLOCK_MONOTONIC): the heartbeat's "heard" */
     int drain_on_send; /* the thread that sends also owns `reader` (the forwarder): see stream_write */
+    served_t served[4]; /* serve_requests: REGION_READ, REGION_WRITE, SYNC, HEARTBEAT */
 } Stream;
 
 #define RX_DRAIN_MAX (64u << 20) /* what a sender buffers from a peer that sends while not reading */
@@ -1016,9 +1021,18 @@ static PyTypeObject StreamType = {
 
 /* The host proxy's forwarder uses the stream's static functions: one translation unit. */
 #include "forward.c"
+#include "serve.c"
+
+static PyMethodDef module_methods[] = {
+    {"serve_requests", serve_requests, METH_VARARGS,
+     "serve_requests(stream, read, write, timeout): the box's register accesses in C (serve.c)."},
+    {"served", served_counters, METH_O, "served(stream): what serve_requests did on it."},
+    {NULL},
+};
 
 static struct PyModuleDef fastlink_module = {
-    PyModuleDef_HEAD_INIT, "_fastlink", "The link's framing and TLS in C (see fastlink.c).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_fastlink", "Framing and TLS in C, and the proxies' hot paths (see fastlink.c).", -1,
+    module_methods,
 };
 
 PyMODINIT_FUNC PyInit__fastlink(void)

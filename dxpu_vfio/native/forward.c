@@ -36,8 +36,8 @@
 /* Posted writes the box may have queued before the forwarder waits for it to catch up (a
  * SYNC): PCIe's posted-write credits. Without them a fast host fills the box's socket with
  * writes and a read behind them waits out its completion timeout. */
-#define POSTED_WINDOW 256
-#define POSTED_BYTES_WINDOW (1u << 20)
+#define POSTED_WINDOW 2048
+#define POSTED_BYTES_WINDOW (4u << 20)
 #define DMA_FLAG_READ 1
 #define DMA_FLAG_WRITE 2
 #define MAX_DATA (1u << 20)

@@ -136,7 +136,8 @@ class RemoteProxy:
                 else:
                     old = slot.endpoint
                     slot.endpoint = LinkEndpoint(conn, f"{self.config.name}/{slot.spec.id}",
-                                                 self._handlers(slot), on_down=lambda r, s=slot: self._released(s, r))
+                                                 self._handlers(slot), on_down=lambda r, s=slot: self._released(s, r),
+                                                 region_access=self._region_access(slot))
         if err is not None:
             log.warning("refused %s for device %r: %s", peer, hello.device, errno.errorcode[err])
             try:
@@ -191,6 +192,30 @@ class RemoteProxy:
 
         return {LinkCommand.REGION_READ: region_read, LinkCommand.REGION_WRITE: region_write,
                 LinkCommand.WRITE_BATCH: write_batch, LinkCommand.DEVICE_RESET: reset, LinkCommand.SYNC: sync}
+
+    def _region_access(self, slot: Slot) -> tuple:
+        """(read, write) for the native reader (native/serve.c): the same work as the
+        REGION_READ/REGION_WRITE handlers, with an errno instead of an exception."""
+        device, name = slot.device, f"{self.config.name}/{slot.spec.id}"
+
+        def read(region: int, offset: int, count: int):
+            try:
+                with device.lock:
+                    return device.region_read(region, offset, count)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes an error completion
+                log.info("link %s: REGION_READ failed: %s", name, exc)
+                return getattr(exc, "errno", None) or errno.EIO
+
+        def write(region: int, offset: int, data: bytes, posted: bool):
+            try:
+                with device.lock:
+                    device.region_write(region, offset, data, posted=posted)
+            except Exception as exc:  # noqa: BLE001 - a posted one is dropped, like on PCIe
+                log.info("link %s: REGION_WRITE failed: %s", name, exc)
+                return getattr(exc, "errno", None) or errno.EIO
+            return None
+
+        return read, write
 
     def inventory(self) -> dict:
         return self.control.inventory()
