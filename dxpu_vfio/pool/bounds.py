@@ -15,6 +15,8 @@ import socket
 import socketserver
 import threading
 
+from dxpu_vfio.deadline import Deadline
+
 log = logging.getLogger("dxpu.manager")
 
 MAX_BODY = 64 << 10  # the API's requests are a few small JSON fields
@@ -69,16 +71,7 @@ class DeadlineHandler:
 
     def setup(self) -> None:
         super().setup()  # type: ignore[misc]  # applies self.timeout to the connection
-        self._deadline = threading.Timer(self.server.request_deadline, self._expire)
-        self._deadline.daemon = True
-        self._deadline.start()
-
-    def _expire(self) -> None:
-        log.info("closing a connection that sent no whole request in %s s", self.server.request_deadline)
-        try:
-            socket.socket.shutdown(self.connection, socket.SHUT_RDWR)  # wakes the blocked read
-        except OSError:
-            pass
+        self._deadline = Deadline(self.connection, self.server.request_deadline)
 
     def request_read(self) -> None:
         """The request is in: what it asks for may take longer than the deadline."""

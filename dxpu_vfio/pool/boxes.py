@@ -12,9 +12,9 @@ import hashlib
 import json
 import socket
 import ssl
-import threading
 from pathlib import Path
 
+from dxpu_vfio.deadline import Deadline
 from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.link.protocol import LINK_VERSION, LinkCommand
 from dxpu_vfio.link.transport import TlsFiles, connect
@@ -84,34 +84,12 @@ def fetch_screenshot(address: str, tls_dir: str | None, device: str, token: str,
         conn.close()
 
 
-class _Deadline:
-    """Shuts a socket down ``seconds`` from now: a bound on a whole exchange, which a peer
-    that trickles a byte before each read's timeout would otherwise stretch forever."""
-
-    def __init__(self, sock: socket.socket, seconds: float) -> None:
-        self.sock = sock
-        self.expired = False
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _expire(self) -> None:
-        self.expired = True
-        try:
-            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)  # the raw socket, under TLS too: wakes the reader
-        except OSError:
-            pass
-
-    def cancel(self) -> None:
-        self._timer.cancel()
-
-
 def fetch_inventory(address: str, tls_dir: str | None, timeout: float = 3.0) -> dict:
     """The box's answer to INVENTORY: ``{"box": name, "devices": [...]}``, plus the
     SHA-256 of the certificate it presented (``certificate_sha256``). ``timeout`` bounds
     the connect and the handshake, and then the whole exchange again."""
     conn = _open(address, tls_dir, timeout)
-    deadline = _Deadline(conn.sock, timeout)
+    deadline = Deadline(conn.sock, timeout)
     try:
         return _inventory(conn, address, tls_dir)
     except BoxUnreachable as exc:
