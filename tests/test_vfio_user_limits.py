@@ -139,3 +139,39 @@ def test_dma_map_near_2_63_gets_an_error_reply(client, offset, size):
     finally:
         os.close(memfd)
     still_served(client)
+
+
+def test_the_accept_loop_survives_running_out_of_descriptors(server):
+    import gc
+    import resource
+    import socket
+    gc.collect()  # no socket closed by the collector while the table is full
+    waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(open_fds(), 64) + 16, hard))
+    try:
+        while True:  # every descriptor number taken: the server's next accept() fails with EMFILE
+            try:
+                filler.append(os.dup(waiting.fileno()))
+            except OSError as exc:
+                assert exc.errno == errno.EMFILE
+                break
+        waiting.connect(str(server.socket_path))
+        deadline = time.monotonic() + 5
+        while not getattr(server, "accept_errors", 0) and server._accept_thread.is_alive() \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    waiting.close()  # (a thread already in accept() had its descriptor: this one may have been served)
+    assert server.wait_idle(5)
+    again = VfioUserClient(server.socket_path, timeout=3.0)  # once descriptors are free, sessions are served
+    try:
+        again.negotiate()
+        still_served(again)
+    finally:
+        again.close()
+    assert server._accept_thread.is_alive() and server.accept_errors >= 1
