@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import socket
 import socketserver
+import sys
 import threading
 
 from dxpu_vfio.deadline import Deadline
@@ -53,6 +54,10 @@ class BoundedServer(socketserver.ThreadingMixIn):
         except BaseException:
             self._slots.release()
             raise
+
+    def handle_error(self, request, client_address) -> None:
+        """A peer that went away mid-request is a line in the log, not a traceback on stderr."""
+        log.info("%s: connection %s ended: %r", type(self).__name__, client_address or "unix", sys.exc_info()[1])
 
     def process_request_thread(self, request, client_address) -> None:
         try:
