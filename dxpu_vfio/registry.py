@@ -14,13 +14,13 @@ import json
 import os
 from pathlib import Path
 
-from dxpu_vfio.paths import run_dir
+from dxpu_vfio.paths import create_exclusive, run_dir
 from dxpu_vfio.procs import process_start_time, request_json
 
 
 def _dir() -> Path:
     d = run_dir() / "proxies"
-    d.mkdir(parents=True, exist_ok=True)
+    d.mkdir(exist_ok=True, mode=0o700)
     return d
 
 
@@ -33,8 +33,9 @@ def register(kind: str, name: str, stats_path: Path, **info: object) -> Path:
     pid = os.getpid()
     entry = entry_path(kind, name, pid)
     tmp = entry.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"kind": kind, "name": name, "pid": pid, "start_time": process_start_time(pid),
-                               "stats": str(stats_path), **info}))
+    tmp.unlink(missing_ok=True)  # a leftover of a crashed process with our pid (a link is removed, not followed)
+    create_exclusive(tmp, json.dumps({"kind": kind, "name": name, "pid": pid, "start_time": process_start_time(pid),
+                                      "stats": str(stats_path), **info}).encode())
     tmp.rename(entry)  # readers never see half an entry
     return entry
 

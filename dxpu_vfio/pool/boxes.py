@@ -14,6 +14,7 @@ import socket
 import ssl
 from pathlib import Path
 
+from dxpu_vfio.deadline import Deadline
 from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.link.protocol import LINK_VERSION, LinkCommand
 from dxpu_vfio.link.transport import TlsFiles, connect
@@ -85,11 +86,27 @@ def fetch_screenshot(address: str, tls_dir: str | None, device: str, token: str,
 
 def fetch_inventory(address: str, tls_dir: str | None, timeout: float = 3.0) -> dict:
     """The box's answer to INVENTORY: ``{"box": name, "devices": [...]}``, plus the
-    SHA-256 of the certificate it presented (``certificate_sha256``)."""
+    SHA-256 of the certificate it presented (``certificate_sha256``). ``timeout`` bounds
+    the connect and the handshake, and then the whole exchange again."""
     conn = _open(address, tls_dir, timeout)
+    deadline = Deadline(conn.sock, timeout)
+    try:
+        return _inventory(conn, address, tls_dir)
+    except BoxUnreachable as exc:
+        if deadline.expired:
+            raise BoxUnreachable(f"box {address} did not answer the inventory within {timeout} s",
+                                 hint="it stalls or trickles: look at the remote proxy's log on the box") from exc
+        raise
+    finally:
+        deadline.cancel()
+        conn.close()
+
+
+def _inventory(conn: Connection, address: str, tls_dir: str | None) -> dict:
     try:
         inventory = json.loads(_ask(conn, LinkCommand.INVENTORY, {"version": LINK_VERSION}, address, "inventory"))
-        if not isinstance(inventory.get("devices"), list) or not inventory.get("box"):
+        if not isinstance(inventory, dict) or not isinstance(inventory.get("devices"), list) \
+                or not inventory.get("box"):
             raise ValueError("no box name or device list")
         inventory["certificate_sha256"] = certificate_sha256(conn)
         return inventory
@@ -99,7 +116,5 @@ def fetch_inventory(address: str, tls_dir: str | None, timeout: float = 3.0) -> 
     except (ConnectionClosed, OSError, socket.timeout) as exc:
         raise BoxUnreachable(f"box {address} closed the link without an inventory: {exc}",
                              hint="a box with another CA drops us after the handshake; check certificates") from exc
-    except (ValueError, vp.ProtocolError) as exc:
+    except (ValueError, RecursionError, vp.ProtocolError) as exc:
         raise BoxUnreachable(f"box {address} sent a bad inventory: {exc}") from exc
-    finally:
-        conn.close()

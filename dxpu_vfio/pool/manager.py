@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from dxpu_vfio import registry
 from dxpu_vfio.errors import DxpuError
@@ -90,6 +91,8 @@ class Manager:
         self._healed: dict[str, float] = {}  # lease id -> when heal() last re-plugged it
         self._vm_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
         self._locks_lock = threading.Lock()
+        self._probing: set[str] = set()  # boxes whose heartbeat probe is in flight
+        self._probe_lock = threading.Lock()
 
     def proxy_log(self, lease: Lease) -> Path:
         """Host proxy logs live with the pool's state; a clean detach removes them."""
@@ -116,33 +119,91 @@ class Manager:
             {k: d[k] for k in ("id", "class", "vendor", "model", "capacity")} for d in inventory["devices"]]}
 
     def heartbeat(self) -> list[dict]:
-        """Probe every box once; a box unheard for ``dead_after`` s goes down, and back up
-        when it answers (its inventory refreshed). Returns the state changes."""
-        changes = []
-        for box in self.store.boxes():
-            try:
-                inventory = fetch_inventory(box["address"], box["tls_dir"], timeout=min(2.0, self.dead_after))
-                if inventory["certificate_sha256"] != box["cert_sha256"]:
-                    raise BoxUnreachable(  # another machine with a certificate of our CA: not the box we registered
-                        f"box {box['name']} presented another certificate (sha256 "
-                        f"{(inventory['certificate_sha256'] or 'none')[:16]}..., registered "
-                        f"{(box['cert_sha256'] or 'none')[:16]}...)",
-                        hint=f"if the box was re-keyed on purpose: dxpu box add {box['name']} {box['address']}")
-            except BoxUnreachable as exc:
-                if box["state"] == BoxState.UP and time.time() - box["last_seen"] >= self.dead_after:
-                    self.store.mark_box(box["name"], up=False, error=exc.message)
-                    changes.append({"box": box["name"], "state": BoxState.DOWN, "error": exc.message})
-                    log.warning("box %s is down: %s", box["name"], exc.message)
-                continue
-            if box["state"] == BoxState.DOWN:
-                self.store.register_box(box["name"], box["address"], box["tls_dir"], inventory["devices"],
-                                        box["cert_sha256"])
-                changes.append({"box": box["name"], "state": BoxState.UP})
-                log.warning("box %s is back", box["name"])
-            else:
-                self.store.mark_box(box["name"], up=True)
-            changes += self.heal(box["name"])
+        """Probe every box once, all at once; a box unheard for ``dead_after`` s goes down,
+        and back up when it answers (its inventory refreshed). Returns the state changes.
+
+        Each probe is bounded (:meth:`_probe_all`): a box that answers slowly, or trickles,
+        delays neither the verdict on another box nor the next round."""
+        boxes = self.store.boxes()
+        changes: list[dict] = []
+        up = []
+        for box, result in self._probe_all(boxes):
+            change = self._judge(box, result)
+            if change is not None:
+                changes.append(change)
+            if not isinstance(result, BoxUnreachable):
+                up.append(box["name"])
+        for name in up:
+            changes += self.heal(name)
         return changes
+
+    def probe_timeout(self) -> float:
+        return min(2.0, self.dead_after)
+
+    def _probe_all(self, boxes: list[dict]) -> Iterator[tuple[dict, "dict | BoxUnreachable"]]:
+        """(box, inventory or BoxUnreachable) for each box, as the answers come. A probe
+        gets ``probe_timeout`` for the connect and handshake and as much for the exchange;
+        a box not answered by then is unreachable this round. A box whose probe of an
+        earlier round still runs gets no second one (one thread per box at most)."""
+        timeout = self.probe_timeout()
+        answers: queue.SimpleQueue = queue.SimpleQueue()
+        waiting = {}
+        for box in boxes:
+            with self._probe_lock:
+                if box["name"] in self._probing:
+                    yield box, BoxUnreachable(f"box {box['name']} has not answered its last probe yet")
+                    continue
+                self._probing.add(box["name"])
+            waiting[box["name"]] = box
+            threading.Thread(target=self._probe, args=(box, timeout, answers), name=f"heartbeat-{box['name']}",
+                             daemon=True).start()
+        end = time.monotonic() + 2 * timeout + 0.5
+        while waiting:
+            try:
+                name, result = answers.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                break
+            yield waiting.pop(name), result
+        for name, box in waiting.items():
+            yield box, BoxUnreachable(f"box {name} did not answer its probe within {2 * timeout + 0.5:.1f} s")
+
+    def _probe(self, box: dict, timeout: float, answers: queue.SimpleQueue) -> None:
+        try:
+            result: dict | BoxUnreachable = fetch_inventory(box["address"], box["tls_dir"], timeout=timeout)
+        except BoxUnreachable as exc:
+            result = exc
+        except Exception as exc:  # noqa: BLE001 - a probe thread reports, it never dies with a traceback
+            result = BoxUnreachable(f"probing box {box['name']} failed: {exc!r}")
+        finally:
+            with self._probe_lock:
+                self._probing.discard(box["name"])
+        answers.put((box["name"], result))
+
+    def _judge(self, box: dict, result: "dict | BoxUnreachable") -> dict | None:
+        """Record one probe's result; the state change it makes, if any."""
+        try:
+            if isinstance(result, BoxUnreachable):
+                raise result
+            inventory = result
+            if inventory["certificate_sha256"] != box["cert_sha256"]:
+                raise BoxUnreachable(  # another machine with a certificate of our CA: not the box we registered
+                    f"box {box['name']} presented another certificate (sha256 "
+                    f"{(inventory['certificate_sha256'] or 'none')[:16]}..., registered "
+                    f"{(box['cert_sha256'] or 'none')[:16]}...)",
+                    hint=f"if the box was re-keyed on purpose: dxpu box add {box['name']} {box['address']}")
+        except BoxUnreachable as exc:
+            if box["state"] == BoxState.UP and time.time() - box["last_seen"] >= self.dead_after:
+                self.store.mark_box(box["name"], up=False, error=exc.message)
+                log.warning("box %s is down: %s", box["name"], exc.message)
+                return {"box": box["name"], "state": BoxState.DOWN, "error": exc.message}
+            return None
+        if box["state"] == BoxState.DOWN:
+            self.store.register_box(box["name"], box["address"], box["tls_dir"], inventory["devices"],
+                                    box["cert_sha256"])
+            log.warning("box %s is back", box["name"])
+            return {"box": box["name"], "state": BoxState.UP}
+        self.store.mark_box(box["name"], up=True)
+        return None
 
     def heal(self, box: str) -> list[dict]:
         """Re-plug the attached devices of a box that answers again but whose host proxy's

@@ -5,7 +5,9 @@ The API is JSON over HTTP on a UNIX socket next to the database (``pool.sock``),
 (mode 0600) *and* come from root or the service's own user (SO_PEERCRED): reading the
 token already needs those rights, checking both keeps a leaked token useless to others.
 ``GET /metrics`` serves Prometheus text on the same socket and, with ``--metrics``,
-on a TCP address without the token (read-only counters, nothing to change).
+on a TCP address without the token (read-only counters, nothing to change). Both
+listeners bound connections, time and body size (:mod:`dxpu_vfio.pool.bounds`); request
+fields are checked by type (:mod:`dxpu_vfio.pool.fields`), a wrong one answers 400.
 
 One service per database: it holds ``pool.lock`` (flock) while it runs. At start it
 reconciles the store with the VMs; then it probes every box each ``--heartbeat`` s.
@@ -28,11 +30,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 from dxpu_vfio.errors import DxpuError
+from dxpu_vfio.pool import bounds
+from dxpu_vfio.pool.bounds import BoundedServer, DeadlineHandler
+from dxpu_vfio.pool.fields import BadField, count, field
 from dxpu_vfio.pool.manager import Manager
 from dxpu_vfio.pool.store import Store, default_path
 from dxpu_vfio.procs import ChildProcess, terminate
@@ -81,12 +86,15 @@ class ManagerPaths:
 
 
 # --- server ----------------------------------------------------------------------
-class _UnixHttpServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-    block_on_close = False
+class _UnixHttpServer(BoundedServer, socketserver.UnixStreamServer):
+    max_connections = bounds.API_CONNECTIONS
 
 
-class _Api(BaseHTTPRequestHandler):
+class _MetricsHttpServer(BoundedServer, HTTPServer):
+    max_connections = bounds.METRICS_CONNECTIONS
+
+
+class _Api(DeadlineHandler, BaseHTTPRequestHandler):
     manager: Manager
     token: str | None  # None: the metrics-only TCP listener
     server_version = "dxpu-manager/1"
@@ -114,43 +122,62 @@ class _Api(BaseHTTPRequestHandler):
         supplied = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         return uid in (0, os.getuid()) and secrets.compare_digest(supplied, self.token)
 
+    def _refuse_unauthorized(self) -> None:
+        self._send(401 if self.token is not None else 404,
+                   {"error": "Unauthorized", "message": "no valid token for the manager API",
+                    "hint": "run dxpu as root or as the manager's user (it reads the token file)"})
+
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self.request_read()
         url = urlparse(self.path)
         if url.path == "/metrics" and self.token is None:
             return self._send(200, self.manager.metrics(), "text/plain; version=0.0.4")
+        if not self._authorized():
+            return self._refuse_unauthorized()
         self._handle("GET", url.path, {k: v[-1] for k, v in parse_qs(url.query).items()})
 
     def do_POST(self) -> None:  # noqa: N802
-        length = int(self.headers.get("Content-Length") or 0)
+        if not self._authorized():  # before the body: an unauthorized peer never makes us read one
+            self.close_connection = True
+            return self._refuse_unauthorized()
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if not 0 <= length <= bounds.MAX_BODY:
+            self.close_connection = True
+            return self._send(413 if length > 0 else 400,
+                              {"error": "BadRequest", "message": f"request body of {self.headers.get('Content-Length')}"
+                                                                 f" bytes; the API takes 0 to {bounds.MAX_BODY}"})
         try:
             body = json.loads(self.rfile.read(length) or b"{}")
             if not isinstance(body, dict):
                 raise ValueError("body must be a JSON object")
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             return self._send(400, {"error": "BadRequest", "message": f"malformed request body: {exc}"})
+        self.request_read()
         self._handle("POST", urlparse(self.path).path, body)
 
     def _handle(self, method: str, path: str, args: dict) -> None:
-        if not self._authorized():
-            return self._send(401 if self.token is not None else 404,
-                              {"error": "Unauthorized", "message": "no valid token for the manager API",
-                               "hint": "run dxpu as root or as the manager's user (it reads the token file)"})
         m = self.manager
+
+        def s(name: str, required: bool = False, default: str | None = None) -> str | None:
+            return field(args, name, str, required=required, default=default)
+
         routes = {
             ("GET", "/v1/health"): lambda: {"pid": os.getpid(), "db": str(m.store.path),
                                              "schema": m.store.schema_version},
             ("GET", "/v1/ls"): m.listing,
-            ("GET", "/v1/status"): lambda: m.status(args["vm"]),
+            ("GET", "/v1/status"): lambda: m.status(s("vm", True)),
             ("GET", "/metrics"): lambda: m.metrics(),
-            ("GET", "/v1/screenshot"): lambda: m.screenshot(args["device"]),
-            ("POST", "/v1/attach"): lambda: m.attach(args["vm"], device_class=args.get("class"),
-                                                      count=int(args.get("count", 1)), box=args.get("box"),
-                                                      device=args.get("device"),
-                                                      policy=args.get("policy", "pack")),
-            ("POST", "/v1/detach"): lambda: m.detach(args["vm"], args.get("device"),
-                                                      all_devices=bool(args.get("all"))),
-            ("POST", "/v1/boxes"): lambda: m.register_box(args.get("name"), args["address"], args.get("tls_dir")),
-            ("POST", "/v1/boxes/remove"): lambda: (m.store.remove_box(args["name"]) or {"removed": args["name"]}),
+            ("GET", "/v1/screenshot"): lambda: m.screenshot(s("device", True)),
+            ("POST", "/v1/attach"): lambda: m.attach(s("vm", True), device_class=s("class"), count=count(args),
+                                                      box=s("box"), device=s("device"),
+                                                      policy=s("policy", default="pack")),
+            ("POST", "/v1/detach"): lambda: m.detach(s("vm", True), s("device"),
+                                                      all_devices=field(args, "all", bool, default=False)),
+            ("POST", "/v1/boxes"): lambda: m.register_box(s("name"), s("address", True), s("tls_dir")),
+            ("POST", "/v1/boxes/remove"): lambda: (m.store.remove_box(s("name", True)) or {"removed": args["name"]}),
             ("POST", "/v1/reconcile"): m.reconcile,
         }
         route = routes.get((method, path))
@@ -158,8 +185,8 @@ class _Api(BaseHTTPRequestHandler):
             return self._send(404, {"error": "NotFound", "message": f"no API {method} {path}"})
         try:
             result = route()
-        except KeyError as exc:
-            return self._send(400, {"error": "BadRequest", "message": f"missing argument {exc}"})
+        except BadField as exc:
+            return self._send(400, {"error": "BadRequest", "message": str(exc)})
         except (DxpuError, ValueError) as exc:
             return self._send(409 if isinstance(exc, DxpuError) else 400,
                               {"error": type(exc).__name__, "message": getattr(exc, "message", str(exc)),
@@ -210,8 +237,8 @@ def serve(db: Path | None = None, *, heartbeat: float = 1.0, dead_after: float =
     servers: list[socketserver.BaseServer] = [unix]
     if metrics_address:
         host, _, port = metrics_address.rpartition(":")
-        servers.append(ThreadingHTTPServer((host or "127.0.0.1", int(port)),
-                                           type("Metrics", (_Api,), {"manager": manager, "token": None})))
+        servers.append(_MetricsHttpServer((host or "127.0.0.1", int(port)),
+                                          type("Metrics", (_Api,), {"manager": manager, "token": None})))
     stop = stop or threading.Event()
     for server in servers:
         threading.Thread(target=server.serve_forever, name="manager-api", daemon=True).start()

@@ -1,9 +1,10 @@
 """Admission of a new connection to the remote proxy, apart from what is done with it.
 
-A connection is admitted in two steps, each bounded by ``handshake_timeout`` so a
-silent peer cannot hold an admission thread: the TLS handshake (mutual: the peer must
-present a certificate of the pool's CA, unless the box runs plaintext) and its first
-message. What that message asks for (a device link after HELLO, or a control service)
+A connection is admitted in two steps, together bounded by ``handshake_timeout`` (a
+deadline for both, not a timeout per read) so a silent or trickling peer cannot hold an
+admission thread: the TLS handshake (mutual: the peer must present a certificate of the
+pool's CA, unless the box runs plaintext) and its first message. The proxy admits at
+most ``MAX_ADMITTING`` connections at once (:mod:`dxpu_vfio.remoteproxy.proxy`). What that message asks for (a device link after HELLO, or a control service)
 is the proxy's business; :func:`check_hello` is the rule for HELLO alone.
 """
 
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 import ssl
 from collections import Counter
 
+from dxpu_vfio.deadline import Deadline
 from dxpu_vfio.link.protocol import LINK_VERSION, Hello
 from dxpu_vfio.link.transport import TlsFiles, accept_native, tune
 from dxpu_vfio.vfio_user import protocol as vp
@@ -22,7 +25,8 @@ from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message
 
 log = logging.getLogger("dxpu.remote")
 
-HANDSHAKE_TIMEOUT = 5.0
+HANDSHAKE_TIMEOUT = 5.0  # seconds for the TLS handshake and the first message together
+MAX_ADMITTING = 32  # connections between accept() and their first message, at once
 
 
 class Admission:
@@ -34,31 +38,45 @@ class Admission:
         self.native = native  # the native stream (C) does framing and TLS: native_tls, or plaintext
         self.native_tls = native_tls
         self.handshake_timeout = handshake_timeout
-        self.refused: Counter[str] = Counter({"tls": 0, "hello": 0, "lease": 0, "busy": 0})
+        self.refused: Counter[str] = Counter({"tls": 0, "hello": 0, "lease": 0, "busy": 0, "crowd": 0})
 
     def receive_first(self, sock: socket.socket, peer: tuple) -> tuple[Connection, Message] | None:
         """The connection and its first message, or None (refused, counted, closed). The
         socket keeps the handshake timeout: whoever takes the link over clears it."""
-        tune(sock)
-        sock.settimeout(self.handshake_timeout)
         try:
-            if self.native:
-                conn = accept_native(sock, self.native_tls, self.handshake_timeout)
+            tune(sock)
+        except OSError as exc:  # the peer already reset it
+            log.info("refused %s: %s", peer, exc)
+            sock.close()
+            return None
+        sock.settimeout(self.handshake_timeout)
+        deadline = Deadline(sock, self.handshake_timeout)
+        late = f"no whole handshake and first message in {self.handshake_timeout} s"
+        try:
+            if self.native:  # the stream gets a descriptor of its own; ``sock`` (the deadline's) closes last
+                own = socket.socket(fileno=os.dup(sock.fileno()))
+                conn = accept_native(own, self.native_tls, self.handshake_timeout)
                 conn.settimeout(self.handshake_timeout)
             else:
                 if self.tls is not None:
                     sock = self.tls.wrap_socket(sock, server_side=True)
                 conn = Connection(sock)
         except (ssl.SSLError, OSError, ConnectionClosed) as exc:
+            deadline.cancel()
             self.refused["tls"] += 1
-            log.warning("refused %s: TLS: %s", peer, exc)
+            log.warning("refused %s: TLS: %s", peer, late if deadline.expired else exc)
             sock.close()
             return None
         try:
             return conn, conn.receive()
         except (vp.ProtocolError, ConnectionClosed, OSError) as exc:
-            self.refuse_hello(conn, peer, exc)
+            deadline.cancel()
+            self.refuse_hello(conn, peer, late if deadline.expired or isinstance(exc, TimeoutError) else exc)
             return None
+        finally:
+            deadline.cancel()
+            if self.native:
+                sock.close()  # the native stream has its own descriptor
 
     def refuse_hello(self, conn: Connection, peer: tuple, why: object) -> None:
         self.refused["hello"] += 1

@@ -5,6 +5,10 @@ A device model on the box reaches them through these ports exactly as it would t
 the local vfio-user server's: it never knows it is remote. DMA reads are non-posted
 (they wait for the host's completion); DMA writes and interrupts are posted on the same
 ordered stream, so an interrupt never passes the DMA writes before it.
+
+The host's completions are checked against what was asked (address, size, framing): a
+malformed one is a :class:`DmaError` for the device, as a refused read is, and the
+link goes on (its framing is intact).
 """
 
 from __future__ import annotations
@@ -47,12 +51,15 @@ class LinkDmaPort:
                     in_flight.append((i, pos, n, self.endpoint.send_request(LinkCommand.DMA_READ,
                                                                             vp.DmaAccess(a, n).pack())))
                 i, pos, n, pending = in_flight.pop(0)
-                data = vp.DmaAccess.unpack(self.endpoint.wait(pending, DMA_TIMEOUT), with_data=True).data
-                if len(data) != n:
-                    raise DmaError(f"host answered a DMA read of {n} bytes with {len(data)}")
-                out[i][pos:pos + n] = data
+                reply = vp.DmaAccess.unpack(self.endpoint.wait(pending, DMA_TIMEOUT), with_data=True)
+                if reply.address != ranges[i][0] + pos or len(reply.data) != n:
+                    raise DmaError(f"host answered a DMA read of {n} bytes at {ranges[i][0] + pos:#x} with "
+                                   f"{len(reply.data)} bytes at {reply.address:#x}")
+                out[i][pos:pos + n] = reply.data
         except LinkError as exc:
             raise DmaError(f"host refused a DMA read: {exc}") from exc
+        except vp.ProtocolError as exc:
+            raise DmaError(f"host answered a DMA read with a malformed completion: {exc}") from exc
         except LinkDown as exc:
             raise DmaError(f"link down during DMA read: {exc}") from exc
         self.bytes_read += sum(n for _, n in ranges)

@@ -7,6 +7,11 @@ The link's reader thread performs region accesses in stream order; the device re
 guest memory and raises interrupts through the link ports
 (:mod:`dxpu_vfio.remoteproxy.ports`). Connections that ask for a control service
 instead of a device go to :mod:`dxpu_vfio.remoteproxy.control`.
+
+The accept loop never ends but by :meth:`RemoteProxy.stop`: an ``accept()`` error (no
+descriptors left, a connection reset before it was accepted) is counted, logged and
+retried after a pause. At most ``MAX_ADMITTING`` connections are between ``accept()``
+and their first message at once; more are closed at once (counted as ``crowd``).
 """
 
 from __future__ import annotations
@@ -15,24 +20,27 @@ import errno
 import logging
 import socket
 import threading
+import time
 
 from dxpu_vfio.link.endpoint import LinkEndpoint
 from dxpu_vfio.link.protocol import DeviceDescription, Hello, LinkCommand
 from dxpu_vfio.link.transport import TlsFiles, server_context
 from dxpu_vfio.native import stream as native
-from dxpu_vfio.remoteproxy.admission import Admission, check_hello
+from dxpu_vfio.remoteproxy.admission import MAX_ADMITTING, Admission, check_hello
 from dxpu_vfio.remoteproxy.config import EXTERNAL_MODEL, BoxConfig, BoxDevice
 from dxpu_vfio.remoteproxy.control import CONTROL_COMMANDS, ControlServices
 from dxpu_vfio.remoteproxy.external import ExternalFunction
 from dxpu_vfio.remoteproxy.ports import LinkDmaPort, LinkIrqPort
 from dxpu_vfio.vfio_user import protocol as vp
-from dxpu_vfio.vfio_user.connection import Connection, Message, close_listener
+from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message, close_listener
 from dxpu_vfio.vfio_user.posted import unpack_batch
 from qemu_device.device import PciFunction
 from qemu_device.models import create_model
 from qemu_device.ports import NullDmaPort, NullIrqPort
 
 log = logging.getLogger("dxpu.remote")
+
+ACCEPT_RETRY = 0.1  # seconds to wait after an accept() error (e.g. EMFILE) before the next accept
 
 
 def describe(model: str, device: PciFunction) -> DeviceDescription:
@@ -79,6 +87,10 @@ class RemoteProxy:
             self.admission = Admission(server_context(files) if files else None)
         self.control = ControlServices(config.name, self.slots)
         self.port = config.port
+        self.max_admitting = MAX_ADMITTING
+        self._admitting: threading.BoundedSemaphore | None = None
+        self._stopping = False
+        self.accept_errors = 0
 
     @property
     def refused(self) -> dict[str, int]:
@@ -91,30 +103,58 @@ class RemoteProxy:
         listener.listen(16)
         self.port = listener.getsockname()[1]
         self._listener = listener
+        self._admitting = threading.BoundedSemaphore(self.max_admitting)
         threading.Thread(target=self._accept_loop, name="remote-accept", daemon=True).start()
         return self
 
     def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while True:
+        listener, admitting = self._listener, self._admitting
+        assert listener is not None and admitting is not None
+        while not self._stopping:
             try:
-                sock, peer = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._admit, args=(sock, peer), name=f"remote-admit-{peer}",
-                             daemon=True).start()
+                sock, peer = listener.accept()
+            except OSError as exc:
+                if self._stopping:
+                    return
+                self.accept_errors += 1  # EMFILE, ENFILE, ENOBUFS, ECONNABORTED...: the box must keep serving
+                if self.accept_errors in (1, 10, 100) or self.accept_errors % 1000 == 0:
+                    log.error("accept() failed (%d times so far): %s; retrying", self.accept_errors, exc)
+                time.sleep(ACCEPT_RETRY)
+                continue
+            if not admitting.acquire(blocking=False):
+                self.admission.refused["crowd"] += 1
+                if self.admission.refused["crowd"] in (1, 10, 100) or self.admission.refused["crowd"] % 1000 == 0:
+                    log.warning("refused %s: %d connections are being admitted already (%d refused so far)",
+                                peer, self.max_admitting, self.admission.refused["crowd"])
+                sock.close()
+                continue
+            try:
+                threading.Thread(target=self._admit, args=(sock, peer), name=f"remote-admit-{peer}",
+                                 daemon=True).start()
+            except RuntimeError as exc:  # no thread could be started
+                admitting.release()
+                log.error("refused %s: %s", peer, exc)
+                sock.close()
 
     def _admit(self, sock: socket.socket, peer: tuple) -> None:
-        first = self.admission.receive_first(sock, peer)
+        try:
+            first = self.admission.receive_first(sock, peer)
+        finally:
+            assert self._admitting is not None
+            self._admitting.release()
         if first is None:
             return
         conn, msg = first
-        if msg.header.command in CONTROL_COMMANDS:
-            self.control.serve(conn, msg)
-        elif msg.header.command == LinkCommand.HELLO:
-            self._take_link(conn, msg, peer)
-        else:
-            self.admission.refuse_hello(conn, peer, "first message must be HELLO")
+        try:
+            if msg.header.command in CONTROL_COMMANDS:
+                self.control.serve(conn, msg)
+            elif msg.header.command == LinkCommand.HELLO:
+                self._take_link(conn, msg, peer)
+            else:
+                self.admission.refuse_hello(conn, peer, "first message must be HELLO")
+        except (ConnectionClosed, OSError) as exc:
+            log.info("%s went away while being admitted: %s", peer, exc)
+            conn.close()
 
     def _take_link(self, conn: Connection, msg: Message, peer: tuple) -> None:
         """HELLO and lease check; then the device belongs to this link."""
@@ -222,6 +262,7 @@ class RemoteProxy:
 
     def snapshot(self) -> dict:
         return {"box": self.config.name, "port": self.port, "refused": self.refused,
+                "accept_errors": self.accept_errors,
                 "devices": {sid: s.snapshot() for sid, s in self.slots.items()}}
 
     def screenshots(self):
@@ -231,6 +272,7 @@ class RemoteProxy:
                 yield dev_id, slot.device.render_png()
 
     def stop(self) -> None:
+        self._stopping = True
         close_listener(self._listener)
         self._listener = None
         for slot in self.slots.values():

@@ -139,8 +139,8 @@ class Version:
         if raw:
             try:
                 caps = json.loads(raw).get("capabilities", {})
-            except (ValueError, AttributeError) as exc:
-                raise ProtocolError(f"VERSION capabilities are not JSON: {raw[:80]!r}") from exc
+            except (ValueError, AttributeError, RecursionError) as exc:  # RecursionError: nested too deep
+                raise ProtocolError(f"VERSION capabilities are not usable JSON: {raw[:80]!r}") from exc
             if not isinstance(caps, dict):
                 raise ProtocolError("VERSION capabilities is not an object")
         return cls(major, minor, caps)

@@ -21,6 +21,12 @@ Posted writes (REGION_WRITE without reply, REGION_WRITE_MULTI) are combined into
 further message is already buffered, so they are never reordered and never wait for
 more traffic; the device's ``posted_idle`` is called then too (the host proxy's link sends
 what it coalesced).
+
+The client is not trusted: a message may carry only the descriptors its command takes
+(DMA_MAP one, SET_IRQS one eventfd per vector, nothing else any), a session holds at
+most ``MAX_DMA_MAPS`` mappings (each keeps a descriptor), and a malformed message gets an
+error reply (EINVAL, EPROTO...) and the session goes on; only a stream whose framing
+is lost ends it. The accept loop survives ``accept()`` errors (e.g. EMFILE).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import logging
 import os
 import select
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -49,6 +56,9 @@ from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
 log = logging.getLogger("dxpu.vfio_user.server")
 
 DMA_REPLY_TIMEOUT = 5.0
+MAX_DMA_MAPS = 256  # advertised as max_dma_maps; each fd-backed map holds a descriptor (QEMU uses a few)
+ACCEPT_RETRY = 0.1  # seconds to wait after an accept() error before the next accept
+FDS_ALLOWED = {p.Command.DMA_MAP: 1, p.Command.DEVICE_SET_IRQS: p.MAX_MSG_FDS}  # every other command: none
 
 
 class EventSource(Protocol):
@@ -144,7 +154,7 @@ class _Session:
     def __init__(self, server: "VfioUserServer", conn: Connection) -> None:
         self.server = server
         self.conn = conn
-        self.dma = DmaTable(fallback=self._dma_by_message)
+        self.dma = DmaTable(fallback=self._dma_by_message, max_maps=MAX_DMA_MAPS)
         self.irqs = EventfdIrqs(irq_vector_counts(server.device))
         self._ids = itertools.count(0x8000)  # our requests; QEMU numbers its own
         self._pending: dict[int, tuple[threading.Event, list]] = {}
@@ -302,16 +312,24 @@ class _Session:
                 raise p.ProtocolError(f"unknown command {hdr.command}", errno.ENOSYS)
             if not self.version_seen and hdr.command != p.Command.VERSION:
                 raise p.ProtocolError("VERSION must come first", errno.EPROTO)
+            if len(msg.fds) > FDS_ALLOWED.get(hdr.command, 0):
+                raise p.ProtocolError(f"{_name(hdr.command)} carries {len(msg.fds)} descriptors; it takes "
+                                      f"{FDS_ALLOWED.get(hdr.command, 0)}")
             reply = handler(self, msg)
             if not hdr.no_reply:
                 out = p.message(hdr.msg_id, hdr.command, reply or b"", reply=True)
-        except (p.ProtocolError, ValueError, DmaError, OSError) as exc:
+        except (p.ProtocolError, ValueError, DmaError, OSError, OverflowError, RecursionError) as exc:
             error = True
             err = getattr(exc, "errno", None) or (errno.EFAULT if isinstance(exc, DmaError) else errno.EINVAL)
             log.info("%s: %s failed: %s", self.server.name, _name(hdr.command), exc)
             self.server.protocol_errors += isinstance(exc, p.ProtocolError)
             if not hdr.no_reply:
                 out = p.error_reply(hdr.msg_id, hdr.command, err)
+        except Exception:  # noqa: BLE001 - a bug here: logged, answered, and the session goes on
+            error = True
+            log.exception("%s: %s failed", self.server.name, _name(hdr.command))
+            if not hdr.no_reply:
+                out = p.error_reply(hdr.msg_id, hdr.command, errno.EIO)
         finally:
             msg.close_fds()
         self.server.record(hdr.command, time.perf_counter_ns() - started, error)
@@ -322,6 +340,8 @@ class _Session:
         started = time.perf_counter_ns()
         error, full = False, False
         try:
+            if msg.fds:
+                raise p.ProtocolError(f"posted {_name(msg.header.command)} carries descriptors")
             if msg.header.command == p.Command.REGION_WRITE:
                 req = msg.payload
                 if len(req) < p.REGION_RW.size:
@@ -428,6 +448,9 @@ def _dma_map(s: _Session, msg: Message) -> bytes:
     req = p.DmaMap.unpack(msg.payload)
     if len(msg.fds) > 1:
         raise p.ProtocolError(f"DMA_MAP with {len(msg.fds)} descriptors")
+    if msg.fds and (req.size > sys.maxsize - p.PAGE_SIZE or req.offset > sys.maxsize - req.size - p.PAGE_SIZE):
+        raise p.ProtocolError(f"DMA_MAP of {req.size:#x} bytes at file offset {req.offset:#x}: "
+                              "beyond what a mapping can hold")
     fd = msg.fds.pop() if msg.fds else None
     s.dma.add(req.address, req.size, req.flags, fd, req.offset)
     return b""
@@ -470,6 +493,8 @@ def _irq_info(s: _Session, msg: Message) -> bytes:
 
 def _set_irqs(s: _Session, msg: Message) -> bytes:
     req = p.SetIrqs.unpack(msg.payload)
+    if msg.fds and req.data_type != p.IRQ_DATA_EVENTFD:
+        raise p.ProtocolError(f"SET_IRQS without eventfd data carries {len(msg.fds)} descriptors")
     fds, msg.fds = msg.fds, []
     try:
         leftover = s.irqs.set_irqs(req, fds)
@@ -553,6 +578,7 @@ class VfioUserServer:
         self.stats: dict[int, CommandStats] = {}  # by command number
         self.sessions_served = 0
         self.rejected_connections = 0
+        self.accept_errors = 0
         self.protocol_errors = 0
         self.posted_refused = 0  # posted writes the device refused (dropped)
         self._listener: socket.socket | None = None
@@ -585,11 +611,19 @@ class VfioUserServer:
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
+        listener = self._listener
         while not self._stopping:
             try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                break  # listener closed by stop()
+                sock, _ = listener.accept()
+            except OSError as exc:
+                if self._stopping:
+                    break  # listener closed by stop()
+                self.accept_errors += 1  # EMFILE...: the device must stay pluggable once it passes
+                if self.accept_errors in (1, 10, 100) or self.accept_errors % 1000 == 0:
+                    log.error("%s: accept() failed (%d times so far): %s; retrying", self.name,
+                              self.accept_errors, exc)
+                time.sleep(ACCEPT_RETRY)
+                continue
             with self._lock:
                 if self._session is not None or self._stopping:
                     self.rejected_connections += 1
@@ -637,5 +671,5 @@ class VfioUserServer:
                 "dma": None if s is None else {"windows": len(s.dma.windows()), "refused": s.dma.refused,
                                                "bytes_read": s.dma.bytes_read,
                                                "bytes_written": s.dma.bytes_written},
-                "irqs": None if s is None else {**s.irqs.delivered, "dropped": s.irqs.dropped,
+                "irqs": None if s is None else {**s.irqs.delivered, "dropped": s.irqs.dropped, "lost": s.irqs.lost,
                                                 "eventfds": s.irqs.fd_count()}}

@@ -1,0 +1,64 @@
+"""The box's DMA port against a host that answers DMA reads with malformed completions:
+the device gets a DmaError (what it handles), never a ProtocolError, and the link stays up."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from dxpu_vfio.link.endpoint import LinkEndpoint
+from dxpu_vfio.link.protocol import LinkCommand
+from dxpu_vfio.remoteproxy.ports import LinkDmaPort
+from dxpu_vfio.vfio_user import protocol as vp
+from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
+from qemu_device.ports import DmaError
+
+
+class HostileHost:
+    """The host end of the link: answers each DMA_READ with ``answer(request)``."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.conn = Connection(sock)
+        self.answer = lambda req: vp.DmaAccess(req.address, req.count, b"\xab" * req.count).pack()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                msg = self.conn.receive()
+                if msg.header.command == LinkCommand.HEARTBEAT:
+                    self.conn.send(vp.message(0, LinkCommand.HEARTBEAT, b"", no_reply=True))
+                elif msg.header.command == LinkCommand.DMA_READ and not msg.header.is_reply:
+                    req = vp.DmaAccess.unpack(msg.payload, with_data=False)
+                    self.conn.send(vp.message(msg.header.msg_id, msg.header.command, self.answer(req), reply=True))
+        except (ConnectionClosed, vp.ProtocolError, OSError):
+            pass
+
+
+@pytest.fixture
+def link():
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # TCP, as the link is (no descriptors)
+        host_sock = socket.create_connection(listener.getsockname())
+        box_sock, _ = listener.accept()
+    endpoint = LinkEndpoint(Connection(box_sock), "box/test", {}).start()
+    host = HostileHost(host_sock)
+    yield LinkDmaPort(endpoint), host, endpoint
+    endpoint.close()
+    host.conn.close()
+
+
+@pytest.mark.parametrize("reply", [
+    lambda req: b"\x01\x02",  # shorter than the DMA header
+    lambda req: vp.DMA_RW.pack(req.address, req.count) + b"\0" * (req.count // 2),  # half the data
+    lambda req: vp.DmaAccess(req.address + 4096, req.count, b"\0" * req.count).pack(),  # another address
+])
+def test_malformed_dma_read_completions_are_dma_errors(link, reply):
+    port, host, endpoint = link
+    assert port.read(0x1000, 64) == b"\xab" * 64
+    host.answer = reply
+    with pytest.raises(DmaError):
+        port.read(0x1000, 64)
+    host.answer = lambda req: vp.DmaAccess(req.address, req.count, b"\xcd" * req.count).pack()
+    assert endpoint.up and port.read(0x1000, 64) == b"\xcd" * 64

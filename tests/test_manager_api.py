@@ -1,0 +1,121 @@
+"""The manager's API and metrics listeners against bad requests and idle or slow peers
+(a manager served in-process on a temporary database; no boxes, no VMs)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from dxpu_vfio.pool import service
+from dxpu_vfio.pool.bounds import BoundedServer
+from dxpu_vfio.pool.service import ManagerClient, ManagerError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def manager(tmp_path, monkeypatch):
+    monkeypatch.setattr(BoundedServer, "request_deadline", 1.0)
+    monkeypatch.setattr(service._MetricsHttpServer, "max_connections", 4)
+    db, port = tmp_path / "pool.db", free_port()
+    ready, stop = threading.Event(), threading.Event()
+    thread = threading.Thread(target=service.serve, args=(db,),
+                              kwargs={"heartbeat": 0.2, "metrics_address": f"127.0.0.1:{port}",
+                                      "ready": ready, "stop": stop}, daemon=True)
+    thread.start()
+    assert ready.wait(20), "the manager did not start"
+    yield ManagerClient(db, timeout=10), port
+    stop.set()
+    thread.join(10)
+
+
+def http_on(path: str | tuple, head: bytes, timeout: float = 5.0) -> tuple[int, bytes]:
+    family = socket.AF_UNIX if isinstance(path, str) else socket.AF_INET
+    with socket.socket(family) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(head)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1]) if data else 0
+    return status, data.partition(b"\r\n\r\n")[2]
+
+
+@pytest.mark.parametrize("route, body, named", [
+    ("/v1/attach", {"vm": ["a", "b"]}, "'vm'"),
+    ("/v1/attach", {"vm": "x", "count": "many"}, "'count'"),
+    ("/v1/attach", {"vm": "x", "count": True}, "'count'"),
+    ("/v1/attach", {"vm": "x", "class": {"nvme": 1}}, "'class'"),
+    ("/v1/detach", {"vm": "x", "all": "yes"}, "'all'"),
+    ("/v1/boxes", {"address": True}, "'address'"),
+    ("/v1/boxes", {"address": "10.0.0.1:7000", "tls_dir": False}, "'tls_dir'"),
+    ("/v1/boxes/remove", {"name": 7}, "'name'"),
+    ("/v1/boxes", {}, "missing field 'address'"),
+])
+def test_wrong_field_types_are_answered_400_naming_the_field(manager, route, body, named):
+    client, _ = manager
+    with pytest.raises(ManagerError) as exc:
+        client.request("POST", route, body)
+    assert exc.value.status == 400 and named in exc.value.message
+    assert client.get("/v1/health")["db"]  # and the service still answers
+
+
+def test_a_large_body_is_refused_before_it_is_read_and_the_token_checked_first(manager):
+    client, _ = manager
+    sock = str(client.paths.socket)
+    started = time.monotonic()
+    huge = b"POST /v1/attach HTTP/1.1\r\nContent-Length: 805306368\r\n"
+    status, _ = http_on(sock, huge + b"Authorization: Bearer wrong\r\n\r\n")
+    assert status == 401
+    status, body = http_on(sock, huge + f"Authorization: Bearer {client._token()}\r\n\r\n".encode())
+    assert status == 413 and b"65536" in body
+    assert time.monotonic() - started < 3, "the manager waited for a body it should not read"
+
+
+def test_idle_metrics_connections_are_bounded_in_number_and_time(manager):
+    _, port = manager
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(12)]
+    try:
+        time.sleep(0.3)
+        held = 0
+        for s in idle:
+            s.settimeout(0.1)
+            try:
+                held += s.recv(1) != b""
+            except TimeoutError:
+                held += 1
+        assert held <= 4, f"{held} idle connections held (the limit is 4)"
+        time.sleep(1.5)  # past the request deadline: the server closed them all
+        for s in idle:
+            s.settimeout(1.0)
+            assert s.recv(1) == b""
+    finally:
+        for s in idle:
+            s.close()
+    status, body = http_on(("127.0.0.1", port), b"GET /metrics HTTP/1.0\r\n\r\n")
+    assert status == 200 and b"dxpu_devices" in body
+
+
+def test_a_slow_request_is_cut_at_the_deadline(manager):
+    client, _ = manager
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(client.paths.socket))
+        s.settimeout(3)
+        started = time.monotonic()
+        try:
+            for _ in range(30):  # one header byte every 0.1 s: never a whole request
+                s.sendall(b"X")
+                time.sleep(0.1)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert time.monotonic() - started < 2.5, "a trickled request held its connection past the deadline"
+    assert json.loads(json.dumps(client.get("/v1/health")))["pid"]
