@@ -224,7 +224,7 @@ def topology_key(topology: lab.Topology) -> str:
 
 def save_lab_logs(name: str, dest: Path) -> Path | None:
     """Copy a lab's files (state.json, each box's BOX.toml, remote proxy log and stats,
-    delay line logs) and its status to ``dest/lab-NAME``; not the certificates (keys)."""
+    link emulator config, report and log) and its status to ``dest/lab-NAME``; not the certificates (keys)."""
     src = lab.lab_dir(name)
     if not src.is_dir():
         return None
