@@ -130,6 +130,21 @@ def parse_gilbert(text: str) -> dict:
     return dict(zip(names, parts))
 
 
+def config_text(link: dict[str, Impairment]) -> str:
+    """The emulators' config file (the C one reads no JSON): ``up key=value ...`` per direction."""
+    return "".join(f"{d} " + " ".join(f"{k}={v}" for k, v in imp.to_dict().items()) + "\n"
+                   for d, imp in link.items())
+
+
+def parse_config_text(text: str) -> dict[str, Impairment]:
+    out = {}
+    for line in text.splitlines():
+        direction, *pairs = line.split()
+        raw = dict(p.split("=", 1) for p in pairs)
+        out[direction] = Impairment.from_dict({k: v if k == "distribution" else float(v) for k, v in raw.items()})
+    return out
+
+
 def netem_args(imp: Impairment) -> list[str]:
     """The ``tc qdisc replace ... netem`` arguments that ask the kernel for ``imp``."""
     args = ["netem", "limit", "100000"]

@@ -29,7 +29,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +36,11 @@ from pathlib import Path
 from pyroute2 import IPRoute, netns
 
 from dxpu_vfio.errors import DxpuError
-from dxpu_vfio.lab.impairment import Impairment, netem_args, tbf_args
+from dxpu_vfio.lab.impairment import Impairment, config_text, netem_args, tbf_args
+from dxpu_vfio.lab.netemu_build import binary as emulator_binary
 from dxpu_vfio.link.transport import make_certs
 from dxpu_vfio.paths import run_dir
-from dxpu_vfio.procs import request_file, request_json, terminate_pid, wait_until, write_json_atomic
+from dxpu_vfio.procs import request_file, request_json, terminate_pid, wait_until, write_bytes_atomic
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 
 BOX_PORT = 7000
@@ -316,14 +316,16 @@ def restart_proxy(state: LabState, box: str) -> int:
 
 
 def set_link(state: LabState, box: str, up: Impairment, down: Impairment | None = None,
-             netem: bool | None = None, force_emulator: bool = False) -> BoxState:
+             netem: bool | None = None, force_emulator: bool = False, engine: str = "c") -> BoxState:
     """Change what a link does to each direction's packets (``down``: as ``up`` if not
     given), at run time: established connections stay up, they only see the new link.
 
     netem on the link namespace's veths where the kernel has it; else the packet emulator
     (started on first need, told by SIGHUP after that, ended when nothing is asked of it:
     the kernel then forwards directly) and TBF for rates. ``force_emulator`` keeps the
-    emulator in the path with nothing to do (to measure what it costs)."""
+    emulator in the path with nothing to do (to measure what it costs). ``engine``: ``c``
+    (built with the host's gcc; ``netemu.py`` where there is none) or ``python``, for a
+    run that is started now (a running emulator keeps its engine)."""
     b = state.box(box)
     down = up if down is None else down
     netem = netem_available() if netem is None else netem
@@ -339,7 +341,7 @@ def set_link(state: LabState, box: str, up: Impairment, down: Impairment | None 
         for dev, imp in egress.items():
             _qdisc(b.link_netns, dev, tbf_args(imp.rate_bps) if imp.rate_bps else None)
         if force_emulator or up.needs_emulator or down.needs_emulator:
-            _emulate(state, b)
+            _emulate(state, b, engine)
             b.delay_mode = "emulator"
         else:
             _stop_emulator(state, b)
@@ -367,21 +369,22 @@ def _qdisc(ns: str, dev: str, args: list[str] | None) -> None:
 
 def _emulator_files(state: LabState, box: str) -> tuple[Path, Path, Path]:
     d = Path(state.directory)
-    return d / f"link-{box}.json", d / f"link-{box}.report.json", d / f"link-{box}.log"
+    return d / f"link-{box}.conf", d / f"link-{box}.report.json", d / f"link-{box}.log"
 
 
-def _emulate(state: LabState, b: BoxState) -> None:
+def _emulate(state: LabState, b: BoxState, engine: str = "c") -> None:
     """Start the emulator and route both ends' /32 into its TUN, or send it the new config."""
     config, report, log = _emulator_files(state, b.name)
-    write_json_atomic(config, b.link)
+    write_bytes_atomic(config, config_text({d: b.impairment(d) for d in ("up", "down")}).encode())
     if b.emulator_pid and os.path.exists(f"/proc/{b.emulator_pid}"):
         before = report.stat().st_mtime_ns if report.exists() else 0
         os.kill(b.emulator_pid, signal.SIGHUP)  # it re-reads the config, then rewrites its report
         if not wait_until(lambda: report.exists() and report.stat().st_mtime_ns != before, 5):
             raise LabError(f"the emulator of {b.name} did not take its new config", logs=[log])
         return
-    argv = ["ip", "netns", "exec", b.link_netns, sys.executable, "-m", "dxpu_vfio.lab.netemu", "--tun", EMU_TUN,
-            "--up-dst", b.box_ip, "--down-dst", b.host_ip, "--config", str(config), "--report", str(report)]
+    built = emulator_binary() if engine == "c" else None
+    program = [str(built)] if built else [sys.executable, "-m", "dxpu_vfio.lab.netemu"]
+    argv = ["ip", "netns", "exec", b.link_netns, *program, "--tun", EMU_TUN, "--up-dst", b.box_ip, "--down-dst", b.host_ip, "--config", str(config), "--report", str(report)]
     with open(log, "ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
