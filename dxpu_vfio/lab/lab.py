@@ -385,16 +385,17 @@ def _emulate(state: LabState, b: BoxState, engine: str = "c") -> None:
     built = emulator_binary() if engine == "c" else None
     program = [str(built)] if built else [sys.executable, "-m", "dxpu_vfio.lab.netemu"]
     argv = ["ip", "netns", "exec", b.link_netns, *program, "--tun", EMU_TUN, "--up-dst", b.box_ip, "--down-dst", b.host_ip, "--config", str(config), "--report", str(report)]
+    offset = log.stat().st_size if log.exists() else 0  # the log keeps earlier runs
     with open(log, "ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     b.emulator_pid = proc.pid
     state.pids.append(proc.pid)
     state.save()
-    if not wait_until(lambda: b"emulator on" in log.read_bytes() or proc.poll() is not None, 10) \
+    if not wait_until(lambda: b"emulator on" in log.read_bytes()[offset:] or proc.poll() is not None, 10) \
             or proc.poll() is not None:
         raise LabError(f"the emulator of {b.name} did not start", logs=[log])
-    _ip(b.link_netns, "link", "set", EMU_TUN, "up")
+    _ip(b.link_netns, "link", "set", EMU_TUN, "txqueuelen", "10000", "up")  # no loss nobody asked for
     for ip in (b.host_ip, b.box_ip):  # ahead of the direct routes (metric 100); gone with the TUN
         _ip(b.link_netns, "route", "replace", f"{ip}/32", "dev", EMU_TUN, "metric", "10")
 
