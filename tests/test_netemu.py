@@ -122,6 +122,8 @@ def test_change_at_run_time_keeps_an_established_connection(net):
         echo(100)
         lab.set_link(net, "box1", Impairment())
         assert net.box("box1").emulator_pid is None and echo() < before + 300
+        links = subprocess.run(["ip", "-n", b.link_netns, "-o", "link"], capture_output=True, text=True).stdout
+        assert " emu:" not in links  # the TUN went with the emulator
     finally:
         for proc in (client, server):
             if proc:
@@ -130,11 +132,13 @@ def test_change_at_run_time_keeps_an_established_connection(net):
 
 
 def test_python_engine_does_the_same(net):
+    """The fallback (no C compiler): the same losses; its hold is never short, and late by
+    at most tens of µs (its loop is slower, more so on a loaded machine)."""
     b = lab.set_link(net, "box1", Impairment(delay_us=200, loss=0.02), engine="python")
     got = udp_probe.across(b.netns, b.box_ip, net.host_netns, 1500, pps=1000)  # one at a time: Python is slow
     report = lab.link_report(net, "box1")
     if b.delay_mode == "emulator":
-        assert report["engine"] == "python" and report["up"]["delay_us"]["p50"] == pytest.approx(200, rel=0.1)
+        assert report["engine"] == "python" and 200 <= report["up"]["delay_us"]["p50"] <= 260, report["up"]
     assert 0.008 <= got["loss_rate"] <= 0.035, got
 
 
@@ -161,4 +165,4 @@ def test_cli_link_and_down_leave_nothing(labs):
     assert run("down").returncode == 0
     assert not any(ns.startswith(f"dx{name}-") for ns in netns.listnetns())
     assert not pid or not os.path.exists(f"/proc/{pid}")
-    assert "emu" not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout.split()
+    assert not lab.lab_dir(name).exists()

@@ -22,6 +22,7 @@ Everything made is written to ``<run>/lab-N/state.json`` *before* it is made, so
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import secrets
@@ -89,8 +90,9 @@ class Topology:
         return cls.parse(Path(path).read_text() if path else DEFAULT_TOPOLOGY)
 
 
+@functools.lru_cache(maxsize=1)
 def netem_available() -> bool:
-    """Whether this kernel has sch_netem (these machines do not)."""
+    """Whether this kernel has sch_netem (these machines do not); probed once a process."""
     probe = f"dxnetem{os.getpid()}"
     netns.create(probe)
     try:
