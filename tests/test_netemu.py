@@ -160,6 +160,10 @@ def test_cli_link_and_down_leave_nothing(labs):
     assert info["asked"]["up"]["delay_us"] == 50 and info["asked"]["down"]["loss"] == pytest.approx(0.001)
     assert info["mode"] in ("emulator", "netem")
     pid = lab.status(name)["boxes"][0]["emulator_pid"]
+    if info["mode"] == "emulator":  # SCHED_FIFO unless turned off
+        assert os.sched_getscheduler(pid) == os.SCHED_FIFO
+        assert run("link", "box1", "--realtime", "off").returncode == 0
+        assert os.sched_getscheduler(pid) == os.SCHED_OTHER
     down_only = json.loads(run("link", "box1", "--dir", "down", "--delay", "1ms", "--json").stdout)
     assert down_only["asked"]["down"]["delay_us"] == 1000 and down_only["asked"]["up"]["delay_us"] == 50
     assert run("down").returncode == 0

@@ -71,15 +71,16 @@ def cmd_lab_link(args: argparse.Namespace) -> int:
         changes["distribution"] = args.distribution
     if args.gilbert:
         changes.update(impairment.parse_gilbert(args.gilbert))
-    if changes or args.clear:
+    if changes or args.clear or args.realtime:
         directions = ("up", "down") if args.dir == "both" else (args.dir,)
         link = {d: impairment.Impairment() if args.clear else b.impairment(d) for d in ("up", "down")}
         for d in directions:
             link[d] = link[d].replace(**changes)
-        lab.set_link(state, args.box, link["up"], link["down"])
+        lab.set_link(state, args.box, link["up"], link["down"],
+                     realtime=None if args.realtime is None else args.realtime == "on")
     elif args.reset:
         lab.reset_link_counters(state, args.box)
-    info = {"box": b.name, "mode": b.delay_mode, "link_netns": b.link_netns,
+    info = {"box": b.name, "mode": b.delay_mode, "link_netns": b.link_netns, "realtime": b.realtime,
             "asked": {d: b.impairment(d).to_dict() for d in ("up", "down")},
             "achieved": lab.link_report(state, args.box)}
     emit(args, info, _link_text)
@@ -95,7 +96,8 @@ def _existing_lab(name: str) -> Path:
 
 
 def _link_text(info: dict) -> str:
-    lines = [f"box {info['box']}: link {info['mode']} (namespace {info['link_netns']})"]
+    lines = [f"box {info['box']}: link {info['mode']}{' (SCHED_FIFO)' if info['realtime'] else ''} "
+             f"(namespace {info['link_netns']})"]
     achieved = info["achieved"] or {}
     for d in ("up", "down"):
         a = info["asked"][d]
@@ -183,6 +185,8 @@ def register(sub: Subparsers) -> None:
                    help="direction to change: up is host -> box (default both)")
     p.add_argument("--clear", action="store_true", help="start from a clean link (else options change the current one)")
     p.add_argument("--reset", action="store_true", help="zero the emulator's counters")
+    p.add_argument("--realtime", choices=["on", "off"],
+                   help="the emulator SCHED_FIFO (default on): holds on time on a busy machine (kept until changed)")
     p = parsers["sweep"]
     p.add_argument("--delays", default="0,100,250,500,1000", help="added one-way delays, µs")
     p.add_argument("--calibration", default="0,250,1000", help="delays the model is fitted on")
