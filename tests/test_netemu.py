@@ -4,6 +4,7 @@ an established connection, and nothing left behind."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 from pyroute2 import netns
 
 from dxpu_vfio.lab import floors, lab, udp_probe
+from dxpu_vfio.procs import wait_until
 from dxpu_vfio.lab.impairment import (Impairment, ImpairmentError, config_text, netem_args, parse_config_text,
                                       parse_fraction, parse_gilbert, parse_rate_bps, parse_time_us)
 
@@ -129,6 +131,19 @@ def test_change_at_run_time_keeps_an_established_connection(net):
             if proc:
                 proc.kill()
                 proc.wait()
+
+
+def test_an_emulator_that_died_is_replaced_by_the_next_change(net):
+    b = lab.set_link(net, "box1", Impairment(delay_us=100))
+    if b.delay_mode != "emulator":
+        pytest.skip("netem here: no emulator")
+    dead = b.emulator_pid
+    os.kill(dead, signal.SIGKILL)  # its TUN and routes go with it: the link is clean meanwhile
+    assert wait_until(lambda: f" {lab.EMU_TUN}:" not in subprocess.run(
+        ["ip", "-n", b.link_netns, "-o", "link"], capture_output=True, text=True).stdout, 5)
+    b = lab.set_link(net, "box1", Impairment(delay_us=200))
+    assert b.emulator_pid != dead and dead not in net.pids
+    assert lab.link_report(net, "box1")["up"]["asked"]["delay_us"] == 200
 
 
 def test_python_engine_does_the_same(net):

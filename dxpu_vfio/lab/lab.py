@@ -387,7 +387,9 @@ def _emulate(state: LabState, b: BoxState, engine: str = "c") -> None:
     """Start the emulator and route both ends' /32 into its TUN, or send it the new config."""
     config, report, log = _emulator_files(state, b.name)
     write_bytes_atomic(config, config_text({d: b.impairment(d) for d in ("up", "down")}).encode())
-    if b.emulator_pid and os.path.exists(f"/proc/{b.emulator_pid}"):
+    if b.emulator_pid and not _running(b.emulator_pid):  # it died: its TUN and routes went with it
+        _stop_emulator(state, b)
+    if b.emulator_pid:
         before = report.stat().st_mtime_ns if report.exists() else 0
         os.kill(b.emulator_pid, signal.SIGHUP)  # it re-reads the config, then rewrites its report
         if not wait_until(lambda: report.exists() and report.stat().st_mtime_ns != before, 5):
@@ -410,6 +412,15 @@ def _emulate(state: LabState, b: BoxState, engine: str = "c") -> None:
     _ip(b.link_netns, "link", "set", EMU_TUN, "txqueuelen", "10000", "up")  # no loss nobody asked for
     for ip in (b.host_ip, b.box_ip):  # ahead of the direct routes (metric 100); gone with the TUN
         _ip(b.link_netns, "route", "replace", f"{ip}/32", "dev", EMU_TUN, "metric", "10")
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (which would never answer a signal)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 def _stop_emulator(state: LabState, b: BoxState) -> None:
