@@ -102,7 +102,9 @@ def check_delay() -> Check:
         return Check("delay", False, f"cannot probe netem: {exc}", "run as root", optional=True)
     if netem:
         return Check("delay", True, "kernel netem (sch_netem): the lab injects delay with tc")
-    return Check("delay", True, "no sch_netem in this kernel: the lab uses its packet emulator "
+    from dxpu_vfio.lab.netemu_build import binary
+    engine = "in C" if binary() else "in Python (no gcc to build the C one: apt-get install gcc)"
+    return Check("delay", True, f"no sch_netem in this kernel: the lab uses its packet emulator {engine} "
                  "(a TUN in each link namespace, TBF for rates; it reports what it achieved)")
 
 
