@@ -10,7 +10,8 @@ bulk transfer each way, :mod:`dxpu_vfio.lab.floors`):
   with nothing to do; the Python one likewise;
 * delay: asked vs achieved over a range, with and without jitter: the emulator's own
   held time (p50, p99, std) and what TCP saw (the round trip's growth over the
-  emulator's floor, halved);
+  emulator's floor measured right before each row, halved), with the emulator
+  SCHED_FIFO (the lab's default) and not;
 * loss: asked vs achieved for random and Gilbert-Elliott loss, from numbered UDP
   datagrams (:mod:`dxpu_vfio.lab.udp_probe`): the rate and the mean run of losses.
 
@@ -33,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dxpu_vfio.bench import table, write_json  # noqa: E402
-from dxpu_vfio.lab import floors, lab, udp_probe  # noqa: E402
+from dxpu_vfio.lab import lab, udp_probe  # noqa: E402
 from dxpu_vfio.lab.impairment import Impairment  # noqa: E402
 from dxpu_vfio.procs import terminate  # noqa: E402
 
@@ -84,13 +85,14 @@ def floor_rows(state: lab.LabState, rounds: int, round_trips: int, bulk: int, lo
 
 def delay_rows(state: lab.LabState, round_trips: int, log) -> list[dict]:
     b = state.box("box1")
-    lab.set_link(state, "box1", Impairment(), force_emulator=True, netem=False)
-    base = measure(state, b.box_ip, round_trips, 0)["ping_pong"]["median_us"]  # ping-pong alone: no queue
     rows = []
     asks = [Impairment(delay_us=d) for d in (20, 50, 100, 200, 500, 1000, 2000)] + \
            [Impairment(delay_us=100, jitter_us=20), Impairment(delay_us=500, jitter_us=100),
             Impairment(delay_us=200, jitter_us=50, distribution="uniform")]
     for imp, realtime in ((i, rt) for i in asks for rt in (False, True)):
+        # the floor right before each row (the machine's load moves): ping-pong alone, no queue
+        lab.set_link(state, "box1", Impairment(), force_emulator=True, realtime=realtime, netem=False)
+        base = measure(state, b.box_ip, round_trips, 0)["ping_pong"]["median_us"]
         lab.set_link(state, "box1", imp, realtime=realtime, netem=False)
         lab.reset_link_counters(state, "box1")
         rtt = measure(state, b.box_ip, round_trips, 0)["ping_pong"]["median_us"]
@@ -179,7 +181,7 @@ def main() -> int:
     def verdict(r: dict) -> str:
         added = r["rtt_median_us"] / direct["rtt_median_us"] - 1
         kept = min(r["to_box_MBps"] / direct["to_box_MBps"], r["from_box_MBps"] / direct["from_box_MBps"])
-        return (f"RTT +{added * 100:.0f}% ({'meets' if added < 0.3 else 'MISSES'} < 30%), throughput kept "
+        return (f"RTT +{added * 100:.1f}% ({'meets' if added < 0.3 else 'MISSES'} < 30%), throughput kept "
                 f"{kept * 100:.0f}% ({'meets' if kept >= 0.8 else 'MISSES'} >= 80%)")
     def worst(key: str, realtime: bool, jitter: bool = True) -> float:
         return max(abs(r[key]) for r in delays if r["asked"]["delay_us"] >= 50 and r["realtime"] == realtime
@@ -190,7 +192,9 @@ def main() -> int:
         held, tcp = worst("held_error", realtime), worst("tcp_error", realtime, jitter=False)
         print(f"delay from 50 µs up, {label}: held p50 within {held * 100:.1f}% of asked "
               f"({'meets' if held <= 0.1 else 'MISSES'} 10%), TCP-seen (no jitter, noisier) within {tcp * 100:.1f}%")
-    path = write_json("netem", {"floor": floor, "delay": delays, "loss": losses})
+    load = os.getloadavg()
+    print(f"load average at the end: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} (2 cores, shared)")
+    path = write_json("netem", {"floor": floor, "delay": delays, "loss": losses, "loadavg": load})
     print(f"\nJSON: {path}")
     return 0
 
