@@ -387,14 +387,19 @@ def _emulate(state: LabState, b: BoxState, engine: str = "c") -> None:
     """Start the emulator and route both ends' /32 into its TUN, or send it the new config."""
     config, report, log = _emulator_files(state, b.name)
     write_bytes_atomic(config, config_text({d: b.impairment(d) for d in ("up", "down")}).encode())
-    if b.emulator_pid and not _running(b.emulator_pid):  # it died: its TUN and routes went with it
-        _stop_emulator(state, b)
     if b.emulator_pid:
+        pid = b.emulator_pid
         before = report.stat().st_mtime_ns if report.exists() else 0
-        os.kill(b.emulator_pid, signal.SIGHUP)  # it re-reads the config, then rewrites its report
-        if not wait_until(lambda: report.exists() and report.stat().st_mtime_ns != before, 5):
+        if _running(pid):
+            os.kill(pid, signal.SIGHUP)  # it re-reads the config, then rewrites its report
+        taken = lambda: report.exists() and report.stat().st_mtime_ns != before  # noqa: E731
+        wait_until(lambda: taken() or not _running(pid), 5)
+        if taken() and _running(pid):
+            return
+        if _running(pid):
             raise LabError(f"the emulator of {b.name} did not take its new config", logs=[log])
-        return
+        # it died (or is dying: its TUN and routes went first): a new one below
+        _stop_emulator(state, b)
     built = emulator_binary() if engine == "c" else None
     program = [str(built)] if built else [sys.executable, "-m", "dxpu_vfio.lab.netemu"]
     argv = ["ip", "netns", "exec", b.link_netns, *program, "--tun", EMU_TUN, "--up-dst", b.box_ip,
