@@ -94,7 +94,7 @@ def check_netns() -> Check:
 
 
 def check_delay() -> Check:
-    """How the lab injects link delay here: netem if the kernel has it, else our delay line."""
+    """How the lab impairs its links here: netem if the kernel has it, else our emulator."""
     try:
         from dxpu_vfio.lab.lab import netem_available
         netem = netem_available()
@@ -102,8 +102,10 @@ def check_delay() -> Check:
         return Check("delay", False, f"cannot probe netem: {exc}", "run as root", optional=True)
     if netem:
         return Check("delay", True, "kernel netem (sch_netem): the lab injects delay with tc")
-    return Check("delay", True, "no sch_netem in this kernel: the lab uses its userspace delay line "
-                 "(TCP relay; benchmarks print the delay it really achieved)")
+    from dxpu_vfio.lab.netemu_build import binary
+    engine = "in C" if binary() else "in Python (no gcc to build the C one: apt-get install gcc)"
+    return Check("delay", True, f"no sch_netem in this kernel: the lab uses its packet emulator {engine} "
+                 "(a TUN in each link namespace, TBF for rates; it reports what it achieved)")
 
 
 def run_checks(accel: str = "tcg") -> list[Check]:

@@ -1,6 +1,6 @@
 """Processes we start, ended by pid, and the JSON counters they write on SIGUSR1.
 
-Every long-running piece (QEMU, device servers, remote proxies, delay lines) is a child
+Every long-running piece (QEMU, device servers, remote proxies, link emulators) is a child
 process; these helpers are the one way they are stopped and asked for counters.
 """
 

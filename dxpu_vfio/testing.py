@@ -224,7 +224,7 @@ def topology_key(topology: lab.Topology) -> str:
 
 def save_lab_logs(name: str, dest: Path) -> Path | None:
     """Copy a lab's files (state.json, each box's BOX.toml, remote proxy log and stats,
-    delay line logs) and its status to ``dest/lab-NAME``; not the certificates (keys)."""
+    link emulator config, report and log) and its status to ``dest/lab-NAME``; not the certificates (keys)."""
     src = lab.lab_dir(name)
     if not src.is_dir():
         return None
@@ -309,13 +309,20 @@ class LabFactory:
             self.names.append(name)
 
     def restore(self, state: lab.LabState) -> lab.LabState:
-        """Make a lab whole again: a box whose proxy is dead or stopped gets a new one; a lab
+        """Make a lab whole again: a box whose proxy is dead or stopped gets a new one, a link
+        a test changed is set back to its topology's delay; a lab
         whose namespaces are gone is brought up again under its name (same object)."""
         existing = set(netns.listnetns())
         if any(ns not in existing for ns in state.namespaces):
             again = lab.up(self._topologies[state.name])
             state.__dict__.update(again.__dict__)
             return state
+        specs = {b.name: b for b in self._topologies[state.name].boxes} if state.name in self._topologies else {}
+        for box in state.boxes:  # a link a test changed is given back as the topology asked
+            spec = specs.get(box.name)
+            want = lab.Impairment(delay_us=spec.delay_us).to_dict() if spec else None
+            if want and any(box.link.get(d, lab.Impairment().to_dict()) != want for d in ("up", "down")):
+                lab.set_delay(state, box.name, spec.delay_us)
         for box in state.boxes:
             pid = box.proxy_pid
             if _proc_state(pid) in ("R", "S", "D"):

@@ -6,7 +6,7 @@ For the local test device and then the remote one at each added one-way delay, t
 guest measures: MMIO read latency (median), posted-write rate, DMA bandwidth (1 MiB
 copies between guest buffers: every byte crosses the link twice) and interrupt round
 trip (doorbell -> INTx counted by uio_pci_generic -> ack). The delay is injected with
-netem where the kernel has it, else with the lab's delay line, and the delay the line
+netem where the kernel has it, else with the lab's packet emulator, and the delay it
 really achieved is measured and printed. Also prints a per-hop breakdown of one remote
 read from the counters of both proxies, and the machine's floors measured between the same
 namespaces in the same run (Python ping-pong and bulk transfer, plain TCP and TLS 1.3:
@@ -191,7 +191,7 @@ def main() -> int:
     path = write_json("remote", {"results": results, "reads": args.reads, "writes": args.writes}, args.out)
     print("\nwhere a remote read's time goes (µs, from both proxies' counters; the first column is the\n"
           "guest's median minus the host proxy's mean link wait):")
-    print(table(["path", "QEMU + host proxy", "network + TLS (+ delay line)", "remote proxy + device", "guest read"],
+    print(table(["path", "QEMU + host proxy", "network + TLS (+ emulator)", "remote proxy + device", "guest read"],
                 [[k, r["hops_per_read_us"]["qemu_and_host_proxy"], r["hops_per_read_us"]["link_network_tls_relay"],
                   r["hops_per_read_us"]["remote_proxy_device"], r["read_median_us"]]
                  for k, r in rows.items() if "hops_per_read_us" in r]))

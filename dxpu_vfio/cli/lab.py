@@ -1,4 +1,4 @@
-"""The lab's commands: ``dxpu lab up/status/down/sweep`` (host and GPU boxes in network
+"""The lab's commands: ``dxpu lab up/status/down/link/sweep`` (host and GPU boxes in network
 namespaces) and ``dxpu demo`` (the whole story on embedded defaults)."""
 
 from __future__ import annotations
@@ -53,6 +53,68 @@ def cmd_lab_down(args: argparse.Namespace) -> int:
     return 0
 
 
+# option -> (Impairment field, parser name in dxpu_vfio.lab.impairment)
+LINK_OPTIONS = {"delay": ("delay_us", "parse_time_us"), "jitter": ("jitter_us", "parse_time_us"),
+                "loss": ("loss", "parse_fraction"), "reorder": ("reorder", "parse_fraction"),
+                "duplicate": ("duplicate", "parse_fraction"), "rate": ("rate_bps", "parse_rate_bps")}
+
+
+def cmd_lab_link(args: argparse.Namespace) -> int:
+    from dxpu_vfio.lab import impairment, lab
+    state = lab.LabState.load(_existing_lab(_name(args)))
+    b = state.box(args.box)
+    changes: dict = {}
+    for option, (field, parser) in LINK_OPTIONS.items():
+        if getattr(args, option) is not None:
+            changes[field] = getattr(impairment, parser)(getattr(args, option))
+    if args.distribution:
+        changes["distribution"] = args.distribution
+    if args.gilbert:
+        changes.update(impairment.parse_gilbert(args.gilbert))
+    if changes or args.clear or args.realtime:
+        directions = ("up", "down") if args.dir == "both" else (args.dir,)
+        link = {d: impairment.Impairment() if args.clear else b.impairment(d) for d in ("up", "down")}
+        for d in directions:
+            link[d] = link[d].replace(**changes)
+        lab.set_link(state, args.box, link["up"], link["down"],
+                     realtime=None if args.realtime is None else args.realtime == "on")
+    elif args.reset:
+        lab.reset_link_counters(state, args.box)
+    info = {"box": b.name, "mode": b.delay_mode, "link_netns": b.link_netns, "realtime": b.realtime,
+            "asked": {d: b.impairment(d).to_dict() for d in ("up", "down")},
+            "achieved": lab.link_report(state, args.box)}
+    emit(args, info, _link_text)
+    return 0
+
+
+def _existing_lab(name: str) -> Path:
+    from dxpu_vfio.lab import lab
+    directory = lab.lab_dir(name)
+    if not (directory / "state.json").exists():
+        raise lab.LabError(f"lab {name} is not up", hint=f"dxpu lab up --name {name} --no-vm")
+    return directory
+
+
+def _link_text(info: dict) -> str:
+    lines = [f"box {info['box']}: link {info['mode']}{' (SCHED_FIFO)' if info['realtime'] else ''} "
+             f"(namespace {info['link_netns']})"]
+    achieved = info["achieved"] or {}
+    for d in ("up", "down"):
+        a = info["asked"][d]
+        asked = ", ".join(f"{k} {v:g}" for k, v in a.items() if k != "distribution" and v
+                          and not (k in ("ge_r", "ge_loss_bad") and v == 1.0)) or "nothing"
+        lines.append(f"  {d:4} ({'host -> box' if d == 'up' else 'box -> host'}) asked: {asked}")
+        if d in achieved:
+            r = achieved[d]
+            q = r["delay_us"]
+            lines.append(f"       achieved: {r['packets']} packets, {r['bytes']} bytes, loss {r['loss_rate'] * 100:.3f} %, "
+                         f"{r['duplicated']} duplicated, {r['reordered']} reordered; held p50 {q['p50']:.1f} µs, "
+                         f"p90 {q['p90']:.1f}, p99 {q['p99']:.1f}, std {q['std']:.1f}")
+    if not achieved:
+        lines.append("  (no emulator in the path: nothing to report)")
+    return "\n".join(lines)
+
+
 def cmd_lab_sweep(args: argparse.Namespace) -> int:
     from dxpu_vfio.lab.sweep import run_sweep
     results = run_sweep([float(d) for d in args.delays.split(",")],
@@ -96,16 +158,35 @@ def register(sub: Subparsers) -> None:
     verbs = [("up", cmd_lab_up, "bring up boxes (namespaces, veth, remote proxies) and a VM"),
              ("status", cmd_lab_status, "show the lab"),
              ("down", cmd_lab_down, "remove every process, namespace and file of the lab"),
+             ("link", cmd_lab_link, "show or change what a box's link does to packets (delay, loss, rate...)"),
              ("sweep", cmd_lab_sweep,
               "run guest workloads at several link delays, fit and check the performance model")]
     parsers = {verb: command(lab, verb, func, text) for verb, func, text in verbs}
-    for verb in ("up", "status", "down"):  # the sweep brings up a lab of its own
+    for verb in ("up", "status", "down", "link"):  # the sweep brings up a lab of its own
         parsers[verb].add_argument("--name", default=None,
                                    help=f"lab name (default: the topology's, or {DEFAULT_NAME!r})")
     p = parsers["up"]
     p.add_argument("--topology", help="LAB.toml (default: one box with one test device)")
     p.add_argument("--no-vm", action="store_true", help="boxes only")
     add_guest_options(p)
+    p = parsers["link"]
+    p.add_argument("box", help="the box whose link to show or change")
+    p.add_argument("--delay", help="one-way delay, e.g. 50us, 1.5ms")
+    p.add_argument("--jitter", help="per-packet jitter, e.g. 10us (see --distribution)")
+    p.add_argument("--distribution", choices=["normal", "uniform"],
+                   help="jitter: normal (sigma = jitter, cut at 0; default) or uniform (delay +- jitter)")
+    p.add_argument("--loss", help="random loss, e.g. 0.1%%")
+    p.add_argument("--gilbert", metavar="P,R[,BAD[,GOOD]]",
+                   help="bursty loss (Gilbert-Elliott): good->bad P, bad->good R, loss in bad (100%%) and good (0%%)")
+    p.add_argument("--reorder", help="share of packets sent at once, past the held ones, e.g. 1%%")
+    p.add_argument("--duplicate", help="share of packets sent twice, e.g. 0.1%%")
+    p.add_argument("--rate", help="rate limit, e.g. 10gbit, 500mbit")
+    p.add_argument("--dir", choices=["both", "up", "down"], default="both",
+                   help="direction to change: up is host -> box (default both)")
+    p.add_argument("--clear", action="store_true", help="start from a clean link (else options change the current one)")
+    p.add_argument("--reset", action="store_true", help="zero the emulator's counters")
+    p.add_argument("--realtime", choices=["on", "off"],
+                   help="the emulator SCHED_FIFO (default on): holds on time on a busy machine (kept until changed)")
     p = parsers["sweep"]
     p.add_argument("--delays", default="0,100,250,500,1000", help="added one-way delays, µs")
     p.add_argument("--calibration", default="0,250,1000", help="delays the model is fitted on")

@@ -1,0 +1,187 @@
+"""The lab's link impairments with real namespaces: what the link's packets really go
+through (numbered UDP datagrams and TCP round trips across it), changes at run time under
+an established connection, and nothing left behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from pyroute2 import netns
+
+from dxpu_vfio.lab import floors, lab, udp_probe
+from dxpu_vfio.procs import wait_until
+from dxpu_vfio.lab.impairment import (Impairment, ImpairmentError, config_text, netem_args, parse_config_text,
+                                      parse_fraction, parse_gilbert, parse_rate_bps, parse_time_us)
+
+ONE_BOX = """
+name = "net"
+[[box]]
+name = "box1"
+[[box.device]]
+id = "td0"
+model = "testdev"
+"""
+
+
+@pytest.fixture
+def net(labs):
+    """One box; each test gives its link back clean (the factory's restore checks too)."""
+    state = labs.shared(lab.Topology.parse(ONE_BOX))
+    yield state
+    lab.set_link(state, "box1", Impairment())
+
+
+def test_units_and_netem_arguments():
+    assert parse_time_us("50us") == 50 and parse_time_us("1.5ms") == 1500 and parse_time_us("200") == 200
+    assert parse_fraction("0.1%") == pytest.approx(0.001) and parse_rate_bps("10gbit") == 10e9
+    assert parse_gilbert("1%,25%") == {"ge_p": 0.01, "ge_r": 0.25}
+    with pytest.raises(ImpairmentError):
+        parse_time_us("fast")
+    with pytest.raises(ImpairmentError):
+        Impairment(loss=1.5)
+    imp = Impairment(delay_us=50, jitter_us=10, ge_p=0.01, ge_r=0.25, rate_bps=1e9)
+    assert netem_args(imp) == ["netem", "limit", "100000", "delay", "50us", "10us", "distribution", "normal",
+                               "loss", "gemodel", "1%", "25%", "100%", "0%", "rate", "1000000000bit"]
+    assert imp.expected_loss == pytest.approx(0.01 / 0.26)
+    link = {"up": imp, "down": Impairment(loss=0.001, distribution="uniform")}
+    assert parse_config_text(config_text(link)) == link
+
+
+def ping_rtt_us(state: lab.LabState, round_trips: int = 400) -> float:
+    """Median TCP round trip host -> box1 -> host (the floor server in the box)."""
+    return floors.measure_lab(state, "box1", round_trips=round_trips, bulk_bytes=1 << 20)["tcp"]["ping_pong"]["median_us"]
+
+
+def test_delay_is_held_as_asked_and_seen_by_tcp(net):
+    base = ping_rtt_us(net)
+    b = lab.set_link(net, "box1", Impairment(delay_us=300))
+    assert b.delay_mode in ("emulator", "netem")
+    rtt = ping_rtt_us(net)
+    assert 600 * 0.9 <= rtt - base <= 600 + 400, (base, rtt)  # the round trip crosses the delay twice
+    if b.delay_mode == "emulator":
+        report = lab.link_report(net, "box1")
+        for d in ("up", "down"):
+            assert report[d]["packets"] > 400 and report[d]["delay_us"]["p50"] == pytest.approx(300, rel=0.1)
+
+
+def test_random_and_bursty_loss_reach_the_packets(net):
+    b = net.box("box1")
+    lab.set_link(net, "box1", Impairment(loss=0.02))
+    got = udp_probe.across(b.netns, b.box_ip, net.host_netns, 6000)
+    assert 0.01 <= got["loss_rate"] <= 0.03 and got["mean_loss_run"] < 1.5, got
+    lab.set_link(net, "box1", Impairment(ge_p=0.01, ge_r=0.25))  # mean 3.8 %, in runs of ~4
+    lab.reset_link_counters(net, "box1")
+    got = udp_probe.across(b.netns, b.box_ip, net.host_netns, 6000)
+    assert 0.015 <= got["loss_rate"] <= 0.07 and got["mean_loss_run"] > 2, got
+    report = lab.link_report(net, "box1")
+    if report:  # the emulator counts what the receiver missed
+        assert report["up"]["lost_burst"] == got["lost"] and report["up"]["loss_rate"] == pytest.approx(got["loss_rate"], abs=0.005)
+
+
+def test_reordering_and_duplication(net):
+    b = net.box("box1")
+    lab.set_link(net, "box1", Impairment(delay_us=200, reorder=0.1, duplicate=0.05), down=Impairment())
+    got = udp_probe.across(b.netns, b.box_ip, net.host_netns, 4000)
+    assert got["lost"] == 0 and got["out_of_order"] > 100 and 100 <= got["duplicates"] <= 330, got
+
+
+def test_change_at_run_time_keeps_an_established_connection(net):
+    """One TCP connection, echoing across the link while the link changes under it: delay
+    on, loss on, the emulator off again. Every echo comes back, the round trip follows."""
+    b = net.box("box1")
+    server = subprocess.Popen(["ip", "netns", "exec", b.netns, sys.executable, "-m", "dxpu_vfio.lab.floors", "serve",
+                               "--listen", b.box_ip, "--port", "7250"], stdout=subprocess.PIPE, start_new_session=True)
+    client = None
+    try:
+        assert b"serving" in server.stdout.readline()
+        code = ("import socket,struct,sys,time\n"
+                f"s=socket.create_connection(('{b.box_ip}',7250),5); s.setsockopt(6,1,1)\n"
+                "s.sendall(struct.pack('<4sQ',b'PING',10**9))\n"
+                "for line in sys.stdin:\n"
+                "  t=time.perf_counter(); n=0\n"
+                "  for i in range(int(line)):\n"
+                "    s.sendall(bytes([i%256])*32); got=b''\n"
+                "    while len(got)<32: got+=s.recv(32-len(got))\n"
+                "    n+=got==bytes([i%256])*32\n"
+                "  print(n, (time.perf_counter()-t)/int(line)*1e6, flush=True)\n")
+        client = subprocess.Popen(["ip", "netns", "exec", net.host_netns, sys.executable, "-c", code],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+        def echo(n: int = 200) -> float:
+            client.stdin.write(f"{n}\n")
+            client.stdin.flush()
+            ok, rtt = client.stdout.readline().split()
+            assert int(ok) == n
+            return float(rtt)
+
+        before = echo()
+        lab.set_link(net, "box1", Impairment(delay_us=500))
+        assert echo() > before + 800
+        lab.set_link(net, "box1", Impairment(delay_us=100, loss=0.01))
+        echo(100)
+        lab.set_link(net, "box1", Impairment())
+        assert net.box("box1").emulator_pid is None and echo() < before + 300
+        links = subprocess.run(["ip", "-n", b.link_netns, "-o", "link"], capture_output=True, text=True).stdout
+        assert " emu:" not in links  # the TUN went with the emulator
+    finally:
+        for proc in (client, server):
+            if proc:
+                proc.kill()
+                proc.wait()
+
+
+def test_an_emulator_that_died_is_replaced_by_the_next_change(net):
+    b = lab.set_link(net, "box1", Impairment(delay_us=100))
+    if b.delay_mode != "emulator":
+        pytest.skip("netem here: no emulator")
+    dead = b.emulator_pid
+    os.kill(dead, signal.SIGKILL)  # its TUN and routes go with it: the link is clean meanwhile
+    assert wait_until(lambda: f" {lab.EMU_TUN}:" not in subprocess.run(
+        ["ip", "-n", b.link_netns, "-o", "link"], capture_output=True, text=True).stdout, 5)
+    b = lab.set_link(net, "box1", Impairment(delay_us=200))
+    assert b.emulator_pid != dead and dead not in net.pids
+    assert lab.link_report(net, "box1")["up"]["asked"]["delay_us"] == 200
+
+
+def test_python_engine_does_the_same(net):
+    """The fallback (no C compiler): the same losses; its hold is never short, and late by
+    at most tens of µs (its loop is slower, more so on a loaded machine)."""
+    b = lab.set_link(net, "box1", Impairment(delay_us=200, loss=0.02), engine="python")
+    got = udp_probe.across(b.netns, b.box_ip, net.host_netns, 1500, pps=1000)  # one at a time: Python is slow
+    report = lab.link_report(net, "box1")
+    if b.delay_mode == "emulator":
+        assert report["engine"] == "python" and 200 <= report["up"]["delay_us"]["p50"] <= 260, report["up"]
+    assert 0.008 <= got["loss_rate"] <= 0.035, got
+
+
+def test_rate_limit_with_tbf(net):
+    b = lab.set_link(net, "box1", Impairment(rate_bps=100e6))
+    assert b.delay_mode in ("tbf", "netem") and b.emulator_pid is None
+    bulk = floors.measure_lab(net, "box1", round_trips=50, bulk_bytes=8 << 20)["tcp"]["bulk"]
+    assert 8 <= bulk["to_box_MBps"] <= 13.5 and 8 <= bulk["from_box_MBps"] <= 13.5, bulk  # 100 Mbit/s = 12.5 MB/s
+
+
+def test_cli_link_and_down_leave_nothing(labs):
+    name = labs.adopt(f"n{os.getpid()}")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "lab", *a, "--name", name],  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    assert run("up", "--no-vm").returncode == 0
+    changed = run("link", "box1", "--delay", "50us", "--jitter", "10us", "--loss", "0.1%", "--rate", "10gbit", "--json")
+    assert changed.returncode == 0, changed.stderr
+    info = json.loads(changed.stdout)
+    assert info["asked"]["up"]["delay_us"] == 50 and info["asked"]["down"]["loss"] == pytest.approx(0.001)
+    assert info["mode"] in ("emulator", "netem")
+    pid = lab.status(name)["boxes"][0]["emulator_pid"]
+    if info["mode"] == "emulator":  # SCHED_FIFO unless turned off
+        assert os.sched_getscheduler(pid) == os.SCHED_FIFO
+        assert run("link", "box1", "--realtime", "off").returncode == 0
+        assert os.sched_getscheduler(pid) == os.SCHED_OTHER
+    down_only = json.loads(run("link", "box1", "--dir", "down", "--delay", "1ms", "--json").stdout)
+    assert down_only["asked"]["down"]["delay_us"] == 1000 and down_only["asked"]["up"]["delay_us"] == 50
+    assert run("down").returncode == 0
+    assert not any(ns.startswith(f"dx{name}-") for ns in netns.listnetns())
+    assert not pid or not os.path.exists(f"/proc/{pid}")
+    assert not lab.lab_dir(name).exists()
