@@ -14,7 +14,7 @@ kept open and accessed with pread/pwrite, which see a shrunk file as a short tra
 (a DmaError, so the DMA is answered with an error); an fd that cannot be read and
 written that way (hugetlbfs) is mmapped and its size checked before every access, which
 leaves a client that shrinks it between that check and the copy a window for SIGBUS
-(docs/architecture.md, "QEMU").
+(docs/architecture.md, "Facts the code depends on").
 """
 
 from __future__ import annotations
