@@ -196,11 +196,13 @@ class Queue:
 class Namespace:
     def __init__(self, nsid: int, path: str | None, size: int) -> None:
         self.nsid = nsid
-        if path is None:
-            fd, path = tempfile.mkstemp(prefix=f"dxpu-nvme-ns{nsid}-")
-            os.close(fd)
+        self.temporary = path is None
+        if path is None:  # a file with no name: nothing is left behind, whatever ends the process
+            self.fd, path = tempfile.mkstemp(prefix=f"dxpu-nvme-ns{nsid}-")
+            os.unlink(path)
+        else:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         if os.fstat(self.fd).st_size < size:
             os.ftruncate(self.fd, size)  # sparse: costs nothing until written
         self.blocks = size >> LBA_SHIFT

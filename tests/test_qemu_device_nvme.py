@@ -549,3 +549,29 @@ def test_write_zeroes_with_deac_deallocates_without_it_zeroes(ctrl, tmp_path):
     assert allocated(tmp_path / "ns1") <= before - (128 << 10)
     assert rw_through_list(drv, 0x02, 0, 128 << 10) == 0 and get(drv, DATA, 128 << 10) == bytes(128 << 10)
     assert rw_through_list(drv, 0x02, 256, 128 << 10) == 0 and get(drv, DATA, 128 << 10) == bytes(128 << 10)
+
+
+def test_a_namespace_without_path_leaves_no_file_whatever_ends_the_process(tmp_path):
+    """Without ``path`` a namespace is a file with no name: it works, and nothing is left
+    in the temp dir while the device runs or after SIGTERM (it used to be 64 MiB each time)."""
+    import signal
+    import sys
+    script = ("import os, sys\n"
+              "from qemu_device.nvme import NvmeController\n"
+              "dev = NvmeController()\n"
+              "ns = dev.namespaces[1]\n"
+              "os.pwrite(ns.fd, b'x' * 4096, 0)\n"
+              "assert os.pread(ns.fd, 4096, 0) == b'x' * 4096 and os.fstat(ns.fd).st_size == 64 << 20\n"
+              "print('ready', flush=True)\n"
+              "sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        assert os.listdir(tmp_path) == []
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == -signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert os.listdir(tmp_path) == []
