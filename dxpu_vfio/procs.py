@@ -15,6 +15,17 @@ from pathlib import Path
 from typing import Callable
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM end this (main-thread) program as ``sys.exit(143)`` would: ``finally``
+    blocks and context managers then run, so a script stopped by SIGTERM removes its temp
+    dirs, labs and VMs as after a clean run. A second SIGTERM during that cleanup is
+    ignored (SIGKILL still ends it)."""
+    def handler(signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: None)  # a function, not SIG_IGN: children reset it
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, handler)
+
+
 class ChildProcess:
     """A process we started: its pid, whether it runs, and its end (by pid)."""
 

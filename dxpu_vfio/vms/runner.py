@@ -331,5 +331,6 @@ class Vm:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.kill()
-        if exc_type is None and self._own_workdir:
+        stopped = isinstance(exc_type, type) and issubclass(exc_type, SystemExit)  # SIGTERM, sys.exit: not a failure
+        if (exc_type is None or stopped) and self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
