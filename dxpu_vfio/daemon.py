@@ -8,6 +8,7 @@ orderly end on SIGTERM or SIGINT (the parent ends it by pid, see :mod:`dxpu_vfio
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Callable, Iterable
 
 from dxpu_vfio import registry
 from dxpu_vfio.procs import write_bytes_atomic, write_json_atomic
+
+log = logging.getLogger("dxpu.daemon")
 
 Screenshots = Callable[[], Iterable[tuple[str | None, bytes]]]  # (device or None, PNG)
 
@@ -40,8 +43,11 @@ def run_until_terminated(kind: str, name: str, stats_path: Path | None, snapshot
 
     def write_screenshots() -> None:
         if stats_path is not None and screenshots is not None:
-            for device, png in screenshots():
-                write_bytes_atomic(screenshot_path(stats_path, device), png)
+            try:
+                for device, png in screenshots():
+                    write_bytes_atomic(screenshot_path(stats_path, device), png)
+            except (ValueError, OSError) as exc:  # raised in a signal handler, it would end the process
+                log.warning("%s %s: screenshot not written: %s", kind, name, exc)
 
     signal.signal(signal.SIGUSR1, lambda *_: write_stats())
     signal.signal(signal.SIGUSR2, lambda *_: write_screenshots())

@@ -10,9 +10,25 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Callable
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM end this (main-thread) program as ``sys.exit(143)`` would: ``finally``
+    blocks and context managers then run, so a script stopped by SIGTERM removes its temp
+    dirs, labs and VMs as after a clean run. A second SIGTERM during that cleanup is
+    ignored (SIGKILL still ends it). Outside the main thread (where signals cannot be
+    handled) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: None)  # a function, not SIG_IGN: children reset it
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, handler)
 
 
 class ChildProcess:

@@ -5,6 +5,12 @@ BAR0 is the framebuffer (prefetchable; memory of whoever serves the device: on a
 box, the box); BAR2 is 4 KiB of MMIO: an EDID blob at 0x000, the VBE DISPI registers at
 0x500 (16 bit each, index * 2) and QEMU's extended registers at 0x600 (size, byte order).
 Nothing else: no VGA, no legacy I/O ports. ``render_png()`` draws the current scanout.
+
+The guest may program any mode. One larger than the advertised limits (QEMU's VBE
+maxima, which ENABLE's GETCAPS bit makes XRES/YRES/BPP report) or whose frame does not
+fit in VRAM is invalid: it shows nothing, and a screenshot of it raises
+:class:`DisplayModeError` (a box answers the request with an error), never allocates
+the frame it describes.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from .header import PciIdentity
 DISPI, QEXT = 0x500, 0x600
 ID, XRES, YRES, BPP, ENABLE, BANK, VIRT_WIDTH, VIRT_HEIGHT, X_OFFSET, Y_OFFSET, VIDEO_MEMORY_64K = range(11)
 DISPI_ID5 = 0xB0C5
-ENABLED, LFB_ENABLED = 0x01, 0x40
+ENABLED, GETCAPS, LFB_ENABLED = 0x01, 0x02, 0x40
+MAX_XRES, MAX_YRES, MAX_BPP = 16000, 12000, 32  # as QEMU's VBE (VBE_DISPI_MAX_*), reported by GETCAPS
 BYTEORDER_LE = 0x1E1E1E1E
 
 
@@ -42,6 +49,10 @@ def _edid(name: bytes = b"DXPU") -> bytes:
     e[72:90] = b"\x00\x00\x00\xfc\x00" + name.ljust(13, b"\n")[:13]  # monitor name
     e[127] = (-sum(e[:127])) & 0xFF
     return bytes(e)
+
+
+class DisplayModeError(ValueError):
+    """The guest programmed a mode beyond the limits or VRAM: there is no frame to show."""
 
 
 class DisplayAdapter(PciFunction):
@@ -79,7 +90,10 @@ class DisplayAdapter(PciFunction):
             return self.edid[offset]
         if DISPI <= offset < DISPI + 2 * len(self.dispi):
             reg = (offset - DISPI) // 2
-            return (self.dispi[reg] >> (8 * ((offset - DISPI) % 2))) & 0xFF
+            value = self.dispi[reg]
+            if self.dispi[ENABLE] & GETCAPS and reg in (XRES, YRES, BPP):
+                value = {XRES: MAX_XRES, YRES: MAX_YRES, BPP: MAX_BPP}[reg]
+            return (value >> (8 * ((offset - DISPI) % 2))) & 0xFF
         if QEXT <= offset < QEXT + 8:
             value = 8 if offset < QEXT + 4 else self.byteorder
             return (value >> (8 * ((offset - QEXT) % 4))) & 0xFF
@@ -108,22 +122,39 @@ class DisplayAdapter(PciFunction):
         return {"enabled": bool(d[ENABLE] & ENABLED), "xres": d[XRES], "yres": d[YRES], "bpp": d[BPP],
                 "virt_width": d[VIRT_WIDTH] or d[XRES], "x_offset": d[X_OFFSET], "y_offset": d[Y_OFFSET]}
 
+    def mode_error(self, m: dict | None = None) -> str | None:
+        """Why the mode (``m``, or the current one) cannot be shown; None if it can."""
+        m = m or self.mode()
+        w, h, bpp = m["xres"], m["yres"], m["bpp"]
+        if w > MAX_XRES or h > MAX_YRES or bpp > MAX_BPP or m["virt_width"] > MAX_XRES:
+            return f"mode {w}x{h}x{bpp} (line {m['virt_width']}) exceeds {MAX_XRES}x{MAX_YRES}x{MAX_BPP}"
+        stride = max(m["virt_width"], w) * ((bpp + 7) // 8)
+        end = (m["y_offset"] + h) * stride + m["x_offset"] * ((bpp + 7) // 8) if h else 0
+        if end > len(self.vram):
+            return (f"mode {w}x{h}x{bpp} at offset {m['x_offset']},{m['y_offset']} needs {end} bytes, "
+                    f"VRAM has {len(self.vram)}")
+        return None
+
     def scanout(self) -> Image.Image | None:
         """What the display shows now as an RGB image; None while it shows nothing
-        (disabled, or not 32 bpp XRGB8888)."""
+        (disabled, or not 32 bpp XRGB8888). An invalid mode raises DisplayModeError."""
         with self.lock:
             m = self.mode()
             if not m["enabled"] or m["bpp"] != 32 or not m["xres"] or not m["yres"]:
                 return None
+            error = self.mode_error(m)
+            if error is not None:
+                raise DisplayModeError(error)
             w, h = m["xres"], m["yres"]
             stride = max(m["virt_width"], w) * 4  # as QEMU's VBE: a line is never narrower than the mode
             base = m["y_offset"] * stride + m["x_offset"] * 4
             frame = bytes(self.vram[base:base + h * stride])  # copied under the lock, converted outside it
-        # XRGB8888 little-endian is B, G, R, X in memory; past the end of VRAM reads as black
+        # XRGB8888 little-endian is B, G, R, X in memory; the frame lies inside VRAM (mode_error)
         return Image.frombytes("RGB", (w, h), frame.ljust(h * stride, b"\0"), "raw", "BGRX", stride)
 
     def render_png(self) -> bytes:
-        """The scanout as an 8-bit RGB PNG (one black pixel while nothing is shown)."""
+        """The scanout as an 8-bit RGB PNG (one black pixel while nothing is shown);
+        DisplayModeError for an invalid mode."""
         image = self.scanout()
         if image is None:
             image = Image.new("RGB", (1, 1))
@@ -133,4 +164,5 @@ class DisplayAdapter(PciFunction):
 
     def stats(self) -> dict:
         return {"framebuffer_writes": self.writes, "framebuffer_bytes": self.bytes_written, "mode": self.mode(),
+                "mode_error": self.mode_error(),
                 "suppressed_interrupts": 0}

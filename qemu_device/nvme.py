@@ -8,7 +8,9 @@ I/O commands Read, Write, Flush, Write Zeroes and Dataset Management; PRP entrie
 PRP lists; phase tags; one interrupt vector per completion queue (MSI; INTx works too).
 
 Namespaces are files (sparse: only what is written costs disk); a completed Flush has
-fsynced them. Data moves through the DMA port in as few, as large transfers as the PRPs
+fsynced them. A write the file does not take whole is a Write Fault, deallocation punches
+holes, and PRPs are checked and walked within the transfer's length (docs/devices/nvme.md,
+"What a guest or a full disk cannot do"). Data moves through the DMA port in as few, as large transfers as the PRPs
 allow (adjacent pages are merged).
 
 Concurrency (docs/devices/nvme.md, "Commands in flight"): nothing runs on the thread that
@@ -26,8 +28,10 @@ CSTS.RDY up until the commands in flight have ended.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
+import logging
 import os
 import struct
 import tempfile
@@ -35,11 +39,14 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 
+from .backing import punch_hole, write_all, zero_range
 from .bars import BarSpec
 from .device import IrqConfig, PciFunction
 from .header import PciIdentity
 from .ports import DmaError
 from .worker import DeviceWorker, WorkerPool
+
+log = logging.getLogger(__name__)
 
 PAGE = 4096
 LBA_SHIFT = 9  # 512-byte blocks
@@ -127,9 +134,11 @@ class StatusType(enum.IntEnum):
 
     GENERIC = 0
     COMMAND_SPECIFIC = 1
+    MEDIA = 2  # media and data integrity errors
 
 
-_GENERIC, _SPECIFIC = StatusType.GENERIC << 8, StatusType.COMMAND_SPECIFIC << 8
+_GENERIC, _SPECIFIC, _MEDIA = StatusType.GENERIC << 8, StatusType.COMMAND_SPECIFIC << 8, StatusType.MEDIA << 8
+DNR = 1 << 14  # a completion's Do Not Retry bit (status field without the phase bit)
 
 
 class Status(enum.IntEnum):
@@ -141,6 +150,7 @@ class Status(enum.IntEnum):
     DATA_TRANSFER_ERROR = _GENERIC | 0x04
     INTERNAL_ERROR = _GENERIC | 0x06
     INVALID_NAMESPACE = _GENERIC | 0x0B
+    INVALID_PRP_OFFSET = _GENERIC | 0x13
     LBA_OUT_OF_RANGE = _GENERIC | 0x80  # NVM command set
     INVALID_CQ = _SPECIFIC | 0x00
     INVALID_QID = _SPECIFIC | 0x01
@@ -148,6 +158,12 @@ class Status(enum.IntEnum):
     INVALID_VECTOR = _SPECIFIC | 0x08
     INVALID_LOG_PAGE = _SPECIFIC | 0x09
     INVALID_QUEUE_DELETION = _SPECIFIC | 0x0C  # a CQ that SQs still post to
+    WRITE_FAULT = _MEDIA | 0x80  # the backing file did not take the data (full, I/O error)
+    UNRECOVERED_READ_ERROR = _MEDIA | 0x81
+
+
+# Retrying these cannot help (the guest's own PRPs, a full or failing backing file): DNR set.
+NO_RETRY = frozenset({Status.INVALID_PRP_OFFSET, Status.WRITE_FAULT, Status.UNRECOVERED_READ_ERROR})
 
 
 class Deferred(enum.Enum):
@@ -180,11 +196,13 @@ class Queue:
 class Namespace:
     def __init__(self, nsid: int, path: str | None, size: int) -> None:
         self.nsid = nsid
-        if path is None:
-            fd, path = tempfile.mkstemp(prefix=f"dxpu-nvme-ns{nsid}-")
-            os.close(fd)
+        self.temporary = path is None
+        if path is None:  # a file with no name: nothing is left behind, whatever ends the process
+            self.fd, path = tempfile.mkstemp(prefix=f"dxpu-nvme-ns{nsid}-")
+            os.unlink(path)
+        else:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         if os.fstat(self.fd).st_size < size:
             os.ftruncate(self.fd, size)  # sparse: costs nothing until written
         self.blocks = size >> LBA_SHIFT
@@ -411,6 +429,9 @@ class NvmeController(PciFunction):
             status = Status.DATA_TRANSFER_ERROR
         except OSError:
             status = Status.INTERNAL_ERROR
+        except Exception:  # a bug or a case not foreseen: the command still completes
+            log.exception("NVMe opcode %#x on queue %d failed", opcode, sq.qid)
+            status = Status.INTERNAL_ERROR
         if result is Deferred.HELD:
             return
         self._complete(sq, cid, status, result)
@@ -424,8 +445,9 @@ class NvmeController(PciFunction):
                 return  # the queue pair was deleted or the controller reset
             self.stats_counters["commands"] += 1
             self.stats_counters["errors"] += status != Status.SUCCESS
+            field = status | DNR if status in NO_RETRY else status
             entry = struct.pack("<IIHHHH", result & 0xFFFFFFFF, 0, sq.head, sq.qid, cid,
-                                (status << 1) | cq.phase)
+                                (field << 1) | cq.phase)
             addr = cq.base + cq.tail * 16
             cq.tail = (cq.tail + 1) % cq.size
             if cq.tail == 0:
@@ -501,6 +523,7 @@ class NvmeController(PciFunction):
                 raise CommandError(Status.INVALID_NAMESPACE)
             struct.pack_into("<QQQ", out, 0, ns.blocks, ns.blocks, ns.blocks)
             out[26] = 0  # FLBAS: format 0
+            out[33] = 0x01 | 0x08  # DLFEAT: deallocated blocks read zero; Write Zeroes' DEAC bit works
             struct.pack_into("<HBB", out, 128, 0, LBA_SHIFT, 0)  # LBAF0: 512 B, no metadata
             out[104:120] = ns.uuid  # NGUID
         elif cns == IdentifyCns.ACTIVE_NAMESPACES:
@@ -594,7 +617,8 @@ class NvmeController(PciFunction):
         if ns is None:
             raise CommandError(Status.INVALID_NAMESPACE)
         if opcode == IoOpcode.FLUSH:  # durable from here on (_run_io waited for earlier writes)
-            os.fsync(ns.fd)
+            with _file_errors(Status.WRITE_FAULT):  # a write lost at writeback shows here
+                os.fsync(ns.fd)
             self._count("flushes")
             return 0
         prp1, prp2 = struct.unpack_from("<QQ", sqe, 24)
@@ -604,55 +628,78 @@ class NvmeController(PciFunction):
             if slba + nlb > ns.blocks:
                 raise CommandError(Status.LBA_OUT_OF_RANGE)
             offset, length = slba << LBA_SHIFT, nlb << LBA_SHIFT
+            if opcode != IoOpcode.WRITE_ZEROES and length > (PAGE << MDTS):
+                raise CommandError(Status.INVALID_FIELD)
             if opcode == IoOpcode.READ:
-                self._write_prp(prp1, prp2, os.pread(ns.fd, length, offset))
+                segments = self._segments(prp1, prp2, length)  # the PRPs are checked before the file is read
+                with _file_errors(Status.UNRECOVERED_READ_ERROR):
+                    data = os.pread(ns.fd, length, offset)
+                self._write_segments(segments, data.ljust(length, b"\0"))
                 self._count("bytes_read", length)
             elif opcode == IoOpcode.WRITE:
-                if length > (PAGE << MDTS):
-                    raise CommandError(Status.INVALID_FIELD)
                 pieces = self.dma_read_many(self._segments(prp1, prp2, length))
-                _pwritev(ns.fd, pieces, offset)  # from the DMA buffers, not joined first
+                with _file_errors(Status.WRITE_FAULT):  # all of it on the file, or a write fault
+                    write_all(ns.fd, pieces, offset)  # from the DMA buffers, not joined first
                 self._count("bytes_written", length)
-            else:  # IoOpcode.WRITE_ZEROES
-                os.pwrite(ns.fd, bytes(length), offset)
+            else:  # IoOpcode.WRITE_ZEROES; DEAC (CDW12 bit 25): deallocate, as Identify's DLFEAT says
+                with _file_errors(Status.WRITE_FAULT):
+                    (punch_hole if cdw12 & (1 << 25) else zero_range)(ns.fd, offset, length)
             return 0
-        if opcode == IoOpcode.DATASET_MANAGEMENT:  # deallocated blocks read back as zeroes
+        if opcode == IoOpcode.DATASET_MANAGEMENT:  # deallocated blocks read back as zeroes (DLFEAT)
             ranges = (struct.unpack_from("<I", sqe, 40)[0] & 0xFF) + 1
             table = self._read_prp(prp1, prp2, ranges * 16)
-            for i in range(ranges):
-                _attr, nlb, start = struct.unpack_from("<IIQ", table, i * 16)
-                if start + nlb > ns.blocks:
-                    raise CommandError(Status.LBA_OUT_OF_RANGE)
-                if struct.unpack_from("<I", sqe, 44)[0] & 4:  # AD: deallocate
-                    os.pwrite(ns.fd, bytes(nlb << LBA_SHIFT), start << LBA_SHIFT)
+            extents = [struct.unpack_from("<IIQ", table, i * 16)[1:] for i in range(ranges)]
+            if any(start + nlb > ns.blocks for nlb, start in extents):
+                raise CommandError(Status.LBA_OUT_OF_RANGE)  # checked whole: nothing done
+            if struct.unpack_from("<I", sqe, 44)[0] & 4:  # AD: deallocate
+                with _file_errors(Status.WRITE_FAULT):
+                    for nlb, start in extents:
+                        punch_hole(ns.fd, start << LBA_SHIFT, nlb << LBA_SHIFT)
             return 0
         raise CommandError(Status.INVALID_OPCODE)
 
     # --- PRPs --------------------------------------------------------------------------------------
     def _segments(self, prp1: int, prp2: int, length: int) -> list[tuple[int, int]]:
-        """(guest address, length) pieces of a PRP transfer, adjacent pages merged."""
+        """(guest address, length) pieces of a PRP transfer, adjacent pages merged.
+
+        The guest programs PRPs, so they are checked, and a walk through PRP lists is
+        bounded by the transfer: PRP1 dword aligned, PRP2 a page (one more page) or a
+        qword-aligned list pointer, every list entry (and the pointer to a next list in
+        a page's last entry) page aligned, else Invalid PRP Offset. Every list page then
+        yields an entry, so a list that points back at itself still ends."""
+        if prp1 & 3:
+            raise CommandError(Status.INVALID_PRP_OFFSET)
         first = min(length, PAGE - (prp1 % PAGE))
         pages = [(prp1, first)]
         left = length - first
-        if left > 0:
-            if left <= PAGE:
-                pages.append((prp2, left))
-            else:
-                entries: list[int] = []
-                list_addr = prp2
-                needed = (left + PAGE - 1) // PAGE
-                while len(entries) < needed:
-                    room = (PAGE - list_addr % PAGE) // 8
-                    chunk = struct.unpack(f"<{room}Q", self.dma_read(list_addr, room * 8))
-                    if needed - len(entries) > room:  # last entry points to the next list
-                        entries.extend(chunk[:-1])
-                        list_addr = chunk[-1]
-                    else:
-                        entries.extend(chunk[:needed - len(entries)])
-                for addr in entries:
-                    n = min(PAGE, left)
-                    pages.append((addr, n))
-                    left -= n
+        if 0 < left <= PAGE:
+            if prp2 % PAGE:
+                raise CommandError(Status.INVALID_PRP_OFFSET)
+            pages.append((prp2, left))
+        elif left > 0:
+            if prp2 & 7:
+                raise CommandError(Status.INVALID_PRP_OFFSET)
+            needed = (left + PAGE - 1) // PAGE
+            entries: list[int] = []
+            list_addr = prp2
+            for _ in range(needed + 1):  # the first page may hold only the pointer to the next
+                room = (PAGE - list_addr % PAGE) // 8
+                want = needed - len(entries)
+                chunk = struct.unpack(f"<{min(room, want)}Q", self.dma_read(list_addr, min(room, want) * 8))
+                if want > room:  # the page's last entry points to the next list page
+                    entries.extend(chunk[:-1])
+                    list_addr = chunk[-1]
+                    if list_addr % PAGE:
+                        raise CommandError(Status.INVALID_PRP_OFFSET)
+                else:
+                    entries.extend(chunk)
+                    break
+            if len(entries) != needed or any(addr % PAGE for addr in entries):
+                raise CommandError(Status.INVALID_PRP_OFFSET)
+            for addr in entries:
+                n = min(PAGE, left)
+                pages.append((addr, n))
+                left -= n
         merged: list[tuple[int, int]] = []
         for addr, n in pages:
             if merged and merged[-1][0] + merged[-1][1] == addr:
@@ -665,8 +712,11 @@ class NvmeController(PciFunction):
         return b"".join(self.dma_read_many(self._segments(prp1, prp2, length)))
 
     def _write_prp(self, prp1: int, prp2: int, data: bytes) -> None:
+        self._write_segments(self._segments(prp1, prp2, len(data)), data)
+
+    def _write_segments(self, segments: list[tuple[int, int]], data: bytes) -> None:
         view, pos = memoryview(data), 0
-        for addr, n in self._segments(prp1, prp2, len(data)):
+        for addr, n in segments:
             self.dma_write(addr, view[pos:pos + n])
             pos += n
 
@@ -687,13 +737,11 @@ class NvmeController(PciFunction):
         return done
 
 
-def _pwritev(fd: int, pieces: list[bytes], offset: int) -> None:
-    """Write ``pieces`` back to back at ``offset``; a short write (rare) is finished by pwrite."""
-    done = os.pwritev(fd, pieces, offset)
-    if done < sum(len(piece) for piece in pieces):
-        rest, pos = memoryview(b"".join(pieces))[done:], offset + done
-        while rest:
-            n = os.pwrite(fd, rest, pos)
-            if n <= 0:
-                raise OSError(f"pwrite wrote nothing at {pos}")
-            rest, pos = rest[n:], pos + n
+@contextlib.contextmanager
+def _file_errors(status: Status):
+    """The backing file's OSError (ENOSPC, EIO, ...) as the command's NVMe status."""
+    try:
+        yield
+    except OSError as exc:
+        log.warning("NVMe backing file: %s; completing with %s", exc, status.name)
+        raise CommandError(status) from exc

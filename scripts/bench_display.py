@@ -28,6 +28,7 @@ from dxpu_vfio.bench import table, write_json  # noqa: E402
 from dxpu_vfio.lab import lab  # noqa: E402
 from dxpu_vfio.lab import hotplug
 from dxpu_vfio.lab import kms as guest_kms  # noqa: E402
+from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 QEMU_BDF = "0000:00:06.0"
@@ -67,9 +68,11 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5, help="fills per device (the first is not counted)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    state = lab.up(lab.Topology("bd", [lab.BoxSpec("gpubox", [{"id": "fb0", "model": "display"}])]))
+    topology = lab.Topology("bd", [lab.BoxSpec("gpubox", [{"id": "fb0", "model": "display"}])])
+    exit_on_sigterm()  # a SIGTERM still runs the finally below: the lab goes
     results: dict[str, dict] = {}
     try:
+        state = lab.up(topology)
         extra = ["-device", f"bochs-display,addr={QEMU_BDF[-4:-2]}"]
         with Vm(VmConfig(image="full", name="bench-display", extra_args=extra, boot_timeout=240)) as vm:
             vm.boot()
@@ -92,7 +95,7 @@ def main() -> int:
                     hotplug.detach(att, timeout=60)  # the guest may still be flushing its console
                 print(f"  {name:20} {results[name]['MBps']:9.2f} MB/s", flush=True)
     finally:
-        lab.down(state.name)
+        lab.down(topology.name)  # safe where lab.up never finished
     q = results["qemu-bochs-display"]["MBps"]
     rows = [[name, r["MBps"], r["MBps"] / q, r["MBps"] / results["local"]["MBps"]] for name, r in results.items()]
     print()

@@ -28,6 +28,7 @@ from dxpu_vfio.bench import table, write_json  # noqa: E402
 from dxpu_vfio.lab import hotplug  # noqa: E402
 from dxpu_vfio.lab import floors, lab  # noqa: E402
 from dxpu_vfio.lab.guest_devices import nvme_disk  # noqa: E402
+from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 WORKLOADS = {"seq-read-128k": ("read", "128k"), "seq-write-128k": ("write", "128k"),
@@ -55,15 +56,16 @@ def main() -> int:
     depths = [int(d) for d in args.depths.split(",")]
     workloads = {f"{name}-qd{depth}": (rw, bs, depth) for name, (rw, bs) in WORKLOADS.items() for depth in depths}
     size = args.size_mib << 20
+    exit_on_sigterm()  # a SIGTERM still runs the finally below: no lab, no disk images left
     work = Path(tempfile.mkdtemp(prefix="dxpu-bench-nvme-"))
-    qemu_disk = work / "qemu-nvme.img"
-    with open(qemu_disk, "wb") as f:
-        f.truncate(size)
     topology = lab.Topology("bn", [lab.BoxSpec("box1", [{"id": "nv0", "model": "nvme", "settings": {
         "namespaces": [{"size": size, "path": str(work / "remote.img")}], "io_workers": args.io_workers}}])])
-    state = lab.up(topology)
     results: dict[str, dict] = {}
     try:
+        qemu_disk = work / "qemu-nvme.img"
+        with open(qemu_disk, "wb") as f:
+            f.truncate(size)
+        state = lab.up(topology)
         floor = floors.measure_lab(state, "box1")
         extra = ["-drive", f"file={qemu_disk},if=none,id=qn,format=raw,cache=none,aio=threads",
                  "-device", "nvme,drive=qn,serial=QEMUNVME,addr=0x6"]
@@ -83,7 +85,7 @@ def main() -> int:
             hotplug.detach(remote)
             hotplug.detach(local)
     finally:
-        lab.down(state.name)
+        lab.down(topology.name)  # safe where lab.up never finished
         shutil.rmtree(work, ignore_errors=True)  # three disk images of --size-mib each
     rows = []
     for workload in workloads:

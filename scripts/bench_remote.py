@@ -36,6 +36,7 @@ from dxpu_vfio.bench import table, write_json  # noqa: E402
 from dxpu_vfio.lab import hotplug  # noqa: E402
 from dxpu_vfio.lab import floors, lab  # noqa: E402
 from dxpu_vfio.native import stream as native  # noqa: E402
+from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 
@@ -113,9 +114,10 @@ def main() -> int:
         sys.exit("the native link stream is not built: run scripts/setup.sh")
     topology = lab.Topology.load(None)  # the default lab: box1 with test device td0
     topology.name = "bench"
-    state = lab.up(topology)
+    exit_on_sigterm()  # a SIGTERM still runs the finally below: the lab goes
     results: dict[str, dict] = {}
     try:
+        state = lab.up(topology)
         floor = floors.measure_lab(state, "box1")
         print(f"  floor: TLS ping-pong {floor['tls']['ping_pong']['median_us']:.1f} µs, "
               f"TLS bulk {floor['tls']['bulk']['to_box_MBps']:.0f}/{floor['tls']['bulk']['from_box_MBps']:.0f} MB/s",
@@ -151,7 +153,7 @@ def main() -> int:
                     results[row_key(stream, delay)] = row
                     print(f"  remote ({stream} stream) at {delay:g} µs ({box.delay_mode}): read {row['read_median_us']:.1f} µs", flush=True)
     finally:
-        lab.down(state.name)
+        lab.down(topology.name)  # safe where lab.up never finished
     local = results["local"]
     rows = dict(results)
     results["floor"] = floor

@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 log=/tmp/dxpu-setup.log
 echo "demo: setting up what is missing (log: $log) ..."
 scripts/setup.sh > "$log" 2>&1 || { cat "$log"; exit 1; }
+rm -f "$log"  # kept only when setup failed
 exec .venv/bin/dxpu demo "$@"

@@ -167,3 +167,41 @@ def test_edid_offers_the_modes_a_kms_client_can_pick():
     edid = DisplayAdapter().edid
     assert sum(edid) % 256 == 0 and edid[:8] == b"\x00\xff\xff\xff\xff\xff\xff\x00"
     assert edid[35] & 0x21 == 0x21 and edid[36] & 0x08  # 640x480@60, 800x600@60, 1024x768@60
+
+
+def set_mode(dev, xres: int, yres: int, *, bpp: int = 32, virt_width: int = 0, y_offset: int = 0) -> None:
+    for reg, value in ((4, 0), (3, bpp), (1, xres), (2, yres), (6, virt_width or xres), (9, y_offset), (4, 0x41)):
+        dev.region_write(2, 0x500 + 2 * reg, value.to_bytes(2, "little"))
+
+
+@pytest.mark.parametrize("mode", [dict(xres=65535, yres=65535), dict(xres=1024, yres=768, virt_width=65535),
+                                  dict(xres=2048, yres=2049), dict(xres=1024, yres=768, y_offset=5000)],
+                         ids=["65535x65535", "wide-lines", "one-line-past-vram", "offset-past-vram"])
+def test_a_mode_beyond_the_limits_or_vram_is_refused_not_allocated(mode):
+    """A guest's 65535x65535 once made a screenshot allocate 17 GB: an invalid mode
+    raises DisplayModeError at once, and the stats say why."""
+    import tracemalloc
+
+    from qemu_device.display import DisplayAdapter, DisplayModeError
+    dev = DisplayAdapter()  # 16 MiB
+    set_mode(dev, **mode)
+    tracemalloc.start()
+    try:
+        with pytest.raises(DisplayModeError):
+            dev.render_png()
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+    assert dev.stats()["mode_error"]
+    set_mode(dev, 2048, 2048)  # exactly 16 MiB: fits
+    assert dev.stats()["mode_error"] is None and png_pixels(dev.render_png())[:2] == (2048, 2048)
+
+
+def test_getcaps_reports_the_mode_limits():
+    from qemu_device import display
+    dev = display.DisplayAdapter()
+    dev.region_write(2, 0x500 + 2 * 4, display.GETCAPS.to_bytes(2, "little"))
+    limits = [int.from_bytes(dev.region_read(2, 0x500 + 2 * reg, 2), "little") for reg in (1, 2, 3)]
+    assert limits == [display.MAX_XRES, display.MAX_YRES, display.MAX_BPP]
+    dev.region_write(2, 0x500 + 2 * 4, (0).to_bytes(2, "little"))
+    assert int.from_bytes(dev.region_read(2, 0x500 + 2 * 1, 2), "little") == 0  # the mode's own again

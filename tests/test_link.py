@@ -299,6 +299,31 @@ def test_inventory_and_screenshot_requests_of_the_pool_manager(box, certs):
         fetch_screenshot(box.address, str(certs[0]), "gpu9", "x")
 
 
+def test_a_screenshot_of_an_invalid_mode_is_an_error_and_the_box_serves_on():
+    """A guest's 65535x65535 mode once made the box allocate 5.5 GB and die: now the
+    request is refused (EINVAL) and the next one, of a valid mode, is served."""
+    from dxpu_vfio.pool.boxes import BoxUnreachable, fetch_inventory, fetch_screenshot
+    from dxpu_vfio.remoteproxy.config import BoxConfig, BoxDevice
+    from dxpu_vfio.remoteproxy.proxy import RemoteProxy
+    proxy = RemoteProxy(BoxConfig("box1", "127.0.0.1", 0, [BoxDevice("fb0", "display", "t")],
+                                  plaintext=True)).start()
+    try:
+        dev = proxy.slots["fb0"].device
+
+        def mode(x: int, y: int) -> None:
+            for reg, value in ((3, 32), (1, x), (2, y), (6, x), (4, 0x41)):  # BPP, XRES, YRES, VIRT_WIDTH, ENABLE
+                dev.region_write(2, 0x500 + 2 * reg, value.to_bytes(2, "little"))
+        mode(65535, 65535)
+        with pytest.raises(BoxUnreachable, match="mode cannot be shown"):
+            fetch_screenshot(f"127.0.0.1:{proxy.port}", None, "fb0", "t")
+        assert list(proxy.screenshots()) == []  # SIGUSR2's screenshots skip it
+        mode(640, 480)
+        assert fetch_screenshot(f"127.0.0.1:{proxy.port}", None, "fb0", "t") == dev.render_png()
+        assert fetch_inventory(f"127.0.0.1:{proxy.port}", None)["devices"][0]["id"] == "fb0"
+    finally:
+        proxy.stop()
+
+
 def test_a_screenshot_larger_than_one_message_comes_in_pieces():
     """Noise does not compress: a 1024x768 scanout of random pixels is a ~2.3 MiB PNG,
     more than one link message, and arrives whole."""

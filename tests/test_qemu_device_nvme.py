@@ -4,6 +4,7 @@ in tests/test_nvme.py)."""
 
 import os
 import struct
+import subprocess
 import threading
 import time
 
@@ -131,10 +132,11 @@ class Driver:
         return self.post(qid, 0x01, nsid=nsid, prp1=buf, cdw=(lba, 0, blocks - 1, 0, 0, 0))
 
 
-def enabled_controller(tmp_path, **settings) -> tuple[Driver, RecordingIrqPort]:
+def enabled_controller(tmp_path, namespaces: list[dict] | None = None, **settings) -> tuple[Driver, RecordingIrqPort]:
     settings.setdefault("io_workers", 4)  # these tests are about commands in flight
-    dev = nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "ns1")},
-                                          {"size": 1 << 20, "path": str(tmp_path / "ns2")}], **settings)
+    namespaces = namespaces or [{"size": 1 << 20, "path": str(tmp_path / "ns1")},
+                                {"size": 1 << 20, "path": str(tmp_path / "ns2")}]
+    dev = nvme.NvmeController(namespaces=namespaces, **settings)
     ram, irq = HoldingRam(), RecordingIrqPort()
     dev.attach(ram, irq)
     dev.config.write(4, 2, 0x6)  # memory + bus master
@@ -377,3 +379,199 @@ def test_io_inline_by_default_runs_commands_in_order(tmp_path):
     release.set()
     assert [cid for cid, *_ in drv.reap(1, 3)] == cids
     assert drv.dev.close()
+
+
+# --- a hostile guest's PRPs, a full or sparse backing file (issue 18) --------------------------
+
+PAGE = nvme.PAGE
+DATA = RAM_BASE + (1 << 20)  # room for 128 KiB transfers clear of the queues and the PRP list
+
+
+def status_of(status: int) -> nvme.Status:
+    """A completion's status without the DNR bit."""
+    return nvme.Status(status & ~nvme.DNR)
+
+
+def put(drv: Driver, addr: int, data: bytes) -> None:
+    drv.ram.ram[addr - RAM_BASE:addr - RAM_BASE + len(data)] = data
+
+
+def get(drv: Driver, addr: int, length: int) -> bytes:
+    return bytes(drv.ram.ram[addr - RAM_BASE:addr - RAM_BASE + length])
+
+
+def rw_through_list(drv: Driver, opcode: int, lba: int, length: int, buf: int = DATA) -> int:
+    """A read or write of ``length`` bytes from page-aligned ``buf`` through a valid PRP list; its status."""
+    pages = [buf + PAGE * i for i in range(1, length // PAGE)]
+    put(drv, PRPLIST, struct.pack(f"<{len(pages)}Q", *pages))
+    prp2 = PRPLIST if len(pages) > 1 else pages[0]
+    return drv.submit(1, opcode, nsid=1, prp1=buf, prp2=prp2, cdw=(lba, 0, length // 512 - 1, 0, 0, 0))[0]
+
+
+@pytest.mark.parametrize("prp1, prp2, entries", [
+    (BUF, PRPLIST + 0xFF8, {PRPLIST + 0xFF8: PRPLIST + 0xFF8}),  # a list whose one entry points at itself
+    (BUF, PRPLIST + 0xFFC, {}),  # a list pointer that is not qword aligned (the walk found no entry)
+    (BUF, PRPLIST, {PRPLIST: BUF + PAGE + 0x200}),  # a list entry with an offset
+    (BUF, PRPLIST + 0xFF8, {PRPLIST + 0xFF8: PRPLIST + 0x1004}),  # a next-list pointer with an offset
+    (BUF + 1, PRPLIST, {}),  # PRP1 not dword aligned
+], ids=["self-referencing", "misaligned-list", "entry-offset", "next-list-offset", "prp1-offset"])
+def test_invalid_prps_complete_with_invalid_prp_offset(ctrl, prp1, prp2, entries):
+    """Whatever the guest programs, the command completes, with the status the spec gives
+    (Invalid PRP Offset, Do Not Retry), and the queue keeps working."""
+    drv, _ = ctrl
+    drv.io_queues(1)
+    put(drv, PRPLIST, struct.pack("<512Q", *(BUF + PAGE * i for i in range(1, 513))))  # valid by default
+    for addr, value in entries.items():
+        put(drv, addr, struct.pack("<Q", value))
+    status, _ = drv.submit(1, 0x02, nsid=1, prp1=prp1, prp2=prp2, cdw=(0, 0, 4 * PAGE // 512 - 1, 0, 0, 0))
+    assert status_of(status) == nvme.Status.INVALID_PRP_OFFSET and status & nvme.DNR
+    assert rw_through_list(drv, 0x02, 0, 4 * PAGE) == 0  # the next command is served
+
+
+def test_prp_list_in_unmapped_memory_is_a_data_transfer_error(ctrl):
+    drv, _ = ctrl
+    drv.io_queues(1)
+    status, _ = drv.submit(1, 0x02, nsid=1, prp1=BUF, prp2=0x2000, cdw=(0, 0, 4 * PAGE // 512 - 1, 0, 0, 0))
+    assert status == nvme.Status.DATA_TRANSFER_ERROR
+    assert drv.dev.stats()["commands"] >= 1 and not drv.dev.csts & nvme.CSTS_CFS
+
+
+def test_transfers_over_mdts_are_refused(ctrl):
+    drv, _ = ctrl
+    drv.io_queues(1)
+    too_long = (PAGE << nvme.MDTS) // 512 + 8
+    assert drv.submit(1, 0x02, nsid=1, prp1=BUF, prp2=PRPLIST, cdw=(0, 0, too_long - 1, 0, 0, 0))[0] == \
+        nvme.Status.INVALID_FIELD
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A file system of 200 KiB (tmpfs), unmounted after the test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k,mode=0700", "dxpu-test-small", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_write_the_full_disk_takes_only_in_part_is_a_write_fault(tmp_path, small_disk):
+    """The second 128 KiB write fits only in part: it completes with Write Fault (never
+    success), later ones too, and a read returns what is really in the file."""
+    path = small_disk / "ns1"
+    drv, _ = enabled_controller(tmp_path, namespaces=[{"size": 1 << 20, "path": str(path)}], io_workers=0)
+    try:
+        drv.io_queues(1)
+        chunk = 128 << 10
+        data = os.urandom(chunk)
+        put(drv, DATA, data)
+        assert rw_through_list(drv, 0x01, 0, chunk) == 0
+        for lba in (chunk // 512, 2 * chunk // 512):
+            status = rw_through_list(drv, 0x01, lba, chunk)
+            assert status_of(status) == nvme.Status.WRITE_FAULT and status & nvme.DNR
+        with open(path, "rb") as f:
+            on_disk = f.read()
+        assert on_disk[:chunk] == data  # what did complete is there, whole
+        put(drv, DATA, bytes(chunk))
+        assert rw_through_list(drv, 0x02, chunk // 512, chunk) == 0
+        assert get(drv, DATA, chunk) == on_disk[chunk:2 * chunk]
+        assert drv.dev.stats()["bytes_written"] == chunk
+    finally:
+        drv.dev.close()
+
+
+def allocated(path) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def dsm_deallocate(drv: Driver, ranges: list[tuple[int, int]]) -> int:
+    """Dataset Management with AD set over (start lba, blocks) ranges; its status."""
+    put(drv, PRPLIST, b"".join(struct.pack("<IIQ", 0, nlb, start) for start, nlb in ranges))
+    return drv.submit(1, 0x09, nsid=1, prp1=PRPLIST, cdw=(len(ranges) - 1, 4, 0, 0, 0, 0))[0]
+
+
+def test_deallocate_punches_holes_that_read_zero(ctrl, tmp_path):
+    drv, _ = ctrl
+    drv.io_queues(1)
+    assert drv.submit(0, 0x06, nsid=1, prp1=BUF, cdw=(0, 0, 0, 0, 0, 0))[0] == 0
+    assert get(drv, BUF, PAGE)[33] & 0x07 == 1  # DLFEAT: a deallocated block reads zero
+    put(drv, DATA, os.urandom(128 << 10))
+    for lba in range(0, 1024, 256):  # 512 KiB written
+        assert rw_through_list(drv, 0x01, lba, 128 << 10) == 0
+    assert drv.submit(1, 0x00, nsid=1)[0] == 0
+    assert allocated(tmp_path / "ns1") >= 512 << 10
+    assert dsm_deallocate(drv, [(0, 256), (256, 768)]) == 0
+    assert allocated(tmp_path / "ns1") < 64 << 10, "the blocks are still allocated"
+    assert os.path.getsize(tmp_path / "ns1") == 1 << 20
+    assert rw_through_list(drv, 0x02, 128, 128 << 10) == 0
+    assert get(drv, DATA, 128 << 10) == bytes(128 << 10)
+
+
+def test_deallocate_over_2_gib_frees_and_zeroes_all_of_it(tmp_path):
+    size = 3 << 30  # sparse: costs what is written
+    drv, _ = enabled_controller(tmp_path, namespaces=[{"size": size, "path": str(tmp_path / "big")}], io_workers=0)
+    try:
+        drv.io_queues(1)
+        far = (5 << 29) // 512  # 2.5 GiB
+        put(drv, DATA, os.urandom(4 * PAGE))
+        assert rw_through_list(drv, 0x01, far, 4 * PAGE) == 0
+        assert dsm_deallocate(drv, [(0, size // 512)]) == 0
+        assert allocated(tmp_path / "big") == 0
+        assert rw_through_list(drv, 0x02, far, 4 * PAGE) == 0
+        assert get(drv, DATA, 4 * PAGE) == bytes(4 * PAGE)
+    finally:
+        drv.dev.close()
+
+
+def test_deallocate_out_of_range_changes_nothing(ctrl, tmp_path):
+    drv, _ = ctrl
+    drv.io_queues(1)
+    data = os.urandom(4 * PAGE)
+    put(drv, DATA, data)
+    assert rw_through_list(drv, 0x01, 0, 4 * PAGE) == 0
+    assert dsm_deallocate(drv, [(0, 32), ((1 << 20) // 512 - 1, 2)]) == nvme.Status.LBA_OUT_OF_RANGE
+    assert rw_through_list(drv, 0x02, 0, 4 * PAGE) == 0 and get(drv, DATA, 4 * PAGE) == data
+
+
+def test_write_zeroes_with_deac_deallocates_without_it_zeroes(ctrl, tmp_path):
+    drv, _ = ctrl
+    drv.io_queues(1)
+    put(drv, DATA, os.urandom(128 << 10))
+    assert rw_through_list(drv, 0x01, 0, 128 << 10) == 0
+    assert rw_through_list(drv, 0x01, 256, 128 << 10) == 0
+    assert drv.submit(1, 0x00, nsid=1)[0] == 0
+    before = allocated(tmp_path / "ns1")
+    assert drv.submit(1, 0x08, nsid=1, cdw=(0, 0, 255 | (1 << 25), 0, 0, 0))[0] == 0  # DEAC
+    assert drv.submit(1, 0x08, nsid=1, cdw=(256, 0, 255, 0, 0, 0))[0] == 0
+    assert allocated(tmp_path / "ns1") <= before - (128 << 10)
+    assert rw_through_list(drv, 0x02, 0, 128 << 10) == 0 and get(drv, DATA, 128 << 10) == bytes(128 << 10)
+    assert rw_through_list(drv, 0x02, 256, 128 << 10) == 0 and get(drv, DATA, 128 << 10) == bytes(128 << 10)
+
+
+def test_a_namespace_without_path_leaves_no_file_whatever_ends_the_process(tmp_path):
+    """Without ``path`` a namespace is a file with no name: it works, and nothing is left
+    in the temp dir while the device runs or after SIGTERM (it used to be 64 MiB each time)."""
+    import signal
+    import sys
+    script = ("import os, sys\n"
+              "from qemu_device.nvme import NvmeController\n"
+              "dev = NvmeController()\n"
+              "ns = dev.namespaces[1]\n"
+              "os.pwrite(ns.fd, b'x' * 4096, 0)\n"
+              "assert os.pread(ns.fd, 4096, 0) == b'x' * 4096 and os.fstat(ns.fd).st_size == 64 << 20\n"
+              "print('ready', flush=True)\n"
+              "sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        assert os.listdir(tmp_path) == []
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == -signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert os.listdir(tmp_path) == []

@@ -5,6 +5,7 @@ fd-less windows are served by our client answering DMA_READ/DMA_WRITE, as QEMU d
 """
 
 import errno
+import fcntl
 import mmap
 import os
 import select
@@ -132,6 +133,57 @@ def test_dma_through_the_memfd_mapping(server, guest_ram):
     assert wait_dma(client) == 2
     assert client.read32(BAR0, 0x3C) == zlib.crc32(payload)
     client.close()
+
+
+def copy_by_dma(client, src: int, dst: int, length: int) -> int:
+    """The test device copies guest memory ``src`` -> ``dst`` (offsets in the window); its status."""
+    for reg, value in ((0x20, GUEST_BASE + src), (0x24, 0), (0x28, GUEST_BASE + dst), (0x2C, 0),
+                       (0x30, length), (0x34, 1)):
+        client.write32(BAR0, reg, value)
+    return wait_dma(client)
+
+
+def test_dma_map_past_the_end_of_its_fd_is_refused(server, guest_ram):
+    fd, _ = guest_ram
+    client = connect(server)
+    with pytest.raises(ClientError) as exc:
+        client.dma_map(GUEST_BASE, 2 * MEM, fd=fd)
+    assert exc.value.errno == errno.EINVAL and server.session.dma.windows() == []
+    client.dma_map(GUEST_BASE, MEM, fd=fd)  # the session goes on
+    client.close()
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["unsealed", "sealed"])
+def test_a_client_shrinking_its_mapped_memfd_gets_dma_errors_not_a_dead_server(server, sealed):
+    """An unsealed memfd shrunk after DMA_MAP: the DMA past its new end is an error and the
+    server lives on (it used to die of SIGBUS). A memfd sealed against shrinking (QEMU's
+    default) is used through mmap; the client cannot shrink it."""
+    fd = os.memfd_create("guest-ram", os.MFD_ALLOW_SEALING if sealed else 0)
+    os.ftruncate(fd, MEM)
+    if sealed:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    client = connect(server)
+    client.dma_map(GUEST_BASE, MEM, fd=fd)
+    enable_bus_master(client)
+    os.pwrite(fd, b"x" * 4096, 0)
+    assert copy_by_dma(client, 0, 0x8000, 4096) == 2
+    assert os.pread(fd, 4096, 0x8000) == b"x" * 4096
+    if sealed:
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 4096)
+        assert copy_by_dma(client, 0, MEM - 4096, 4096) == 2
+    else:
+        os.ftruncate(fd, 0x10000)
+        assert copy_by_dma(client, 0, MEM - 4096, 4096) == 3  # write past the new end
+        assert copy_by_dma(client, MEM - 4096, 0, 4096) == 3  # read past it
+        assert os.fstat(fd).st_size == 0x10000, "the DMA grew the client's file"
+        assert copy_by_dma(client, 0, 0x4000, 4096) == 2  # inside it: still served
+    client.close()
+    os.close(fd)
+    assert server.wait_idle(5)
+    again = connect(server)  # the server still takes sessions
+    assert again.read32(BAR0, 0) == 0xD0C50001
+    again.close()
 
 
 def test_dma_without_fd_uses_messages(server):

@@ -126,3 +126,18 @@ def test_guest_that_never_reaches_its_shell_times_out(vm_factory, tiny_image):
         vm.boot()
     assert time.monotonic() - started < 25
     assert "serial.log" in str(err.value)
+
+
+def test_a_hot_plugged_device_with_an_io_bar_gets_port_io(tiny_vm):
+    """Root ports reserve a port I/O window (io_reserve, 4K): QEMU's pci-testdev, plugged
+    below rp1, gets its I/O BAR assigned and answers port I/O (it used to get no I/O
+    space at all: "BAR 1 [io size 0x0100]: can't assign; no space")."""
+    tiny_vm.qmp.execute("device_add", {"driver": "pci-testdev", "id": "iotest", "bus": "rp1"})
+    dev = "/sys/bus/pci/devices/0000:01:00.0"
+    tiny_vm.run(f"i=0; while [ ! -e {dev}/resource1 ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done")
+    start, end, flags = (int(x, 16) for x in tiny_vm.run(f"sed -n 2p {dev}/resource").stdout.split())
+    assert flags & 0x100 and start and end - start + 1 == 0x100, "BAR 1 got no I/O space"
+    # pci-testdev: a port write of a test index selects it; its header (name at +16) reads back by port I/O
+    out = tiny_vm.run(f"echo 1 > {dev}/enable; printf '\\000\\000\\000\\000' | dd of={dev}/resource1 bs=4 count=1 "
+                      f"2>/dev/null; dd if={dev}/resource1 bs=4 count=8 2>/dev/null | tail -c 16").stdout
+    assert out.startswith("portio-"), out

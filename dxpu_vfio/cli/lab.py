@@ -117,6 +117,8 @@ def _link_text(info: dict) -> str:
 
 def cmd_lab_sweep(args: argparse.Namespace) -> int:
     from dxpu_vfio.lab.sweep import run_sweep
+    from dxpu_vfio.procs import exit_on_sigterm
+    exit_on_sigterm()  # the sweep's finally then removes its lab and disks on SIGTERM too
     results = run_sweep([float(d) for d in args.delays.split(",")],
                         [float(d) for d in args.calibration.split(",")], Path(args.out), log=progress(args))
     emit(args, results, _sweep_text)

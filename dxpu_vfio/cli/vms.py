@@ -61,7 +61,8 @@ def cmd_vm_run(args: argparse.Namespace) -> int:
 def cmd_vm_define(args: argparse.Namespace) -> int:
     from dxpu_vfio.vms.libvirt_domain import DomainConfig, define_domain
     info = define_domain(DomainConfig(name=args.name, image=args.image, memory_mib=args.memory,
-                                      cpus=args.cpus, root_ports=args.root_ports, accel=args.accel),
+                                      cpus=args.cpus, root_ports=args.root_ports, accel=args.accel,
+                                      io_reserve=args.io_reserve),
                          uri=args.uri, start=args.start, log=progress(args))
 
     def text(info: dict) -> str:
@@ -113,6 +114,7 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--memory", type=int, default=1024, help="MiB")
     p.add_argument("--cpus", type=int, default=2)
     p.add_argument("--root-ports", type=int, default=4, help="hot-pluggable pcie-root-ports")
+    p.add_argument("--io-reserve", default="4K", help="port I/O window of each root port (0: none)")
     p.add_argument("--start", action="store_true", help="start the domain too")
     p.add_argument("--uri", default="qemu:///system", help="libvirt URI")
 

@@ -25,6 +25,7 @@ from dxpu_vfio.lab.guest_devices import nvme_disk
 from dxpu_vfio.lab.hotplug import guest_wait_for_child, port_bdf
 from dxpu_vfio.paths import PROJECT_ROOT
 from dxpu_vfio.pool.service import ManagerClient, ManagerProcess
+from dxpu_vfio.procs import exit_on_sigterm
 from dxpu_vfio.vms.runner import Vm, VmConfig
 
 MiB = 1 << 20
@@ -81,14 +82,15 @@ def run_demo(image: str = "full", accel: str = "tcg", as_json: bool = False) -> 
     if image != "full":
         say("demo: the display needs the full image (its generic kernel has the bochs DRM driver); using full")
         image = out["image"] = "full"
+    exit_on_sigterm()  # a SIGTERM still runs the finally below: no lab, pool database or disk image left
     work = Path(tempfile.mkdtemp(prefix="dxpu-demo-"))
     topology = lab.Topology(f"demo{os.getpid()}", [lab.BoxSpec("box1", [
         {"id": "nvme0", "model": "nvme", "settings": {"namespaces": [{"size": 128 * MiB, "path": str(work / "nvme0.img")}]}},
         {"id": "fb0", "model": "display"}])])
-    say("demo: bringing up the lab: host namespace + GPU box 'box1' over veth (198.18.1.0/24), mutual TLS ...")
-    state = lab.up(topology)
     manager = None
     try:
+        say("demo: bringing up the lab: host namespace + GPU box 'box1' over veth (198.18.1.0/24), mutual TLS ...")
+        state = lab.up(topology)
         box = state.box("box1")
         manager = ManagerProcess(work / "pool.db", netns=state.host_netns).start()
         pool = ManagerClient(work / "pool.db")
@@ -140,7 +142,7 @@ def run_demo(image: str = "full", accel: str = "tcg", as_json: bool = False) -> 
     finally:
         if manager is not None:
             manager.stop()
-        lab.down(state.name)
+        lab.down(topology.name)  # safe where lab.up never finished
         shutil.rmtree(work, ignore_errors=True)  # the box's disk image and the pool database
     say("demo: pool manager stopped, lab down (namespaces, proxies, certificates, disk image removed)")
     results = PROJECT_ROOT / "results"

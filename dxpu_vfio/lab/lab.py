@@ -279,7 +279,7 @@ def up(topology: Topology) -> LabState:
             if spec.delay_us:
                 set_delay(state, spec.name, spec.delay_us, netem=use_netem)
         return state
-    except Exception:
+    except BaseException:  # SystemExit from SIGTERM too (procs.exit_on_sigterm): nothing half made stays
         down(name)
         raise
 

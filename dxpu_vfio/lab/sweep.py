@@ -83,10 +83,10 @@ def run_sweep(delays_us: list[float], calibration_us: list[float], out: Path,
     nvme_settings = lambda tag: {"namespaces": [{"size": 64 * MiB, "path": str(disks / f"{tag}.img")}]}  # noqa: E731
     topology = lab.Topology(f"sw{os.getpid()}", [lab.BoxSpec("box1", [
         {"id": "td0", "model": "testdev"}, {"id": "nv0", "model": "nvme", "settings": nvme_settings("remote")}])])
-    state = lab.up(topology)
     local: dict[str, float] = {}
     runs: dict[str, list[dict]] = {w: [] for w in names}
     try:
+        state = lab.up(topology)
         with Vm(VmConfig(image="tiny", name="sweep")) as vm:
             vm.boot()
             vm.run("echo 4 > /proc/sys/vm/nr_hugepages")
@@ -138,7 +138,7 @@ def run_sweep(delays_us: list[float], calibration_us: list[float], out: Path,
                 for att in devices.values():
                     hotplug.detach(att)
     finally:
-        lab.down(state.name)
+        lab.down(topology.name)  # safe where lab.up never finished
         shutil.rmtree(disks, ignore_errors=True)
 
     results = {"delays_us": delays_us, "calibration_us": calibration_us, "sizes": sizes,

@@ -6,9 +6,10 @@
  *  - from QEMU: REGION_READ and REGION_WRITE go to the box with the same payload (the link
  *    reuses vfio-user's layouts); posted writes are posted, anything non-posted waits for the
  *    box's completion, which is checked against what was asked before it is answered;
- *  - from the box: HEARTBEAT is noted, IRQ (MSI, MSI-X) is an eventfd write, DMA_WRITE is a
- *    pwrite into the guest memory's memfd, DMA_READ a pread from it and a completion; only
- *    inside the DMA windows QEMU mapped, with their rights;
+ *  - from the box: HEARTBEAT is noted, IRQ (MSI, MSI-X) is an eventfd write, DMA_WRITE and
+ *    DMA_READ a copy into or out of guest memory (and a completion); only inside the DMA
+ *    windows QEMU mapped, with their rights (dxpu_vfio/vfio_user/dma.py says how each window
+ *    is reached safely: a mapping of a memfd sealed against shrinking, else pread/pwrite);
  *  - everything else returns to Python as (source, message) — QEMU's control messages, INTx,
  *    whatever is unknown — and so does a completion timeout or a closed stream. DMA outside
  *    the windows is refused here (a DMA_READ gets EFAULT) and counted in dma_refused.
@@ -20,10 +21,10 @@
  * guest's handler reads the device anyway), and every other such message is refused or
  * dropped there (IRQs without an eventfd, unknown commands).
  * Descriptors (memfds, eventfds) are borrowed from Python's tables, which call set_windows /
- * set_irqs on the same thread after every change; pread/pwrite cannot fault on a memfd that
- * shrank (they return short) where a memcpy into a mapping would SIGBUS.
+ * set_irqs on the same thread after every change.
  */
 
+#include <sys/stat.h>
 #include <sys/uio.h>
 
 #define CMD_REGION_READ 9
@@ -43,10 +44,14 @@
 #define MAX_DATA (1u << 20)
 #define MAX_VECTORS 2048
 
+enum { WINDOW_MEMORY = 0, WINDOW_FD = 1, WINDOW_PYTHON = 2 };
+
 typedef struct {
-    uint64_t iova, size, file_offset;
+    uint64_t iova, size, offset; /* offset: of iova in the mapping (MEMORY) or the file (FD) */
     uint32_t flags;
-    int fd;
+    int kind;
+    unsigned char *memory; /* a mapping that cannot shrink (a sealed memfd): memcpy */
+    int fd;                /* a file that may: pread/pwrite, its size checked before a write */
 } window_t;
 
 typedef struct {
@@ -159,7 +164,7 @@ static const window_t *find_window(const Forwarder *f, uint64_t addr, uint64_t l
         else if (addr - w->iova >= w->size)
             lo = mid + 1;
         else
-            return (len <= w->size - (addr - w->iova) && (w->flags & need) == need && w->fd >= 0) ? w : NULL;
+            return (len <= w->size - (addr - w->iova) && (w->flags & need) == need) ? w : NULL;
     }
     return NULL;
 }
@@ -199,14 +204,24 @@ static int box_message(Forwarder *f, const frame_header *hdr, const unsigned cha
         if (count > MAX_DATA || len != 16 + count)
             return TO_PYTHON;
         const window_t *w = find_window(f, addr, count, DMA_FLAG_WRITE);
-        if (!w) { /* outside QEMU's windows or their rights (or one without a memfd, which the */
-            f->dma_refused++; /* session thread could not serve either): refused and counted */
+        if (!w) { /* outside QEMU's windows or their rights: refused and counted */
+            f->dma_refused++;
             return HANDLED;
         }
-        ssize_t n;
-        Py_BEGIN_ALLOW_THREADS
-        n = pwrite(w->fd, pl + 16, count, (off_t)(w->file_offset + (addr - w->iova)));
-        Py_END_ALLOW_THREADS
+        if (w->kind == WINDOW_PYTHON)
+            return TO_PYTHON;
+        ssize_t n = -1;
+        off_t at = (off_t)(w->offset + (addr - w->iova));
+        if (w->kind == WINDOW_MEMORY) {
+            memcpy(w->memory + at, pl + 16, count);
+            n = (ssize_t)count;
+        } else {
+            struct stat st; /* a pwrite past the end would grow the client's file */
+            Py_BEGIN_ALLOW_THREADS
+            if (fstat(w->fd, &st) == 0 && (uint64_t)st.st_size >= (uint64_t)at + count)
+                n = pwrite(w->fd, pl + 16, count, at);
+            Py_END_ALLOW_THREADS
+        }
         if (n == (ssize_t)count)
             f->dma_write_bytes += count;
         else
@@ -220,10 +235,15 @@ static int box_message(Forwarder *f, const frame_header *hdr, const unsigned cha
         if (count > MAX_DATA)
             return TO_PYTHON;
         const window_t *w = find_window(f, addr, count, DMA_FLAG_READ);
+        if (w && w->kind == WINDOW_PYTHON)
+            return TO_PYTHON;
         ssize_t n = -1;
-        if (w) {
+        if (w && w->kind == WINDOW_MEMORY) {
+            memcpy(f->dma_buf + 16, w->memory + w->offset + (addr - w->iova), count);
+            n = (ssize_t)count;
+        } else if (w) {
             Py_BEGIN_ALLOW_THREADS
-            n = pread(w->fd, f->dma_buf + 16, count, (off_t)(w->file_offset + (addr - w->iova)));
+            n = pread(w->fd, f->dma_buf + 16, count, (off_t)(w->offset + (addr - w->iova)));
             Py_END_ALLOW_THREADS
         }
         if (n != (ssize_t)count) { /* outside the windows, or the memfd shrank: EFAULT, counted */
@@ -469,7 +489,10 @@ static PyObject *Forwarder_serve(Forwarder *f, PyObject *unused)
     return out;
 }
 
-/* set_windows([(iova, size, flags, fd, file_offset), ...]) sorted by iova: borrowed fds. */
+/* set_windows([(iova, size, flags, kind, handle, offset), ...]) sorted by iova (DmaTable.
+ * native_windows): handles are borrowed; a MEMORY window's pointer is taken from the mmap's
+ * buffer and the buffer released at once (an export held would stop Python unmapping it):
+ * the table is replaced, on the session thread, after every change and before C runs again. */
 static PyObject *Forwarder_set_windows(Forwarder *f, PyObject *arg)
 {
     PyObject *seq = PySequence_Fast(arg, "windows must be a sequence");
@@ -484,16 +507,37 @@ static PyObject *Forwarder_set_windows(Forwarder *f, PyObject *arg)
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned long long iova, size, offset;
         unsigned int flags;
-        int fd;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKIiK", &iova, &size, &flags, &fd, &offset) ||
-            (i && iova < w[i - 1].iova + w[i - 1].size) || size == 0 || iova + size < iova) {
+        int kind;
+        PyObject *handle;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKIiOK", &iova, &size, &flags, &kind, &handle,
+                              &offset) ||
+            (i && iova < w[i - 1].iova + w[i - 1].size) || size == 0 || iova + size < iova ||
+            kind < WINDOW_MEMORY || kind > WINDOW_PYTHON) {
             if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_ValueError, "windows must be sorted, non-empty and apart");
+                PyErr_SetString(PyExc_ValueError, "windows must be sorted, non-empty, apart and of a known kind");
             free(w);
             Py_DECREF(seq);
             return NULL;
         }
-        w[i] = (window_t){.iova = iova, .size = size, .flags = flags, .fd = fd, .file_offset = offset};
+        w[i] = (window_t){.iova = iova, .size = size, .flags = flags, .kind = kind, .offset = offset, .fd = -1};
+        if (kind == WINDOW_FD) {
+            w[i].fd = (int)PyLong_AsLong(handle);
+        } else if (kind == WINDOW_MEMORY) {
+            Py_buffer view;
+            if (PyObject_GetBuffer(handle, &view, PyBUF_SIMPLE) == 0) {
+                if ((uint64_t)view.len < offset + size) {
+                    PyErr_SetString(PyExc_ValueError, "a memory window larger than its mapping");
+                } else {
+                    w[i].memory = (unsigned char *)view.buf;
+                }
+                PyBuffer_Release(&view);
+            }
+        }
+        if (PyErr_Occurred()) {
+            free(w);
+            Py_DECREF(seq);
+            return NULL;
+        }
     }
     Py_DECREF(seq);
     free(f->windows);

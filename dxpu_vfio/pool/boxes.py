@@ -60,7 +60,7 @@ def _ask(conn: Connection, command: int, request: dict, address: str, what: str)
     reply = conn.receive()
     if reply.header.is_error:
         reasons = {errno.ENODEV: "no such device", errno.EACCES: "lease token refused",
-                   errno.ENOTSUP: "not a display device"}
+                   errno.ENOTSUP: "not a display device", errno.EINVAL: "the display's mode cannot be shown"}
         raise BoxUnreachable(f"box {address} refused the {what} request: "
                              f"{reasons.get(reply.header.error, reply.header.error)}")
     return bytes(reply.payload)

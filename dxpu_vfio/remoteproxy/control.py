@@ -85,7 +85,12 @@ class ControlServices:
                 conn.send(vp.error_reply(msg.header.msg_id, msg.header.command, err))
                 return
             if not png:  # not under the device lock: a frame torn by a concurrent write is fine here
-                png = slot.device.render_png()
+                try:
+                    png = slot.device.render_png()
+                except ValueError as exc:  # the guest's mode cannot be shown (DisplayModeError)
+                    log.warning("screenshot of %s refused: %s", req["device"], exc)
+                    conn.send(vp.error_reply(msg.header.msg_id, msg.header.command, errno.EINVAL))
+                    return
             piece = png[offset:offset + PIECE]
             conn.send(vp.message(msg.header.msg_id, msg.header.command,
                                  len(png).to_bytes(8, "little") + piece, reply=True))

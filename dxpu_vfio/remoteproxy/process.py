@@ -36,11 +36,14 @@ class RemoteProxyProcess(ChildProcess):
             self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
         deadline = time.monotonic() + timeout
-        while b"serving" not in self.log_path.read_bytes()[start_at:]:
-            if not self.alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RemoteProxyError(f"remote proxy for {self.config} did not start", logs=[self.log_path])
-            time.sleep(0.05)
+        try:
+            while b"serving" not in self.log_path.read_bytes()[start_at:]:
+                if not self.alive() or time.monotonic() > deadline:
+                    raise RemoteProxyError(f"remote proxy for {self.config} did not start", logs=[self.log_path])
+                time.sleep(0.05)
+        except BaseException:  # SystemExit (SIGTERM) too: the caller never learns of this process
+            self.stop()
+            raise
         return self
 
     def stats(self, timeout: float = 5.0) -> dict:

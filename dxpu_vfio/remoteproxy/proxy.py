@@ -269,7 +269,10 @@ class RemoteProxy:
         """Every display's scanout, for SIGUSR2 (:mod:`dxpu_vfio.daemon`)."""
         for dev_id, slot in self.slots.items():
             if hasattr(slot.device, "render_png"):
-                yield dev_id, slot.device.render_png()
+                try:
+                    yield dev_id, slot.device.render_png()
+                except ValueError as exc:  # an invalid mode (DisplayModeError): no file for this one
+                    log.warning("screenshot of %s skipped: %s", dev_id, exc)
 
     def stop(self) -> None:
         self._stopping = True

@@ -5,13 +5,25 @@ device may access (the IOMMU view) and with which rights. Ranges backed by a sha
 memfd come with a descriptor and are mmapped: DMA is then a memcpy. Ranges without a
 descriptor are reached with DMA_READ/DMA_WRITE messages to QEMU (``fallback``).
 Anything outside the table, or against its rights, is refused and counted, never served.
+
+A client may shrink its memfd after DMA_MAP; touching a mapping past the file's end
+would kill this process with SIGBUS. So a window must lie inside its fd at DMA_MAP
+(else EINVAL), and only a memfd sealed against shrinking (F_SEAL_SHRINK: QEMU's
+memory-backend-memfd, seal=on by default) is accessed through mmap. Any other fd is
+kept open and accessed with pread/pwrite, which see a shrunk file as a short transfer
+(a DmaError, so the DMA is answered with an error); an fd that cannot be read and
+written that way (hugetlbfs) is mmapped and its size checked before every access, which
+leaves a client that shrinks it between that check and the copy a window for SIGBUS
+(docs/architecture.md, "Facts the code depends on").
 """
 
 from __future__ import annotations
 
 import bisect
+import fcntl
 import mmap
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -25,10 +37,10 @@ class Mapping:
     address: int
     size: int
     flags: int
-    memory: mmap.mmap | None  # None: reached through DMA_READ/DMA_WRITE messages
+    memory: mmap.mmap | None  # None: reached through ``fd`` or DMA_READ/DMA_WRITE messages
     map_delta: int = 0  # where ``address`` sits inside ``memory`` (fd offset not page-aligned)
-    fd: int | None = None  # the memfd behind ``memory``, kept for the native forwarder's pread/pwrite
-    file_offset: int = 0  # where ``address`` sits in the file
+    fd: int | None = None  # kept where the file may shrink: pread/pwrite, or a size check before mmap access
+    offset: int = 0  # of ``address`` in ``fd``
 
     @property
     def end(self) -> int:
@@ -62,15 +74,12 @@ class DmaTable:
                 if (i > 0 and self._maps[i - 1].end > address) or \
                         (i < len(self._maps) and self._maps[i].address < address + size):
                     raise ValueError(f"DMA map {address:#x}+{size:#x} overlaps an existing map")
-                memory, delta, kept = None, 0, None
+                mapping = Mapping(address, size, flags, None)
                 if fd is not None:
-                    delta = offset % PAGE_SIZE
-                    prot = (mmap.PROT_READ if flags & DMA_FLAG_READ else 0) | \
-                           (mmap.PROT_WRITE if flags & DMA_FLAG_WRITE else 0)
-                    memory = mmap.mmap(fd, size + delta, mmap.MAP_SHARED, prot or mmap.PROT_READ,
-                                       offset=offset - delta)
-                    kept, fd = fd, None  # the window owns it now
-                self._maps.insert(i, Mapping(address, size, flags, memory, delta, kept, offset))
+                    mapping = _fd_mapping(mapping, fd, offset)
+                    if mapping.fd is not None:
+                        fd = None  # the mapping owns it now
+                self._maps.insert(i, mapping)
         finally:
             if fd is not None:
                 os.close(fd)
@@ -92,11 +101,22 @@ class DmaTable:
     def clear(self) -> None:
         self.remove(0, 1 << 64)
 
-    def native_windows(self) -> list[tuple[int, int, int, int, int]]:
-        """(address, size, flags, fd, file offset) of the windows with a memfd, sorted, for
-        the native forwarder (which borrows the fds: call again after every change)."""
+    def native_windows(self) -> list[tuple[int, int, int, int, object, int]]:
+        """(address, size, flags, kind, handle, offset) of every window, sorted, for the
+        native forwarder, which borrows the handles (the session thread gives it the table
+        again after every change, before it runs again): kind 0, a mapping that cannot shrink
+        (the mmap, and where ``address`` sits in it); kind 1, an fd for pread/pwrite (and
+        where ``address`` sits in the file); kind 2, one the forwarder leaves to this table."""
+        out = []
         with self._lock:
-            return [(m.address, m.size, m.flags, m.fd, m.file_offset) for m in self._maps if m.fd is not None]
+            for m in self._maps:
+                if m.memory is not None and m.fd is None:
+                    out.append((m.address, m.size, m.flags, 0, m.memory, m.map_delta))
+                elif m.memory is None and m.fd is not None:
+                    out.append((m.address, m.size, m.flags, 1, m.fd, m.offset))
+                else:
+                    out.append((m.address, m.size, m.flags, 2, None, 0))
+        return out
 
     def windows(self) -> list[tuple[int, int, int, bool]]:
         """(address, size, flags, has_fd) of every window, for stats and tests."""
@@ -127,19 +147,27 @@ class DmaTable:
 
     def read(self, address: int, length: int) -> bytes:
         pieces = self._pieces(address, length, DMA_FLAG_READ)
-        self.bytes_read += length
         if len(pieces) == 1 and pieces[0][0].memory is not None:  # the common case: one copy
             m, off, n = pieces[0]
+            _check_size(m, off, n)
+            start = m.map_delta + off
+            data = m.memory[start:start + n]
+        else:
+            data = b"".join(self._read_piece(m, off, n) for m, off, n in pieces)
+        self.bytes_read += length
+        return data
+
+    def _read_piece(self, m: Mapping, off: int, n: int) -> bytes:
+        if m.memory is not None:
+            _check_size(m, off, n)
             start = m.map_delta + off
             return m.memory[start:start + n]
-        out = bytearray()
-        for m, off, n in pieces:
-            if m.memory is not None:
-                start = m.map_delta + off
-                out += m.memory[start:start + n]
-            else:
-                out += self._fallback_access(m.address + off, n, False)
-        return bytes(out)
+        if m.fd is not None:
+            data = os.pread(m.fd, n, m.offset + off)
+            if len(data) < n:
+                raise DmaError(f"DMA read at {m.address + off:#x}: the client shrank the window's file")
+            return data
+        return self._fallback_access(m.address + off, n, False)
 
     def write(self, address: int, data: bytes | memoryview) -> None:
         view = memoryview(data)
@@ -147,8 +175,13 @@ class DmaTable:
         for m, off, n in self._pieces(address, len(view), DMA_FLAG_WRITE):
             chunk = view[done:done + n]
             if m.memory is not None:
+                _check_size(m, off, n)
                 start = m.map_delta + off
                 m.memory[start:start + n] = chunk
+            elif m.fd is not None:
+                _check_size(m, off, n)  # a pwrite past the end would grow the client's file
+                if os.pwrite(m.fd, chunk, m.offset + off) < n:
+                    raise DmaError(f"DMA write at {m.address + off:#x}: the client shrank the window's file")
             else:
                 self._fallback_access(m.address + off, chunk, True)
             done += n
@@ -159,3 +192,42 @@ class DmaTable:
             raise DmaError(f"DMA at {address:#x}: window has no fd and no message path")
         result = self._fallback(address, what, write)
         return result if result is not None else b""
+
+
+def _fd_mapping(m: Mapping, fd: int, offset: int) -> Mapping:
+    """How to reach a window backed by ``fd`` (see the module docstring); ValueError
+    (EINVAL to the client) when the window does not lie inside the fd."""
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and offset + m.size > st.st_size:
+        raise ValueError(f"DMA map {m.address:#x}+{m.size:#x} at fd offset {offset:#x} ends past "
+                         f"the end of its fd ({st.st_size:#x} bytes)")
+    try:
+        sealed = bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+    except OSError:  # not a memfd
+        sealed = False
+    if not sealed and stat.S_ISREG(st.st_mode) and _pread_pwrite_work(fd, offset):
+        m.fd, m.offset = fd, offset
+        return m
+    delta = offset % PAGE_SIZE
+    prot = (mmap.PROT_READ if m.flags & DMA_FLAG_READ else 0) | (mmap.PROT_WRITE if m.flags & DMA_FLAG_WRITE else 0)
+    m.memory = mmap.mmap(fd, m.size + delta, mmap.MAP_SHARED, prot or mmap.PROT_READ, offset=offset - delta)
+    m.map_delta = delta
+    if not sealed and stat.S_ISREG(st.st_mode):
+        m.fd, m.offset = fd, offset  # kept for the size check before each access
+    return m
+
+
+def _pread_pwrite_work(fd: int, offset: int) -> bool:
+    """Whether the file takes read(2)/write(2) (shmem does, hugetlbfs does not write)."""
+    try:
+        os.pread(fd, 0, offset)
+        os.pwrite(fd, b"", offset)
+    except OSError:
+        return False
+    return True
+
+
+def _check_size(m: Mapping, off: int, n: int) -> None:
+    """Refuse an access past the end of a file that may have shrunk (SIGBUS otherwise)."""
+    if m.fd is not None and os.fstat(m.fd).st_size < m.offset + off + n:
+        raise DmaError(f"DMA at {m.address + off:#x}: the client shrank the window's file")

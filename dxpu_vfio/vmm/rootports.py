@@ -46,6 +46,24 @@ def free_root_port(qmp: Executor, vm_name: str, ports: list[str] | None = None) 
                               "(VmConfig.root_ports, dxpu vm define --root-ports N)")
 
 
+def device_class(qmp: Executor, device_id: str) -> int | None:
+    """The PCI class (base class << 8 | subclass) QEMU reports for ``device_id``; None if
+    it is not on any bus."""
+    def walk(devices: list[dict]) -> int | None:
+        for dev in devices:
+            if dev.get("qdev_id") == device_id:
+                return int(dev.get("class_info", {}).get("class", -1))
+            found = walk((dev.get("pci_bridge") or {}).get("devices") or [])
+            if found is not None:
+                return found
+        return None
+    for bus in qmp.execute("query-pci"):
+        found = walk(bus.get("devices") or [])
+        if found is not None:
+            return found
+    return None
+
+
 def device_present(qmp: Executor, device_id: str) -> bool:
     return any(p["name"] == device_id for p in qmp.execute("qom-list", {"path": "/machine/peripheral"}))
 

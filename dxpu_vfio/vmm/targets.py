@@ -11,16 +11,19 @@ unplug is observed: :class:`SessionTarget` over a QMP session someone already ho
 
 from __future__ import annotations
 
+import logging
 import socket
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from dxpu_vfio.errors import VmError
+from dxpu_vfio.errors import DxpuError, VmError
 from dxpu_vfio.paths import run_dir
 from dxpu_vfio.vmm.errors import UnplugTimeout, VmGone
 from dxpu_vfio.vmm.qmp import QmpError, QmpSession, QmpTimeout
-from dxpu_vfio.vmm.rootports import device_present
+from dxpu_vfio.vmm.rootports import device_class, device_present
+
+log = logging.getLogger("dxpu.vmm")
 
 
 class VmTarget(ABC):
@@ -53,16 +56,33 @@ class VmTarget(ABC):
 
     def plug(self, device_id: str, port: str, socket_path: Path, timeout: float = 30.0,
              extra_props: dict | None = None) -> None:
-        """``device_add`` of a vfio-user-pci device below root port ``port``."""
+        """``device_add`` of a vfio-user-pci device below root port ``port``; warns when the
+        device reports class 0x000000 (see :func:`warn_if_classless`)."""
         self.execute("device_add", {"driver": "vfio-user-pci", "id": device_id, "bus": port,
                                     "socket": {"type": "unix", "path": str(socket_path)}, **(extra_props or {})},
                      timeout=timeout)
+        warn_if_classless(self, device_id)
 
     def __enter__(self) -> "VmTarget":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def warn_if_classless(target: VmTarget, device_id: str) -> bool:
+    """Linux assigns no BARs to a hot-plugged device of class 0x000000 (a pre-2.0 "device
+    built before class codes"), so the guest sees it but cannot reach its registers; say
+    so at attach, where it can still be fixed (the device's class code). True if warned."""
+    try:
+        cls = device_class(target, device_id)
+    except (DxpuError, OSError, KeyError, TypeError, ValueError):
+        return False  # the plug itself succeeded; the check is only advice
+    if cls != 0:
+        return False
+    log.warning("%s: device %s reports PCI class 0x000000; Linux assigns no BARs to a classless hot-plugged "
+                "device, so the guest cannot use its regions: give the device a class code", target.name, device_id)
+    return True
 
 
 class SessionTarget(VmTarget):

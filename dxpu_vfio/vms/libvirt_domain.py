@@ -9,7 +9,8 @@ hot-plug through its QMP passthrough (:mod:`.libvirt_target`). What a dxpu domai
 * guest RAM as a shared memfd, so vfio-user DMA_MAP messages carry an fd;
 * N ``pcie-root-port`` controllers (libvirt ids ``pci.1`` .. ``pci.N``, at slots
   0x11.. like the VM runner's ``rpN``), each reserving a 16 GiB 64-bit prefetchable
-  window through ``<qemu:override>`` (libvirt has no element for ``pref64-reserve``);
+  window and a 4 KiB I/O window (``io_reserve``) through ``<qemu:override>`` (libvirt
+  has no element for ``pref64-reserve``);
   no USB controller and no balloon, so every root port stays free for dxpu;
 * direct kernel boot of a dxpu guest image, whose kernel and initrd are copied into the
   domain's directory (a rebuilt image does not break a defined domain); the full
@@ -46,6 +47,7 @@ from dxpu_vfio.vmm.libvirt_conn import DAEMONS, DEFAULT_URI, connect, ensure_dae
 from dxpu_vfio.vmm.libvirt_target import socket_dir_for
 from dxpu_vfio.vms.guest_exec import CommandResult, GuestDied, SerialChannel, run_checked, wait_ready
 from dxpu_vfio.vms.images import load_image
+from dxpu_vfio.vms.port_windows import io_reserve_bytes, size_bytes
 from dxpu_vfio.vms.qemu import find_qemu
 
 QEMU_CONF = Path("/etc/libvirt/qemu.conf")
@@ -157,14 +159,8 @@ class DomainConfig:
     accel: str = "tcg"  # "kvm" where KVM can run stock kernels
     pref64_reserve: str = "16G"  # per root port, as in the VM runner
     mem32_reserve: str = "64M"
+    io_reserve: str = "4K"  # per root port, as in the VM runner; "0": no port I/O below the ports
     cmdline: str | None = None  # kernel command line; None: the image's own
-
-
-def size_bytes(text: str) -> int:
-    match = re.fullmatch(r"(\d+)([KMGT]?)", text.strip().upper())
-    if not match:
-        raise ValueError(f"bad size {text!r} (want e.g. 64M, 16G)")
-    return int(match.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}[match.group(2)]
 
 
 def port_alias(index: int) -> str:
@@ -234,7 +230,8 @@ def domain_xml(config: DomainConfig, emulator: Path, kernel: Path, initrd: Path,
     override = sub(dom, f"{{{QEMU_NS}}}override")
     for i in range(1, c.root_ports + 1):
         front = sub(sub(override, f"{{{QEMU_NS}}}device", alias=port_alias(i)), f"{{{QEMU_NS}}}frontend")
-        for prop, value in (("io-reserve", 0), ("mem-reserve", size_bytes(c.mem32_reserve)),
+        for prop, value in (("io-reserve", io_reserve_bytes(c.io_reserve, c.root_ports)),
+                            ("mem-reserve", size_bytes(c.mem32_reserve)),
                             ("pref64-reserve", size_bytes(c.pref64_reserve))):
             sub(front, f"{{{QEMU_NS}}}property", name=prop, type="unsigned", value=str(value))
     ET.indent(dom)

@@ -6,7 +6,8 @@ Lifecycle, each step with a timeout: ``start()`` (QEMU running, QMP connected),
 
 Guest RAM is a shared memfd so that vfio-user DMA_MAP messages carry fds, and the
 VM gets N ``pcie-root-port``s (rp1..rpN) to hot-plug into, each reserving windows
-big enough for multi-GiB 64-bit prefetchable BARs.
+big enough for multi-GiB 64-bit prefetchable BARs, and a port I/O window
+(:mod:`dxpu_vfio.vms.port_windows`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dxpu_vfio.vmm.targets import SessionTarget
 from dxpu_vfio.vms.guest_exec import (AgentChannel, CommandResult, GuestChannel, GuestDied, SerialChannel, run_checked,
                                       wait_ready)
 from dxpu_vfio.vms.images import Image, load_image
+from dxpu_vfio.vms.port_windows import io_reserve_bytes
 from dxpu_vfio.vms.qemu import Qemu, find_qemu
 
 PANIC_MARKERS = ("Kernel panic - not syncing", "---[ end Kernel panic")
@@ -45,6 +47,7 @@ class VmConfig:
     root_ports: int = 4
     pref64_reserve: str = "16G"  # per root port: room for multi-GiB prefetchable BARs
     mem32_reserve: str = "64M"
+    io_reserve: str = "4K"  # per root port: port I/O for hot-plugged devices with I/O BARs; "0": none
     edu: bool = False  # QEMU's own 'edu' test device, a local baseline for benchmarks
     cmdline: str | None = None  # kernel command line; None: the image's own
     extra_args: list[str] = field(default_factory=list)
@@ -117,6 +120,7 @@ class Vm:
     # --- command line ------------------------------------------------------------
     def command_line(self) -> list[str]:
         c, img = self.config, self.image
+        io_reserve = io_reserve_bytes(c.io_reserve, c.root_ports)
         args = [
             str(self.qemu.binary), "-name", c.name,
             "-machine", f"q35,accel={c.accel},memory-backend=mem",
@@ -131,7 +135,7 @@ class Vm:
         ]
         for i, port in enumerate(self.root_port_ids(), start=1):
             args += ["-device", f"pcie-root-port,id={port},bus=pcie.0,chassis={i},slot={i},"
-                                f"addr={0x10 + i:#x},io-reserve=0,mem-reserve={c.mem32_reserve},"
+                                f"addr={0x10 + i:#x},io-reserve={io_reserve},mem-reserve={c.mem32_reserve},"
                                 f"pref64-reserve={c.pref64_reserve}"]
         chardev = f"socket,id=guestch,path={self.channel_path},server=on,wait=off"
         if img.kind == "disk":
@@ -331,5 +335,6 @@ class Vm:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.kill()
-        if exc_type is None and self._own_workdir:
+        stopped = isinstance(exc_type, type) and issubclass(exc_type, SystemExit)  # SIGTERM, sys.exit: not a failure
+        if (exc_type is None or stopped) and self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
