@@ -21,7 +21,7 @@ from dxpu_vfio.deadline import Deadline
 from dxpu_vfio.link.protocol import LINK_VERSION, Hello
 from dxpu_vfio.link.transport import TlsFiles, accept_native, tune
 from dxpu_vfio.vfio_user import protocol as vp
-from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message
+from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message, ReceiveTimeout
 
 log = logging.getLogger("dxpu.remote")
 
@@ -69,9 +69,9 @@ class Admission:
             return None
         try:
             return conn, conn.receive()
-        except (vp.ProtocolError, ConnectionClosed, OSError) as exc:
+        except (vp.ProtocolError, ConnectionClosed, ReceiveTimeout, OSError) as exc:
             deadline.cancel()
-            self.refuse_hello(conn, peer, late if deadline.expired or isinstance(exc, TimeoutError) else exc)
+            self.refuse_hello(conn, peer, late if deadline.expired or isinstance(exc, (TimeoutError, ReceiveTimeout)) else exc)
             return None
         finally:
             deadline.cancel()
