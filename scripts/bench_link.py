@@ -59,6 +59,8 @@ def thread_times(pid: int) -> dict[int, tuple[int, int, int]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--spin-us", type=float, default=0.0,
+                        help="adaptive polling in both proxies: spin this long before sleeping")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="dxpu-bench-link-") as tmp:
@@ -67,13 +69,14 @@ def main() -> int:
         port, floor_port = free_port(), free_port()
         (d / "blink.toml").write_text(
             f'name = "blink"\nlisten = "127.0.0.1"\nport = {port}\ntls_dir = "{d / "certs"}"\n'
+            f'spin_us = {args.spin_us}\n'
             '[[device]]\nid = "td0"\nmodel = "testdev"\nlease = "bench"\nsettings = { memory_size = 1048576 }\n')
         box = RemoteProxyProcess(d / "blink.toml").start()
         host = None
         try:
             host = HostProxyProcess("remote", d / "h.sock", settings={
                 "address": f"127.0.0.1:{port}", "device": "td0", "lease": "bench",
-                "tls_dir": str(d / "certs")}).start()
+                "tls_dir": str(d / "certs"), "spin_us": args.spin_us}).start()
             client = VfioUserClient(d / "h.sock")
             client.negotiate()
             for _ in range(500):  # warm up
@@ -110,7 +113,7 @@ def main() -> int:
         rows.append([name, per_process[name]["user_us_per_read"], per_process[name]["sys_us_per_read"],
                      per_process[name]["switches_per_read"]])
     times.sort()
-    result = {"reads": reads, "read_median_us": statistics.median(times) / 1000,
+    result = {"spin_us": args.spin_us, "reads": reads, "read_median_us": statistics.median(times) / 1000,
               "read_p99_us": times[int(reads * 0.99)] / 1000, "processes": per_process,
               "self_received": link.get("self_received"), "floor_tls_loopback": floor}
     print(f"{reads} reads in {args.seconds:g} s: median {result['read_median_us']:.1f} µs, "

@@ -274,7 +274,7 @@ class RemoteFunction:
 def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, *,
                    completion_timeout: float = DEFAULT_COMPLETION_TIMEOUT,
                    on_down: Callable[[str], None] | None = None, timeout: float = 5.0,
-                   coalesce: bool | None = None) -> RemoteFunction:
+                   coalesce: bool | None = None, spin_us: float = 0.0) -> RemoteFunction:
     """Open the link to ``device`` on the box at ``host:port`` and return the device.
 
     ``coalesce``: combine posted writes into fewer link messages; None follows the
@@ -301,6 +301,8 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
                 errno.EBUSY: "device is in use by another host", errno.EPROTO: "link version mismatch"}
         raise RemoteAttachError(f"remote proxy {address} refused device {device!r}: {what.get(err, err)}", err)
     conn.sock.settimeout(None)
+    if conn.native and spin_us:  # adaptive polling: spin before sleeping (docs/benchmarks.md)
+        conn.stream.spin_us = spin_us
     description = DeviceDescription.unpack(reply.payload)
     if coalesce is None:  # the device says whether its posted writes come in floods
         coalesce = description.coalesce

@@ -58,6 +58,7 @@ def remote_device(settings: dict) -> RemoteFunction:
                 return connect_remote(settings["address"], settings["device"], str(settings["lease"]), tls,
                                       completion_timeout=float(settings.get("completion_timeout", 1.0)),
                                       coalesce=settings.get("coalesce"),
+                                      spin_us=float(settings.get("spin_us", 0.0)),
                                       on_down=lambda reason: logging.getLogger("dxpu.hostproxy").warning(
                                           "link down: %s", reason))
             except RemoteAttachError as exc:

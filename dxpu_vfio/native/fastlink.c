@@ -51,6 +51,23 @@ static int64_t deadline_after(double timeout)
     return timeout < 0 ? -1 : now_ns() + (int64_t)(timeout * 1e9);
 }
 
+/* Busy-poll `fds` for up to spin_ns before a caller sleeps in poll(): a reply that comes
+ * within the spin costs no wake-up (two context switches and the scheduler's latency), at
+ * the price of the CPU spun. 1: something is ready now. */
+static int spin_fds(struct pollfd *fds, nfds_t n, int64_t spin_ns, int64_t deadline)
+{
+    if (spin_ns <= 0)
+        return 0;
+    int64_t until = now_ns() + spin_ns;
+    if (deadline >= 0 && deadline < until)
+        until = deadline;
+    do {
+        if (poll(fds, n, 0) > 0)
+            return 1;
+    } while (now_ns() < until);
+    return 0;
+}
+
 /* 1: ready, 0: deadline passed, -1: poll failed (errno). */
 static int wait_fd(int fd, short events, int64_t deadline)
 {
@@ -71,6 +88,13 @@ static int wait_fd(int fd, short events, int64_t deadline)
         if (r == 0 && deadline >= 0 && now_ns() >= deadline)
             return 0;
     }
+}
+
+/* 1: ready, 0: deadline passed, -1: poll failed (errno). Spins spin_ns first (see spin_fds). */
+static int wait_fd_spin(int fd, short events, int64_t deadline, int64_t spin_ns)
+{
+    struct pollfd p = {.fd = fd, .events = events};
+    return spin_fds(&p, 1, spin_ns, deadline) ? 1 : wait_fd(fd, events, deadline);
 }
 
 /* --- TlsContext --------------------------------------------------------------------- */
@@ -174,6 +198,7 @@ typedef struct {
     volatile int64_t last_rx_ns; /* when bytes last came (CLOCK_MONOTONIC): the heartbeat's "heard" */
     int drain_on_send; /* the thread that sends also owns `reader` (the forwarder): see stream_write */
     served_t served[4]; /* serve_requests: REGION_READ, REGION_WRITE, SYNC, HEARTBEAT */
+    int64_t spin_ns;    /* adaptive polling: spin this long before sleeping for bytes (0: off) */
 } Stream;
 
 #define RX_DRAIN_MAX (64u << 20) /* what a sender buffers from a peer that sends while not reading */
@@ -301,7 +326,7 @@ static ssize_t stream_read(Stream *s, unsigned char *buf, size_t len, int64_t de
         }
         int fd = s->fd;
         pthread_mutex_unlock(&s->io);
-        int w = wait_fd(fd, events, deadline);
+        int w = events == POLLIN ? wait_fd_spin(fd, events, deadline, s->spin_ns) : wait_fd(fd, events, deadline);
         if (w == 0)
             return IO_TIMEOUT;
         if (w < 0) {
@@ -975,6 +1000,24 @@ static PyObject *Stream_get_last_heard(Stream *self, void *closure)
     return PyFloat_FromDouble((double)self->last_rx_ns / 1e9);
 }
 
+static PyObject *Stream_get_spin_us(Stream *self, void *closure)
+{
+    return PyFloat_FromDouble((double)self->spin_ns / 1000.0);
+}
+
+static int Stream_set_spin_us(Stream *self, PyObject *value, void *closure)
+{
+    double us = value ? PyFloat_AsDouble(value) : -1.0;
+    if (us == -1.0 && PyErr_Occurred())
+        return -1;
+    if (us < 0 || us > 1e6) {
+        PyErr_SetString(PyExc_ValueError, "spin_us must be between 0 and 1e6");
+        return -1;
+    }
+    self->spin_ns = (int64_t)(us * 1000.0);
+    return 0;
+}
+
 static PyObject *Stream_get_tls(Stream *self, void *closure)
 {
     return PyBool_FromLong(self->ssl != NULL);
@@ -1003,6 +1046,8 @@ static PyGetSetDef Stream_getset[] = {
      "Seconds a send may wait for the peer to read (None: for ever).", NULL},
     {"tls", (getter)Stream_get_tls, NULL, "The stream is TLS.", NULL},
     {"last_heard", (getter)Stream_get_last_heard, NULL, "time.monotonic() when bytes last arrived.", NULL},
+    {"spin_us", (getter)Stream_get_spin_us, (setter)Stream_set_spin_us,
+     "Microseconds to busy-poll for bytes before sleeping in poll() (0: off).", NULL},
     {NULL},
 };
 

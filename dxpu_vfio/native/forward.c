@@ -458,10 +458,14 @@ static PyObject *Forwarder_serve(Forwarder *f, PyObject *unused)
             tls_pending = SSL_pending(f->link->ssl) > 0;
         pthread_mutex_unlock(&f->link->io);
         if (!tls_pending) {
+            int64_t spin = f->link->spin_ns;
             Py_BEGIN_ALLOW_THREADS
-            do {
-                r = poll(fds, 2, -1);
-            } while (r < 0 && errno == EINTR);
+            if (spin_fds(fds, 2, spin, -1))
+                r = 1;
+            else
+                do {
+                    r = poll(fds, 2, -1);
+                } while (r < 0 && errno == EINTR);
             Py_END_ALLOW_THREADS
             if (r < 0) {
                 out = Py_BuildValue("(ss)", "qemu-closed", strerror(errno));

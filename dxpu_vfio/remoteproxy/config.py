@@ -43,6 +43,7 @@ class BoxConfig:
     devices: list[BoxDevice]
     tls_dir: Path | None = None
     plaintext: bool = False
+    spin_us: float = 0.0  # adaptive polling on the native stream: spin before sleeping (0: off)
 
     @classmethod
     def load(cls, path: Path) -> "BoxConfig":
@@ -52,7 +53,8 @@ class BoxConfig:
             devices = [BoxDevice(d["id"], d["model"], str(d["lease"]), d.get("settings", {}))
                        for d in raw.get("device", [])]
             config = cls(raw["name"], raw.get("listen", "127.0.0.1"), int(raw.get("port", 7000)), devices,
-                         Path(raw["tls_dir"]) if raw.get("tls_dir") else None, bool(raw.get("plaintext", False)))
+                         Path(raw["tls_dir"]) if raw.get("tls_dir") else None, bool(raw.get("plaintext", False)),
+                         float(raw.get("spin_us", 0.0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: bad box config: {exc}") from exc
         if config.tls_dir is None and not config.plaintext:

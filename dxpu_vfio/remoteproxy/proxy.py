@@ -187,6 +187,8 @@ class RemoteProxy:
             return
         if old is not None:
             old.close()  # the link before, down: its descriptors go now
+        if getattr(conn, "native", False) and self.config.spin_us:
+            conn.stream.spin_us = self.config.spin_us
         slot.links_served += 1
         slot.dma, slot.irq = LinkDmaPort(slot.endpoint), LinkIrqPort(slot.endpoint)
         with slot.device.lock:

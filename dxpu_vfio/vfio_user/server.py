@@ -162,6 +162,7 @@ class _Session:
         self.thread = threading.Thread(target=self._run, name=f"vfio-user-{server.name}",
                                        daemon=True)
         self.version_seen = False
+        self.forwarder = None  # the native Forwarder that served this session, if one did (its counters)
         self._event_poll: select.poll | None = None  # QEMU's socket + the device's event source
         self._events_fd = 0
         # posted writes not yet given to the device; glued together only for a device that
@@ -232,6 +233,7 @@ class _Session:
     # --- the native forwarder (a device with native_forward, QEMU on a native stream) ------
     def _start_forwarder(self, forward: NativeForward):
         forwarder = native.require().Forwarder(self.conn.stream, forward.link_stream, forward.completion_timeout)
+        self.forwarder = forwarder
         self._refresh_forwarder(forwarder)
         forward.forwarding(forwarder)
         return forwarder
@@ -661,6 +663,14 @@ class VfioUserServer:
         if close:
             close()
 
+    @staticmethod
+    def _dma_counters(s: _Session) -> dict:
+        """The session's DMA, with what the native forwarder did in C (outside the table)."""
+        native_dma = s.forwarder.counters() if s.forwarder is not None else {}
+        return {"windows": len(s.dma.windows()), "refused": s.dma.refused + native_dma.get("dma_refused", 0),
+                "bytes_read": s.dma.bytes_read + native_dma.get("dma_bytes_read", 0),
+                "bytes_written": s.dma.bytes_written + native_dma.get("dma_bytes_written", 0)}
+
     def snapshot(self) -> dict:
         """Counters for ``dxpu stats`` and benchmarks."""
         s = self._session
@@ -668,8 +678,6 @@ class VfioUserServer:
                 "rejected_connections": self.rejected_connections,
                 "protocol_errors": self.protocol_errors, "posted_refused": self.posted_refused,
                 "commands": {_name(k): v.as_dict() for k, v in sorted(self.stats.items())},
-                "dma": None if s is None else {"windows": len(s.dma.windows()), "refused": s.dma.refused,
-                                               "bytes_read": s.dma.bytes_read,
-                                               "bytes_written": s.dma.bytes_written},
+                "dma": None if s is None else self._dma_counters(s),
                 "irqs": None if s is None else {**s.irqs.delivered, "dropped": s.irqs.dropped, "lost": s.irqs.lost,
                                                 "eventfds": s.irqs.fd_count()}}
