@@ -112,6 +112,21 @@ class EtcdCluster:
             finally:
                 client.close()
 
+    def leader(self) -> int:
+        """Index of the member that leads now (asked of the first running member that answers)."""
+        from dxpu_vfio.pool.etcd_store import EtcdClient
+        for member in (m for m in self.members if m.alive()):
+            client = EtcdClient([member.client_url], timeout=1.0, retry_for=0.0)
+            try:
+                status = client.call("/maintenance/status", {})
+            except DxpuError:
+                continue
+            finally:
+                client.close()
+            if status.get("leader") == status["header"]["member_id"]:
+                return self.members.index(member)
+        raise EtcdClusterError("no running etcd member says it leads", hint=f"logs in {self.directory}")
+
     def kill(self, index: int) -> EtcdMember:
         """SIGKILL one member (a crash); its data dir stays for :meth:`restart`."""
         member = self.members[index]

@@ -78,6 +78,16 @@ def endpoints_from(value: str | Iterable[str] | None) -> list[str]:
     return [e if "://" in e else f"http://{e}" for e in (i.strip() for i in items) if e]
 
 
+def _why(exc: Exception) -> str:
+    """The short reason in a requests error (whose text repeats the URL and the pool)."""
+    text = getattr(exc, "detail_text", None) or type(exc).__name__
+    for needle, short in (("Connection refused", "connection refused"), ("timed out", "timed out"),
+                          ("Name or service not known", "unknown host"), ("No route to host", "no route to host")):
+        if needle in text:
+            return short
+    return " ".join(text.split())[-160:]
+
+
 class EtcdUnavailable(StoreError):
     """No etcd endpoint answered within the retry time; nothing was changed by this call."""
 
@@ -119,7 +129,7 @@ class EtcdClient:
                 try:
                     result = client.post(client.get_url(path), data=json.dumps(body))
                 except RETRYABLE as exc:
-                    errors[self.endpoints[index]] = (exc.detail_text or type(exc).__name__).strip()[:200]
+                    errors[self.endpoints[index]] = _why(exc)
                     continue
                 except etcd_exc.Etcd3Exception as exc:
                     raise StoreError(f"etcd refused {path}: {(exc.detail_text or '').strip()[:300]}",
@@ -132,8 +142,8 @@ class EtcdClient:
         detail = "; ".join(f"{url}: {why}" for url, why in errors.items())
         raise EtcdUnavailable(
             f"etcd does not answer at {', '.join(self.endpoints)} ({detail})",
-            hint=f"check the members: etcdctl --endpoints={','.join(self.endpoints)} endpoint health; "
-                 "nothing was changed")
+            hint=f"check the members: etcdctl --endpoints={','.join(self.endpoints)} endpoint health"
+                 + ("" if "timed out" in errors.values() else "; nothing was changed"))
 
     def healthy(self) -> bool:
         """One linearizable read succeeds (there is a leader and a quorum)."""

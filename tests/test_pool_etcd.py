@@ -1,0 +1,86 @@
+"""The etcd store on a three-member cluster of its own: members die, the whole cluster
+dies, and two allocators that talk to different members never share a device."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+
+from dxpu_vfio.pool.etcd_store import EtcdStore, EtcdUnavailable
+from dxpu_vfio.pool.storage import NoFreeDevice
+
+
+def inventory(n: int) -> list[dict]:
+    return [{"id": f"d{i}", "class": "testdev", "vendor": "1b36", "model": "10f0", "capacity": 1, "lease": f"t{i}"}
+            for i in range(n)]
+
+
+def _grab_all(endpoints: list[str], name: str, out, go) -> None:
+    """Take two devices at a time (spread) until the pool has none left."""
+    s = EtcdStore(endpoints, path="/nonexistent/pool.db", prefix="/race/v1/")
+    go.wait(60)
+    taken = []
+    try:
+        while True:
+            taken += [lease.device for lease in s.allocate(name, count=2, policy="spread")]
+    except NoFreeDevice:
+        pass
+    out.put(taken)
+
+
+def test_two_allocators_on_different_members_never_share_a_device(etcd3):
+    s = EtcdStore(etcd3.endpoints, path="/nonexistent/pool.db", prefix="/race/v1/")
+    for b in range(6):
+        s.register_box(f"box{b}", f"198.18.{b}.2:7000", None, inventory(20))
+    ctx = multiprocessing.get_context("spawn")
+    out, go = ctx.Queue(), ctx.Event()
+    workers = [ctx.Process(target=_grab_all, args=([url], f"host{i}", out, go))
+               for i, url in enumerate(etcd3.endpoints[:2])]  # each host talks to its own member
+    for w in workers:
+        w.start()
+    go.set()
+    results = [out.get(timeout=120) for _ in workers]
+    for w in workers:
+        w.join(30)
+        assert w.exitcode == 0
+    taken = [d for r in results for d in r]
+    assert all(results), "one allocator got nothing: no race was tested"
+    assert len(taken) == len(set(taken)) == 120
+    assert len(s.leases()) == 120 and not any(d["available"] for d in s.devices())
+
+
+def test_the_pool_works_on_after_its_leader_is_killed(etcd3):
+    s = EtcdStore(etcd3.endpoints, path="/nonexistent/pool.db", prefix="/kill/v1/")
+    s.register_box("a", "198.18.1.2:7000", None, inventory(4))
+    [first] = s.allocate("vm1")
+    leader = etcd3.leader()
+    etcd3.kill(leader)
+    start = time.monotonic()
+    [second] = s.allocate("vm1")  # waits out the election, or fails over to a live member
+    assert time.monotonic() - start < 5.0
+    assert {lease.device for lease in s.leases("vm1")} == {first.device, second.device}
+    etcd3.restart(leader)
+    s.delete_lease(first.id)
+    assert [d["id"] for d in s.devices() if d["available"]] == ["a/d0", "a/d2", "a/d3"]
+
+
+def test_etcd_down_is_a_clear_error_and_the_pool_is_back_with_it(etcd3):
+    s = EtcdStore(etcd3.endpoints, path="/nonexistent/pool.db", prefix="/down/v1/", retry_for=1.0)
+    s.register_box("a", "198.18.1.2:7000", None, inventory(2))
+    [held] = s.allocate("vm1")
+    for i in range(3):
+        etcd3.kill(i)
+    start = time.monotonic()
+    with pytest.raises(EtcdUnavailable) as err:
+        s.allocate("vm2")
+    assert time.monotonic() - start < 10.0
+    for url in etcd3.endpoints:
+        assert url in err.value.message
+    assert "endpoint health" in err.value.hint
+    for i in range(3):
+        etcd3.start_member(etcd3.members[i], state="existing")
+    etcd3.wait_healthy()
+    assert [lease.id for lease in s.leases()] == [held.id]  # nothing was lost, nothing half done
+    assert [lease.device for lease in s.allocate("vm2")] == ["a/d1"]
