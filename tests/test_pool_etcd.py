@@ -1,14 +1,20 @@
 """The etcd store on a three-member cluster of its own: members die, the whole cluster
-dies, and two allocators that talk to different members never share a device."""
+dies, and two allocators that talk to different members never share a device; and
+managers (``dxpu manager serve --store etcd``) of two hosts serving one pool."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import subprocess
+import sys
 import time
 
 import pytest
 
+from dxpu_vfio.pool.etcd_cluster import free_port
 from dxpu_vfio.pool.etcd_store import EtcdStore, EtcdUnavailable
+from dxpu_vfio.pool.service import ManagerClient, ManagerProcess
 from dxpu_vfio.pool.storage import NoFreeDevice
 
 
@@ -84,3 +90,44 @@ def test_etcd_down_is_a_clear_error_and_the_pool_is_back_with_it(etcd3):
     etcd3.wait_healthy()
     assert [lease.id for lease in s.leases()] == [held.id]  # nothing was lost, nothing half done
     assert [lease.device for lease in s.allocate("vm2")] == ["a/d1"]
+
+
+def _dxpu(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_two_managers_on_one_etcd_serve_one_pool(etcd, tmp_path):
+    """Two hosts' managers (their own sockets and logs) over the same etcd see the same
+    boxes, devices and leases; SQLite stays what a manager uses unless told otherwise."""
+    hosts = [tmp_path / f"host{i}" / "pool.db" for i in range(2)]
+    managers = [ManagerProcess(db, etcd_endpoints=etcd.endpoints).start() for db in hosts]
+    try:
+        s = EtcdStore(etcd.endpoints, path=tmp_path / "admin.db")  # the manager's default prefix
+        s.register_box("shared", "198.18.9.2:7000", None, inventory(2))
+        [lease] = s.allocate("qmp:/run/vm-on-host0.sock", device="shared/d1")
+        for db in hosts:
+            assert ManagerClient(db).get("/v1/health")["store"] == "etcd"
+            listing = json.loads(_dxpu("ls", "--db", str(db), "--json").stdout)
+            assert [b["name"] for b in listing["boxes"]] == ["shared"]
+            assert [(d["id"], d["available"]) for d in listing["devices"]] == [("shared/d0", True), ("shared/d1", False)]
+            assert [(le["lease"], le["vm"]) for le in listing["leases"]] == [(lease.id, lease.vm)]
+        s.delete_lease(lease.id)
+        s.remove_box("shared")
+        s.close()
+    finally:
+        for m in managers:
+            m.stop()
+    sqlite_manager = ManagerProcess(tmp_path / "single" / "pool.db").start()
+    try:
+        assert ManagerClient(tmp_path / "single" / "pool.db").get("/v1/health")["store"] == "sqlite"
+    finally:
+        sqlite_manager.stop()
+
+
+def test_a_manager_pointed_at_no_etcd_says_where_it_looked(tmp_path):
+    proc = _dxpu("manager", "serve", "--db", str(tmp_path / "pool.db"), "--store", "etcd",
+                 "--etcd-endpoints", f"127.0.0.1:{free_port()}")
+    assert proc.returncode != 0
+    assert "etcd does not answer at http://127.0.0.1:" in proc.stderr and "endpoint health" in proc.stderr
+    proc = _dxpu("manager", "serve", "--db", str(tmp_path / "pool.db"), "--store", "etcd")
+    assert proc.returncode != 0 and "--etcd-endpoints" in proc.stderr
