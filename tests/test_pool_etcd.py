@@ -16,6 +16,7 @@ from dxpu_vfio.pool.etcd_cluster import free_port
 from dxpu_vfio.pool.etcd_store import EtcdStore, EtcdUnavailable
 from dxpu_vfio.pool.service import ManagerClient, ManagerProcess
 from dxpu_vfio.pool.storage import NoFreeDevice
+from dxpu_vfio.procs import wait_until
 
 
 def inventory(n: int) -> list[dict]:
@@ -131,3 +132,17 @@ def test_a_manager_pointed_at_no_etcd_says_where_it_looked(tmp_path):
     assert "etcd does not answer at http://127.0.0.1:" in proc.stderr and "endpoint health" in proc.stderr
     proc = _dxpu("manager", "serve", "--db", str(tmp_path / "pool.db"), "--store", "etcd")
     assert proc.returncode != 0 and "--etcd-endpoints" in proc.stderr
+
+
+def test_a_handle_learns_other_allocations_from_its_watch(etcd, etcd_prefix):
+    """Another host's allocations reach this handle's view by the watch, so its next
+    allocation does not lose a race for a device that is already gone."""
+    mine, theirs = (EtcdStore(etcd.endpoints, path="/nonexistent/pool.db", prefix=etcd_prefix) for _ in range(2))
+    mine.register_box("a", "198.18.1.2:7000", None, inventory(4))
+    mine.allocate("vm0")  # reads the view, starts the watch
+    taken = [lease.device for lease in theirs.allocate("vm1", count=2)]
+    assert taken == ["a/d1", "a/d2"]
+    assert wait_until(lambda: set(mine._claims.get("a", {})) == {"d0", "d1", "d2"}, 5.0), "the watch told nothing"
+    assert [lease.device for lease in mine.allocate("vm0")] == ["a/d3"] and mine.conflicts == 0
+    mine.close()
+    theirs.close()

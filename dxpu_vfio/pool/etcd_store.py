@@ -17,9 +17,12 @@ then it creates the claims and the leases. All or nothing, and two allocators --
 processes or hosts -- never get the same device: at most one transaction creates a
 claim key. ``pack``/``spread`` choose the box as the SQLite allocator does, from a cache
 of boxes, inventories and claims; a conflict refreshes the boxes it touched and tries
-again (after the first conflict, with a random free device of the chosen box, so
-concurrent allocators stop racing for the same one); no match refreshes everything
-once before it answers :class:`NoFreeDevice`. Listings always read etcd afresh.
+again; for a while after a conflict it takes a random one of the first 16 free devices
+the policy would take, so concurrent allocators stop racing for the same one. A watch
+(from the revision of the last full read, so no event is missed) keeps the view fresh;
+no match reads everything once more before it answers :class:`NoFreeDevice`, and the
+whole view is read again every ``resync_interval`` s. Listings always read etcd afresh. Lease updates and deletes
+are one transaction each (compare the revision this handle last wrote, else read it).
 
 The client is ``etcd3gw`` (etcd's JSON gateway, plain HTTP(S)); this module adds
 failover over several endpoints, bounded retries while a leader is elected, and errors
@@ -30,10 +33,12 @@ that name the endpoints. Its ``requests`` session ignores the environment
 from __future__ import annotations
 
 import base64
+import heapq
 import json
 import os
 import random
 import secrets
+import socket
 import threading
 import time
 from collections import Counter
@@ -54,6 +59,8 @@ PREFIX = "/dxpu/v1/"
 SCHEMA_VERSION = 1
 RETRYABLE = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError, etcd_exc.InternalServerError)
 ATTEMPTS = 64  # allocation tries before it reports contention
+SHUFFLE_AMONG = 16  # under contention: a random one of the first this many free devices the policy would take
+CONTENDED_FOR = 2.0  # s after a lost race during which allocation keeps choosing by chance
 
 
 def _b64(text: str | bytes) -> str:
@@ -145,6 +152,11 @@ class EtcdClient:
             hint=f"check the members: etcdctl --endpoints={','.join(self.endpoints)} endpoint health"
                  + ("" if "timed out" in errors.values() else "; nothing was changed"))
 
+    @property
+    def current(self) -> Etcd3Client:
+        """The endpoint that answered last."""
+        return self._clients[self._current]
+
     def healthy(self) -> bool:
         """One linearizable read succeeds (there is a leader and a quorum)."""
         try:
@@ -200,10 +212,13 @@ def op_delete(key: str) -> dict:
     return {"request_delete_range": {"key": _b64(key)}}
 
 
-def op_range(key: str, prefix: bool = False) -> dict:
-    body = {"key": _b64(key)}
+def op_range(key: str, prefix: bool = False, since: int = 0) -> dict:
+    """Read a key or prefix; with ``since``, only keys written at or after that revision."""
+    body: dict[str, Any] = {"key": _b64(key)}
     if prefix:
         body["range_end"] = _prefix_end(key)
+    if since:
+        body["min_mod_revision"] = since
     return {"request_range": body}
 
 
@@ -235,11 +250,17 @@ class EtcdStore:
         self.resync_interval = resync_interval
         self.etcd = EtcdClient(self.endpoints, tls_dir=tls_dir, timeout=timeout, retry_for=retry_for)
         self._lock = threading.RLock()
-        # allocation's view: box -> (record, mod_revision), box -> (inventory, mod_revision), device id -> lease
+        # allocation's view: box -> (record, mod_revision), box -> (inventory, mod_revision),
+        # box -> {device name: lease id}
         self._boxes: dict[str, tuple[dict, int]] = {}
         self._inventory: dict[str, tuple[list[dict], int]] = {}
-        self._claims: dict[str, str] = {}
+        self._claims: dict[str, dict[str, str]] = {}
+        self._seen = 0  # revision of the last full read of the view
+        self._watch: requests.Response | None = None
         self._synced_at = -1e9
+        self._mine: dict[str, tuple[dict, int]] = {}  # leases this handle wrote: record, mod_revision
+        self._contended_until = 0.0
+        self.conflicts = 0  # allocation transactions that lost a race (the benchmark reports them)
         self._init_schema()
 
     # --- keys -----------------------------------------------------------------
@@ -261,6 +282,8 @@ class EtcdStore:
         return int(value)
 
     def close(self) -> None:
+        with self._lock:
+            self._stop_watch()
         self.etcd.close()
 
     def _read(self, *keys: tuple[str, bool]) -> list[list[tuple[str, Any, int]]]:
@@ -415,12 +438,87 @@ class EtcdStore:
 
     # --- allocation -------------------------------------------------------------------
     def _resync(self) -> None:
-        (boxes, inventories, claims), _ = self._snapshot(*(self.k(p) + "/" for p in ("boxes", "inventory", "claims")))
+        (boxes, inventories, claims), self._seen = self._snapshot(
+            *(self.k(p) + "/" for p in ("boxes", "inventory", "claims")))
         self._boxes = {k.rsplit("/", 1)[1]: (v, rev) for k, v, rev in boxes}
         self._inventory = {k.rsplit("/", 1)[1]: (v, rev) for k, v, rev in inventories}
+        self._claims = {}
         cut = len(self.k("claims")) + 1
-        self._claims = {k[cut:]: v for k, v, _ in claims}
+        for key, lease_id, _ in claims:
+            box, name = key[cut:].split("/", 1)
+            self._claims.setdefault(box, {})[name] = lease_id
         self._synced_at = time.monotonic()
+        if self._watch is None:
+            self._start_watch(self._seen + 1)
+
+    # --- the watch that keeps allocation's view fresh ------------------------------------
+    def _start_watch(self, revision: int) -> None:
+        """Watch boxes/, claims/ and inventory/ (adjacent prefixes: one range) from
+        ``revision`` on; a watch that ends (its member died, a compaction) is started
+        again at the next full read."""
+        client = self.etcd.current
+        body = {"create_request": {"key": _b64(self.k("boxes") + "/"), "range_end": _b64(self.k("inventory") + "0"),
+                                   "start_revision": revision}}
+        try:
+            response = client.session.post(client.get_url("/watch"), data=json.dumps(body), stream=True,
+                                           timeout=(client.timeout, None))
+        except requests.RequestException:
+            return  # allocation works without it (conflicts refresh the view), and tries again later
+        self._watch = response
+        threading.Thread(target=self._watch_loop, args=(response,), name="etcd-watch", daemon=True).start()
+
+    def _watch_loop(self, response: requests.Response) -> None:
+        try:
+            for line in response.iter_lines():
+                if not line:
+                    continue
+                result = json.loads(line).get("result") or {}
+                if result.get("canceled") or int(result.get("compact_revision") or 0):
+                    break
+                if result.get("events"):
+                    with self._lock:
+                        for event in result["events"]:
+                            self._apply(event)
+        except (requests.RequestException, OSError, ValueError, AttributeError):
+            pass  # the stream broke: closed by us, or its member went away
+        finally:
+            with self._lock:
+                if self._watch is response:
+                    self._watch = None
+                    self._synced_at = -1e9  # the next allocation reads everything and watches again
+
+    def _apply(self, event: dict) -> None:
+        kv = event["kv"]
+        key, revision = _unb64(kv["key"]), int(kv.get("mod_revision", 0))
+        deleted = event.get("type") == "DELETE"
+        value = None if deleted else json.loads(base64.b64decode(kv.get("value", "")).decode() or "null")
+        kind, _, rest = key[len(self.prefix):].partition("/")
+        if kind == "claims":
+            box, _, name = rest.partition("/")
+            if deleted:
+                self._claims.get(box, {}).pop(name, None)
+            else:
+                self._claims.setdefault(box, {})[name] = value
+            return
+        cache = self._boxes if kind == "boxes" else self._inventory if kind == "inventory" else None
+        if cache is None or revision < cache.get(rest, (None, 0))[1]:
+            return  # older than what a transaction of ours already told us
+        if deleted:
+            cache.pop(rest, None)
+        else:
+            cache[rest] = (value, revision)
+
+    def _stop_watch(self) -> None:
+        response, self._watch = self._watch, None
+        if response is None:
+            return
+        try:  # as etcd3gw's Watcher.stop: shut the socket down under the reading thread
+            sock = socket.fromfd(response.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+            sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        except (OSError, AttributeError, ValueError):
+            pass
+        response.close()
 
     def _learn_box(self, name: str, found: list[list[tuple[str, Any, int]]]) -> None:
         """What a failed allocation's failure branch read about one box: record, inventory, claims."""
@@ -430,43 +528,45 @@ class EtcdStore:
                 cache[name] = (items[0][1], items[0][2])
             else:
                 cache.pop(name, None)
-        for device_id in [d for d in self._claims if d.split("/", 1)[0] == name]:
-            del self._claims[device_id]
-        cut = len(self.k("claims")) + 1
-        self._claims.update({k[cut:]: v for k, v, _ in claims})
+        self._claims[name] = {key.rsplit("/", 1)[1]: lease_id for key, lease_id, _ in claims}
 
     def _choose(self, count: int, device_class: str | None, box: str | None, device: str | None,
                 policy: str, shuffle: bool) -> tuple[list[str], int]:
-        """The devices SQLite's allocator would take from this view (box by policy, then
-        the first free device by name; ``shuffle``: a random free one); and how many match."""
-        def matches(box_name: str, d: dict) -> bool:
-            if device_class and d["class"] != device_class:
-                return False
-            if device is not None and device not in (d["name"], f"{box_name}/{d['name']}"):
-                return False
-            return f"{box_name}/{d['name']}" not in taken
+        """The devices SQLite's allocator would take from this view (box by policy, ties
+        by name, then the box's first free device by name); with ``shuffle`` (other
+        allocators race us) a random one of the first :data:`SHUFFLE_AMONG` free devices
+        in that order (ties between boxes by chance). And, if fewer than ``count`` match,
+        how many do."""
+        chosen: dict[str, set[str]] = {}
 
-        taken = set(self._claims)
-        lent = Counter(device_id.split("/", 1)[0] for device_id in taken)
+        def free_in(name: str) -> list[str]:
+            claimed, mine = self._claims.get(name, {}), chosen.get(name, ())
+            return sorted(d["name"] for d in self._inventory[name][0] if d["name"] not in claimed
+                          and d["name"] not in mine and (not device_class or d["class"] == device_class)
+                          and (device is None or device in (d["name"], f"{name}/{d['name']}")))
+
         up = [name for name, (record, _) in self._boxes.items()
               if record["state"] == BoxState.UP and (box is None or name == box) and name in self._inventory]
-        free_by_box = {name: sorted((d["name"] for d in self._inventory[name][0] if matches(name, d)))
-                       for name in up}
-        free_by_box = {name: free for name, free in free_by_box.items() if free}
-        free = sum(len(f) for f in free_by_box.values())
+        sign = -1 if policy == "pack" else 1
         picks: list[str] = []
         for _ in range(count):
-            if not free_by_box:
-                break
-            sign = -1 if policy == "pack" else 1
-            name = min(free_by_box, key=lambda b: (sign * lent[b], b))
-            names = free_by_box[name]
-            chosen = names.pop(random.randrange(len(names)) if shuffle else 0)
-            picks.append(f"{name}/{chosen}")
-            lent[name] += 1
-            if not names:
-                del free_by_box[name]
-        return picks, free
+            heap = []
+            for name in up:
+                lent = len(self._claims.get(name, ())) + len(chosen.get(name, ()))
+                if lent < len(self._inventory[name][0]):  # a full box needs no look at its devices
+                    heap.append((sign * lent, random.random() if shuffle else name, name))
+            heapq.heapify(heap)
+            candidates: list[tuple[str, str]] = []
+            while heap and (not candidates or (shuffle and len(candidates) < SHUFFLE_AMONG)):
+                name = heapq.heappop(heap)[2]
+                candidates += [(name, d) for d in free_in(name)]
+            if not candidates:
+                chosen.clear()
+                return picks, sum(len(free_in(name)) for name in up)
+            name, pick = random.choice(candidates) if shuffle else candidates[0]
+            chosen.setdefault(name, set()).add(pick)
+            picks.append(f"{name}/{pick}")
+        return picks, len(picks)
 
     def allocate(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
                  device: str | None = None, policy: str = "pack", owner_pid: int | None = None) -> list[Lease]:
@@ -486,7 +586,8 @@ class EtcdStore:
                         fresh = True
                         continue
                     raise no_such_box(box, sorted(self._boxes))
-                picks, free = self._choose(count, device_class, box, device, policy, shuffle=conflicts > 0)
+                contended = conflicts > 0 or time.monotonic() < self._contended_until
+                picks, free = self._choose(count, device_class, box, device, policy, shuffle=contended)
                 if len(picks) < count:
                     if not fresh:  # others may have freed devices or added boxes since the last read
                         self._resync()
@@ -497,6 +598,8 @@ class EtcdStore:
                 if leases is not None:
                     return leases
                 conflicts += 1
+                self.conflicts += 1
+                self._contended_until = time.monotonic() + CONTENDED_FOR
                 fresh = False
         raise StoreError(f"allocation for {vm} lost {ATTEMPTS} races in a row to other allocators",
                          hint="the pool is very busy; try again")
@@ -520,50 +623,70 @@ class EtcdStore:
             compare += [c_absent(claim), c_absent(lease_key)]
             success += [op_put(claim, lease.id), op_put(lease_key, _lease_record(lease))]
         result = self.etcd.txn(compare, success, failure)
+        revision = int(result["header"]["revision"])
         if not result.get("succeeded"):
             found = ranges(result)
             for i, name in enumerate(boxes):
                 self._learn_box(name, found[3 * i:3 * i + 3])
-            if all(self._claims.get(lease.device) == lease.id for lease in leases):
-                return leases  # a retried send of a transaction that had been applied
-            return None
+            if not all(self._claims.get(lease.box, {}).get(lease.device.split("/", 1)[1]) == lease.id
+                       for lease in leases):
+                return None
+            # a retried send of a transaction that had been applied: they are ours
         for lease in leases:
-            self._claims[lease.device] = lease.id
+            self._claims.setdefault(lease.box, {})[lease.device.split("/", 1)[1]] = lease.id
+            self._mine[lease.id] = (_lease_record(lease), revision)
         return leases
 
     # --- leases -----------------------------------------------------------------
+    def _lease(self, lease_id: str) -> tuple[dict, int] | None:
+        """The lease record and its revision: from what this handle wrote last, else read."""
+        if lease_id in self._mine:
+            return self._mine[lease_id]
+        [found] = self._read((self.k("leases", lease_id), False))
+        return (found[0][1], found[0][2]) if found else None
+
     def update_lease(self, lease_id: str, **fields: object) -> None:
+        """One transaction (compare the lease's revision, put); a lost race reads it again."""
         check_lease_fields(fields)
         key = self.k("leases", lease_id)
-        for _ in range(ATTEMPTS):
-            [found] = self._read((key, False))
-            if not found:
-                return  # as SQLite's UPDATE of a missing row: nothing to change
-            _, record, revision = found[0]
-            record.update({k: str(v) if isinstance(v, LeaseState) else v for k, v in fields.items()},
-                          updated_at=time.time())
-            if self.etcd.txn([c_mod(key, revision)], [op_put(key, record)]).get("succeeded"):
-                return
+        with self._lock:
+            for _ in range(ATTEMPTS):
+                known = self._lease(lease_id)
+                if known is None:
+                    return  # as SQLite's UPDATE of a missing row: nothing to change
+                record, revision = known
+                record = {**record, **{k: str(v) if isinstance(v, LeaseState) else v for k, v in fields.items()},
+                          "updated_at": time.time()}
+                result = self.etcd.txn([c_mod(key, revision)], [op_put(key, record)])
+                if result.get("succeeded"):
+                    self._mine[lease_id] = (record, int(result["header"]["revision"]))
+                    return
+                self._mine.pop(lease_id, None)
         raise StoreError(f"lease {lease_id} changed under every update attempt", hint="try again")
 
     def delete_lease(self, lease_id: str) -> None:
         """The lease goes, and its device's claim with it (if the claim is still this lease's)."""
         key = self.k("leases", lease_id)
-        for _ in range(ATTEMPTS):
-            [found] = self._read((key, False))
-            if not found:
-                return
-            _, record, revision = found[0]
-            claim = self.k("claims", record["device"])
-            result = self.etcd.txn([c_mod(key, revision), c_value(claim, lease_id)],
-                                   [op_delete(key), op_delete(claim)])
-            if not result.get("succeeded"):
-                result = self.etcd.txn([c_mod(key, revision)], [op_delete(key)])  # the claim is another's
-            if result.get("succeeded"):
-                with self._lock:
-                    if self._claims.get(record["device"]) == lease_id:
-                        del self._claims[record["device"]]
-                return
+        with self._lock:
+            for _ in range(ATTEMPTS):
+                known = self._lease(lease_id)
+                if known is None:
+                    return
+                record, revision = known
+                claim = self.k("claims", record["device"])
+                result = self.etcd.txn([c_mod(key, revision), c_value(claim, lease_id)],
+                                       [op_delete(key), op_delete(claim)], [op_range(key), op_range(claim)])
+                if not result.get("succeeded"):
+                    [lease_now, claim_now] = ranges(result)
+                    if lease_now and lease_now[0][2] == revision:  # the claim is another's (or gone)
+                        result = self.etcd.txn([c_mod(key, revision)], [op_delete(key)])
+                if result.get("succeeded"):
+                    self._mine.pop(lease_id, None)
+                    box, name = record["device"].split("/", 1)
+                    if self._claims.get(box, {}).get(name) == lease_id:
+                        del self._claims[box][name]
+                    return
+                self._mine.pop(lease_id, None)
         raise StoreError(f"lease {lease_id} changed under every delete attempt", hint="try again")
 
     def leases(self, vm: str | None = None) -> list[Lease]:
