@@ -17,7 +17,7 @@ then it creates the claims and the leases. All or nothing, and two allocators --
 processes or hosts -- never get the same device: at most one transaction creates a
 claim key. ``pack``/``spread`` choose the box as the SQLite allocator does, from a cache
 of boxes, inventories and claims; a conflict refreshes the boxes it touched and tries
-again; for a while after a conflict it takes a random one of the first 16 free devices
+again; for a while after a conflict it takes a random one of the first 64 free devices
 the policy would take, so concurrent allocators stop racing for the same one. A watch
 (from the revision of the last full read, so no event is missed) keeps the view fresh;
 no match reads everything once more before it answers :class:`NoFreeDevice`, and the
@@ -43,7 +43,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 from urllib.parse import urlparse
 
 import requests
@@ -59,7 +59,7 @@ PREFIX = "/dxpu/v1/"
 SCHEMA_VERSION = 1
 RETRYABLE = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError, etcd_exc.InternalServerError)
 ATTEMPTS = 64  # allocation tries before it reports contention
-SHUFFLE_AMONG = 16  # under contention: a random one of the first this many free devices the policy would take
+SHUFFLE_AMONG = 64  # under contention: a random one of the first this many free devices the policy would take
 CONTENDED_FOR = 2.0  # s after a lost race during which allocation keeps choosing by chance
 
 
@@ -255,6 +255,8 @@ class EtcdStore:
         self._boxes: dict[str, tuple[dict, int]] = {}
         self._inventory: dict[str, tuple[list[dict], int]] = {}
         self._claims: dict[str, dict[str, str]] = {}
+        self._open: dict[int, set[str]] = {}  # lent -> the up boxes lending that many that are not full
+        self._level: dict[str, int] = {}  # box -> its key in _open
         self._seen = 0  # revision of the last full read of the view
         self._watch: requests.Response | None = None
         self._synced_at = -1e9
@@ -447,9 +449,25 @@ class EtcdStore:
         for key, lease_id, _ in claims:
             box, name = key[cut:].split("/", 1)
             self._claims.setdefault(box, {})[name] = lease_id
+        self._open, self._level = {}, {}
+        for name in self._boxes:
+            self._index(name)
         self._synced_at = time.monotonic()
         if self._watch is None:
             self._start_watch(self._seen + 1)
+
+    def _index(self, name: str) -> None:
+        """Re-file one box in ``_open`` after its record, inventory or claims changed."""
+        old = self._level.pop(name, None)
+        if old is not None:
+            self._open[old].discard(name)
+            if not self._open[old]:
+                del self._open[old]
+        record, inventory = self._boxes.get(name), self._inventory.get(name)
+        lent = len(self._claims.get(name, ()))
+        if record and inventory and record[0]["state"] == BoxState.UP and lent < len(inventory[0]):
+            self._open.setdefault(lent, set()).add(name)
+            self._level[name] = lent
 
     # --- the watch that keeps allocation's view fresh ------------------------------------
     def _start_watch(self, revision: int) -> None:
@@ -499,6 +517,7 @@ class EtcdStore:
                 self._claims.get(box, {}).pop(name, None)
             else:
                 self._claims.setdefault(box, {})[name] = value
+            self._index(box)
             return
         cache = self._boxes if kind == "boxes" else self._inventory if kind == "inventory" else None
         if cache is None or revision < cache.get(rest, (None, 0))[1]:
@@ -507,6 +526,7 @@ class EtcdStore:
             cache.pop(rest, None)
         else:
             cache[rest] = (value, revision)
+        self._index(rest)
 
     def _stop_watch(self) -> None:
         response, self._watch = self._watch, None
@@ -529,6 +549,7 @@ class EtcdStore:
             else:
                 cache.pop(name, None)
         self._claims[name] = {key.rsplit("/", 1)[1]: lease_id for key, lease_id, _ in claims}
+        self._index(name)
 
     def _choose(self, count: int, device_class: str | None, box: str | None, device: str | None,
                 policy: str, shuffle: bool) -> tuple[list[str], int]:
@@ -545,24 +566,43 @@ class EtcdStore:
                           and d["name"] not in mine and (not device_class or d["class"] == device_class)
                           and (device is None or device in (d["name"], f"{name}/{d['name']}")))
 
-        up = [name for name, (record, _) in self._boxes.items()
-              if record["state"] == BoxState.UP and (box is None or name == box) and name in self._inventory]
+        def up() -> list[str]:
+            return [name for name, (record, _) in self._boxes.items()
+                    if record["state"] == BoxState.UP and (box is None or name == box) and name in self._inventory]
+
         sign = -1 if policy == "pack" else 1
-        picks: list[str] = []
-        for _ in range(count):
+
+        def in_order() -> Iterator[str]:
+            """Non-full up boxes, the policy's choice first."""
+            if box is None and not chosen:  # the index: no pass over every box
+                for level in sorted(self._open, reverse=policy == "pack"):
+                    if not shuffle:
+                        yield from sorted(self._open[level])
+                        continue
+                    names = list(self._open[level])
+                    first = random.sample(names, min(len(names), SHUFFLE_AMONG))  # enough to find 64 devices
+                    yield from first
+                    yield from set(names).difference(first)  # a class filter may need more
+                return
             heap = []
-            for name in up:
+            for name in up():
                 lent = len(self._claims.get(name, ())) + len(chosen.get(name, ()))
                 if lent < len(self._inventory[name][0]):  # a full box needs no look at its devices
                     heap.append((sign * lent, random.random() if shuffle else name, name))
             heapq.heapify(heap)
+            while heap:
+                yield heapq.heappop(heap)[2]
+
+        picks: list[str] = []
+        for _ in range(count):
             candidates: list[tuple[str, str]] = []
-            while heap and (not candidates or (shuffle and len(candidates) < SHUFFLE_AMONG)):
-                name = heapq.heappop(heap)[2]
+            for name in in_order():
                 candidates += [(name, d) for d in free_in(name)]
+                if candidates and (not shuffle or len(candidates) >= SHUFFLE_AMONG):
+                    break
             if not candidates:
                 chosen.clear()
-                return picks, sum(len(free_in(name)) for name in up)
+                return picks, sum(len(free_in(name)) for name in up())
             name, pick = random.choice(candidates) if shuffle else candidates[0]
             chosen.setdefault(name, set()).add(pick)
             picks.append(f"{name}/{pick}")
@@ -634,6 +674,7 @@ class EtcdStore:
             # a retried send of a transaction that had been applied: they are ours
         for lease in leases:
             self._claims.setdefault(lease.box, {})[lease.device.split("/", 1)[1]] = lease.id
+            self._index(lease.box)
             self._mine[lease.id] = (_lease_record(lease), revision)
         return leases
 
@@ -685,6 +726,7 @@ class EtcdStore:
                     box, name = record["device"].split("/", 1)
                     if self._claims.get(box, {}).get(name) == lease_id:
                         del self._claims[box][name]
+                        self._index(box)
                     return
                 self._mine.pop(lease_id, None)
         raise StoreError(f"lease {lease_id} changed under every delete attempt", hint="try again")
