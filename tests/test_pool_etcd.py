@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from dxpu_vfio.pool.etcd_cluster import free_port
+from dxpu_vfio.pool.etcd_cluster import EtcdCluster, free_port, make_etcd_certs
 from dxpu_vfio.pool.etcd_store import EtcdStore, EtcdUnavailable
 from dxpu_vfio.pool.service import ManagerClient, ManagerProcess
 from dxpu_vfio.pool.storage import NoFreeDevice
@@ -146,3 +146,20 @@ def test_a_handle_learns_other_allocations_from_its_watch(etcd, etcd_prefix):
     assert [lease.device for lease in mine.allocate("vm0")] == ["a/d3"] and mine.conflicts == 0
     mine.close()
     theirs.close()
+
+
+def test_etcd_over_https_with_client_certificates(tmp_path, monkeypatch):
+    """--client-cert-auth: the store presents the host certificate of --etcd-tls-dir and
+    trusts only its CA, whatever REQUESTS_CA_BUNDLE says; without a certificate it is
+    refused with the endpoint named."""
+    certs = make_etcd_certs(tmp_path / "certs")
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(tmp_path / "no-such-bundle.pem"))  # must not matter
+    with EtcdCluster(tmp_path / "etcd", tls_dir=certs) as cluster:
+        [url] = cluster.endpoints
+        assert url.startswith("https://127.0.0.1:")
+        s = EtcdStore([url], path=tmp_path / "pool.db", tls_dir=str(certs))
+        s.register_box("a", "198.18.1.2:7000", None, inventory(1))
+        assert [lease.device for lease in s.allocate("vm1")] == ["a/d0"]
+        s.close()
+        with pytest.raises(EtcdUnavailable, match=url):
+            EtcdStore([url], path=tmp_path / "pool.db", retry_for=0.5)  # no CA: the server is not trusted

@@ -39,6 +39,33 @@ def etcd_binary() -> str:
     return path
 
 
+def make_etcd_certs(directory: Path, days: int = 30) -> Path:
+    """A CA, a member certificate (etcd.pem: 127.0.0.1/localhost, extendedKeyUsage
+    serverAuth *and* clientAuth -- with only serverAuth every /v3 call answers 503 under
+    --client-cert-auth) and a client one (host.pem), with openssl. Returns ``directory``."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+
+    def openssl(*args: str) -> None:
+        proc = subprocess.run(["openssl", *args], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise EtcdClusterError(f"openssl {args[0]} failed: {proc.stderr.strip()[-400:]}",
+                                   hint="apt-get install openssl")
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl("req", "-x509", *ec, "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"), "-days", str(days),
+            "-subj", "/CN=dxpu etcd CA")
+    for role, ext in (("etcd", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth"),
+                      ("host", "extendedKeyUsage=clientAuth")):
+        (d / f"{role}.ext").write_text(ext + "\n")
+        openssl("req", *ec, "-keyout", str(d / f"{role}.key"), "-out", str(d / f"{role}.csr"), "-subj", f"/CN={role}")
+        openssl("x509", "-req", "-in", str(d / f"{role}.csr"), "-CA", str(d / "ca.pem"), "-CAkey", str(d / "ca.key"),
+                "-CAcreateserial", "-out", str(d / f"{role}.pem"), "-days", str(days), "-extfile", str(d / f"{role}.ext"))
+        (d / f"{role}.csr").unlink()
+        (d / f"{role}.key").chmod(0o600)
+    return d
+
+
 @dataclass
 class EtcdMember(ChildProcess):
     name: str
@@ -46,11 +73,12 @@ class EtcdMember(ChildProcess):
     peer_port: int
     data_dir: Path
     log_path: Path
+    scheme: str = "http"
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{self.scheme}://127.0.0.1:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -60,12 +88,17 @@ class EtcdMember(ChildProcess):
 class EtcdCluster:
     """``members`` etcd processes forming one cluster under ``directory``."""
 
-    def __init__(self, directory: Path, members: int = 1, *, heartbeat_ms: int = 50, election_ms: int = 500) -> None:
+    def __init__(self, directory: Path, members: int = 1, *, heartbeat_ms: int = 50, election_ms: int = 500,
+                 tls_dir: Path | None = None) -> None:
+        """``tls_dir`` (from :func:`make_etcd_certs`): clients speak https and must present
+        a certificate of its CA (``--client-cert-auth``); peers stay on plain 127.0.0.1."""
         self.directory = Path(directory)
         self.token = f"dxpu-{uuid.uuid4().hex[:12]}"
+        self.tls_dir = tls_dir
         self.timing = ["--heartbeat-interval", str(heartbeat_ms), "--election-timeout", str(election_ms)]
         self.members = [EtcdMember(f"m{i}", free_port(), free_port(), self.directory / f"m{i}.etcd",
-                                   self.directory / f"m{i}.log") for i in range(members)]
+                                   self.directory / f"m{i}.log", "https" if tls_dir else "http")
+                        for i in range(members)]
 
     @property
     def endpoints(self) -> list[str]:
@@ -77,7 +110,14 @@ class EtcdCluster:
                 "--listen-client-urls", member.client_url, "--advertise-client-urls", member.client_url,
                 "--listen-peer-urls", member.peer_url, "--initial-advertise-peer-urls", member.peer_url,
                 "--initial-cluster", initial, "--initial-cluster-state", state,
-                "--initial-cluster-token", self.token, *self.timing]
+                "--initial-cluster-token", self.token, *self.timing, *self._tls_args()]
+
+    def _tls_args(self) -> list[str]:
+        if not self.tls_dir:
+            return []
+        d = Path(self.tls_dir)
+        return ["--cert-file", str(d / "etcd.pem"), "--key-file", str(d / "etcd.key"),
+                "--trusted-ca-file", str(d / "ca.pem"), "--client-cert-auth"]
 
     def start_member(self, member: EtcdMember, state: str = "new") -> None:
         """Start one member (again, after a kill: its data dir is kept)."""
@@ -102,7 +142,8 @@ class EtcdCluster:
         from dxpu_vfio.pool.etcd_store import EtcdClient  # the client needs requests; the cluster does not
         waiting = members or [m for m in self.members if m.alive()]
         for member in waiting:
-            client = EtcdClient([member.client_url], timeout=1.0, retry_for=0.0)
+            client = EtcdClient([member.client_url], timeout=1.0, retry_for=0.0,
+                                tls_dir=str(self.tls_dir) if self.tls_dir else None)
             try:
                 if not wait_until(lambda: member.alive() and client.healthy(), timeout, interval=0.1):
                     tail = member.log_path.read_text(errors="replace")[-2000:] if member.log_path.exists() else ""
@@ -116,7 +157,8 @@ class EtcdCluster:
         """Index of the member that leads now (asked of the first running member that answers)."""
         from dxpu_vfio.pool.etcd_store import EtcdClient
         for member in (m for m in self.members if m.alive()):
-            client = EtcdClient([member.client_url], timeout=1.0, retry_for=0.0)
+            client = EtcdClient([member.client_url], timeout=1.0, retry_for=0.0,
+                                tls_dir=str(self.tls_dir) if self.tls_dir else None)
             try:
                 status = client.call("/maintenance/status", {})
             except DxpuError:

@@ -141,6 +141,9 @@ class EtcdClient:
                 except etcd_exc.Etcd3Exception as exc:
                     raise StoreError(f"etcd refused {path}: {(exc.detail_text or '').strip()[:300]}",
                                      hint="nothing was changed") from exc
+                except OSError as exc:  # requests: a CA or certificate file it cannot read
+                    raise StoreError(f"cannot use the TLS files for etcd: {exc}",
+                                     hint="--etcd-tls-dir must hold ca.pem, host.pem and host.key") from exc
                 self._current = index
                 return result
             if time.monotonic() >= deadline:
