@@ -17,7 +17,7 @@ then it creates the claims and the leases. All or nothing, and two allocators --
 processes or hosts -- never get the same device: at most one transaction creates a
 claim key. ``pack``/``spread`` choose the box as the SQLite allocator does, from a cache
 of boxes, inventories and claims; a conflict refreshes the boxes it touched and tries
-again; for a while after a conflict it takes a random one of the first 64 free devices
+again; for a while after a conflict it takes a random one of the first 256 free devices
 the policy would take, so concurrent allocators stop racing for the same one. A watch
 (from the revision of the last full read, so no event is missed) keeps the view fresh;
 no match reads everything once more before it answers :class:`NoFreeDevice`, and the
@@ -59,7 +59,7 @@ PREFIX = "/dxpu/v1/"
 SCHEMA_VERSION = 1
 RETRYABLE = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError, etcd_exc.InternalServerError)
 ATTEMPTS = 64  # allocation tries before it reports contention
-SHUFFLE_AMONG = 64  # under contention: a random one of the first this many free devices the policy would take
+SHUFFLE_AMONG = 256  # under contention: a random one of the first this many free devices the policy would take
 CONTENDED_FOR = 2.0  # s after a lost race during which allocation keeps choosing by chance
 
 
@@ -583,7 +583,7 @@ class EtcdStore:
                         yield from sorted(self._open[level])
                         continue
                     names = list(self._open[level])
-                    first = random.sample(names, min(len(names), SHUFFLE_AMONG))  # enough to find 64 devices
+                    first = random.sample(names, min(len(names), SHUFFLE_AMONG))  # enough to find SHUFFLE_AMONG devices
                     yield from first
                     yield from set(names).difference(first)  # a class filter may need more
                 return
