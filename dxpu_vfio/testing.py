@@ -6,7 +6,8 @@ The VM factory kills every VM at teardown, by pid; the lab factory brings every 
 down at the end of the session. When a test fails, the serial log, QEMU's stderr and
 command line, and the QMP event history of each of its VMs, and the remote proxy logs
 and state files of each lab it used, are copied to ``results/<test>/`` and the failure
-report names that directory. Registered as a pytest plugin by ``tests/conftest.py``.
+report names that directory. etcd clusters (one member for the session, three for a
+test that kills members) start on free ports and are ended by pid. Registered as a pytest plugin by ``tests/conftest.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import shutil
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
 from pyroute2 import netns
@@ -31,6 +32,9 @@ from dxpu_vfio.paths import PROJECT_ROOT, run_dir
 from dxpu_vfio.procs import pid_alive, request_json, wait_until
 from dxpu_vfio.vms.images import Image, load_image
 from dxpu_vfio.vms.runner import Vm, VmConfig
+
+if TYPE_CHECKING:
+    from dxpu_vfio.pool.etcd_cluster import EtcdCluster
 
 RESULTS_DIR = Path(os.environ.get("DXPU_RESULTS", PROJECT_ROOT / "results"))
 _ids = itertools.count(1)
@@ -622,3 +626,31 @@ def libvirt_vm(request: pytest.FixtureRequest, libvirtd: list, tiny_image: Image
         yield vm.boot()
     finally:
         vm.destroy()
+
+
+# --- etcd ---------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator["EtcdCluster"]:
+    """One etcd member for the session, on free ports, data under tmp; tests share it by
+    using a key prefix of their own (``etcd_prefix``). Members run with ``ETCD_*``
+    scrubbed and are ended by pid (dxpu_vfio.pool.etcd_cluster)."""
+    from dxpu_vfio.pool.etcd_cluster import EtcdCluster
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd1"), members=1).start()
+    yield cluster
+    cluster.stop()
+    assert not any(m.alive() for m in cluster.members), "an etcd member outlived the session"
+
+
+@pytest.fixture
+def etcd_prefix(request: pytest.FixtureRequest) -> str:
+    """A key prefix no other test uses, so tests share one etcd without seeing each other."""
+    return f"/dxpu-test/{next(_ids)}-{re.sub(r'[^A-Za-z0-9]+', '-', request.node.name)[:60]}/v1/"
+
+
+@pytest.fixture
+def etcd3(tmp_path: Path) -> Iterator["EtcdCluster"]:
+    """A three-member cluster of this test alone (tests kill members of it)."""
+    from dxpu_vfio.pool.etcd_cluster import EtcdCluster
+    cluster = EtcdCluster(tmp_path / "etcd3", members=3).start()
+    yield cluster
+    cluster.stop()

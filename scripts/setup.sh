@@ -17,6 +17,7 @@ PACKAGES=(
     clang libclang-rt-14-dev  # its libFuzzer harness (scripts/fuzz_native.sh)
     iproute2              # network namespaces for the lab
     libvirt-daemon-system libvirt-clients libvirt-dev pkg-config  # libvirt + what libvirt-python builds against
+    etcd-server etcd-client  # the multi-host pool's store (3.4 on Debian 12); tests start their own members
     python3-venv
 )
 
@@ -44,7 +45,7 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
     .venv/bin/pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
-    .venv/bin/python -c 'import dxpu_vfio, qemu.qmp, libvirt, pyudev, pyroute2, pytest' \
+    .venv/bin/python -c 'import dxpu_vfio, qemu.qmp, libvirt, pyudev, pyroute2, etcd3gw, pytest' \
         || { echo "setup: Python dependencies failed to install" >&2; exit 1; }
     echo "$want" > "$stamp"
 else

@@ -1,5 +1,7 @@
-"""The pool store on a real SQLite file (no VM): allocation policies, atomicity across
-processes, schema migration, refusals, a full disk, and the Prometheus exposition."""
+"""The pool stores (no VM): one suite run on SQLite (a real file) and on etcd (a real
+member this session started): allocation policies, atomicity across processes,
+refusals, re-registration, states, and the Prometheus exposition. Then what only SQLite
+has: schema migration, its CHECK constraints, a full disk."""
 
 from __future__ import annotations
 
@@ -8,12 +10,15 @@ import multiprocessing
 import os
 import sqlite3
 import subprocess
+from dataclasses import dataclass
 
 import pytest
 
 from dxpu_vfio.pool import store as store_mod
 from dxpu_vfio.pool.metrics import render
+from dxpu_vfio.pool.etcd_store import op_put
 from dxpu_vfio.pool.states import BoxState, LeaseState
+from dxpu_vfio.pool.storage import PoolStore
 from dxpu_vfio.pool.store import NoFreeDevice, Store, StoreError
 
 
@@ -22,9 +27,34 @@ def inventory(n: int, cls: str = "testdev") -> list[dict]:
             for i in range(n)]
 
 
+@dataclass(frozen=True)
+class Pool:
+    """Where one pool lives: a SQLite file, or etcd endpoints and a key prefix. Picklable,
+    so another process opens a handle of its own on the same pool."""
+
+    kind: str
+    path: str
+    endpoints: tuple[str, ...] = ()
+    prefix: str = ""
+
+    def open(self) -> PoolStore:
+        if self.kind == "sqlite":
+            return Store(self.path)
+        from dxpu_vfio.pool.etcd_store import EtcdStore
+        return EtcdStore(list(self.endpoints), path=self.path, prefix=self.prefix)
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def pool(request, tmp_path) -> Pool:
+    if request.param == "sqlite":
+        return Pool("sqlite", str(tmp_path / "pool.db"))
+    cluster = request.getfixturevalue("etcd")
+    return Pool("etcd", str(tmp_path / "pool.db"), tuple(cluster.endpoints), request.getfixturevalue("etcd_prefix"))
+
+
 @pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "pool.db")
+def store(pool):
+    s = pool.open()
     s.register_box("a", "198.18.1.2:7000", None, inventory(3))
     s.register_box("b", "198.18.2.2:7000", None, inventory(2) + [
         {"id": "n0", "class": "nvme", "vendor": "1b36", "model": "10f1", "capacity": 1 << 30, "lease": "tn"}])
@@ -88,22 +118,22 @@ def test_reregistration_keeps_leased_devices_and_drops_vanished_free_ones(store)
     assert [b["name"] for b in store.boxes()] == ["b"]
 
 
-def _grab(path: str, name: str, count: int, out, go) -> None:
-    s = Store(path)
+def _grab(pool: Pool, name: str, count: int, out, go) -> None:
+    s = pool.open()
     go.wait(60)
     out.put([s.allocate(name)[0].device for _ in range(count)])
 
 
-def test_concurrent_processes_never_share_a_device(tmp_path):
+def test_concurrent_processes_never_share_a_device(pool):
     """Four processes take 500 devices each, one at a time, from 2000 at once: every
-    allocation succeeds (no 'database is locked'), and no device is handed out twice."""
-    path = tmp_path / "race.db"
-    s = Store(path)
+    allocation succeeds (no 'database is locked', no lost race), and no device is handed
+    out twice."""
+    s = pool.open()
     for b in range(4):
         s.register_box(f"box{b}", f"198.18.{b}.2:7000", None, inventory(500))
     ctx = multiprocessing.get_context("spawn")
     out, go = ctx.Queue(), ctx.Event()
-    workers = [ctx.Process(target=_grab, args=(str(path), f"vm{i}", 500, out, go)) for i in range(4)]
+    workers = [ctx.Process(target=_grab, args=(pool, f"vm{i}", 500, out, go)) for i in range(4)]
     for w in workers:
         w.start()
     go.set()  # all at once
@@ -117,8 +147,57 @@ def test_concurrent_processes_never_share_a_device(tmp_path):
     assert sum(b["lent"] for b in s.boxes()) == 2000
     with pytest.raises(NoFreeDevice):
         s.allocate("vm9")
+    s.close()
 
 
+def test_lease_and_box_states_are_the_enums_and_the_strings_shown(store):
+    [lease] = store.allocate("vm1", device="a/d0")
+    store.update_lease(lease.id, state="attached")
+    [lease] = store.leases("vm1")
+    assert lease.state is LeaseState.ATTACHED and json.dumps(lease.state) == '"attached"'
+    assert store.mark_box("b", up=False) is BoxState.UP and store.box("b")["state"] is BoxState.DOWN
+    assert [b["state"] for b in json.loads(json.dumps(store.boxes()))] == ["up", "down"]
+    with pytest.raises(ValueError, match="'plugged' is not a valid LeaseState"):
+        store.update_lease(lease.id, state="plugged")
+    if store.kind == "sqlite":  # and the database itself refuses other strings
+        assert_states_checked(store.path, lease.id)
+
+
+def test_metrics_are_valid_prometheus_text(store):
+    from prometheus_client.parser import text_string_to_metric_families
+    [lease] = store.allocate("vm1", device="b/n0")
+    store.update_lease(lease.id, state="attached")
+    stats = {lease.id: {"server": {"commands": {"REGION_READ": {"count": 7}}},
+                        "device": {"reads": 7, "dma_bytes_read": 4096, "link": {"up": True}}}}
+    families = {f.name: f for f in text_string_to_metric_families(render(store, stats))}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    base = (("device", "b/n0"), ("lease", lease.id), ("vm", "vm1"))
+    assert samples[("dxpu_device_messages_total", tuple(sorted(base + (("command", "REGION_READ"),))))] == 7
+    assert samples[("dxpu_device_dma_bytes_total", tuple(sorted(base + (("direction", "read"),))))] == 4096
+    assert samples[("dxpu_device_link_up", base)] == 1
+    assert samples[("dxpu_lease_info", tuple(sorted(base + (("state", "attached"),))))] == 1
+    assert families["dxpu_device_messages"].type == "counter" and families["dxpu_box_up"].type == "gauge"
+    assert samples[("dxpu_box_up", (("box", "a"),))] == 1
+    assert samples[("dxpu_devices", (("box", "b"), ("class", "nvme"), ("state", "leased")))] == 1
+    assert samples[("dxpu_devices", (("box", "a"), ("class", "testdev"), ("state", "free")))] == 3
+
+
+def test_a_newer_schema_is_refused(pool):
+    pool.open().close()
+    if pool.kind == "sqlite":
+        db = sqlite3.connect(pool.path)
+        db.execute("PRAGMA user_version = 99")
+        db.commit()
+        db.close()
+    else:
+        s = pool.open()
+        s.etcd.txn([], [op_put(s.k("schema"), 99)])
+        s.close()
+    with pytest.raises(StoreError, match="schema version 99"):
+        pool.open()
+
+
+# --- SQLite only: its schema, its constraints, its file --------------------------------
 def test_migrates_a_version_1_database_keeping_its_leases(tmp_path):
     path = tmp_path / "v1.db"
     db = sqlite3.connect(path)
@@ -156,29 +235,6 @@ def assert_states_checked(path, lease_id: str) -> None:
         db.close()
 
 
-def test_lease_and_box_states_are_the_enums_and_the_strings_shown(store):
-    [lease] = store.allocate("vm1", device="a/d0")
-    store.update_lease(lease.id, state="attached")
-    [lease] = store.leases("vm1")
-    assert lease.state is LeaseState.ATTACHED and json.dumps(lease.state) == '"attached"'
-    assert store.mark_box("b", up=False) is BoxState.UP and store.box("b")["state"] is BoxState.DOWN
-    assert [b["state"] for b in json.loads(json.dumps(store.boxes()))] == ["up", "down"]
-    with pytest.raises(ValueError, match="'plugged' is not a valid LeaseState"):
-        store.update_lease(lease.id, state="plugged")
-    assert_states_checked(store.path, lease.id)
-
-
-def test_a_newer_schema_is_refused(tmp_path):
-    path = tmp_path / "new.db"
-    Store(path).close()
-    db = sqlite3.connect(path)
-    db.execute("PRAGMA user_version = 99")
-    db.commit()
-    db.close()
-    with pytest.raises(StoreError, match="schema version 99"):
-        Store(path)
-
-
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 1 MiB tmpfs (we run as root): a real full disk."""
@@ -214,22 +270,3 @@ def test_a_full_disk_fails_cleanly_and_loses_nothing(tiny_disk):
     assert sorted(lease.id for lease in s.leases()) == sorted(lease.id for lease in first)
     assert len(s.allocate("vm1", count=2)) == 2
     s.close()
-
-
-def test_metrics_are_valid_prometheus_text(store):
-    from prometheus_client.parser import text_string_to_metric_families
-    [lease] = store.allocate("vm1", device="b/n0")
-    store.update_lease(lease.id, state="attached")
-    stats = {lease.id: {"server": {"commands": {"REGION_READ": {"count": 7}}},
-                        "device": {"reads": 7, "dma_bytes_read": 4096, "link": {"up": True}}}}
-    families = {f.name: f for f in text_string_to_metric_families(render(store, stats))}
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
-    base = (("device", "b/n0"), ("lease", lease.id), ("vm", "vm1"))
-    assert samples[("dxpu_device_messages_total", tuple(sorted(base + (("command", "REGION_READ"),))))] == 7
-    assert samples[("dxpu_device_dma_bytes_total", tuple(sorted(base + (("direction", "read"),))))] == 4096
-    assert samples[("dxpu_device_link_up", base)] == 1
-    assert samples[("dxpu_lease_info", tuple(sorted(base + (("state", "attached"),))))] == 1
-    assert families["dxpu_device_messages"].type == "counter" and families["dxpu_box_up"].type == "gauge"
-    assert samples[("dxpu_box_up", (("box", "a"),))] == 1
-    assert samples[("dxpu_devices", (("box", "b"), ("class", "nvme"), ("state", "leased")))] == 1
-    assert samples[("dxpu_devices", (("box", "a"), ("class", "testdev"), ("state", "free")))] == 3

@@ -8,6 +8,7 @@ prints what the API returned.
 from __future__ import annotations
 
 import argparse
+import os
 
 from dxpu_vfio.cli.commands import Subparsers, command, group
 from dxpu_vfio.cli.output import emit, setup_logging, size, table
@@ -87,7 +88,9 @@ def cmd_manager_serve(args: argparse.Namespace) -> int:
     """Until SIGTERM/SIGINT; its log (the "manager serving" line first) on stderr, JSON lines with --json."""
     from dxpu_vfio.pool.service import serve
     setup_logging(args, args.log_level)
-    serve(args.db, heartbeat=args.heartbeat, dead_after=args.dead_after, metrics_address=args.metrics)
+    from dxpu_vfio.pool.etcd_store import endpoints_from
+    serve(args.db, heartbeat=args.heartbeat, dead_after=args.dead_after, metrics_address=args.metrics,
+          store=args.store, etcd_endpoints=endpoints_from(args.etcd_endpoints), etcd_tls_dir=args.etcd_tls_dir)
     return 0
 
 
@@ -141,6 +144,12 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between box probes")
     p.add_argument("--dead-after", type=float, default=3.0, help="a box unheard this long is down")
     p.add_argument("--metrics", help="also serve /metrics for Prometheus on HOST:PORT (no token)")
+    p.add_argument("--store", choices=["sqlite", "etcd"], default=os.environ.get("DXPU_POOL_STORE") or "sqlite",
+                   help="where the pool's state lives (default $DXPU_POOL_STORE or sqlite: the --db file)")
+    p.add_argument("--etcd-endpoints", default=None, metavar="URL,URL",
+                   help="etcd client URLs for --store etcd (default $DXPU_ETCD_ENDPOINTS)")
+    p.add_argument("--etcd-tls-dir", default=None, metavar="DIR",
+                   help="ca.pem + host.pem/host.key for etcd over https with client certificates")
     p.add_argument("--log-level", default="WARNING")
     _with_db(command(manager, "metrics", cmd_manager_metrics, "print the Prometheus metrics"))
     _with_db(command(manager, "reconcile", cmd_manager_reconcile,

@@ -28,7 +28,7 @@ from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.hostproxy.process import HostProxyProcess
 from dxpu_vfio.pool.boxes import TLS_ROLE, BoxUnreachable, fetch_inventory, fetch_screenshot
 from dxpu_vfio.pool.states import BoxState, LeaseState
-from dxpu_vfio.pool.store import QDEV_PREFIX, Lease, Store, StoreError
+from dxpu_vfio.pool.storage import QDEV_PREFIX, Lease, PoolStore, StoreError
 from dxpu_vfio.procs import request_json, terminate_pid
 from dxpu_vfio.vmm.errors import VmGone
 from dxpu_vfio.vmm.naming import open_target, target_key
@@ -77,9 +77,10 @@ def stop_proxy(lease: Lease) -> None:
 
 
 class Manager:
-    """One pool, one store. Thread-safe: the service calls it from many threads."""
+    """One pool, one store (SQLite or etcd: :class:`~dxpu_vfio.pool.storage.PoolStore`).
+    Thread-safe: the service calls it from many threads."""
 
-    def __init__(self, store: Store, *, open_vm: Callable[[str], VmTarget] = open_target,
+    def __init__(self, store: PoolStore, *, open_vm: Callable[[str], VmTarget] = open_target,
                  dead_after: float = 3.0, unplug_timeout: float = 15.0,
                  reconcile_unplug_timeout: float = 5.0, heal_interval: float = 10.0) -> None:
         self.store = store

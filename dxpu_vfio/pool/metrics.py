@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from dxpu_vfio.pool.states import BoxState
-from dxpu_vfio.pool.store import Store
+from dxpu_vfio.pool.storage import PoolStore
 
 LEASE_LABELS = ["lease", "device", "vm"]
 
@@ -24,7 +24,7 @@ class PoolCollector:
     """One scrape: the store's boxes, devices and leases, and the proxies' counters
     (``proxy_stats``: lease id -> the proxy's stats, None where it did not answer)."""
 
-    def __init__(self, store: Store, proxy_stats: dict[str, dict | None]) -> None:
+    def __init__(self, store: PoolStore, proxy_stats: dict[str, dict | None]) -> None:
         self.store = store
         self.proxy_stats = proxy_stats
 
@@ -73,6 +73,6 @@ class PoolCollector:
         yield from (box_up, last_seen, devices, info, messages, link, dma, link_up)
 
 
-def render(store: Store, proxy_stats: dict[str, dict | None]) -> str:
+def render(store: PoolStore, proxy_stats: dict[str, dict | None]) -> str:
     """The text a Prometheus scrape of ``/metrics`` gets (format 0.0.4)."""
     return generate_latest(PoolCollector(store, proxy_stats)).decode()

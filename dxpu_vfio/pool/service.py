@@ -11,6 +11,8 @@ fields are checked by type (:mod:`dxpu_vfio.pool.fields`), a wrong one answers 4
 
 One service per database: it holds ``pool.lock`` (flock) while it runs. At start it
 reconciles the store with the VMs; then it probes every box each ``--heartbeat`` s.
+With ``--store etcd`` the pool's state lives in etcd (``--etcd-endpoints``) and the
+database path only names where this host's socket, token, lock and logs live.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from dxpu_vfio.pool import bounds
 from dxpu_vfio.pool.bounds import BoundedServer, DeadlineHandler
 from dxpu_vfio.pool.fields import BadField, count, field
 from dxpu_vfio.pool.manager import Manager
-from dxpu_vfio.pool.store import Store, default_path
+from dxpu_vfio.pool.storage import open_store
+from dxpu_vfio.pool.store import default_path
 from dxpu_vfio.procs import ChildProcess, terminate
 
 log = logging.getLogger("dxpu.manager")
@@ -165,7 +168,7 @@ class _Api(DeadlineHandler, BaseHTTPRequestHandler):
             return field(args, name, str, required=required, default=default)
 
         routes = {
-            ("GET", "/v1/health"): lambda: {"pid": os.getpid(), "db": str(m.store.path),
+            ("GET", "/v1/health"): lambda: {"pid": os.getpid(), "db": str(m.store.path), "store": m.store.kind,
                                              "schema": m.store.schema_version},
             ("GET", "/v1/ls"): m.listing,
             ("GET", "/v1/status"): lambda: m.status(s("vm", True)),
@@ -204,8 +207,10 @@ class _Api(DeadlineHandler, BaseHTTPRequestHandler):
 
 def serve(db: Path | None = None, *, heartbeat: float = 1.0, dead_after: float = 3.0,
           metrics_address: str | None = None, ready: threading.Event | None = None,
-          stop: threading.Event | None = None) -> None:
-    """Run the manager until SIGTERM/SIGINT (or ``stop``)."""
+          stop: threading.Event | None = None, store: str = "sqlite", etcd_endpoints: list[str] | None = None,
+          etcd_tls_dir: str | None = None) -> None:
+    """Run the manager until SIGTERM/SIGINT (or ``stop``), on the SQLite file ``db`` or,
+    with ``store="etcd"``, on the pool in etcd."""
     paths = ManagerPaths.for_db(db)
     paths.db.parent.mkdir(parents=True, exist_ok=True)
     lock = open(paths.lock, "a+")
@@ -218,8 +223,12 @@ def serve(db: Path | None = None, *, heartbeat: float = 1.0, dead_after: float =
     lock.truncate()
     lock.write(f"{os.getpid()}\n")
     lock.flush()
-    store = Store(paths.db)
-    manager = Manager(store, dead_after=dead_after)
+    try:
+        pool_store = open_store(store, db=paths.db, endpoints=etcd_endpoints, tls_dir=etcd_tls_dir)
+    except BaseException:
+        lock.close()
+        raise
+    manager = Manager(pool_store, dead_after=dead_after)
     for action in manager.reconcile():
         log.warning("reconcile: %s", action)
     token = secrets.token_urlsafe(32)
@@ -245,7 +254,8 @@ def serve(db: Path | None = None, *, heartbeat: float = 1.0, dead_after: float =
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
-    log.warning("manager serving %s on %s%s", paths.db, paths.socket,
+    log.warning("manager serving %s on %s%s", paths.db if store == "sqlite" else
+                f"etcd {','.join(pool_store.endpoints)} ({paths.db.parent})", paths.socket,
                 f" (metrics on http://{metrics_address}/metrics)" if metrics_address else "")
     if ready is not None:
         ready.set()
@@ -261,7 +271,7 @@ def serve(db: Path | None = None, *, heartbeat: float = 1.0, dead_after: float =
             server.server_close()
         paths.socket.unlink(missing_ok=True)
         paths.token.unlink(missing_ok=True)
-        store.close()
+        pool_store.close()
         lock.close()
 
 
@@ -331,11 +341,14 @@ class ManagerProcess(ChildProcess):
     """``dxpu manager serve`` as a child (tests, demo): started, waited for, ended by pid."""
 
     def __init__(self, db: Path, *, netns: str | None = None, heartbeat: float = 0.5, dead_after: float = 2.0,
-                 metrics_address: str | None = None, env: dict[str, str] | None = None) -> None:
+                 metrics_address: str | None = None, env: dict[str, str] | None = None,
+                 etcd_endpoints: list[str] | None = None) -> None:
         self.paths = ManagerPaths.for_db(db)
         self.netns = netns
         self.env = {**os.environ, **(env or {})}
         self.args = ["--heartbeat", str(heartbeat), "--dead-after", str(dead_after)]
+        if etcd_endpoints:
+            self.args += ["--store", "etcd", "--etcd-endpoints", ",".join(etcd_endpoints)]
         if metrics_address:
             self.args += ["--metrics", metrics_address]
         self.process: subprocess.Popen | None = None
@@ -345,6 +358,7 @@ class ManagerProcess(ChildProcess):
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns, *argv]
         self.paths.token.unlink(missing_ok=True)
+        self.paths.db.parent.mkdir(parents=True, exist_ok=True)
         with open(self.paths.log, "ab") as out:
             self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                             start_new_session=True, env=self.env)

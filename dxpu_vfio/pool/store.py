@@ -24,12 +24,13 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.pool.states import BoxState, LeaseState, sql_check
+from dxpu_vfio.pool.storage import (  # noqa: F401 - Lease, QDEV_PREFIX, POLICIES are imported from here too
+    POLICIES, QDEV_PREFIX, Lease, NoFreeDevice, StoreError, box_busy, check_allocation, check_lease_fields,
+    no_free_device, no_such_box, no_such_device, pick_lease)
 
 MIGRATIONS: list[str] = [
     # 1: boxes, devices, leases
@@ -88,38 +89,6 @@ MIGRATIONS: list[str] = [
     """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
-QDEV_PREFIX = "pool-"  # QEMU ids of devices the pool plugged
-POLICIES = ("pack", "spread")
-
-
-class StoreError(DxpuError):
-    """The store cannot be opened or does not hold what was asked for."""
-
-
-class NoFreeDevice(StoreError):
-    """Fewer free devices match than were asked for; nothing was allocated."""
-
-
-@dataclass
-class Lease:
-    id: str
-    device: str
-    vm: str
-    state: LeaseState
-    qdev_id: str
-    port: str | None = None
-    socket: str | None = None
-    proxy_pid: int | None = None
-    owner_pid: int | None = None
-    created_at: float = 0.0
-    updated_at: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.state = LeaseState(self.state)  # rows hold plain strings
-
-    @property
-    def box(self) -> str:
-        return self.device.split("/", 1)[0]
 
 
 def _box_dict(row: sqlite3.Row) -> dict:
@@ -137,6 +106,8 @@ def default_path() -> Path:
 
 class Store:
     """Thread-safe handle on the pool database (one connection, one lock)."""
+
+    kind = "sqlite"
 
     def __init__(self, path: Path | str | None = None) -> None:
         self.path = Path(path) if path else default_path()
@@ -235,16 +206,14 @@ class Store:
             held = db.execute("SELECT COUNT(*) FROM leases JOIN devices ON devices.id = leases.device "
                               "WHERE devices.box = ?", (name,)).fetchone()[0]
             if held:
-                raise StoreError(f"box {name} still has {held} leased device(s)",
-                                 hint="detach them first (dxpu ls shows which VMs hold them)")
+                raise box_busy(name, held)
             db.execute("DELETE FROM boxes WHERE name = ?", (name,))
 
     def _box_row(self, db: sqlite3.Connection, name: str) -> sqlite3.Row:
         row = db.execute("SELECT * FROM boxes WHERE name = ?", (name,)).fetchone()
         if row is None:
             known = [r[0] for r in db.execute("SELECT name FROM boxes ORDER BY name")]
-            raise StoreError(f"no box named {name!r} in the pool (known: {', '.join(known) or 'none'})",
-                             hint="register it with: dxpu box add NAME HOST:PORT --tls-dir DIR")
+            raise no_such_box(name, known)
         return row
 
     def box(self, name: str) -> dict:
@@ -280,7 +249,7 @@ class Store:
         rows = self._query("SELECT devices.*, boxes.address, boxes.tls_dir FROM devices "
                            "JOIN boxes ON boxes.name = devices.box WHERE devices.id = ?", (device_id,))
         if not rows:
-            raise StoreError(f"no device {device_id!r} in the pool", hint="dxpu ls lists the devices")
+            raise no_such_device(device_id)
         return dict(rows[0])
 
     # --- leases -----------------------------------------------------------------
@@ -288,10 +257,7 @@ class Store:
                  device: str | None = None, policy: str = "pack", owner_pid: int | None = None) -> list[Lease]:
         """Pick ``count`` free devices and create ``attaching`` leases for them, atomically:
         all of them or none (:class:`NoFreeDevice`)."""
-        if policy not in POLICIES:
-            raise StoreError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)}")
-        if count < 1:
-            raise StoreError(f"--count must be at least 1, not {count}")
+        check_allocation(policy, count)
         # pack: the box that already lends the most first (keeps other boxes whole);
         # spread: the box that lends the least first, so N devices come from N boxes.
         with self.transaction() as db:
@@ -318,11 +284,7 @@ class Store:
                     free = len(leases) + db.execute(
                         "SELECT COUNT(*) FROM devices d JOIN boxes b ON b.name = d.box WHERE b.state = ? "
                         f"AND d.leased = 0{box_filter}{dev_filter}", box_args + dev_args).fetchone()[0]
-                    what = " ".join(filter(None, [f"class {device_class}" if device_class else "",
-                                                  f"on box {box}" if box else "",
-                                                  f"named {device}" if device else ""]))
-                    raise NoFreeDevice(f"asked for {count} device(s){' of ' + what if what else ''}, {free} free",
-                                       hint="dxpu ls shows boxes, devices and who holds them")
+                    raise no_free_device(count, free, device_class, box, device)
                 device_id = db.execute(f"SELECT d.id FROM devices d WHERE d.box = ? AND d.leased = 0{dev_filter} "
                                        "ORDER BY d.id LIMIT 1", [row[0]] + dev_args).fetchone()[0]
                 lease_id = secrets.token_hex(4)
@@ -335,11 +297,7 @@ class Store:
             return leases
 
     def update_lease(self, lease_id: str, **fields: object) -> None:
-        allowed = {"state", "port", "socket", "proxy_pid", "owner_pid"}
-        if not fields or set(fields) - allowed:
-            raise ValueError(f"cannot update lease fields {sorted(set(fields) - allowed)}")
-        if "state" in fields:
-            fields["state"] = LeaseState(fields["state"])  # ValueError before the database sees it
+        check_lease_fields(fields)
         sets = ", ".join(f"{k} = ?" for k in fields)
         with self.transaction() as db:
             db.execute(f"UPDATE leases SET {sets}, updated_at = ? WHERE id = ?",
@@ -356,10 +314,4 @@ class Store:
 
     def lease_for(self, vm: str, name: str) -> Lease:
         """A VM's lease by lease id, QEMU id, device id (box/dev) or device name."""
-        matches = [lease for lease in self.leases(vm)
-                   if name in (lease.id, lease.qdev_id, lease.device, lease.device.split("/", 1)[1])]
-        if len(matches) != 1:
-            held = ", ".join(f"{lease.device} ({lease.id})" for lease in self.leases(vm)) or "none"
-            raise StoreError(f"{vm} holds {'no' if not matches else 'several'} device(s) matching {name!r} "
-                             f"(it holds: {held})", hint="name the lease id shown by dxpu status VM")
-        return matches[0]
+        return pick_lease(self.leases(vm), vm, name)

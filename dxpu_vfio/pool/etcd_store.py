@@ -1,0 +1,752 @@
+"""The pool's state in etcd: one pool for many hosts, the same calls as the SQLite store.
+
+Key layout (every key under a versioned prefix, ``/dxpu/v1/``; values are JSON)::
+
+    /dxpu/v1/schema                 "1"
+    /dxpu/v1/boxes/<box>            address, tls_dir, state, registered_at, last_error, cert_sha256
+    /dxpu/v1/seen/<box>             last heartbeat answer (unix time): heartbeats write only this
+    /dxpu/v1/inventory/<box>        the box's devices, one value: [{name, class, vendor, model, capacity, token}]
+    /dxpu/v1/claims/<box>/<dev>     lease id; the key exists exactly while the device is leased
+    /dxpu/v1/leases/<lease>         the lease (device, vm, state, port, socket, pids, times)
+    /dxpu/v1/hosts/<host>           reserved for host agents (not written yet)
+
+Allocation of N devices is one transaction: it compares, for every device it takes,
+that the claim key does not exist, and for every box it takes from, that the box record
+(still up) and its inventory (still lists the device) are the revisions it chose from;
+then it creates the claims and the leases. All or nothing, and two allocators -- threads,
+processes or hosts -- never get the same device: at most one transaction creates a
+claim key. ``pack``/``spread`` choose the box as the SQLite allocator does, from a cache
+of boxes, inventories and claims; a conflict refreshes the boxes it touched and tries
+again; for a while after a conflict it takes a random one of the first 256 free devices
+the policy would take, so concurrent allocators stop racing for the same one. A watch
+(from the revision of the last full read, so no event is missed) keeps the view fresh;
+no match reads everything once more before it answers :class:`NoFreeDevice`, and the
+whole view is read again every ``resync_interval`` s. Listings always read etcd afresh. Lease updates and deletes
+are one transaction each (compare the revision this handle last wrote, else read it).
+
+The client is ``etcd3gw`` (etcd's JSON gateway, plain HTTP(S)); this module adds
+failover over several endpoints, bounded retries while a leader is elected, and errors
+that name the endpoints. Its ``requests`` session ignores the environment
+(``REQUESTS_CA_BUNDLE`` would override the pool's CA).
+"""
+
+from __future__ import annotations
+
+import base64
+import heapq
+import json
+import os
+import random
+import secrets
+import socket
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+from urllib.parse import urlparse
+
+import requests
+from etcd3gw import exceptions as etcd_exc
+from etcd3gw.client import Etcd3Client
+
+from dxpu_vfio.pool.states import BoxState, LeaseState
+from dxpu_vfio.pool.storage import (
+    QDEV_PREFIX, Lease, StoreError, box_busy, check_allocation, check_lease_fields, no_free_device, no_such_box,
+    no_such_device, pick_lease)
+
+PREFIX = "/dxpu/v1/"
+SCHEMA_VERSION = 1
+RETRYABLE = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError, etcd_exc.InternalServerError)
+ATTEMPTS = 64  # allocation tries before it reports contention
+SHUFFLE_AMONG = 256  # under contention: a random one of the first this many free devices the policy would take
+CONTENDED_FOR = 2.0  # s after a lost race during which allocation keeps choosing by chance
+
+
+def _b64(text: str | bytes) -> str:
+    return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
+
+
+def _unb64(text: str) -> str:
+    return base64.b64decode(text).decode()
+
+
+def _prefix_end(prefix: str) -> str:
+    raw = bytearray(prefix.encode())
+    raw[-1] += 1
+    return _b64(bytes(raw))
+
+
+def endpoints_from(value: str | Iterable[str] | None) -> list[str]:
+    """``--etcd-endpoints`` / ``$DXPU_ETCD_ENDPOINTS``: comma separated URLs (http:// assumed)."""
+    if value is None:
+        value = os.environ.get("DXPU_ETCD_ENDPOINTS", "")
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return [e if "://" in e else f"http://{e}" for e in (i.strip() for i in items) if e]
+
+
+def _why(exc: Exception) -> str:
+    """The short reason in a requests error (whose text repeats the URL and the pool)."""
+    text = getattr(exc, "detail_text", None) or type(exc).__name__
+    for needle, short in (("Connection refused", "connection refused"), ("timed out", "timed out"),
+                          ("Name or service not known", "unknown host"), ("No route to host", "no route to host")):
+        if needle in text:
+            return short
+    return " ".join(text.split())[-160:]
+
+
+class EtcdUnavailable(StoreError):
+    """No etcd endpoint answered within the retry time; nothing was changed by this call."""
+
+
+class EtcdClient:
+    """etcd's v3 JSON API over one or more endpoints: the first that answers serves,
+    and a call fails over to the next on a connection error or while there is no leader.
+
+    A call that timed out may have been applied; every write of the store is safe to
+    send twice (the allocation recognises its own claims)."""
+
+    def __init__(self, endpoints: list[str], *, tls_dir: str | None = None, timeout: float = 2.0,
+                 retry_for: float = 5.0) -> None:
+        if not endpoints:
+            raise StoreError("no etcd endpoints given", hint="pass --etcd-endpoints http://HOST:2379,...")
+        self.endpoints = endpoints
+        self.retry_for = retry_for
+        self._clients = [self._client(url, tls_dir, timeout) for url in endpoints]
+        self._current = 0
+
+    @staticmethod
+    def _client(url: str, tls_dir: str | None, timeout: float) -> Etcd3Client:
+        parsed = urlparse(url)
+        session = requests.Session()
+        session.trust_env = False  # REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE would replace our CA
+        if tls_dir:
+            session.verify = str(Path(tls_dir) / "ca.pem")
+            session.cert = (str(Path(tls_dir) / "host.pem"), str(Path(tls_dir) / "host.key"))
+        return Etcd3Client(host=parsed.hostname or "127.0.0.1", port=parsed.port or 2379,
+                           protocol=parsed.scheme or "http", timeout=timeout, api_path="/v3/", session=session)
+
+    def call(self, path: str, body: dict) -> dict:
+        deadline = time.monotonic() + self.retry_for
+        errors: dict[str, str] = {}
+        while True:
+            for step in range(len(self._clients)):
+                index = (self._current + step) % len(self._clients)
+                client = self._clients[index]
+                try:
+                    result = client.post(client.get_url(path), data=json.dumps(body))
+                except RETRYABLE as exc:
+                    errors[self.endpoints[index]] = _why(exc)
+                    continue
+                except etcd_exc.Etcd3Exception as exc:
+                    raise StoreError(f"etcd refused {path}: {(exc.detail_text or '').strip()[:300]}",
+                                     hint="nothing was changed") from exc
+                except OSError as exc:  # requests: a CA or certificate file it cannot read
+                    raise StoreError(f"cannot use the TLS files for etcd: {exc}",
+                                     hint="--etcd-tls-dir must hold ca.pem, host.pem and host.key") from exc
+                self._current = index
+                return result
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        detail = "; ".join(f"{url}: {why}" for url, why in errors.items())
+        raise EtcdUnavailable(
+            f"etcd does not answer at {', '.join(self.endpoints)} ({detail})",
+            hint=f"check the members: etcdctl --endpoints={','.join(self.endpoints)} endpoint health"
+                 + ("" if "timed out" in errors.values() else "; nothing was changed"))
+
+    @property
+    def current(self) -> Etcd3Client:
+        """The endpoint that answered last."""
+        return self._clients[self._current]
+
+    def healthy(self) -> bool:
+        """One linearizable read succeeds (there is a leader and a quorum)."""
+        try:
+            self.call("/kv/range", {"key": _b64(PREFIX + "schema")})
+            return True
+        except StoreError:
+            return False
+
+    def range(self, key: str, *, prefix: bool = False, revision: int = 0, limit: int = 0,
+              start: str | None = None, keys_only: bool = False) -> dict:
+        body: dict[str, Any] = {"key": _b64(start or key)}
+        if prefix:
+            body["range_end"] = _prefix_end(key)
+        if revision:
+            body["revision"] = revision
+        if limit:
+            body["limit"] = limit
+        if keys_only:
+            body["keys_only"] = True
+        return self.call("/kv/range", body)
+
+    def txn(self, compare: list[dict], success: list[dict], failure: list[dict] | None = None) -> dict:
+        return self.call("/kv/txn", {"compare": compare, "success": success, "failure": failure or []})
+
+    def close(self) -> None:
+        for client in self._clients:
+            client.session.close()
+
+
+# --- transaction pieces ------------------------------------------------------------
+def c_mod(key: str, revision: int) -> dict:
+    """The key was last written at ``revision`` (0: it does not exist)."""
+    return {"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": revision}
+
+
+def c_absent(key: str, prefix: bool = False) -> dict:
+    """No such key (with ``prefix``: no key under it)."""
+    cmp = {"key": _b64(key), "target": "VERSION", "result": "EQUAL", "version": 0}
+    if prefix:
+        cmp["range_end"] = _prefix_end(key)
+    return cmp
+
+
+def c_value(key: str, value: str) -> dict:
+    return {"key": _b64(key), "target": "VALUE", "result": "EQUAL", "value": _b64(json.dumps(value))}
+
+
+def op_put(key: str, value: object) -> dict:
+    return {"request_put": {"key": _b64(key), "value": _b64(json.dumps(value, separators=(",", ":")))}}
+
+
+def op_delete(key: str) -> dict:
+    return {"request_delete_range": {"key": _b64(key)}}
+
+
+def op_range(key: str, prefix: bool = False, since: int = 0) -> dict:
+    """Read a key or prefix; with ``since``, only keys written at or after that revision."""
+    body: dict[str, Any] = {"key": _b64(key)}
+    if prefix:
+        body["range_end"] = _prefix_end(key)
+    if since:
+        body["min_mod_revision"] = since
+    return {"request_range": body}
+
+
+def kvs(response: dict) -> list[tuple[str, Any, int]]:
+    """(key, JSON value, mod_revision) of a range response."""
+    out = []
+    for kv in response.get("kvs", []):
+        raw = base64.b64decode(kv.get("value", "")).decode()
+        out.append((_unb64(kv["key"]), json.loads(raw) if raw else None, int(kv.get("mod_revision", 0))))
+    return out
+
+
+def ranges(txn_response: dict) -> list[list[tuple[str, Any, int]]]:
+    return [kvs(r.get("response_range", {})) for r in txn_response.get("responses", [])]
+
+
+class EtcdStore:
+    """The pool in etcd; thread-safe (one lock around allocation, as SQLite's writer lock)."""
+
+    kind = "etcd"
+
+    def __init__(self, endpoints: list[str] | str, *, path: Path | str | None = None, prefix: str = PREFIX,
+                 tls_dir: str | None = None, timeout: float = 2.0, retry_for: float = 5.0,
+                 resync_interval: float = 30.0) -> None:
+        from dxpu_vfio.pool.store import default_path
+        self.endpoints = endpoints_from(endpoints)
+        self.path = Path(path) if path else default_path()  # local: the manager's proxy logs go beside it
+        self.prefix = prefix
+        self.resync_interval = resync_interval
+        self.etcd = EtcdClient(self.endpoints, tls_dir=tls_dir, timeout=timeout, retry_for=retry_for)
+        self._lock = threading.RLock()
+        # allocation's view: box -> (record, mod_revision), box -> (inventory, mod_revision),
+        # box -> {device name: lease id}
+        self._boxes: dict[str, tuple[dict, int]] = {}
+        self._inventory: dict[str, tuple[list[dict], int]] = {}
+        self._claims: dict[str, dict[str, str]] = {}
+        self._open: dict[int, set[str]] = {}  # lent -> the up boxes lending that many that are not full
+        self._level: dict[str, int] = {}  # box -> its key in _open
+        self._seen = 0  # revision of the last full read of the view
+        self._watch: requests.Response | None = None
+        self._synced_at = -1e9
+        self._mine: dict[str, tuple[dict, int]] = {}  # leases this handle wrote: record, mod_revision
+        self._contended_until = 0.0
+        self.conflicts = 0  # allocation transactions that lost a race (the benchmark reports them)
+        self._init_schema()
+
+    # --- keys -----------------------------------------------------------------
+    def k(self, *parts: str) -> str:
+        return self.prefix + "/".join(parts)
+
+    def _init_schema(self) -> None:
+        key = self.k("schema")
+        result = self.etcd.txn([c_absent(key)], [op_put(key, SCHEMA_VERSION)], [op_range(key)])
+        if not result.get("succeeded"):
+            found = int(ranges(result)[0][0][1])
+            if found > SCHEMA_VERSION:
+                raise StoreError(f"the pool in etcd ({self.prefix}) has schema version {found}; this dxpu knows "
+                                 f"up to {SCHEMA_VERSION}", hint="upgrade dxpu-vfio on this host")
+
+    @property
+    def schema_version(self) -> int:
+        [[(_, value, _)]] = [kvs(self.etcd.range(self.k("schema")))]
+        return int(value)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop_watch()
+        self.etcd.close()
+
+    def _read(self, *keys: tuple[str, bool]) -> list[list[tuple[str, Any, int]]]:
+        """Several keys or prefixes ((key, is_prefix), ...) read at one revision."""
+        return ranges(self.etcd.txn([], [op_range(key, prefix) for key, prefix in keys]))
+
+    def _snapshot(self, *prefixes: str, page: int = 2000) -> tuple[list[list[tuple[str, Any, int]]], int]:
+        """Whole prefixes at one revision, in pages (a big pool exceeds one gRPC message)."""
+        revision, out = 0, []
+        for prefix in prefixes:
+            items: list[tuple[str, Any, int]] = []
+            start = None
+            while True:
+                response = self.etcd.range(prefix, prefix=True, revision=revision, limit=page, start=start)
+                revision = revision or int(response["header"]["revision"])
+                items += kvs(response)
+                if not response.get("more"):
+                    break
+                start = items[-1][0] + "\0"
+            out.append(items)
+        return out, revision
+
+    # --- boxes and devices --------------------------------------------------------
+    def _box_keys(self, name: str) -> tuple[str, str, str, str]:
+        return self.k("boxes", name), self.k("seen", name), self.k("inventory", name), self.k("claims", name) + "/"
+
+    def register_box(self, name: str, address: str, tls_dir: str | None, devices: list[dict],
+                     cert_sha256: str | None = None) -> None:
+        """Add or refresh a box and its inventory; leased devices are kept as they are."""
+        box_key, seen_key, inv_key, claims = self._box_keys(name)
+        for _ in range(ATTEMPTS):
+            [boxes, inventories, claimed] = self._read((box_key, False), (inv_key, False), (claims, True))
+            now = time.time()
+            record = {"address": address, "tls_dir": tls_dir, "state": str(BoxState.UP),
+                      "registered_at": boxes[0][1]["registered_at"] if boxes else now,
+                      "last_error": None, "cert_sha256": cert_sha256}
+            held = {key.rsplit("/", 1)[1] for key, _, _ in claimed}
+            fresh = [{"name": d["id"], "class": d["class"], "vendor": d["vendor"], "model": d["model"],
+                      "capacity": int(d["capacity"]), "token": d["lease"]} for d in devices]
+            names = {d["name"] for d in fresh}
+            old = inventories[0][1] if inventories else []
+            kept = [d for d in old if d["name"] not in names and d["name"] in held]  # leased, gone from the box
+            dropped = [d["name"] for d in old if d["name"] not in names and d["name"] not in held]
+            compare = [c_mod(box_key, boxes[0][2] if boxes else 0), c_mod(inv_key, inventories[0][2] if inventories
+                                                                          else 0)]
+            compare += [c_absent(claims + n) for n in dropped]
+            result = self.etcd.txn(compare, [op_put(box_key, record), op_put(seen_key, now),
+                                             op_put(inv_key, sorted(fresh + kept, key=lambda d: d["name"]))])
+            if result.get("succeeded"):
+                return
+        raise StoreError(f"box {name} changed under every registration attempt", hint="try again")
+
+    def remove_box(self, name: str) -> None:
+        box_key, seen_key, inv_key, claims = self._box_keys(name)
+        for _ in range(ATTEMPTS):
+            [boxes, claimed] = self._read((box_key, False), (claims, True))
+            if not boxes:
+                raise no_such_box(name, self._box_names())
+            if claimed:
+                raise box_busy(name, len(claimed))
+            result = self.etcd.txn([c_mod(box_key, boxes[0][2]), c_absent(claims, prefix=True)],
+                                   [op_delete(box_key), op_delete(seen_key), op_delete(inv_key)])
+            if result.get("succeeded"):
+                return
+        raise StoreError(f"box {name} changed under every removal attempt", hint="try again")
+
+    def _box_names(self) -> list[str]:
+        prefix = self.k("boxes") + "/"
+        return sorted(_unb64(kv["key"])[len(prefix):]
+                      for kv in self.etcd.range(prefix, prefix=True, keys_only=True).get("kvs", []))
+
+    @staticmethod
+    def _box_dict(name: str, record: dict, seen: float | None, lent: int) -> dict:
+        return {"name": name, "address": record["address"], "tls_dir": record["tls_dir"],
+                "state": BoxState(record["state"]), "registered_at": record["registered_at"],
+                "last_seen": seen if seen is not None else record["registered_at"],
+                "last_error": record["last_error"], "lent": lent, "cert_sha256": record["cert_sha256"]}
+
+    def box(self, name: str) -> dict:
+        box_key, seen_key, _, claims = self._box_keys(name)
+        [boxes, seen, claimed] = self._read((box_key, False), (seen_key, False), (claims, True))
+        if not boxes:
+            raise no_such_box(name, self._box_names())
+        return self._box_dict(name, boxes[0][1], seen[0][1] if seen else None, len(claimed))
+
+    def mark_box(self, name: str, up: bool, error: str | None = None) -> BoxState:
+        """Record a heartbeat result; returns the box's state before it. A heartbeat that
+        changes nothing writes only the box's ``seen`` key (allocations compare the box record)."""
+        box_key, seen_key, _, _ = self._box_keys(name)
+        for _ in range(ATTEMPTS):
+            [boxes] = self._read((box_key, False))
+            if not boxes:
+                raise no_such_box(name, self._box_names())
+            _, record, revision = boxes[0]
+            before = BoxState(record["state"])
+            ops = []
+            if up:
+                ops.append(op_put(seen_key, time.time()))
+                if before != BoxState.UP or record["last_error"] is not None:
+                    ops.append(op_put(box_key, {**record, "state": str(BoxState.UP), "last_error": None}))
+            else:
+                ops.append(op_put(box_key, {**record, "state": str(BoxState.DOWN), "last_error": error}))
+            if self.etcd.txn([c_mod(box_key, revision)], ops).get("succeeded"):
+                return before
+        raise StoreError(f"box {name} changed under every heartbeat attempt", hint="try again")
+
+    def _pool(self) -> tuple[dict, dict, dict, dict, dict]:
+        """Everything at one revision: boxes, seen, inventories, claims (device -> lease), leases."""
+        (boxes, seen, inventories, claims, leases), _ = self._snapshot(
+            *(self.k(p) + "/" for p in ("boxes", "seen", "inventory", "claims", "leases")))
+        cut = len(self.prefix)
+
+        def tail(key: str) -> str:
+            return key[cut:].split("/", 1)[1]
+
+        return ({tail(k): v for k, v, _ in boxes}, {tail(k): v for k, v, _ in seen},
+                {tail(k): v for k, v, _ in inventories}, {tail(k): v for k, v, _ in claims},
+                {tail(k): v for k, v, _ in leases})
+
+    def boxes(self) -> list[dict]:
+        boxes, seen, inventories, claims, _ = self._pool()
+        lent = Counter(device.split("/", 1)[0] for device in claims)
+        return [{**self._box_dict(name, record, seen.get(name), lent[name]),
+                 "devices": len(inventories.get(name, [])), "leased": lent[name]}
+                for name, record in sorted(boxes.items())]
+
+    def devices(self) -> list[dict]:
+        boxes, _, inventories, claims, leases = self._pool()
+        rows = []
+        for box, inventory in inventories.items():
+            if box not in boxes:
+                continue
+            state = BoxState(boxes[box]["state"])
+            for d in inventory:
+                device_id = f"{box}/{d['name']}"
+                lease = claims.get(device_id)
+                rows.append({"id": device_id, "box": box, "name": d["name"], "class": d["class"],
+                             "vendor": d["vendor"], "model": d["model"], "capacity": d["capacity"],
+                             "box_state": state, "lease": lease, "vm": (leases.get(lease) or {}).get("vm"),
+                             "available": lease is None and state == BoxState.UP})
+        return sorted(rows, key=lambda r: r["id"])
+
+    def device(self, device_id: str) -> dict:
+        box, _, name = device_id.partition("/")
+        box_key, _, inv_key, claims = self._box_keys(box)
+        [boxes, inventories, claim] = self._read((box_key, False), (inv_key, False), (claims + name, False))
+        found = [d for d in (inventories[0][1] if inventories else []) if d["name"] == name]
+        if not boxes or not found:
+            raise no_such_device(device_id)
+        return {"id": device_id, "box": box, **found[0], "leased": int(bool(claim)),
+                "address": boxes[0][1]["address"], "tls_dir": boxes[0][1]["tls_dir"]}
+
+    # --- allocation -------------------------------------------------------------------
+    def _resync(self) -> None:
+        (boxes, inventories, claims), self._seen = self._snapshot(
+            *(self.k(p) + "/" for p in ("boxes", "inventory", "claims")))
+        self._boxes = {k.rsplit("/", 1)[1]: (v, rev) for k, v, rev in boxes}
+        self._inventory = {k.rsplit("/", 1)[1]: (v, rev) for k, v, rev in inventories}
+        self._claims = {}
+        cut = len(self.k("claims")) + 1
+        for key, lease_id, _ in claims:
+            box, name = key[cut:].split("/", 1)
+            self._claims.setdefault(box, {})[name] = lease_id
+        self._open, self._level = {}, {}
+        for name in self._boxes:
+            self._index(name)
+        self._synced_at = time.monotonic()
+        if self._watch is None:
+            self._start_watch(self._seen + 1)
+
+    def _index(self, name: str) -> None:
+        """Re-file one box in ``_open`` after its record, inventory or claims changed."""
+        old = self._level.pop(name, None)
+        if old is not None:
+            self._open[old].discard(name)
+            if not self._open[old]:
+                del self._open[old]
+        record, inventory = self._boxes.get(name), self._inventory.get(name)
+        lent = len(self._claims.get(name, ()))
+        if record and inventory and record[0]["state"] == BoxState.UP and lent < len(inventory[0]):
+            self._open.setdefault(lent, set()).add(name)
+            self._level[name] = lent
+
+    # --- the watch that keeps allocation's view fresh ------------------------------------
+    def _start_watch(self, revision: int) -> None:
+        """Watch boxes/, claims/ and inventory/ (adjacent prefixes: one range) from
+        ``revision`` on; a watch that ends (its member died, a compaction) is started
+        again at the next full read."""
+        client = self.etcd.current
+        body = {"create_request": {"key": _b64(self.k("boxes") + "/"), "range_end": _b64(self.k("inventory") + "0"),
+                                   "start_revision": revision}}
+        try:
+            response = client.session.post(client.get_url("/watch"), data=json.dumps(body), stream=True,
+                                           timeout=(client.timeout, None))
+        except requests.RequestException:
+            return  # allocation works without it (conflicts refresh the view), and tries again later
+        self._watch = response
+        threading.Thread(target=self._watch_loop, args=(response,), name="etcd-watch", daemon=True).start()
+
+    def _watch_loop(self, response: requests.Response) -> None:
+        try:
+            for line in response.iter_lines():
+                if not line:
+                    continue
+                result = json.loads(line).get("result") or {}
+                if result.get("canceled") or int(result.get("compact_revision") or 0):
+                    break
+                if result.get("events"):
+                    with self._lock:
+                        for event in result["events"]:
+                            self._apply(event)
+        except (requests.RequestException, OSError, ValueError, AttributeError):
+            pass  # the stream broke: closed by us, or its member went away
+        finally:
+            with self._lock:
+                if self._watch is response:
+                    self._watch = None
+                    self._synced_at = -1e9  # the next allocation reads everything and watches again
+
+    def _apply(self, event: dict) -> None:
+        kv = event["kv"]
+        key, revision = _unb64(kv["key"]), int(kv.get("mod_revision", 0))
+        deleted = event.get("type") == "DELETE"
+        value = None if deleted else json.loads(base64.b64decode(kv.get("value", "")).decode() or "null")
+        kind, _, rest = key[len(self.prefix):].partition("/")
+        if kind == "claims":
+            box, _, name = rest.partition("/")
+            if deleted:
+                self._claims.get(box, {}).pop(name, None)
+            else:
+                self._claims.setdefault(box, {})[name] = value
+            self._index(box)
+            return
+        cache = self._boxes if kind == "boxes" else self._inventory if kind == "inventory" else None
+        if cache is None or revision < cache.get(rest, (None, 0))[1]:
+            return  # older than what a transaction of ours already told us
+        if deleted:
+            cache.pop(rest, None)
+        else:
+            cache[rest] = (value, revision)
+        self._index(rest)
+
+    def _stop_watch(self) -> None:
+        response, self._watch = self._watch, None
+        if response is None:
+            return
+        try:  # as etcd3gw's Watcher.stop: shut the socket down under the reading thread
+            sock = socket.fromfd(response.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+            sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        except (OSError, AttributeError, ValueError):
+            pass
+        response.close()
+
+    def _learn_box(self, name: str, found: list[list[tuple[str, Any, int]]]) -> None:
+        """What a failed allocation's failure branch read about one box: record, inventory, claims."""
+        [boxes, inventories, claims] = found
+        for cache, items in ((self._boxes, boxes), (self._inventory, inventories)):
+            if items:
+                cache[name] = (items[0][1], items[0][2])
+            else:
+                cache.pop(name, None)
+        self._claims[name] = {key.rsplit("/", 1)[1]: lease_id for key, lease_id, _ in claims}
+        self._index(name)
+
+    def _choose(self, count: int, device_class: str | None, box: str | None, device: str | None,
+                policy: str, shuffle: bool) -> tuple[list[str], int]:
+        """The devices SQLite's allocator would take from this view (box by policy, ties
+        by name, then the box's first free device by name); with ``shuffle`` (other
+        allocators race us) a random one of the first :data:`SHUFFLE_AMONG` free devices
+        in that order (ties between boxes by chance). And, if fewer than ``count`` match,
+        how many do."""
+        chosen: dict[str, set[str]] = {}
+
+        def free_in(name: str) -> list[str]:
+            claimed, mine = self._claims.get(name, {}), chosen.get(name, ())
+            return sorted(d["name"] for d in self._inventory[name][0] if d["name"] not in claimed
+                          and d["name"] not in mine and (not device_class or d["class"] == device_class)
+                          and (device is None or device in (d["name"], f"{name}/{d['name']}")))
+
+        def up() -> list[str]:
+            return [name for name, (record, _) in self._boxes.items()
+                    if record["state"] == BoxState.UP and (box is None or name == box) and name in self._inventory]
+
+        sign = -1 if policy == "pack" else 1
+
+        def in_order() -> Iterator[str]:
+            """Non-full up boxes, the policy's choice first."""
+            if box is None and not chosen:  # the index: no pass over every box
+                for level in sorted(self._open, reverse=policy == "pack"):
+                    if not shuffle:
+                        yield from sorted(self._open[level])
+                        continue
+                    names = list(self._open[level])
+                    first = random.sample(names, min(len(names), SHUFFLE_AMONG))  # enough to find SHUFFLE_AMONG devices
+                    yield from first
+                    yield from set(names).difference(first)  # a class filter may need more
+                return
+            heap = []
+            for name in up():
+                lent = len(self._claims.get(name, ())) + len(chosen.get(name, ()))
+                if lent < len(self._inventory[name][0]):  # a full box needs no look at its devices
+                    heap.append((sign * lent, random.random() if shuffle else name, name))
+            heapq.heapify(heap)
+            while heap:
+                yield heapq.heappop(heap)[2]
+
+        picks: list[str] = []
+        for _ in range(count):
+            candidates: list[tuple[str, str]] = []
+            for name in in_order():
+                candidates += [(name, d) for d in free_in(name)]
+                if candidates and (not shuffle or len(candidates) >= SHUFFLE_AMONG):
+                    break
+            if not candidates:
+                chosen.clear()
+                return picks, sum(len(free_in(name)) for name in up())
+            name, pick = random.choice(candidates) if shuffle else candidates[0]
+            chosen.setdefault(name, set()).add(pick)
+            picks.append(f"{name}/{pick}")
+        return picks, len(picks)
+
+    def allocate(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
+                 device: str | None = None, policy: str = "pack", owner_pid: int | None = None) -> list[Lease]:
+        """Pick ``count`` free devices and create ``attaching`` leases for them in one etcd
+        transaction: all of them or none (:class:`NoFreeDevice`)."""
+        check_allocation(policy, count)
+        with self._lock:
+            fresh = False
+            if time.monotonic() - self._synced_at > self.resync_interval:
+                self._resync()
+                fresh = True
+            conflicts = 0
+            for _ in range(ATTEMPTS):
+                if box is not None and box not in self._boxes:
+                    if not fresh:
+                        self._resync()
+                        fresh = True
+                        continue
+                    raise no_such_box(box, sorted(self._boxes))
+                contended = conflicts > 0 or time.monotonic() < self._contended_until
+                picks, free = self._choose(count, device_class, box, device, policy, shuffle=contended)
+                if len(picks) < count:
+                    if not fresh:  # others may have freed devices or added boxes since the last read
+                        self._resync()
+                        fresh = True
+                        continue
+                    raise no_free_device(count, free, device_class, box, device)
+                leases = self._try_allocate(vm, picks, owner_pid)
+                if leases is not None:
+                    return leases
+                conflicts += 1
+                self.conflicts += 1
+                self._contended_until = time.monotonic() + CONTENDED_FOR
+                fresh = False
+        raise StoreError(f"allocation for {vm} lost {ATTEMPTS} races in a row to other allocators",
+                         hint="the pool is very busy; try again")
+
+    def _try_allocate(self, vm: str, picks: list[str], owner_pid: int | None) -> list[Lease] | None:
+        """One transaction for all ``picks``; None (and a refreshed view) if any was taken."""
+        now = time.time()
+        leases = []
+        for device_id in picks:
+            lease_id = secrets.token_hex(4)
+            leases.append(Lease(lease_id, device_id, vm, LeaseState.ATTACHING, QDEV_PREFIX + lease_id,
+                                owner_pid=owner_pid, created_at=now, updated_at=now))
+        boxes = sorted({device_id.split("/", 1)[0] for device_id in picks})
+        compare, success, failure = [], [], []
+        for name in boxes:
+            box_key, _, inv_key, claims = self._box_keys(name)
+            compare += [c_mod(box_key, self._boxes[name][1]), c_mod(inv_key, self._inventory[name][1])]
+            failure += [op_range(box_key), op_range(inv_key), op_range(claims, prefix=True)]
+        for lease in leases:
+            claim, lease_key = self.k("claims", lease.device), self.k("leases", lease.id)
+            compare += [c_absent(claim), c_absent(lease_key)]
+            success += [op_put(claim, lease.id), op_put(lease_key, _lease_record(lease))]
+        result = self.etcd.txn(compare, success, failure)
+        revision = int(result["header"]["revision"])
+        if not result.get("succeeded"):
+            found = ranges(result)
+            for i, name in enumerate(boxes):
+                self._learn_box(name, found[3 * i:3 * i + 3])
+            if not all(self._claims.get(lease.box, {}).get(lease.device.split("/", 1)[1]) == lease.id
+                       for lease in leases):
+                return None
+            # a retried send of a transaction that had been applied: they are ours
+        for lease in leases:
+            self._claims.setdefault(lease.box, {})[lease.device.split("/", 1)[1]] = lease.id
+            self._index(lease.box)
+            self._mine[lease.id] = (_lease_record(lease), revision)
+        return leases
+
+    # --- leases -----------------------------------------------------------------
+    def _lease(self, lease_id: str) -> tuple[dict, int] | None:
+        """The lease record and its revision: from what this handle wrote last, else read."""
+        if lease_id in self._mine:
+            return self._mine[lease_id]
+        [found] = self._read((self.k("leases", lease_id), False))
+        return (found[0][1], found[0][2]) if found else None
+
+    def update_lease(self, lease_id: str, **fields: object) -> None:
+        """One transaction (compare the lease's revision, put); a lost race reads it again."""
+        check_lease_fields(fields)
+        key = self.k("leases", lease_id)
+        with self._lock:
+            for _ in range(ATTEMPTS):
+                known = self._lease(lease_id)
+                if known is None:
+                    return  # as SQLite's UPDATE of a missing row: nothing to change
+                record, revision = known
+                record = {**record, **{k: str(v) if isinstance(v, LeaseState) else v for k, v in fields.items()},
+                          "updated_at": time.time()}
+                result = self.etcd.txn([c_mod(key, revision)], [op_put(key, record)])
+                if result.get("succeeded"):
+                    self._mine[lease_id] = (record, int(result["header"]["revision"]))
+                    return
+                self._mine.pop(lease_id, None)
+        raise StoreError(f"lease {lease_id} changed under every update attempt", hint="try again")
+
+    def delete_lease(self, lease_id: str) -> None:
+        """The lease goes, and its device's claim with it (if the claim is still this lease's)."""
+        key = self.k("leases", lease_id)
+        with self._lock:
+            for _ in range(ATTEMPTS):
+                known = self._lease(lease_id)
+                if known is None:
+                    return
+                record, revision = known
+                claim = self.k("claims", record["device"])
+                result = self.etcd.txn([c_mod(key, revision), c_value(claim, lease_id)],
+                                       [op_delete(key), op_delete(claim)], [op_range(key), op_range(claim)])
+                if not result.get("succeeded"):
+                    [lease_now, claim_now] = ranges(result)
+                    if lease_now and lease_now[0][2] == revision:  # the claim is another's (or gone)
+                        result = self.etcd.txn([c_mod(key, revision)], [op_delete(key)])
+                if result.get("succeeded"):
+                    self._mine.pop(lease_id, None)
+                    box, name = record["device"].split("/", 1)
+                    if self._claims.get(box, {}).get(name) == lease_id:
+                        del self._claims[box][name]
+                        self._index(box)
+                    return
+                self._mine.pop(lease_id, None)
+        raise StoreError(f"lease {lease_id} changed under every delete attempt", hint="try again")
+
+    def leases(self, vm: str | None = None) -> list[Lease]:
+        [found], _ = self._snapshot(self.k("leases") + "/")
+        leases = [Lease(**record) for _, record, _ in found]
+        if vm:
+            return sorted((lease for lease in leases if lease.vm == vm), key=lambda lease: (lease.created_at, lease.id))
+        return sorted(leases, key=lambda lease: (lease.vm, lease.created_at, lease.id))
+
+    def lease_for(self, vm: str, name: str) -> Lease:
+        """A VM's lease by lease id, QEMU id, device id (box/dev) or device name."""
+        return pick_lease(self.leases(vm), vm, name)
+
+
+def _lease_record(lease: Lease) -> dict:
+    return {"id": lease.id, "device": lease.device, "vm": lease.vm, "state": str(lease.state),
+            "qdev_id": lease.qdev_id, "port": lease.port, "socket": lease.socket, "proxy_pid": lease.proxy_pid,
+            "owner_pid": lease.owner_pid, "created_at": lease.created_at, "updated_at": lease.updated_at}

@@ -1,0 +1,143 @@
+"""What the manager needs of a pool store, and the pieces both stores share.
+
+Two stores live behind :class:`PoolStore`: SQLite (:mod:`dxpu_vfio.pool.store`, one
+file, the single-host default) and etcd (:mod:`dxpu_vfio.pool.etcd_store`, one pool
+for many hosts). Both give the same answers to the same calls -- one suite of store
+tests runs on both -- so the manager does not know which one it has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from dxpu_vfio.errors import DxpuError
+from dxpu_vfio.pool.states import BoxState, LeaseState
+
+QDEV_PREFIX = "pool-"  # QEMU ids of devices the pool plugged
+POLICIES = ("pack", "spread")
+STORES = ("sqlite", "etcd")
+
+
+class StoreError(DxpuError):
+    """The store cannot be opened or does not hold what was asked for."""
+
+
+class NoFreeDevice(StoreError):
+    """Fewer free devices match than were asked for; nothing was allocated."""
+
+
+@dataclass
+class Lease:
+    id: str
+    device: str
+    vm: str
+    state: LeaseState
+    qdev_id: str
+    port: str | None = None
+    socket: str | None = None
+    proxy_pid: int | None = None
+    owner_pid: int | None = None
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.state = LeaseState(self.state)  # rows hold plain strings
+
+    @property
+    def box(self) -> str:
+        return self.device.split("/", 1)[0]
+
+
+LEASE_FIELDS = frozenset({"state", "port", "socket", "proxy_pid", "owner_pid"})  # what update_lease may change
+
+
+def check_allocation(policy: str, count: int) -> None:
+    if policy not in POLICIES:
+        raise StoreError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)}")
+    if count < 1:
+        raise StoreError(f"--count must be at least 1, not {count}")
+
+
+def check_lease_fields(fields: dict[str, object]) -> None:
+    if not fields or set(fields) - LEASE_FIELDS:
+        raise ValueError(f"cannot update lease fields {sorted(set(fields) - LEASE_FIELDS)}")
+    if "state" in fields:
+        fields["state"] = LeaseState(fields["state"])  # ValueError before the store sees it
+
+
+def no_free_device(count: int, free: int, device_class: str | None, box: str | None,
+                   device: str | None) -> NoFreeDevice:
+    what = " ".join(filter(None, [f"class {device_class}" if device_class else "",
+                                  f"on box {box}" if box else "", f"named {device}" if device else ""]))
+    return NoFreeDevice(f"asked for {count} device(s){' of ' + what if what else ''}, {free} free",
+                        hint="dxpu ls shows boxes, devices and who holds them")
+
+
+def no_such_box(name: str, known: list[str]) -> StoreError:
+    return StoreError(f"no box named {name!r} in the pool (known: {', '.join(known) or 'none'})",
+                      hint="register it with: dxpu box add NAME HOST:PORT --tls-dir DIR")
+
+
+def box_busy(name: str, held: int) -> StoreError:
+    return StoreError(f"box {name} still has {held} leased device(s)",
+                      hint="detach them first (dxpu ls shows which VMs hold them)")
+
+
+def no_such_device(device_id: str) -> StoreError:
+    return StoreError(f"no device {device_id!r} in the pool", hint="dxpu ls lists the devices")
+
+
+def pick_lease(leases: list[Lease], vm: str, name: str) -> Lease:
+    """A VM's lease by lease id, QEMU id, device id (box/dev) or device name."""
+    matches = [lease for lease in leases
+               if name in (lease.id, lease.qdev_id, lease.device, lease.device.split("/", 1)[1])]
+    if len(matches) != 1:
+        held = ", ".join(f"{lease.device} ({lease.id})" for lease in leases) or "none"
+        raise StoreError(f"{vm} holds {'no' if not matches else 'several'} device(s) matching {name!r} "
+                         f"(it holds: {held})", hint="name the lease id shown by dxpu status VM")
+    return matches[0]
+
+
+class PoolStore(Protocol):
+    """The calls the manager, the service and the metrics make. Boxes and devices are
+    dicts with the keys the SQLite rows have (``boxes()``: name, address, tls_dir, state,
+    registered_at, last_seen, last_error, cert_sha256, lent, devices, leased)."""
+
+    kind: str
+    path: Path  # local state: the manager keeps host proxy logs beside it
+
+    @property
+    def schema_version(self) -> int: ...
+    def close(self) -> None: ...
+    def register_box(self, name: str, address: str, tls_dir: str | None, devices: list[dict],
+                     cert_sha256: str | None = None) -> None: ...
+    def remove_box(self, name: str) -> None: ...
+    def box(self, name: str) -> dict: ...
+    def mark_box(self, name: str, up: bool, error: str | None = None) -> BoxState: ...
+    def boxes(self) -> list[dict]: ...
+    def devices(self) -> list[dict]: ...
+    def device(self, device_id: str) -> dict: ...
+    def allocate(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
+                 device: str | None = None, policy: str = "pack", owner_pid: int | None = None) -> list[Lease]: ...
+    def update_lease(self, lease_id: str, **fields: object) -> None: ...
+    def delete_lease(self, lease_id: str) -> None: ...
+    def leases(self, vm: str | None = None) -> list[Lease]: ...
+    def lease_for(self, vm: str, name: str) -> Lease: ...
+
+
+def open_store(kind: str = "sqlite", *, db: Path | str | None = None, endpoints: list[str] | None = None,
+               tls_dir: str | None = None) -> PoolStore:
+    """The store the manager was told to use (``--store``); SQLite unless asked otherwise.
+    ``db`` is the SQLite file, or for etcd the local path the logs live beside."""
+    if kind == "sqlite":
+        from dxpu_vfio.pool.store import Store
+        return Store(db)
+    if kind == "etcd":
+        from dxpu_vfio.pool.etcd_store import EtcdStore
+        if not endpoints:
+            raise StoreError("the etcd store needs endpoints",
+                             hint="pass --etcd-endpoints http://HOST:2379,... (or set DXPU_ETCD_ENDPOINTS)")
+        return EtcdStore(endpoints, path=db, tls_dir=tls_dir)
+    raise StoreError(f"unknown store {kind!r}; use one of {', '.join(STORES)}")
