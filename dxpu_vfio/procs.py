@@ -24,8 +24,14 @@ def exit_on_sigterm() -> None:
     handled) it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         return
+    owner = os.getpid()
 
     def handler(signum: int, _frame: object) -> None:
+        if os.getpid() != owner:
+            # a forked child (pyroute2 forks helpers into namespaces and ends them with
+            # SIGTERM) must not unwind the parent's stack: its finally blocks would remove
+            # the parent's lab while the parent still builds it
+            os._exit(128 + signum)
         signal.signal(signal.SIGTERM, lambda *_: None)  # a function, not SIG_IGN: children reset it
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, handler)

@@ -71,3 +71,35 @@ def _cmdline(pid: str) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_sigterm_to_a_forked_child_does_not_run_the_parents_cleanup(tmp_path):
+    """exit_on_sigterm in a script whose library forks (pyroute2 forks helpers into network
+    namespaces and ends them with SIGTERM): the child must die at once, not raise SystemExit
+    through the parent's stack, whose finally blocks removed the lab being built."""
+    marker = tmp_path / "cleanup-ran-in"
+    script = f"""
+import os, signal, sys, time
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from dxpu_vfio.procs import exit_on_sigterm
+exit_on_sigterm()
+parent = os.getpid()
+ready_r, ready_w = os.pipe()
+try:
+    child = os.fork()
+    if child == 0:
+        os.write(ready_w, b"!")  # a signal before the child runs Python is dropped by CPython
+        time.sleep(30)
+        os._exit(0)
+    os.read(ready_r, 1)
+    os.kill(child, signal.SIGTERM)
+    _, status = os.waitpid(child, 0)
+    print("child", os.waitstatus_to_exitcode(status))
+finally:
+    if os.getpid() != parent:
+        open({str(marker)!r}, "a").write("child")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "child 143" in out.stdout
+    assert not marker.exists(), "the forked child ran the parent's finally block"

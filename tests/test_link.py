@@ -365,3 +365,21 @@ def test_a_read_after_a_flood_of_posted_writes_waits_for_them_not_for_a_timeout(
                                         no_reply=True) for i in range(20000)))
     assert client.read32(BAR0, 0x08) == 19999
     assert device.link_up and not down
+
+
+def test_a_stopped_box_during_a_posted_write_flood_still_gets_reads_answered_in_time(forwarded, box):
+    """Issue 18 item 2: with the box stopped, a flood of posted writes fills the link; the
+    host must not wait on its send for ever: the read behind the flood is answered all-ones
+    within a few completion timeouts (0.5 s here), far below QEMU's 5 s, and the link is down."""
+    client, _, device, down = forwarded
+    box.signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        client.conn.send(b"".join(p.message(i, p.Command.REGION_WRITE,
+                                            p.RegionAccess(BAR0, 0x08, 4, i.to_bytes(4, "little")).pack(),
+                                            no_reply=True) for i in range(20000)))
+        assert client.read32(BAR0, 0x08) == 0xFFFFFFFF
+        assert time.monotonic() - started < 3
+        assert not device.link_up and down
+    finally:
+        box.signal(signal.SIGCONT)

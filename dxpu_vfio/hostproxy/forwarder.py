@@ -74,6 +74,9 @@ class RemoteFunction:
             LinkCommand.DMA_WRITE: self._dma_write,
             LinkCommand.IRQ: self._irq,
         }, heartbeat=heartbeat, dead_after=dead_after, on_down=self._link_down, waiters_serve=True)
+        # a box that stops reading fails the send of a posted write as a read would time out:
+        # the read queued behind it is answered all-ones within the completion timeout
+        self.endpoint.set_send_timeout(min(dead_after, completion_timeout))
         self.coalescer = PostedCoalescer(self._post_runs, merge=description.coalesce, name=name,
                                          delay=coalesce_delay) if coalesce else None
         self.conn = conn

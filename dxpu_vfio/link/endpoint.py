@@ -105,8 +105,8 @@ class LinkEndpoint:
         # (read, write) callbacks: on the native stream the background reader answers the
         # peer's REGION_READ/REGION_WRITE (and SYNC) in C through them (native/serve.c)
         self.region_access = region_access if self.native else None
-        if self.native:  # a peer that stops reading cannot hold a sender longer than a silent one
-            conn.set_send_timeout(dead_after)
+        # a peer that stops reading cannot hold a sender longer than a silent one
+        self.set_send_timeout(dead_after)
         self.name = name
         self.handlers = handlers
         self.heartbeat = heartbeat
@@ -133,6 +133,13 @@ class LinkEndpoint:
         self.handled: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [count, handler ns]
         self.timeouts = 0
         self.self_received = 0  # completions received by the thread that waited for them
+
+    def set_send_timeout(self, seconds: float) -> None:
+        """How long a send may wait for a peer that does not read; then the link is down."""
+        if self.native:
+            self.conn.set_send_timeout(seconds)
+        else:
+            self.stream.send_timeout = seconds
 
     @property
     def state(self) -> LinkState:

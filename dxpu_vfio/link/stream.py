@@ -38,6 +38,7 @@ class LinkStream:
         self._read_poll = select.poll()
         self._read_poll.register(self._fd, select.POLLIN)
         self._send_poll = select.poll()
+        self.send_timeout: float | None = None  # a peer that does not read fails a send after this
 
     def fileno(self) -> int:
         return self._fd
@@ -81,7 +82,10 @@ class LinkStream:
             self._wait(self._read_poll, events, deadline)
 
     def sendall(self, data: bytes | memoryview) -> None:
+        """All of ``data``, in order with other sends; TimeoutError (an OSError: the caller's
+        Connection reports ConnectionClosed) past ``send_timeout``."""
         view = memoryview(data).cast("B")
+        deadline = None if self.send_timeout is None else time.monotonic() + self.send_timeout
         with self._send_order:
             pos = 0
             while pos < len(view):
@@ -93,7 +97,7 @@ class LinkStream:
                         events = select.POLLIN
                     except _WOULD_BLOCK:
                         events = select.POLLOUT
-                self._wait(self._send_poll, events, None)
+                self._wait(self._send_poll, events, deadline)
 
     def settimeout(self, _timeout: float | None) -> None:
         """Waits are bounded by the callers' own timeouts; the socket stays non-blocking."""
