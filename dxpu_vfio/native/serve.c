@@ -16,21 +16,6 @@
  * waiting for its DMA is not held up by them. Counts and time per command: served(stream).
  */
 
-static int reply_error(Stream *s, const frame_header *hdr, uint32_t err, char *errbuf, size_t errlen)
-{
-    unsigned char head[FRAME_HEADER_SIZE];
-    frame_encode(head, hdr->msg_id, hdr->command, FRAME_HEADER_SIZE, FRAME_TYPE_REPLY | FRAME_ERROR, err);
-    parts_t p = {.count = 0, .total = 0};
-    int r;
-    int64_t deadline = deadline_after(s->send_timeout);
-    lock_released(&s->send_order);
-    Py_BEGIN_ALLOW_THREADS
-    r = write_parts(s, head, sizeof head, &p, deadline, errbuf, errlen);
-    Py_END_ALLOW_THREADS
-    pthread_mutex_unlock(&s->send_order);
-    return r;
-}
-
 /* An errno a callback returned, or -1 if it returned something else (then an exception may be set). */
 static long errno_result(PyObject *r)
 {
@@ -62,17 +47,7 @@ static int serve_one(Stream *s, PyObject *read_cb, PyObject *write_cb, char *err
         rx_consume(&s->rx, hdr.size);
         s->messages_in++;
         s->served[2].count++;
-        unsigned char head[FRAME_HEADER_SIZE];
-        frame_encode(head, hdr.msg_id, hdr.command, FRAME_HEADER_SIZE, FRAME_TYPE_REPLY, 0);
-        parts_t p = {.count = 0, .total = 0};
-        int r;
-        int64_t deadline = deadline_after(s->send_timeout);
-        lock_released(&s->send_order);
-        Py_BEGIN_ALLOW_THREADS
-        r = write_parts(s, head, sizeof head, &p, deadline, err, errlen);
-        Py_END_ALLOW_THREADS
-        pthread_mutex_unlock(&s->send_order);
-        return r ? -1 : 0;
+        return send_frame(s, hdr.msg_id, hdr.command, FRAME_TYPE_REPLY, 0, NULL, 0, NULL, 0, err, errlen);
     }
     int is_read = hdr.command == CMD_REGION_READ, is_write = hdr.command == CMD_REGION_WRITE;
     if (!is_request || len < 16 || !(is_read || is_write))
@@ -104,39 +79,17 @@ static int serve_one(Stream *s, PyObject *read_cb, PyObject *write_cb, char *err
     if (posted) {
         /* nothing to answer; an error of a posted write was the callback's to count */
     } else if (is_read && PyBytes_Check(r) && PyBytes_GET_SIZE(r) == (Py_ssize_t)count) {
-        unsigned char head[FRAME_HEADER_SIZE];
-        frame_encode(head, req.msg_id, req.command, FRAME_HEADER_SIZE + 16 + count, FRAME_TYPE_REPLY, 0);
-        parts_t p = {.count = 2, .total = 16 + count};
-        p.views[0].buf = access;
-        p.views[0].len = 16;
-        p.views[1].buf = PyBytes_AS_STRING(r);
-        p.views[1].len = (Py_ssize_t)count;
-        int64_t deadline = deadline_after(s->send_timeout);
-        lock_released(&s->send_order);
-        Py_BEGIN_ALLOW_THREADS
-        rc = write_parts(s, head, sizeof head, &p, deadline, err, errlen);
-        Py_END_ALLOW_THREADS
-        pthread_mutex_unlock(&s->send_order);
+        rc = send_frame(s, req.msg_id, req.command, FRAME_TYPE_REPLY, 0, access, 16, PyBytes_AS_STRING(r), count, err,
+                        errlen);
     } else if (is_write && r == Py_None) {
-        unsigned char head[FRAME_HEADER_SIZE];
-        frame_encode(head, req.msg_id, req.command, FRAME_HEADER_SIZE + 16, FRAME_TYPE_REPLY, 0);
-        parts_t p = {.count = 1, .total = 16};
-        p.views[0].buf = access;
-        p.views[0].len = 16;
-        int64_t deadline = deadline_after(s->send_timeout);
-        lock_released(&s->send_order);
-        Py_BEGIN_ALLOW_THREADS
-        rc = write_parts(s, head, sizeof head, &p, deadline, err, errlen);
-        Py_END_ALLOW_THREADS
-        pthread_mutex_unlock(&s->send_order);
+        rc = send_frame(s, req.msg_id, req.command, FRAME_TYPE_REPLY, 0, access, 16, NULL, 0, err, errlen);
     } else {
         long e = errno_result(r);
-        rc = reply_error(s, &req, (uint32_t)(e > 0 ? e : EIO), err, errlen);
+        rc = send_frame(s, req.msg_id, req.command, FRAME_TYPE_REPLY | FRAME_ERROR, (uint32_t)(e > 0 ? e : EIO), NULL,
+                        0, NULL, 0, err, errlen);
     }
     Py_DECREF(r);
-    if (rc == IO_TIMEOUT)
-        snprintf(err, errlen, "send timed out: the peer does not read");
-    return rc ? -1 : 0;
+    return rc;
 }
 
 static PyObject *serve_requests(PyObject *module, PyObject *args)
