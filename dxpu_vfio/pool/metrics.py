@@ -59,8 +59,11 @@ class PoolCollector:
             stats = self.proxy_stats.get(lease.id)
             if not stats:
                 continue
-            for command, c in sorted(((stats.get("server") or {}).get("commands") or {}).items()):
-                messages.add_metric(base + [command], c["count"])
+            server = stats.get("server") or {}
+            counts = Counter({command: c["count"] for command, c in (server.get("commands") or {}).items()})
+            counts.update(server.get("forwarded") or {})  # the ones the native forwarder handled in C
+            for command, n in sorted(counts.items()):
+                messages.add_metric(base + [command], n)
             device = stats.get("device") or {}
             for key, value in sorted(device.items()):
                 if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -551,6 +551,14 @@ HANDLERS: dict[int, Callable[[_Session, Message], bytes]] = {
 }
 
 
+def _add_forwarded(counts: dict[str, int], native: dict) -> None:
+    """Fold a forwarder's counters into counts by vfio-user command."""
+    for command, n in (("REGION_READ", native["reads"]),
+                       ("REGION_WRITE", native["writes_posted"] + native["writes_nonposted"])):
+        if n:
+            counts[command] = counts.get(command, 0) + n
+
+
 def _message(got: tuple) -> Message:
     """A message the native forwarder returned: (msg_id, command, flags, error, payload, fds)."""
     msg_id, command, flags, error, payload, fds = got
@@ -583,6 +591,7 @@ class VfioUserServer:
         self.accept_errors = 0
         self.protocol_errors = 0
         self.posted_refused = 0  # posted writes the device refused (dropped)
+        self.forwarded: dict[str, int] = {}  # QEMU's messages ended sessions' native forwarders handled
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._session: _Session | None = None
@@ -636,7 +645,9 @@ class VfioUserServer:
                 self._session.thread.start()
 
     def _session_ended(self, session: _Session) -> None:
-        with self._lock:
+        with self._lock:  # with the session's going: a snapshot sees its counts once
+            if session.forwarder is not None:
+                _add_forwarded(self.forwarded, session.forwarder.counters())
             if self._session is session:
                 self._session = None
             self._session_done.notify_all()
@@ -663,6 +674,14 @@ class VfioUserServer:
         if close:
             close()
 
+    def _forwarded_counts(self, s: _Session | None) -> dict[str, int]:
+        """QEMU's messages the native forwarder handled in C (not in ``commands``: their
+        time is the link's wait), of every session so far."""
+        counts = dict(self.forwarded)
+        if s is not None and s.forwarder is not None:
+            _add_forwarded(counts, s.forwarder.counters())
+        return counts
+
     @staticmethod
     def _dma_counters(s: _Session) -> dict:
         """The session's DMA, with what the native forwarder did in C (outside the table)."""
@@ -673,11 +692,14 @@ class VfioUserServer:
 
     def snapshot(self) -> dict:
         """Counters for ``dxpu stats`` and benchmarks."""
-        s = self._session
+        with self._lock:
+            s = self._session
+            forwarded = self._forwarded_counts(s)
         return {"name": self.name, "sessions": self.sessions_served,
                 "rejected_connections": self.rejected_connections,
                 "protocol_errors": self.protocol_errors, "posted_refused": self.posted_refused,
                 "commands": {_name(k): v.as_dict() for k, v in sorted(self.stats.items())},
+                "forwarded": forwarded,
                 "dma": None if s is None else self._dma_counters(s),
                 "irqs": None if s is None else {**s.irqs.delivered, "dropped": s.irqs.dropped, "lost": s.irqs.lost,
                                                 "eventfds": s.irqs.fd_count()}}
