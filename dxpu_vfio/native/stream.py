@@ -24,15 +24,19 @@ import socket
 import sys
 from pathlib import Path
 from types import ModuleType
-
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from dxpu_vfio.errors import SetupError
 from dxpu_vfio.vfio_user.connection import ConnectionClosed, Message, ReceiveTimeout
 from dxpu_vfio.vfio_user.protocol import HEADER_SIZE, MAX_MESSAGE, TYPE_COMMAND, Header, ProtocolError
 
-if TYPE_CHECKING:
-    from dxpu_vfio.link.transport import TlsFiles
+
+class TlsFiles(Protocol):
+    """Where the CA, certificate and key are (:class:`dxpu_vfio.link.transport.TlsFiles`)."""
+
+    ca: Path
+    cert: Path
+    key: Path
 
 
 def _load() -> ModuleType | None:
@@ -79,7 +83,7 @@ def require() -> ModuleType:
 _contexts: dict[tuple, object] = {}
 
 
-def tls_context(files: "TlsFiles", server: bool):
+def tls_context(files: TlsFiles, server: bool):
     """One context per certificate set and side (loading keys costs milliseconds)."""
     key = (str(files.ca), str(files.cert), str(files.key), server)
     if key not in _contexts:
@@ -193,7 +197,7 @@ class NativeConnection:
         return self.stream.stats()
 
 
-def tcp(sock: socket.socket, tls: "TlsFiles | None", server: bool, handshake_timeout: float) -> NativeConnection:
+def tcp(sock: socket.socket, tls: TlsFiles | None, server: bool, handshake_timeout: float) -> NativeConnection:
     """Hand a connected TCP socket to a native stream (which owns it from here on); with
     ``tls``, after a mutual TLS handshake bounded by ``handshake_timeout``."""
     module = require()

@@ -39,14 +39,28 @@ from urllib.parse import parse_qs, urlparse
 from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.pool import bounds
 from dxpu_vfio.pool.bounds import BoundedServer, DeadlineHandler
+from dxpu_vfio.pool.etcd_store import EtcdStore
 from dxpu_vfio.pool.fields import BadField, count, field
 from dxpu_vfio.pool.manager import Manager
-from dxpu_vfio.pool.storage import open_store
-from dxpu_vfio.pool.store import default_path
+from dxpu_vfio.pool.storage import STORES, PoolStore, StoreError
+from dxpu_vfio.pool.store import Store, default_path
 from dxpu_vfio.procs import ChildProcess, terminate
 
 log = logging.getLogger("dxpu.manager")
 
+
+def open_store(kind: str = "sqlite", *, db: Path | str | None = None, endpoints: list[str] | None = None,
+               tls_dir: str | None = None) -> PoolStore:
+    """The store the manager was told to use (``--store``); SQLite unless asked otherwise.
+    ``db`` is the SQLite file, or for etcd the local path the logs live beside."""
+    if kind == "sqlite":
+        return Store(db)
+    if kind == "etcd":
+        if not endpoints:
+            raise StoreError("the etcd store needs endpoints",
+                             hint="pass --etcd-endpoints http://HOST:2379,... (or set DXPU_ETCD_ENDPOINTS)")
+        return EtcdStore(endpoints, path=db, tls_dir=tls_dir)
+    raise StoreError(f"unknown store {kind!r}; use one of {', '.join(STORES)}")
 
 class ManagerError(DxpuError):
     """The manager refused or failed a request; carries its message and hint."""

@@ -125,19 +125,3 @@ class PoolStore(Protocol):
     def delete_lease(self, lease_id: str) -> None: ...
     def leases(self, vm: str | None = None) -> list[Lease]: ...
     def lease_for(self, vm: str, name: str) -> Lease: ...
-
-
-def open_store(kind: str = "sqlite", *, db: Path | str | None = None, endpoints: list[str] | None = None,
-               tls_dir: str | None = None) -> PoolStore:
-    """The store the manager was told to use (``--store``); SQLite unless asked otherwise.
-    ``db`` is the SQLite file, or for etcd the local path the logs live beside."""
-    if kind == "sqlite":
-        from dxpu_vfio.pool.store import Store
-        return Store(db)
-    if kind == "etcd":
-        from dxpu_vfio.pool.etcd_store import EtcdStore
-        if not endpoints:
-            raise StoreError("the etcd store needs endpoints",
-                             hint="pass --etcd-endpoints http://HOST:2379,... (or set DXPU_ETCD_ENDPOINTS)")
-        return EtcdStore(endpoints, path=db, tls_dir=tls_dir)
-    raise StoreError(f"unknown store {kind!r}; use one of {', '.join(STORES)}")
