@@ -430,25 +430,15 @@ static int stream_write(Stream *s, const unsigned char *buf, size_t len, int64_t
         }
         int fd = s->fd;
         pthread_mutex_unlock(&s->io);
-        if (s->drain_on_send) {
-            int w = wait_fd(fd, events | POLLIN, deadline);
-            if (w == 0)
-                return IO_TIMEOUT;
-            if (w < 0) {
-                snprintf(errbuf, errlen, "poll: %s", strerror(errno));
-                return IO_ERROR;
-            }
-            if (drain_some(s, errbuf, errlen))
-                return IO_ERROR;
-            continue;
-        }
-        int w = wait_fd(fd, events, deadline);
+        int w = wait_fd(fd, s->drain_on_send ? events | POLLIN : events, deadline);
         if (w == 0)
             return IO_TIMEOUT;
         if (w < 0) {
             snprintf(errbuf, errlen, "poll: %s", strerror(errno));
             return IO_ERROR;
         }
+        if (s->drain_on_send && drain_some(s, errbuf, errlen))
+            return IO_ERROR;
     }
     return 0;
 }
@@ -658,6 +648,63 @@ static PyObject *message_with_fds(Stream *self, const frame_header *hdr, const u
     return out;
 }
 
+enum { NEXT_CLOSED = -1, NEXT_BAD_FRAME = -2, NEXT_NO_MEMORY = -3 };
+
+/* Wait (GIL released) until stream s has a whole message or the deadline passes. 1: there is
+ * one (hdr, msg point into the receive buffer until rx_consume), 0: timeout, NEXT_CLOSED
+ * (err says why), NEXT_BAD_FRAME (a size that cannot be a message: the stream is lost, err
+ * says why), NEXT_NO_MEMORY. The caller holds s->reader. */
+static int next_message(Stream *s, int64_t deadline, frame_header *hdr, const unsigned char **msg, char *err,
+                        size_t errlen)
+{
+    for (;;) {
+        int st = rx_next(&s->rx, s->max_message, hdr, msg);
+        if (st == FRAME_OK)
+            return 1;
+        if (st != FRAME_NEED_MORE) {
+            snprintf(err, errlen, "message size %u %s", hdr->size,
+                     st == FRAME_TOO_SMALL ? "is smaller than its header" : "exceeds the stream's maximum");
+            return NEXT_BAD_FRAME;
+        }
+        if (rx_make_room(s, rx_wanted(&s->rx, hdr, st)) < 0) {
+            snprintf(err, errlen, "out of memory");
+            return NEXT_NO_MEMORY;
+        }
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = stream_read(s, s->rx.data + s->rx.end, s->rx.cap - s->rx.end, deadline, err, errlen);
+        Py_END_ALLOW_THREADS
+        if (n > 0) {
+            s->rx.end += (size_t)n;
+            s->bytes_in += (unsigned long long)n;
+            continue;
+        }
+        if (n == IO_TIMEOUT)
+            return 0;
+        if (n == IO_EOF)
+            snprintf(err, errlen, "peer closed the connection");
+        return NEXT_CLOSED;
+    }
+}
+
+/* A message as Python sees it: (msg_id, command, flags, error, payload[, fds]). */
+static PyObject *as_python(Stream *s, const frame_header *hdr, const unsigned char *msg)
+{
+    if (s->with_fds)
+        return message_with_fds(s, hdr, msg);
+    return Py_BuildValue("(HHIIy#)", hdr->msg_id, hdr->command, hdr->flags, hdr->error,
+                         (const char *)msg + FRAME_HEADER_SIZE, (Py_ssize_t)(hdr->size - FRAME_HEADER_SIZE));
+}
+
+/* The exception for a failed next_message. */
+static void raise_next_error(int got, const char *err)
+{
+    if (got == NEXT_NO_MEMORY)
+        PyErr_NoMemory();
+    else
+        PyErr_SetString(got == NEXT_BAD_FRAME ? BadFrameError : ClosedError, err);
+}
+
 /* receive(timeout=None) -> (msg_id, command, flags, error, payload: bytes[, fds]) | None */
 static PyObject *Stream_receive(Stream *self, PyObject *args, PyObject *kwds)
 {
@@ -668,59 +715,23 @@ static PyObject *Stream_receive(Stream *self, PyObject *args, PyObject *kwds)
     double timeout = timeout_arg(timeout_obj, -1.0);
     if (timeout == -2.0)
         return NULL;
-    int64_t deadline = deadline_after(timeout);
-    lock_released(&self->reader);
+    frame_header hdr;
+    const unsigned char *msg;
+    char err[256] = "";
     PyObject *result = NULL;
-    for (;;) {
-        frame_header hdr;
-        const unsigned char *msg;
-        int st = rx_next(&self->rx, self->max_message, &hdr, &msg);
-        if (st == FRAME_OK) {
-            if (self->with_fds)
-                result = message_with_fds(self, &hdr, msg);
-            else
-                result = Py_BuildValue("(HHIIy#)", hdr.msg_id, hdr.command, hdr.flags, hdr.error,
-                                       (const char *)msg + FRAME_HEADER_SIZE,
-                                       (Py_ssize_t)(hdr.size - FRAME_HEADER_SIZE));
-            if (result) {
-                rx_consume(&self->rx, hdr.size);
-                self->messages_in++;
-            }
-            break;
+    lock_released(&self->reader);
+    int got = next_message(self, deadline_after(timeout), &hdr, &msg, err, sizeof err);
+    if (got == 1) {
+        result = as_python(self, &hdr, msg);
+        if (result) {
+            rx_consume(&self->rx, hdr.size);
+            self->messages_in++;
         }
-        if (st == FRAME_TOO_SMALL || st == FRAME_TOO_LARGE) {
-            PyErr_Format(BadFrameError, "message size %u %s", hdr.size,
-                         st == FRAME_TOO_SMALL ? "is smaller than its header" : "exceeds the stream's maximum");
-            break;
-        }
-        size_t start_before = self->rx.start;
-        if (rx_reserve(&self->rx, rx_wanted(&self->rx, &hdr, st), RX_INITIAL) < 0) {
-            PyErr_NoMemory();
-            break;
-        }
-        for (int i = 0; i < self->fdq_len; i++) /* the bytes moved to the front: so do their fds */
-            self->fdq[i].pos -= start_before - self->rx.start;
-        char err[256] = "";
-        ssize_t n;
-        unsigned char *room = self->rx.data + self->rx.end;
-        size_t room_len = self->rx.cap - self->rx.end;
-        Py_BEGIN_ALLOW_THREADS
-        n = stream_read(self, room, room_len, deadline, err, sizeof err);
-        Py_END_ALLOW_THREADS
-        if (n > 0) {
-            self->rx.end += (size_t)n;
-            self->bytes_in += (unsigned long long)n;
-            continue;
-        }
-        if (n == IO_TIMEOUT) {
-            Py_INCREF(Py_None); /* what arrived so far stays buffered */
-            result = Py_None;
-        } else if (n == IO_EOF) {
-            PyErr_SetString(ClosedError, "peer closed the connection");
-        } else {
-            PyErr_SetString(ClosedError, err);
-        }
-        break;
+    } else if (got == 0) {
+        Py_INCREF(Py_None); /* what arrived so far stays buffered */
+        result = Py_None;
+    } else {
+        raise_next_error(got, err);
     }
     pthread_mutex_unlock(&self->reader);
     return result;

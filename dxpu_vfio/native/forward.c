@@ -73,41 +73,6 @@ static PyTypeObject ForwarderType;
 
 /* --- one message from a stream, without Python ------------------------------------- */
 
-/* Wait (GIL released) until stream s has a whole message or the deadline passes. 1: there is
- * one (hdr, msg point into the receive buffer until rx_consume), 0: timeout, -1: closed or
- * broken (err says why). The caller holds s->reader. */
-static int next_message(Stream *s, int64_t deadline, frame_header *hdr, const unsigned char **msg, char *err,
-                        size_t errlen)
-{
-    for (;;) {
-        int st = rx_next(&s->rx, s->max_message, hdr, msg);
-        if (st == FRAME_OK)
-            return 1;
-        if (st != FRAME_NEED_MORE) {
-            snprintf(err, errlen, "message size %u cannot be a message", hdr->size);
-            return -1;
-        }
-        if (rx_make_room(s, rx_wanted(&s->rx, hdr, st)) < 0) {
-            snprintf(err, errlen, "out of memory");
-            return -1;
-        }
-        ssize_t n;
-        Py_BEGIN_ALLOW_THREADS
-        n = stream_read(s, s->rx.data + s->rx.end, s->rx.cap - s->rx.end, deadline, err, errlen);
-        Py_END_ALLOW_THREADS
-        if (n > 0) {
-            s->rx.end += (size_t)n;
-            s->bytes_in += (unsigned long long)n;
-            continue;
-        }
-        if (n == IO_TIMEOUT)
-            return 0;
-        if (n == IO_EOF)
-            snprintf(err, errlen, "peer closed the connection");
-        return -1;
-    }
-}
-
 static int send_frame(Stream *s, uint16_t id, uint16_t cmd, uint32_t flags, uint32_t error, const void *a,
                       size_t alen, const void *b, size_t blen, char *err, size_t errlen)
 {
@@ -136,15 +101,6 @@ static int send_frame(Stream *s, uint16_t id, uint16_t cmd, uint32_t flags, uint
         s->messages_out++;
     }
     return r ? -1 : 0;
-}
-
-/* A message as Python sees it: (msg_id, command, flags, error, payload[, fds]). */
-static PyObject *as_python(Stream *s, const frame_header *hdr, const unsigned char *msg)
-{
-    if (s->with_fds)
-        return message_with_fds(s, hdr, msg);
-    return Py_BuildValue("(HHIIy#)", hdr->msg_id, hdr->command, hdr->flags, hdr->error,
-                         (const char *)msg + FRAME_HEADER_SIZE, (Py_ssize_t)(hdr->size - FRAME_HEADER_SIZE));
 }
 
 static inline uint64_t le64(const unsigned char *p)

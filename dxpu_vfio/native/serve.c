@@ -122,7 +122,7 @@ static PyObject *serve_requests(PyObject *module, PyObject *args)
             int got = next_message(s, deadline, &hdr, &msg, err, sizeof err);
             pthread_mutex_unlock(&s->reader);
             if (got < 0) {
-                PyErr_SetString(got == -1 && strstr(err, "cannot be a message") ? BadFrameError : ClosedError, err);
+                raise_next_error(got, err);
                 return NULL;
             }
             if (got == 0)
