@@ -22,9 +22,9 @@ from dxpu_vfio.lab import lab
 from dxpu_vfio.lab.hotplug import guest_wait_for_child, port_bdf
 from dxpu_vfio.link.transport import make_certs
 from dxpu_vfio.paths import run_dir
-from dxpu_vfio.pool.manager import stop_proxy
+from dxpu_vfio.pool.manager import Manager, stop_proxy
 from dxpu_vfio.pool.service import ManagerClient, ManagerError, ManagerProcess
-from dxpu_vfio.pool.store import Lease
+from dxpu_vfio.pool.store import Lease, Store
 from dxpu_vfio.testing import wait_until
 
 pytestmark = pytest.mark.vm
@@ -238,6 +238,14 @@ def test_detach_of_a_device_whose_box_died(pool, vm, pool_lab):
     assert wait_guest(vm, lease["port"], "0x1b36:0x10f0")
     os.kill(pool_lab.box("box2").proxy_pid, signal.SIGKILL)
     try:
+        # A heartbeat round whose probe box2 answered just before it died must not re-plug
+        # into the dead box (that fails, and the failure would release the lease): heal
+        # probes again once it has seen the dead link.
+        late = Manager(Store(pool.db))
+        held = Lease(**pool.leases()[0])
+        assert wait_until(lambda: not late._proxy_stats(held)["device"]["link"]["up"], 10), "link never seen down"
+        assert late.heal(next(b for b in late.store.boxes() if b["name"] == "box2")) == []
+        assert [row["state"] for row in pool.leases()] == ["attached"]
         assert wait_until(lambda: pool.json("ls")["boxes"][1]["state"] == "down", 15), "box2 never marked down"
         devices = {d["id"]: d for d in pool.json("ls")["devices"]}
         assert not devices["box2/td1"]["available"]

@@ -134,8 +134,9 @@ class Manager:
                 changes.append(change)
             if not isinstance(result, BoxUnreachable):
                 up.append(box["name"])
+        by_name = {box["name"]: box for box in boxes}
         for name in up:
-            changes += self.heal(name)
+            changes += self.heal(by_name[name])
         return changes
 
     def probe_timeout(self) -> float:
@@ -206,14 +207,19 @@ class Manager:
         self.store.mark_box(box["name"], up=True)
         return None
 
-    def heal(self, box: str) -> list[dict]:
+    def heal(self, box: dict) -> list[dict]:
         """Re-plug the attached devices of a box that answers again but whose host proxy's
         link is down (the box restarted, or was down): QEMU never reconnects a vfio-user
         device, so the device leaves the VM and comes back with a new proxy, on the same
-        lease. At most once per ``heal_interval`` s per lease; a failure releases the lease."""
+        lease. At most once per ``heal_interval`` s per lease; a failure releases the lease.
+
+        The box is probed again after the dead link was seen: the round's probe may have
+        been answered just before the box died, and re-plugging into a dead box would
+        fail and release a lease the admin still has to detach."""
         actions = []
+        confirmed: bool | None = None  # did the box answer a probe made after a dead link was seen?
         for lease in self.store.leases():
-            if lease.box != box or lease.state != LeaseState.ATTACHED:
+            if lease.box != box["name"] or lease.state != LeaseState.ATTACHED:
                 continue
             if time.monotonic() - self._healed.get(lease.id, -1e9) < self.heal_interval:
                 continue
@@ -221,6 +227,10 @@ class Manager:
                 stats = self._proxy_stats(lease)
                 if stats is None or ((stats.get("device") or {}).get("link") or {}).get("up", True):
                     continue
+            if confirmed is None:
+                confirmed = self._answers_now(box)
+            if not confirmed:
+                break
             self._healed[lease.id] = time.monotonic()
             try:
                 with self.open_vm(lease.vm) as target, self._vm_lock(target.key):
@@ -233,6 +243,14 @@ class Manager:
                 actions.append({"lease": lease.id, "device": lease.device, "vm": lease.vm, "action": "failed",
                                 "why": exc.message})
         return actions
+
+    def _answers_now(self, box: dict) -> bool:
+        try:
+            fetch_inventory(box["address"], box["tls_dir"], timeout=self.probe_timeout())
+        except BoxUnreachable as exc:
+            log.warning("box %s stopped answering before its devices were re-plugged: %s", box["name"], exc.message)
+            return False
+        return True
 
     def _replug(self, target: VmTarget, lease: Lease) -> None:
         """Unplug, new proxy, plug again (lease 'attaching' meanwhile: a crash rolls it back)."""
