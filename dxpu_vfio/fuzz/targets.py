@@ -1,0 +1,17 @@
+"""The fuzz targets by name (``scripts/fuzz.py --target``)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from dxpu_vfio.fuzz.runner import Target
+from dxpu_vfio.fuzz.vfio_user import VfioUserTarget
+
+TARGETS: dict[str, Callable[[], Target]] = {
+    "vfio-user": lambda: VfioUserTarget("testdev"),
+    "vfio-user-nvme": lambda: VfioUserTarget("nvme"),
+}
+
+
+def make_target(name: str) -> Target:
+    return TARGETS[name]()
