@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rss-limit-mb", type=float, default=64.0, help="anonymous memory growth that is a finding")
     parser.add_argument("--out", type=Path, default=Path("build/fuzz"), help="reproducers go here")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--fail-on-drops", action="store_true",
+                        help="a session the target ended with its framing intact is a finding (else reported)")
     parser.add_argument("--progress", type=float, default=0.0, help="a progress line every this many seconds")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.target or list(TARGETS):
         run = Run(make_target(name), seed=seed, start=args.start, stop=args.stop, count=args.count, seconds=seconds,
                   check_every=args.check_every, hang_timeout=args.hang_timeout, rss_limit_mb=args.rss_limit_mb,
-                  out=args.out, progress=args.progress)
+                  out=args.out, progress=args.progress, fail_on_drops=args.fail_on_drops)
         results.append(run.execute())
         if args.json:  # after each target: a long run that is cut short keeps what it did
             args.json.write_text(json.dumps({"seed": seed, "results": [r.as_dict() for r in results]}, indent=1))

@@ -77,7 +77,7 @@ class ControlServices:
                 req = json.loads(bytes(msg.payload))
                 slot = self.slots.get(str(req["device"]))
                 offset = int(req.get("offset", 0))
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested too deep
                 raise vp.ProtocolError("bad SCREENSHOT request") from None
             err = (errno.ENODEV if slot is None else errno.EACCES if str(req.get("lease")) != slot.spec.lease
                    else errno.ENOTSUP if not hasattr(slot.device, "render_png") else None)

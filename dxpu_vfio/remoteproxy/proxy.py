@@ -160,7 +160,7 @@ class RemoteProxy:
         """HELLO and lease check; then the device belongs to this link."""
         try:
             hello = Hello.unpack(msg.payload)
-        except vp.ProtocolError as exc:
+        except (vp.ProtocolError, RecursionError) as exc:  # RecursionError: JSON nested too deep (fuzzer)
             self.admission.refuse_hello(conn, peer, exc)
             return
         slot = self.slots.get(hello.device)

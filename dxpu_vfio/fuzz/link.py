@@ -1,0 +1,310 @@
+"""Fuzzing the remote proxy's link (the box side, :mod:`dxpu_vfio.remoteproxy`): a box
+process with a test device and an NVMe serving plaintext on loopback (TLS only wraps the
+same stream), reached as a host proxy reaches it.
+
+A unit is, on the link a valid HELLO opened: region accesses at the edges, write batches,
+resets, SYNC, heartbeats, IRQ/DMA messages a host never sends, replies to nothing, HELLO
+again, headers with mutated flags, and now and then a framing breaker (after which the box
+must close the link and serve the next HELLO); the box's own DMA reads are answered, now
+and then wrongly. One unit in ten is a fresh connection whose first message is a mutated
+HELLO, INVENTORY or SCREENSHOT (or garbage).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import socket
+import struct
+import time
+from pathlib import Path
+
+from dxpu_vfio.fuzz.mutate import edge, mutate_bytes, mutate_json, text
+from dxpu_vfio.fuzz.peer import Gone, Hang, Peer
+from dxpu_vfio.fuzz.vfio_user import PROBE_ID, framing_breaker, header
+from dxpu_vfio.link.protocol import LINK_VERSION, LinkCommand, pack_irq
+from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
+from dxpu_vfio.vfio_user import protocol as p
+
+DEVICES = {"td0": "lease-td0", "nv0": "lease-nv0"}
+L = LinkCommand
+
+
+class LinkTarget:
+    name = "link"
+
+    def __init__(self) -> None:
+        self.process: RemoteProxyProcess | None = None
+        self.log_path = Path("/nonexistent")
+        self.port = 0
+        self.peer: Peer | None = None
+        self.device = "td0"
+        self.broken = False
+        self.drops: list[str] = []
+        self.answers = random.Random(0)
+        self._index = 0
+        self._last_beat = 0.0
+
+    def start(self, workdir: Path) -> None:
+        config = workdir / "box.toml"
+        config.write_text('name = "fuzzbox"\nlisten = "127.0.0.1"\nport = 0\nplaintext = true\n'
+                          '[[device]]\nid = "td0"\nmodel = "testdev"\nlease = "lease-td0"\n'
+                          'settings = { memory_size = 16777216 }\n'
+                          '[[device]]\nid = "nv0"\nmodel = "nvme"\nlease = "lease-nv0"\n'
+                          f'settings = {{ namespaces = [{{ size = 8388608, path = "{workdir / "nv0.img"}" }}] }}\n')
+        self.log_path = workdir / "box.log"
+        self.process = RemoteProxyProcess(config, log_path=self.log_path).start()
+        found = re.findall(rb"127\.0\.0\.1:(\d+)", self.log_path.read_bytes())
+        self.port = int(found[-1])
+
+    def stop(self) -> None:
+        self._close()
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+
+    def pid(self) -> int | None:
+        return self.process.pid if self.process and self.process.process else None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.alive()
+
+    def take_drops(self) -> list[str]:
+        drops, self.drops = self.drops, []
+        return drops
+
+    # --- links -----------------------------------------------------------------------
+    def _close(self) -> None:
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _link(self, deadline: float, device: str) -> list[bytes]:
+        """A link to ``device`` after a valid HELLO (EBUSY while the box still holds the last
+        link: retried until it let go)."""
+        self._close()
+        self.broken = False
+        self.device = device
+        hello = p.message(1, L.HELLO, json.dumps({"version": LINK_VERSION, "device": device,
+                                                 "lease": DEVICES[device]}).encode())
+        while True:
+            self.peer = Peer(self._connect(), self._answer)
+            try:
+                reply = self.peer.request(hello, 1, deadline)
+                if not reply.is_error:
+                    return [hello]
+            except Gone:
+                pass
+            self._close()
+            if time.monotonic() > deadline:
+                raise Hang(f"the box gave no new link to {device} (the last one never let go?)")
+            time.sleep(0.02)
+
+    def _answer(self, hdr: p.Header, payload: bytes) -> bytes | None:
+        """The box's DMA_READ: mostly the bytes asked for, now and then short, long, for
+        another address, an error or nothing (the box's DMA timeout then)."""
+        rng = self.answers
+        if hdr.command != L.DMA_READ or len(payload) < 16:
+            return p.error_reply(hdr.msg_id, hdr.command, 38)
+        address, count = struct.unpack_from("<QQ", payload)
+        roll = rng.random()
+        if roll < 0.03:  # the box's DMA times out and it takes the link down, as it must
+            self.broken = True
+            return None
+        if roll < 0.1:
+            return p.error_reply(hdr.msg_id, hdr.command, rng.choice((5, 14, 22)))
+        data = bytes(min(count, p.MAX_DATA_XFER))
+        if roll < 0.2:
+            data = data[:rng.randint(0, len(data))] if rng.random() < 0.5 else data + b"\0" * rng.randint(1, 64)
+        if roll < 0.25:
+            address ^= 1 << rng.randrange(40)
+        reply = struct.pack("<QQ", address, len(data)) + data
+        if roll < 0.28:
+            reply = reply[:rng.randrange(16)]
+        return p.message(hdr.msg_id, hdr.command, reply, reply=True)
+
+    def probe(self, deadline: float) -> None:
+        for _ in range(2):
+            try:
+                if self.peer is None or self.peer.closed:
+                    self._link(deadline, self.device)
+                assert self.peer is not None
+                reply = self.peer.request(p.message(PROBE_ID, L.REGION_READ,
+                                                    p.RegionAccess(p.REGION_CONFIG, 0, 4).pack()), PROBE_ID, deadline)
+                if reply.is_error:
+                    raise Hang(f"the probe's config read failed: errno {reply.error}")
+                return
+            except Gone as exc:
+                self._lost(f"probe: {exc}")
+        raise Hang("the box closed two links in a row at the probe")
+
+    def _lost(self, why: str) -> None:
+        if not self.broken:
+            self.drops.append(f"the box closed a link whose framing was intact ({why}); last unit {self._index}")
+        self._close()
+
+    def send(self, index: int, rng: random.Random) -> list[bytes]:
+        self._index = index
+        self.answers.seed(index)
+        deadline = time.monotonic() + 5.0
+        sent: list[bytes] = []
+        if self.peer is not None and not self.peer.closed and time.monotonic() - self._last_beat > 0.5:
+            # as a host proxy does: the box takes a link silent for 3 s for dead
+            beat = p.message(0, L.HEARTBEAT, no_reply=True)
+            try:
+                self.peer.send(beat, (), deadline)
+                sent.append(beat)
+            except Gone as exc:
+                self._lost(str(exc))
+            self._last_beat = time.monotonic()
+        if rng.random() < 0.1:
+            return sent + [self._door(rng, deadline)]
+        if self.peer is None or self.peer.closed:
+            sent += self._link(deadline, rng.choice(list(DEVICES)))
+        assert self.peer is not None
+        try:
+            for data, breaks in self._unit(rng):
+                self.broken |= breaks
+                self.peer.send(data, (), deadline)
+                sent.append(data)
+                if breaks:
+                    self._end_broken(deadline)
+                    break
+                self.peer.pump()
+        except Gone as exc:
+            self._lost(str(exc))
+        return sent
+
+    def _end_broken(self, deadline: float) -> None:
+        assert self.peer is not None
+        try:
+            self.peer.sock.shutdown(socket.SHUT_WR)
+            while time.monotonic() < deadline:
+                self.peer.pump(0.1)
+        except (Gone, OSError):
+            self._close()
+            return
+        self._close()
+        raise Hang("the box did not close a link whose framing was broken")
+
+    # --- a new connection's first message --------------------------------------------
+    def _door(self, rng: random.Random, deadline: float) -> bytes:
+        roll = rng.randrange(6)
+        if roll <= 2:
+            device = rng.choice(list(DEVICES) + ["nope", ""])
+            doc = {"version": LINK_VERSION, "device": device, "lease": DEVICES.get(device, "x")}
+            data = header(rng, L.HELLO, mutate_json(rng, doc, {"device": tuple(DEVICES), "version": (0, 1, 2)}))
+        elif roll == 3:
+            data = header(rng, L.INVENTORY, mutate_json(rng, {"version": LINK_VERSION}))
+        elif roll == 4:
+            data = header(rng, L.SCREENSHOT, mutate_json(rng, {"device": "td0", "lease": "lease-td0", "offset": 0},
+                                                         {"offset": (0, -1, 1 << 63, 10**20)}))
+        else:
+            data = framing_breaker(rng)[0]
+        try:
+            with self._connect() as sock:
+                sock.sendall(data)
+                sock.shutdown(socket.SHUT_WR)
+                sock.settimeout(max(0.05, min(0.3, deadline - time.monotonic())))
+                while sock.recv(65536):
+                    pass
+        except OSError:
+            pass  # refused, reset, or the box waits for the rest of a message (its deadline ends it)
+        return data
+
+    # --- units on the link -----------------------------------------------------------------
+    def _unit(self, rng: random.Random):
+        roll = rng.random()
+        if roll < 0.03:
+            yield framing_breaker(rng)[0], True
+            return
+        kind = rng.choice(("read", "read", "read", "write", "write", "write", "batch", "batch", "reset", "sync",
+                           "beat", "host_only", "reply", "hello", "flip", "dma_engine"))
+        yield from getattr(self, f"_{kind}")(rng)
+
+    def _where(self, rng: random.Random) -> tuple[int, int, int]:
+        region = rng.choice((0, 0, 0, 2, 2, 7, 7, 1, 6, 8, 9, edge(rng, 32)))
+        offset = rng.randrange(0x40) & ~3 if rng.random() < 0.5 else \
+            edge(rng, near=(4096, 16 << 10, 16 << 20, 0x100, 0x1000))
+        count = rng.choice((1, 2, 4, 4, 4, 8, 3, 0, 4096, edge(rng, 32, near=(p.MAX_DATA_XFER,))))
+        return region, offset, count
+
+    def _read(self, rng: random.Random):
+        region, offset, count = self._where(rng)
+        payload = p.REGION_RW.pack(offset, region, count)
+        yield header(rng, L.REGION_READ, payload[:rng.choice((16,) * 9 + (rng.randrange(16),))]), False
+
+    def _write(self, rng: random.Random):
+        region, offset, count = self._where(rng)
+        length = count if count <= 4096 else 8
+        data = rng.randbytes(length) if length <= 64 else bytes(length)
+        if rng.random() < 0.1:
+            data = data[:-1] if data else b"\0"
+        yield header(rng, L.REGION_WRITE, p.REGION_RW.pack(offset, region, count) + data,
+                     no_reply=rng.random() < 0.5), False
+
+    def _batch(self, rng: random.Random):
+        parts = []
+        for _ in range(rng.choice((0, 1, 2, 8, 64))):
+            region, offset, count = self._where(rng)
+            n = min(count, 64)
+            parts.append(p.REGION_RW.pack(offset, region, count if rng.random() < 0.9 else n + 1) + rng.randbytes(n))
+        payload = b"".join(parts)
+        if rng.random() < 0.2:
+            payload = mutate_bytes(rng, payload, 65536)
+        yield header(rng, L.WRITE_BATCH, payload, no_reply=rng.random() < 0.9), False
+
+    def _reset(self, rng: random.Random):
+        yield header(rng, L.DEVICE_RESET, rng.randbytes(rng.choice((0, 0, 8)))), False
+
+    def _sync(self, rng: random.Random):
+        yield header(rng, L.SYNC, rng.randbytes(rng.choice((0, 0, 4)))), False
+
+    def _beat(self, rng: random.Random):
+        yield header(rng, L.HEARTBEAT, rng.randbytes(rng.choice((0, 0, 16))), no_reply=rng.random() < 0.8), False
+
+    def _host_only(self, rng: random.Random):
+        """What only the box sends (IRQ, DMA_WRITE) or never anyone (unknown commands)."""
+        command = rng.choice((L.IRQ, L.DMA_WRITE, L.DMA_READ, L.INVENTORY, L.SCREENSHOT, 0, 1, 2, 8, 0x107,
+                              0xFFFF, edge(rng, 16)))
+        payload = pack_irq(rng.randrange(4), edge(rng, 32)) if command == L.IRQ else rng.randbytes(rng.choice((0, 16, 40)))
+        yield header(rng, command, payload, no_reply=rng.random() < 0.5), False
+
+    def _reply(self, rng: random.Random):
+        """A reply to nothing (or to a DMA the box already gave up)."""
+        payload = struct.pack("<QQ", edge(rng), rng.choice((0, 4, 4096))) + rng.randbytes(rng.choice((0, 4, 16)))
+        flags = p.TYPE_REPLY | (p.FLAG_ERROR if rng.random() < 0.3 else 0)
+        yield p.HEADER.pack(rng.randrange(0xFFFF), rng.choice((L.DMA_READ, L.REGION_READ, L.HELLO, 0)),
+                            p.HEADER_SIZE + len(payload), flags, edge(rng, 32)) + payload, False
+
+    def _hello(self, rng: random.Random):
+        doc = {"version": LINK_VERSION, "device": rng.choice(list(DEVICES)), "lease": "lease-td0"}
+        yield header(rng, L.HELLO, mutate_json(rng, doc)), False
+
+    def _flip(self, rng: random.Random):
+        kind = rng.choice(("_read", "_write", "_batch"))
+        data, _ = next(getattr(self, kind)(rng))
+        payload = mutate_bytes(rng, data[p.HEADER_SIZE:], 8192)
+        yield data[:4] + struct.pack("<I", p.HEADER_SIZE + len(payload)) + data[8:16] + payload, False
+
+    def _dma_engine(self, rng: random.Random):
+        """Make the device DMA (test device: its copy engine; NVMe: enable it with admin
+        queues at random guest addresses): the box then asks us for guest memory."""
+        yield header(rng, L.REGION_WRITE, p.REGION_RW.pack(4, p.REGION_CONFIG, 2) + b"\x06\x00"), False
+        if self.device == "nv0":
+            regs = [(0x14, 0, 4), (0x24, (15 << 16) | 15, 4), (0x28, edge(rng) & ~0xFFF, 8),
+                    (0x30, edge(rng) & ~0xFFF, 8), (0x14, 1 | (6 << 16) | (4 << 20), 4), (0x1000, rng.randrange(17), 4)]
+        else:
+            regs = [(0x20, edge(rng, 32), 4), (0x24, edge(rng, 32), 4), (0x28, edge(rng, 32), 4),
+                    (0x2C, edge(rng, 32), 4), (0x30, rng.choice((1, 4096, 1 << 20, edge(rng, 32))), 4),
+                    (0x34, rng.choice((1, 2, 3, 7)) | (rng.choice((0, 1)) << 16), 4)]
+        for offset, value, size in regs:
+            yield header(rng, L.REGION_WRITE, p.REGION_RW.pack(offset, 0, size) + value.to_bytes(size, "little"),
+                         no_reply=rng.random() < 0.5), False
