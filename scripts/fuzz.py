@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -54,14 +55,22 @@ def main(argv: list[str] | None = None) -> int:
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     seconds = args.seconds if args.seconds is not None or args.count or args.stop is not None else 10.0
     print(f"fuzz: seed {seed}", flush=True)
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)  # a run ended by pid still stops its servers and reports
     results = []
     for name in args.target or list(TARGETS):
         run = Run(make_target(name), seed=seed, start=args.start, stop=args.stop, count=args.count, seconds=seconds,
                   check_every=args.check_every, hang_timeout=args.hang_timeout, rss_limit_mb=args.rss_limit_mb,
                   out=args.out, progress=args.progress, fail_on_drops=args.fail_on_drops)
         results.append(run.execute())
+        if run.interrupted:
+            print(f"fuzz: interrupted during {name}: stopping after {run.result.messages} messages", flush=True)
         if args.json:  # after each target: a long run that is cut short keeps what it did
             args.json.write_text(json.dumps({"seed": seed, "results": [r.as_dict() for r in results]}, indent=1))
+        if run.interrupted:
+            break
     print(table(results))
     findings = sum(len(r.findings) for r in results)
     if findings:

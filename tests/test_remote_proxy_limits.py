@@ -115,3 +115,24 @@ def test_the_accept_loop_survives_running_out_of_descriptors(tmp_path):
         out, _ = proc.communicate(timeout=10)
     assert "accept() failed" in out, out[-2000:]
     assert "Traceback" not in out, out[-4000:]
+
+
+@pytest.mark.parametrize("command, payload", [
+    (LinkCommand.HELLO, b"[" * 100_000 + b"]" * 100_000),
+    (LinkCommand.SCREENSHOT, b'{"device": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+])
+def test_a_first_message_of_json_nested_too_deep_is_refused_and_the_box_serves_on(box, command, payload, monkeypatch):
+    """Found by scripts/fuzz.py: a RecursionError killed the admission thread (a traceback)."""
+    import threading
+    died: list = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+    with socket.create_connection(("127.0.0.1", box.port)) as s:
+        s.sendall(vp.message(1, command, payload))
+        s.settimeout(3)
+        data = s.recv(65536)
+        while data and len(data) < 16:
+            data += s.recv(65536)
+    assert data == b"" or vp.Header.unpack(data).is_error  # refused: an error reply, or closed
+    time.sleep(0.2)
+    assert not died, [str(d.exc_value)[:200] for d in died]
+    assert fetch_inventory(f"127.0.0.1:{box.port}", None)["box"] == "box1"

@@ -126,6 +126,7 @@ class Run:
         self._history: deque[tuple[int, list[bytes]]] = deque(maxlen=HISTORY)
         self._log_pos = 0
         self._workdir: Path | None = None
+        self.interrupted = False
 
     def _done(self, index: int, started: float) -> bool:
         r = self.result
@@ -143,35 +144,15 @@ class Run:
         os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (saved_env["PYTHONPATH"], str(site)) if x)
         os.environ["PYTHONFAULTHANDLER"] = "1"
         started = time.monotonic()
-        last_progress = started
         warm_until = started + min(3.0, (self.seconds or 30) / 10)
         try:
             self.target.start(self._workdir)
-            index = self.start
-            while not self._done(index, started):
-                rng = random.Random(f"{self.seed}:{index}")
-                try:
-                    sent = self.target.send(index, rng)
-                except Hang as exc:
-                    self._history.append((index, []))
-                    self._finding("hang", index, f"while sending: {exc}")
-                    self._restart()
-                    index += 1
-                    continue
-                self._history.append((index, sent))
-                for detail in self.target.take_drops():
-                    self._finding("drop", index, detail)
-                r.messages += len(sent)
-                r.units += 1
-                index += 1
-                if r.units % self.check_every == 0:
-                    self._check(index - 1)
-                    if not r.rss_start_kb and time.monotonic() > warm_until:
-                        r.rss_start_kb = rss_anon_kb(self.target.pid())
-                if self.progress and time.monotonic() - last_progress > self.progress:
-                    last_progress = time.monotonic()
-                    print(f"fuzz {r.target}: {r.messages} messages in {last_progress - started:.0f} s "
-                          f"({r.messages / (last_progress - started):.0f}/s), {len(r.findings)} findings", flush=True)
+            index = self._next = self.start
+            try:
+                index = self._loop(index, started, warm_until)
+            except KeyboardInterrupt:  # SIGINT, or SIGTERM (scripts/fuzz.py): report what was done
+                self.interrupted = True
+                index = self._next
             self._check(index - 1)
             if not r.rss_start_kb:
                 r.rss_start_kb = r.rss_max_kb
@@ -193,6 +174,38 @@ class Run:
                 else:
                     os.environ[key] = value
         return r
+
+    def _loop(self, index: int, started: float, warm_until: float) -> int:
+        """Send units until done; the index after the last one sent."""
+        r = self.result
+        last_progress = started
+        while not self._done(index, started):
+            rng = random.Random(f"{self.seed}:{index}")
+            try:
+                sent = self.target.send(index, rng)
+            except Hang as exc:
+                self._history.append((index, []))
+                self._finding("hang", index, f"while sending: {exc}")
+                self._restart()
+                index += 1
+                self._next = index
+                continue
+            self._history.append((index, sent))
+            for detail in self.target.take_drops():
+                self._finding("drop", index, detail)
+            r.messages += len(sent)
+            r.units += 1
+            index += 1
+            self._next = index
+            if r.units % self.check_every == 0:
+                self._check(index - 1)
+                if not r.rss_start_kb and time.monotonic() > warm_until:
+                    r.rss_start_kb = rss_anon_kb(self.target.pid())
+            if self.progress and time.monotonic() - last_progress > self.progress:
+                last_progress = time.monotonic()
+                print(f"fuzz {r.target}: {r.messages} messages in {last_progress - started:.0f} s "
+                      f"({r.messages / (last_progress - started):.0f}/s), {len(r.findings)} findings", flush=True)
+        return index
 
     def _check(self, index: int) -> None:
         r = self.result

@@ -6,12 +6,14 @@ from typing import Callable
 
 from dxpu_vfio.fuzz.runner import Target
 from dxpu_vfio.fuzz.link import LinkTarget
+from dxpu_vfio.fuzz.manager import ManagerTarget
 from dxpu_vfio.fuzz.vfio_user import VfioUserTarget
 
 TARGETS: dict[str, Callable[[], Target]] = {
     "vfio-user": lambda: VfioUserTarget("testdev"),
     "vfio-user-nvme": lambda: VfioUserTarget("nvme"),
     "link": LinkTarget,
+    "manager": ManagerTarget,
 }
 
 
