@@ -175,3 +175,32 @@ def test_the_accept_loop_survives_running_out_of_descriptors(server):
     finally:
         again.close()
     assert server._accept_thread.is_alive() and server.accept_errors >= 1
+
+
+@pytest.mark.parametrize("fastlink", ["1", "0"])
+@pytest.mark.xfail(strict=True, reason="known (scripts/fuzz.py): a read's descriptors go to the first message "
+                                       "in it (vfio_user/connection.py, native/fastlink.c); docs/limits.md, Descriptors")
+def test_descriptors_sent_behind_unread_bytes_reach_their_own_message(tmp_path, monkeypatch, fastlink):
+    import threading
+    monkeypatch.setenv("DXPU_FASTLINK", fastlink)
+    device = TestDevice(memory_size=1 << 20)
+    srv = VfioUserServer(device, tmp_path / "dev.sock", name="t").start()
+    c = VfioUserClient(srv.socket_path, timeout=3.0)
+    efd = os.eventfd(0)
+    try:
+        c.negotiate()
+        with device.lock:  # the server's reader stalls in the next handler, so what follows waits unread
+            stalled = threading.Thread(target=c.write32, args=(BAR0, 0x08, 1))
+            stalled.start()
+            time.sleep(0.2)
+            c.write32(BAR0, 0x0C, 2, posted=True)  # bytes without descriptors...
+            wired = threading.Thread(target=c.set_irqs, args=(p.IRQ_MSI, [efd]))  # ...then an eventfd
+            wired.start()
+            time.sleep(0.2)
+        stalled.join(5)
+        wired.join(5)
+        assert srv.session.irqs.fd_count() == 1, "the SET_IRQS eventfd went to the posted write before it"
+    finally:
+        os.close(efd)
+        c.close()
+        srv.stop()
