@@ -62,3 +62,15 @@ def test_malformed_dma_read_completions_are_dma_errors(link, reply):
         port.read(0x1000, 64)
     host.answer = lambda req: vp.DmaAccess(req.address, req.count, b"\xcd" * req.count).pack()
     assert endpoint.up and port.read(0x1000, 64) == b"\xcd" * 64
+
+
+@pytest.mark.parametrize("address, length", [((1 << 64) - 16, 64), (1 << 64, 4), (-4096, 4096)])
+def test_dma_past_the_64_bit_address_space_is_a_dma_error(link, address, length):
+    """Found by scripts/fuzz.py: the test device's copy engine at 2^64 - 16 raised
+    struct.error from the box's port (a traceback in the box's log) instead of a DmaError."""
+    port, _host, endpoint = link
+    with pytest.raises(DmaError):
+        port.read(address, length)
+    with pytest.raises(DmaError):
+        port.write(address, b"\0" * length)
+    assert endpoint.up and port.read(0x1000, 8) == b"\xab" * 8

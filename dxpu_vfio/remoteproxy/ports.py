@@ -24,6 +24,13 @@ READ_PIECE = 256 << 10  # a large DMA read goes as several pieces in flight at o
 READ_WINDOW = 4  # message costs ~100 µs of Python per side, so pieces are large (1 MiB in flight)
 
 
+def check_range(addr: int, length: int) -> None:
+    """A guest range the link can name (u64 address, u64 end): else a DmaError for the device,
+    as an unmapped address is, not a struct.error from packing it (found by scripts/fuzz.py)."""
+    if addr < 0 or length < 0 or addr + length > 1 << 64:
+        raise DmaError(f"DMA of {length} bytes at {addr:#x} runs past the 64-bit address space")
+
+
 class LinkDmaPort:
     """The device's DMA port on the box."""
 
@@ -39,6 +46,8 @@ class LinkDmaPort:
         """Pipelined: up to READ_WINDOW pieces of at most READ_PIECE in flight, across all
         ranges, so a scatter list costs about one round trip plus the transfer, not one
         round trip per page or per piece."""
+        for addr, length in ranges:
+            check_range(addr, length)
         pieces = [(i, addr + pos, min(READ_PIECE, length - pos))
                   for i, (addr, length) in enumerate(ranges) for pos in range(0, length, READ_PIECE)]
         out = [bytearray(length) for _, length in ranges]
@@ -68,6 +77,7 @@ class LinkDmaPort:
     def write(self, addr: int, data: bytes) -> None:
         if not self.endpoint.up:
             raise DmaError(f"link down: {self.endpoint.down_reason}")
+        check_range(addr, len(data))
         view = memoryview(data)
         for pos in range(0, len(view), CHUNK):
             chunk = view[pos:pos + CHUNK]
