@@ -185,14 +185,22 @@ class Run:
                 sent = self.target.send(index, rng)
             except Hang as exc:
                 self._history.append((index, []))
-                self._finding("hang", index, f"while sending: {exc}")
+                if self.target.alive():
+                    self._finding("hang", index, f"while sending: {exc}\n{self._stacks()}")
+                else:
+                    self._scan_log(index)
+                    self._finding("crash", index, f"the {r.target} process (pid {self.target.pid()}) died")
                 self._restart()
                 index += 1
                 self._next = index
                 continue
             self._history.append((index, sent))
-            for detail in self.target.take_drops():
-                self._finding("drop", index, detail)
+            drops = self.target.take_drops()
+            if drops and not self.target.alive():
+                self._check(index)  # not a session it ended: the process died
+            else:
+                for detail in drops:
+                    self._finding("drop", index, detail)
             r.messages += len(sent)
             r.units += 1
             index += 1
