@@ -226,21 +226,6 @@ def topology_key(topology: lab.Topology) -> str:
     return json.dumps([dataclasses.asdict(b) for b in topology.boxes], sort_keys=True, default=str)
 
 
-def save_lab_logs(name: str, dest: Path) -> Path | None:
-    """Copy a lab's files (state.json, each box's BOX.toml, remote proxy log and stats,
-    link emulator config, report and log) and its status to ``dest/lab-NAME``; not the certificates (keys)."""
-    src = lab.lab_dir(name)
-    if not src.is_dir():
-        return None
-    target = dest / f"lab-{name}"
-    target.mkdir(parents=True, exist_ok=True)
-    for path in src.iterdir():
-        if path.is_file():  # sockets and the certs directory stay
-            shutil.copy2(path, target / path.name)
-    (target / "status.json").write_text(json.dumps(lab.status(name), indent=1))
-    return target
-
-
 def _proc_state(pid: int | None) -> str | None:
     """The state letter of /proc/PID/stat (R, S, T, Z ...); None if there is no such process."""
     if not pid:
@@ -411,7 +396,7 @@ class LabUse:
         self.owned.append(name)
 
     def save_logs(self, dest: Path) -> list[Path]:
-        return [p for name in self.used if (p := save_lab_logs(name, dest)) is not None]
+        return [p for name in self.used if (p := lab.save_logs(name, dest)) is not None]
 
     def close(self) -> None:
         for name in self.owned:

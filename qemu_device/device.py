@@ -307,14 +307,16 @@ class PciFunction:
 
     def dma_read_many(self, pieces: list[tuple[int, int]]) -> list[bytes]:
         """Several DMA reads at once (scatter lists): one round trip for all of them on a
-        port that can pipeline (``read_many``), one read each on any other port."""
-        port = self._dma_port_checked()
-        many = getattr(port, "read_many", None)
-        return many(pieces) if many else [port.read(a, n) for a, n in pieces]
+        port that pipelines, one read each on local memory."""
+        return self._dma_port_checked().read_many(pieces)
 
     def dma_write(self, addr: int, data: bytes) -> None:
         """DMA write through the port, refused while Bus Master Enable is off."""
         self._dma_port_checked().write(addr, data)
+
+    def dma_write_many(self, pieces: list[tuple[int, bytes | memoryview]]) -> None:
+        """Several DMA writes in order (scatter lists): sent together on a remote port."""
+        self._dma_port_checked().write_many(pieces)
 
     def _dma_port_checked(self) -> DmaPort:
         with self.lock:

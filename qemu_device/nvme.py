@@ -715,10 +715,11 @@ class NvmeController(PciFunction):
         self._write_segments(self._segments(prp1, prp2, len(data)), data)
 
     def _write_segments(self, segments: list[tuple[int, int]], data: bytes) -> None:
-        view, pos = memoryview(data), 0
+        view, pieces, pos = memoryview(data), [], 0
         for addr, n in segments:
-            self.dma_write(addr, view[pos:pos + n])
+            pieces.append((addr, view[pos:pos + n]))
             pos += n
+        self.dma_write_many(pieces)
 
     # --- lifecycle -------------------------------------------------------------------------------
     def capacity_bytes(self) -> int:

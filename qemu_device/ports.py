@@ -27,9 +27,26 @@ class DmaPort(Protocol):
         """Write ``data`` at ``addr`` or raise DmaError."""
         ...
 
-    # Optional: ``read_many(pieces: list[tuple[addr, length]]) -> list[bytes]`` reads several
-    # ranges at once; a port whose reads cost a network round trip keeps them all in
-    # flight together. Devices call it through PciFunction.dma_read_many.
+    def read_many(self, pieces: list[tuple[int, int]]) -> list[bytes]:
+        """Several ranges at once (a scatter list): a port whose reads cost a network
+        round trip keeps them all in flight together."""
+        ...
+
+    def write_many(self, pieces: list[tuple[int, bytes | memoryview]]) -> None:
+        """Several writes, in order: a port on a network sends them together."""
+        ...
+
+
+class ScatterByPieces:
+    """``read_many``/``write_many`` as one ``read``/``write`` per piece: for ports where
+    a piece costs no more alone (local memory)."""
+
+    def read_many(self, pieces: list[tuple[int, int]]) -> list[bytes]:
+        return [self.read(addr, length) for addr, length in pieces]  # type: ignore[attr-defined]
+
+    def write_many(self, pieces: list[tuple[int, bytes | memoryview]]) -> None:
+        for addr, data in pieces:
+            self.write(addr, data)  # type: ignore[attr-defined]
 
 
 class IrqPort(Protocol):
@@ -52,7 +69,7 @@ class IrqPort(Protocol):
         ...
 
 
-class NullDmaPort:
+class NullDmaPort(ScatterByPieces):
     """No DMA port attached yet: every access is a DMA fault."""
 
     def read(self, addr: int, length: int) -> bytes:

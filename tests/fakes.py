@@ -6,7 +6,7 @@ import mmap
 import os
 import threading
 
-from qemu_device.ports import DmaError
+from qemu_device.ports import DmaError, ScatterByPieces
 
 RAM_BASE = 0x1_0000_0000
 RAM_SIZE = 4 << 20
@@ -32,7 +32,7 @@ class RecordingIrqPort:
         return events
 
 
-class FakeGuestRam:
+class FakeGuestRam(ScatterByPieces):
     """In-memory stand-in for the DMA port, for unit tests only.
 
     It models one DMA-mapped window of guest RAM and refuses everything else

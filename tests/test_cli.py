@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from dxpu_vfio.paths import run_dir
+
 
 def dxpu(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", *args], capture_output=True,
@@ -32,9 +34,11 @@ def test_doctor_says_what_to_run_when_qemu_is_wrong(tmp_path):
 
 @pytest.mark.vm
 def test_vm_run_passes_the_guest_exit_code_back():
+    before = set(run_dir().glob("vm-dxpu-run-*"))
     proc = dxpu("vm", "run", "echo hello from $(uname -r); exit 7")
     assert proc.returncode == 7
     assert proc.stdout.startswith("hello from 6.12")
+    assert set(run_dir().glob("vm-dxpu-run-*")) == before  # its workdir went with it (no --keep-logs)
 
 
 def test_wrong_image_name_is_a_usage_error():

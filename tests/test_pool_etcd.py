@@ -24,9 +24,10 @@ def inventory(n: int) -> list[dict]:
             for i in range(n)]
 
 
-def _grab_all(endpoints: list[str], name: str, out, go) -> None:
+def _grab_all(endpoints: list[str], name: str, out, ready, go) -> None:
     """Take two devices at a time (spread) until the pool has none left."""
     s = EtcdStore(endpoints, path="/nonexistent/pool.db", prefix="/race/v1/")
+    ready.release()
     go.wait(60)
     taken = []
     try:
@@ -42,11 +43,13 @@ def test_two_allocators_on_different_members_never_share_a_device(etcd3):
     for b in range(6):
         s.register_box(f"box{b}", f"198.18.{b}.2:7000", None, inventory(20))
     ctx = multiprocessing.get_context("spawn")
-    out, go = ctx.Queue(), ctx.Event()
-    workers = [ctx.Process(target=_grab_all, args=([url], f"host{i}", out, go))
+    out, ready, go = ctx.Queue(), ctx.Semaphore(0), ctx.Event()
+    workers = [ctx.Process(target=_grab_all, args=([url], f"host{i}", out, ready, go))
                for i, url in enumerate(etcd3.endpoints[:2])]  # each host talks to its own member
     for w in workers:
         w.start()
+    for _ in workers:  # both connected before either starts (a spawn can take seconds under load)
+        assert ready.acquire(timeout=60), "an allocator process did not start"
     go.set()
     results = [out.get(timeout=120) for _ in workers]
     for w in workers:
@@ -101,7 +104,9 @@ def test_two_managers_on_one_etcd_serve_one_pool(etcd, tmp_path):
     """Two hosts' managers (their own sockets and logs) over the same etcd see the same
     boxes, devices and leases; SQLite stays what a manager uses unless told otherwise."""
     hosts = [tmp_path / f"host{i}" / "pool.db" for i in range(2)]
-    managers = [ManagerProcess(db, etcd_endpoints=etcd.endpoints).start() for db in hosts]
+    # the box is a name only (nothing answers at its address): dead_after long enough that
+    # no heartbeat marks it down (its devices unavailable) while the test looks
+    managers = [ManagerProcess(db, etcd_endpoints=etcd.endpoints, dead_after=600).start() for db in hosts]
     try:
         s = EtcdStore(etcd.endpoints, path=tmp_path / "admin.db")  # the manager's default prefix
         s.register_box("shared", "198.18.9.2:7000", None, inventory(2))

@@ -44,14 +44,16 @@ def cmd_vm_run(args: argparse.Namespace) -> int:
     from dxpu_vfio.vms.runner import Vm, VmConfig
     config = VmConfig(image=args.image, name=args.name, accel=args.accel,
                       memory_mib=args.memory, cpus=args.cpus, edu=args.edu)
-    # a workdir of our own choosing stays after the run: its serial log and QEMU stderr are the answer's logs
-    with Vm(config, workdir=run_dir() / f"vm-{config.name}-{os.getpid()}") as vm:
+    # the workdir (serial log, QEMU stderr) goes after a clean run unless --keep-logs;
+    # a boot that failed keeps it either way (Vm keeps its logs after an exception)
+    workdir = run_dir() / f"vm-{config.name}-{os.getpid()}" if args.keep_logs else None
+    with Vm(config, workdir=workdir) as vm:
         vm.boot()
         result = vm.run(args.command, timeout=args.timeout, check=False)
         vm.shutdown()
     if args.json:
         print_json({"rc": result.rc, "stdout": result.stdout, "stderr": result.stderr,
-                    "boot_seconds": vm.boot_seconds, "workdir": str(vm.workdir)})
+                    "boot_seconds": vm.boot_seconds, "workdir": str(vm.workdir) if args.keep_logs else None})
     else:  # the guest command's own output, as if it ran here
         sys.stdout.write(result.stdout)
         sys.stderr.write(result.stderr)
@@ -106,6 +108,7 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--cpus", type=int, default=2)
     p.add_argument("--edu", action="store_true", help="add QEMU's edu device")
     p.add_argument("--timeout", type=float, default=120)
+    p.add_argument("--keep-logs", action="store_true", help="keep the guest's workdir (serial log, QEMU stderr)")
 
     p = add_guest_options(command(vm, "define", cmd_vm_define,
                                   "define a libvirt domain for dxpu (q35, shared memfd RAM, root ports, "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -76,6 +77,19 @@ def _use_display(vm: Vm, bdf: str, probe: DisplayProbe, shot: Path) -> dict:
             "seconds_to_screen": round(seconds, 1), "screenshot": str(shot), "png_size": png_pixels(png)[:2]}
 
 
+
+def _save_failure_logs(lab_name: str, work: Path) -> None:
+    """A failed demo keeps what explains it in ``results/demo-failed/`` before the
+    teardown removes it: the lab's files (box proxy logs), the manager's log and each
+    host proxy's log. The guest's own logs stay in its workdir (named in the output)."""
+    dest = PROJECT_ROOT / "results" / "demo-failed"
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    lab.save_logs(lab_name, dest)
+    for log in [*work.glob("*.log"), *work.glob("*.logs/*.log")]:
+        shutil.copy2(log, dest / log.name)
+    print(f"demo: failed; logs saved in {dest}", file=sys.stderr)
+
 def run_demo(image: str = "full", accel: str = "tcg", as_json: bool = False) -> int:
     say = (lambda _m: None) if as_json else (lambda m: print(m, flush=True))
     out: dict = {"image": image, "accel": accel}
@@ -133,12 +147,17 @@ def run_demo(image: str = "full", accel: str = "tcg", as_json: bool = False) -> 
                     f"posted writes ({c.get('posted_messages', c.get('writes_posted', 0))} link messages), "
                     f"DMA {c.get('dma_bytes_read', 0)} B out of and {c.get('dma_bytes_written', 0)} B into guest "
                     f"memory, {c.get('irqs', 0)} interrupts, link {'up' if dev['link_up'] else 'DOWN'}")
+            started = time.monotonic()
             freed = pool.post("/v1/detach", vm=sock, all=True)
+            out["detach_seconds"] = round(time.monotonic() - started, 1)
             out["freed"] = [f["device"] for f in freed]
             left = [x["id"] for x in pool.get("/v1/ls")["devices"] if not x["available"]]
-            say(f"demo: dxpu detach --all: {', '.join(out['freed'])} unplugged and back in the pool "
-                f"({'all free' if not left else 'still held: ' + ', '.join(left)})")
+            say(f"demo: dxpu detach --all: {', '.join(out['freed'])} unplugged (the guest's drivers let go in "
+                f"{out['detach_seconds']} s) and back in the pool ({'all free' if not left else 'still held: ' + ', '.join(left)})")
             vm.shutdown()
+    except BaseException:
+        _save_failure_logs(topology.name, work)
+        raise
     finally:
         if manager is not None:
             manager.stop()

@@ -490,3 +490,18 @@ def status(name: str) -> dict:
                        "delay_us": b.delay_us, "delay_mode": b.delay_mode, "link_netns": b.link_netns,
                        "link": b.link, "emulator_pid": b.emulator_pid, "realtime": b.realtime, "emulator_alive": alive(b.emulator_pid),
                        "devices": {d: v["model"] for d, v in b.devices.items()}} for b in state.boxes]}
+
+
+def save_logs(name: str, dest: Path) -> Path | None:
+    """Copy a lab's files (state.json, each box's BOX.toml, remote proxy log and stats,
+    link emulator config, report and log) and its status to ``dest/lab-NAME``; not the certificates (keys)."""
+    src = lab_dir(name)
+    if not src.is_dir():
+        return None
+    target = dest / f"lab-{name}"
+    target.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.is_file():  # sockets and the certs directory stay
+            shutil.copy2(path, target / path.name)
+    (target / "status.json").write_text(json.dumps(status(name), indent=1))
+    return target

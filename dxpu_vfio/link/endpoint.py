@@ -188,6 +188,17 @@ class LinkEndpoint:
         except ConnectionClosed as exc:
             self.mark_down(f"send failed: {exc}")
 
+    def post_many(self, command: int, payloads: list[bytes | tuple]) -> None:
+        """Several posted messages of one command, in order, as one send (a DMA scatter
+        list: a few TLS records instead of one per page)."""
+        if not self.up:
+            return
+        try:
+            self.conn.send_messages([(next(self._ids) & 0xFFFF, command, _POSTED, payload) for payload in payloads])
+            self.posted[_cmd_name(command)] += len(payloads)
+        except ConnectionClosed as exc:
+            self.mark_down(f"send failed: {exc}")
+
     def request(self, command: int, payload: bytes, timeout: float) -> memoryview:
         """Send and wait for the completion; LinkDown on timeout (the link goes down)."""
         if self.native and not self._pending and threading.current_thread() is self._driver:

@@ -777,35 +777,61 @@ static int parts_get(PyObject *payload, parts_t *p)
     return 0;
 }
 
-/* Write a header (or nothing) and parts: small pieces are staged into one write (one TLS
- * record, one segment), large ones written from where they are. GIL released by caller. */
-static int write_parts(Stream *s, const unsigned char *head, size_t head_len, parts_t *p, int64_t deadline, char *err,
-                       size_t errlen)
+/* Staged output: small pieces are gathered into one write (one TLS record, one segment),
+ * large ones written from where they are, after what was staged before them. */
+typedef struct {
+    Stream *s;
+    size_t staged;
+    int64_t deadline;
+    char *err;
+    size_t errlen;
+} stage_t;
+
+static int stage_put(stage_t *st, const unsigned char *data, size_t len)
 {
-    size_t staged = 0;
-    if (head_len) {
-        memcpy(s->tx, head, head_len);
-        staged = head_len;
+    if (st->staged + len <= TX_STAGE) {
+        memcpy(st->s->tx + st->staged, data, len);
+        st->staged += len;
+        return 0;
     }
-    for (int i = 0; i < p->count; i++) {
-        const unsigned char *data = (const unsigned char *)p->views[i].buf;
-        size_t len = (size_t)p->views[i].len;
-        if (staged + len <= TX_STAGE) {
-            memcpy(s->tx + staged, data, len);
-            staged += len;
-            continue;
-        }
-        if (staged) {
-            int r = stream_write(s, s->tx, staged, deadline, err, errlen);
-            if (r)
-                return r;
-            staged = 0;
-        }
-        int r = stream_write(s, data, len, deadline, err, errlen);
+    if (st->staged) {
+        int r = stream_write(st->s, st->s->tx, st->staged, st->deadline, st->err, st->errlen);
+        st->staged = 0;
         if (r)
             return r;
     }
-    return staged ? stream_write(s, s->tx, staged, deadline, err, errlen) : 0;
+    if (len <= TX_STAGE) {
+        memcpy(st->s->tx, data, len);
+        st->staged = len;
+        return 0;
+    }
+    return stream_write(st->s, data, len, st->deadline, st->err, st->errlen);
+}
+
+static int stage_parts(stage_t *st, const unsigned char *head, size_t head_len, parts_t *p)
+{
+    int r = head_len ? stage_put(st, head, head_len) : 0;
+    for (int i = 0; !r && i < p->count; i++)
+        r = stage_put(st, (const unsigned char *)p->views[i].buf, (size_t)p->views[i].len);
+    return r;
+}
+
+static int stage_flush(stage_t *st)
+{
+    if (!st->staged)
+        return 0;
+    int r = stream_write(st->s, st->s->tx, st->staged, st->deadline, st->err, st->errlen);
+    st->staged = 0;
+    return r;
+}
+
+/* Write a header (or nothing) and parts. GIL released by caller. */
+static int write_parts(Stream *s, const unsigned char *head, size_t head_len, parts_t *p, int64_t deadline, char *err,
+                       size_t errlen)
+{
+    stage_t st = {.s = s, .staged = 0, .deadline = deadline, .err = err, .errlen = errlen};
+    int r = stage_parts(&st, head, head_len, p);
+    return r ? r : stage_flush(&st);
 }
 
 static PyObject *finish_send(Stream *self, int r, const char *err, size_t total)
@@ -872,6 +898,74 @@ static PyObject *Stream_send_message(Stream *self, PyObject *args, PyObject *kwd
     size_t total = p.total + FRAME_HEADER_SIZE;
     parts_release(&p);
     return finish_send(self, r, err, total);
+}
+
+/* send_messages(messages): frame and send a batch of (msg_id, command, flags, payload)
+ * messages in order, staged into as few writes as they fit (a scatter list of posted DMA
+ * writes is a few TLS records, not one per page). At most 64 messages per call. */
+#define SEND_BATCH_MAX 64
+static PyObject *Stream_send_messages(Stream *self, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "send_messages takes a sequence of (msg_id, command, flags, payload)");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n == 0) {
+        Py_DECREF(seq);
+        Py_RETURN_NONE;
+    }
+    if (n > SEND_BATCH_MAX) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "at most %d messages per send_messages call", SEND_BATCH_MAX);
+    }
+    parts_t *parts = (parts_t *)PyMem_Calloc((size_t)n, sizeof(parts_t));
+    unsigned char(*heads)[FRAME_HEADER_SIZE] = PyMem_Calloc((size_t)n, FRAME_HEADER_SIZE);
+    Py_ssize_t got = 0;
+    size_t total = 0;
+    PyObject *result = NULL;
+    if (!parts || !heads) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        unsigned int msg_id, command, flags;
+        PyObject *payload;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, got), "IIIO", &msg_id, &command, &flags, &payload))
+            goto done;
+        if (parts_get(payload, &parts[got]) < 0)
+            goto done;
+        if (parts[got].total + FRAME_HEADER_SIZE > self->max_message) {
+            PyErr_Format(PyExc_ValueError, "message of %zu bytes exceeds the stream's maximum",
+                         parts[got].total + FRAME_HEADER_SIZE);
+            parts_release(&parts[got]);
+            goto done;
+        }
+        frame_encode(heads[got], (uint16_t)msg_id, (uint16_t)command,
+                     (uint32_t)(parts[got].total + FRAME_HEADER_SIZE), flags, 0);
+        total += parts[got].total + FRAME_HEADER_SIZE;
+    }
+    char err[256] = "";
+    int r = 0;
+    stage_t st = {.s = self, .staged = 0, .deadline = deadline_after(self->send_timeout), .err = err,
+                  .errlen = sizeof err};
+    lock_released(&self->send_order);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; !r && i < n; i++)
+        r = stage_parts(&st, heads[i], FRAME_HEADER_SIZE, &parts[i]);
+    if (!r)
+        r = stage_flush(&st);
+    Py_END_ALLOW_THREADS
+    pthread_mutex_unlock(&self->send_order);
+    result = finish_send(self, r, err, total);
+    if (result)
+        self->messages_out += (unsigned long long)(n - 1); /* finish_send counted one */
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        parts_release(&parts[i]);
+    PyMem_Free(parts);
+    PyMem_Free(heads);
+    Py_DECREF(seq);
+    return result;
 }
 
 /* exchange(msg_id, command, flags, payload, timeout) -> the next message received, or None:
@@ -1038,6 +1132,8 @@ static PyMethodDef Stream_methods[] = {
     {"receive", (PyCFunction)(void (*)(void))Stream_receive, METH_VARARGS | METH_KEYWORDS,
      "receive(timeout=None) -> (msg_id, command, flags, error, payload) or None when the timeout passed."},
     {"send", (PyCFunction)Stream_send, METH_O, "send(data): framed bytes, whole, in order with other sends."},
+    {"send_messages", (PyCFunction)Stream_send_messages, METH_O,
+     "send_messages(messages): a batch of (msg_id, command, flags, payload), staged into few writes"},
     {"send_message", (PyCFunction)(void (*)(void))Stream_send_message, METH_VARARGS | METH_KEYWORDS,
      "send_message(msg_id, command, flags, payload=b'', error=0): frame and send one message."},
     {"exchange", (PyCFunction)Stream_exchange, METH_VARARGS,

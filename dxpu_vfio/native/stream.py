@@ -30,6 +30,8 @@ from dxpu_vfio.errors import SetupError
 from dxpu_vfio.vfio_user.connection import ConnectionClosed, Message, ReceiveTimeout
 from dxpu_vfio.vfio_user.protocol import HEADER_SIZE, MAX_MESSAGE, TYPE_COMMAND, Header, ProtocolError
 
+SEND_BATCH_MAX = 64  # messages per send_messages call (fastlink.c's SEND_BATCH_MAX)
+
 
 class TlsFiles(Protocol):
     """Where the CA, certificate and key are (:class:`dxpu_vfio.link.transport.TlsFiles`)."""
@@ -124,6 +126,14 @@ class NativeConnection:
     def send_message(self, msg_id: int, command: int, flags: int, payload: bytes | tuple = b"") -> None:
         try:
             self.stream.send_message(msg_id, command, flags, payload)
+        except (self._closed_exc, TimeoutError) as exc:
+            raise ConnectionClosed(str(exc)) from exc
+
+    def send_messages(self, messages: list[tuple[int, int, int, bytes | tuple]]) -> None:
+        """Several messages, in order, staged into as few writes (TLS records) as they fit."""
+        try:
+            for start in range(0, len(messages), SEND_BATCH_MAX):
+                self.stream.send_messages(messages[start:start + SEND_BATCH_MAX])
         except (self._closed_exc, TimeoutError) as exc:
             raise ConnectionClosed(str(exc)) from exc
 

@@ -75,14 +75,23 @@ class LinkDmaPort:
         return [bytes(b) for b in out]
 
     def write(self, addr: int, data: bytes) -> None:
+        self.write_many([(addr, data)])
+
+    def write_many(self, pieces: list[tuple[int, bytes | memoryview]]) -> None:
+        """Posted, in order, sent together: a scatter list of pages is a few TLS records
+        and one call into the stream, not one per page."""
         if not self.endpoint.up:
             raise DmaError(f"link down: {self.endpoint.down_reason}")
-        check_range(addr, len(data))
-        view = memoryview(data)
-        for pos in range(0, len(view), CHUNK):
-            chunk = view[pos:pos + CHUNK]
-            self.endpoint.post(LinkCommand.DMA_WRITE, vp.DmaAccess(addr + pos, len(chunk), chunk).parts())
-        self.bytes_written += len(data)
+        for addr, data in pieces:
+            check_range(addr, len(data))
+        payloads = []
+        for addr, data in pieces:
+            view = memoryview(data)
+            for pos in range(0, len(view), CHUNK):
+                chunk = view[pos:pos + CHUNK]
+                payloads.append(vp.DmaAccess(addr + pos, len(chunk), chunk).parts())
+            self.bytes_written += len(view)
+        self.endpoint.post_many(LinkCommand.DMA_WRITE, payloads)
 
 
 class LinkIrqPort:

@@ -173,6 +173,14 @@ class Connection:
         size = HEADER_SIZE + sum(len(part) for part in parts)
         self.send(b"".join((HEADER.pack(msg_id, command, size, flags, 0), *parts)))
 
+    def send_messages(self, messages: list[tuple[int, int, int, bytes | tuple]]) -> None:
+        """Frame and send several messages, in order, as one send."""
+        chunks: list = []
+        for msg_id, command, flags, payload in messages:
+            parts = payload if isinstance(payload, tuple) else (payload,)
+            chunks += (HEADER.pack(msg_id, command, HEADER_SIZE + sum(len(part) for part in parts), flags, 0), *parts)
+        self.send(b"".join(chunks))
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dxpu_vfio.vfio_user.protocol import DMA_FLAG_READ, DMA_FLAG_WRITE, PAGE_SIZE
-from qemu_device.ports import DmaError
+from qemu_device.ports import DmaError, ScatterByPieces
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Mapping:
 Fallback = Callable[[int, "int | bytes", bool], "bytes | None"]
 
 
-class DmaTable:
+class DmaTable(ScatterByPieces):
     """Thread-safe map of DMA windows; also the device's :class:`DmaPort` on the server."""
 
     def __init__(self, fallback: Fallback | None = None, max_maps: int = 65535) -> None:
