@@ -13,7 +13,6 @@ HELLO, INVENTORY or SCREENSHOT (or garbage).
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import socket
@@ -21,7 +20,7 @@ import struct
 import time
 from pathlib import Path
 
-from dxpu_vfio.fuzz.mutate import edge, mutate_bytes, mutate_json, text
+from dxpu_vfio.fuzz.mutate import edge, mutate_bytes, mutate_json
 from dxpu_vfio.fuzz.peer import Gone, Hang, Peer
 from dxpu_vfio.fuzz.vfio_user import PROBE_ID, framing_breaker, header
 from dxpu_vfio.link.protocol import LINK_VERSION, LinkCommand, pack_irq

@@ -124,7 +124,7 @@ class ManagerTarget:
         query = self._query(rng) if method == "GET" else ""
         version = rng.choice(("HTTP/1.1",) * 8 + ("HTTP/1.0", "HTTP/9.9", "", "HTTP/1.1 x"))
         body = self._body(rng, path) if method.startswith("POST") else b""
-        headers = [f"Host: x"]
+        headers = ["Host: x"]
         token = rng.random()
         if token < 0.85:
             headers.append(f"Authorization: Bearer {self.token}")
