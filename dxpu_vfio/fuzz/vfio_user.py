@@ -104,6 +104,7 @@ class VfioUserTarget:
         self.kept: list[int] = []  # memfds we mapped and may shrink later
         self.ram: mmap.mmap | None = None
         self.answers = random.Random(0)  # how the server's DMA requests are answered
+        self.sq_tail = 0  # NVMe: the admin submission queue's tail as we last rang it
         self._index = 0
 
     # --- process ---------------------------------------------------------------------
@@ -473,7 +474,7 @@ class VfioUserTarget:
         if ram is None:
             return
         n = rng.choice((1, 1, 2, 4, 15))
-        tail = getattr(self, "sq_tail", 0)
+        tail = self.sq_tail
         for _ in range(n):
             opcode = rng.choice((0x00, 0x01, 0x02, 0x04, 0x05, 0x06, 0x06, 0x08, 0x09, 0x0A, 0x0C, 0x18,
                                  rng.randrange(256)))
