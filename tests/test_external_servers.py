@@ -5,36 +5,26 @@ process of its own, which, like libvfio-user, refuses DMA windows over 8 TiB and
 the windows it was given (tests/test_libvfio_user.py runs libvfio-user's own sample)."""
 
 import errno
-import mmap
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from external_box import BOX, Box, Host, free_port
 
-from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, connect_remote
+from dxpu_vfio.hostproxy.forwarder import RemoteAttachError
 from dxpu_vfio.hostproxy.process import HostProxyProcess
-from dxpu_vfio.link.transport import TlsFiles, make_certs
+from dxpu_vfio.link.transport import make_certs
 from dxpu_vfio.native import stream as native
-from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 from dxpu_vfio.testing import eventually
 from dxpu_vfio.vfio_user import protocol as p
-from dxpu_vfio.vfio_user.client import ClientError, VfioUserClient
-from dxpu_vfio.vfio_user.server import VfioUserServer
+from dxpu_vfio.vfio_user.client import ClientError
 
 BAR0 = 0
 GUEST = 0x100000
 MEM = 1 << 20
-BOX = f"xbox{os.getpid()}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -50,60 +40,6 @@ def stream(request, monkeypatch):
         pytest.fail("the native stream is not built: run scripts/setup.sh")
     monkeypatch.setenv("DXPU_FASTLINK", "1" if request.param == "native" else "0")
     return request.param
-
-
-class Box:
-    """A remote proxy whose one device, ext0, is the external server at ``socket``."""
-
-    def __init__(self, tmp_path, certs, socket_path) -> None:
-        self.port = free_port()
-        self.certs = certs
-        config = tmp_path / f"{BOX}.toml"
-        config.write_text(f'name = "{BOX}"\nlisten = "127.0.0.1"\nport = {self.port}\ntls_dir = "{certs}"\n'
-                          f'[[device]]\nid = "ext0"\nmodel = "vfio-user"\nlease = "l"\n'
-                          f'settings = {{ socket = "{socket_path}" }}\n')
-        self.proc = RemoteProxyProcess(config).start()
-
-    def connect(self):
-        return connect_remote(f"127.0.0.1:{self.port}", "ext0", "l", TlsFiles.in_dir(self.certs, "host"),
-                              completion_timeout=2.0)
-
-    def log(self) -> str:
-        return self.proc.log_path.read_text(errors="replace")
-
-    def assert_clean_log(self) -> None:
-        """No proxy thread died with an exception."""
-        text = self.log()
-        assert "Traceback" not in text, text[-4000:]
-
-    def assert_link_down_blames(self, socket_path) -> None:
-        """The box took the link down naming its server (not "peer closed the link")."""
-        line = next((line for line in self.log().splitlines() if "ext0 down:" in line), "")
-        assert f"down: the external vfio-user server at {socket_path}" in line, self.log()[-4000:]
-
-
-class Host:
-    """The host proxy's server in forward mode, our client in QEMU's place."""
-
-    def __init__(self, tmp_path, box: Box) -> None:
-        self.device = box.connect()
-        self.server = VfioUserServer(self.device, tmp_path / "host.sock", name="ext").start()
-        self.client = VfioUserClient(self.server.socket_path)
-        self.client.negotiate()
-
-    def map(self, address: int, size: int) -> mmap.mmap:
-        fd = os.memfd_create("guest")
-        try:
-            os.ftruncate(fd, size)
-            ram = mmap.mmap(fd, size)
-            self.client.dma_map(address, size, fd=fd)
-        finally:
-            os.close(fd)
-        return ram
-
-    def close(self) -> None:
-        self.client.close()
-        self.server.stop()
 
 
 @pytest.fixture
