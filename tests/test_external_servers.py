@@ -105,6 +105,10 @@ def test_an_external_server_that_needs_fd_mapped_memory_is_refused_at_attach(tmp
         assert refused.value.errno == errno.EOPNOTSUPP
         assert "needs fd-mapped guest memory" in caplog.text  # the host proxy's log
         assert host.server.session.dma.windows() == []  # the host's table took it back
+        with pytest.raises(ClientError) as no_device:  # QEMU only logs a refused DMA_MAP: GET_INFO fails device_add
+            host.client.device_info()
+        assert no_device.value.errno == errno.EOPNOTSUPP
+        assert "needs fd-mapped guest memory" in host.device.stats()["attach_error"]
         assert "refused DMA window 0x100000+0x100000 without a file descriptor" in box.log()
         assert "needs fd-mapped guest memory" in box.log()
         assert host.client.read32(p.REGION_CONFIG, 0) == 0x10F01B36  # the device still answers

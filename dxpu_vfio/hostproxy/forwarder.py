@@ -87,6 +87,7 @@ class RemoteFunction:
         self._posted_since_sync = self._posted_bytes_since_sync = 0
         self._forwarder = None  # the native Forwarder serving this device now, if any
         self._forwarded: dict[str, int] = {}  # counters of forwarders that ended
+        self.attach_error: str | None = None  # why QEMU cannot have this device (the box refused its windows)
 
     @property
     def event_source(self) -> LinkEndpoint:
@@ -245,6 +246,8 @@ class RemoteFunction:
             else:
                 message = f"the box refused {what}: {os.strerror(exc.errno)} (see the box's log)"
             log.error("%s: %s", self.endpoint.name, message)
+            if command == LinkCommand.DMA_MAP and exc.errno == errno.EOPNOTSUPP and self.attach_error is None:
+                self.attach_error = message  # QEMU ignores a refused DMA_MAP: its GET_INFO fails instead
             raise OSError(exc.errno, message) from exc
 
     def reset(self) -> None:
@@ -273,7 +276,7 @@ class RemoteFunction:
                 row["wait_us"] = round(row["wait_us"] + native[wait_ns] / 1000, 1)
         if native:
             link["native"] = native
-        return {**counters, "link": link}
+        return {**counters, "link": link, "attach_error": self.attach_error}
 
     # --- the remote's requests (link reader thread, stream order) --------------------
     def _dma_read(self, msg) -> tuple:

@@ -76,6 +76,14 @@ class HostProxyProcess(ChildProcess):
             raise HostProxyError("host proxy did not write its stats", logs=[self.log_path])
         return stats
 
+    def attach_error(self) -> str | None:
+        """Why the device refused QEMU's attach, if it did (a box's external server that
+        needs fd-mapped guest memory): for the error that reports a failed device_add."""
+        try:
+            return (self.stats(timeout=2.0).get("device") or {}).get("attach_error")
+        except HostProxyError:
+            return None
+
     def screenshot(self, timeout: float = 30.0) -> bytes:
         """The device's current scanout as PNG (display devices)."""
         png = request_file(self.process.pid, screenshot_path(self.stats_path), signal.SIGUSR2, timeout) \

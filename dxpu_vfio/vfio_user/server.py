@@ -504,6 +504,11 @@ def _dma_unmap(s: _Session, msg: Message) -> bytes:
 
 
 def _device_info(s: _Session, msg: Message) -> bytes:
+    # QEMU only logs a refused DMA_MAP (it sends them before GET_INFO, without waiting):
+    # a device that cannot work with QEMU's windows fails the attach here instead
+    refused = getattr(s.server.device, "attach_error", None)
+    if refused:
+        raise OSError(errno.EOPNOTSUPP, refused)
     return p.device_info_reply()
 
 
