@@ -17,6 +17,8 @@ every access to the remote proxy. What it does that a plain forwarder would not:
 from __future__ import annotations
 
 import errno
+import logging
+import os
 import threading
 from typing import Callable
 
@@ -38,6 +40,8 @@ DEFAULT_COMPLETION_TIMEOUT = 1.0  # far below QEMU's 5 s x-msg-timeout
 # (The same numbers bound the native forwarder: dxpu_vfio/native/forward.c.)
 POSTED_WINDOW = 2048  # at the box's ~50 µs per posted write: at most ~0.1 s of its work queued
 POSTED_BYTES_WINDOW = 4 << 20
+
+log = logging.getLogger("dxpu.hostproxy")
 
 
 class RemoteAttachError(Exception):
@@ -83,6 +87,7 @@ class RemoteFunction:
         self._posted_since_sync = self._posted_bytes_since_sync = 0
         self._forwarder = None  # the native Forwarder serving this device now, if any
         self._forwarded: dict[str, int] = {}  # counters of forwarders that ended
+        self.attach_error: str | None = None  # why QEMU cannot have this device (the box refused its windows)
 
     @property
     def event_source(self) -> LinkEndpoint:
@@ -214,6 +219,37 @@ class RemoteFunction:
         self._posted_since_sync = self._posted_bytes_since_sync = 0
         return reply
 
+    # --- QEMU's DMA windows, for a box that asks (an external server there) ------------
+    def dma_mapped(self, address: int, size: int, flags: int) -> None:
+        """QEMU mapped a window: a box whose device asks (``dma_windows``) maps it too,
+        without a descriptor. A refusal is QEMU's DMA_MAP error (OSError with the errno)."""
+        self._tell_window(LinkCommand.DMA_MAP, vp.DmaMap(flags, 0, address, size).pack(),
+                          f"DMA window {address:#x}+{size:#x}")
+
+    def dma_unmapped(self, address: int, size: int, flags: int) -> None:
+        self._tell_window(LinkCommand.DMA_UNMAP, vp.DmaUnmap(flags, address, size).pack(),
+                          f"DMA unmap {address:#x}+{size:#x}")
+
+    def _tell_window(self, command: int, payload: bytes, what: str) -> None:
+        if not self.description.dma_windows or not self.endpoint.up:
+            return  # a link that is down refuses every DMA anyway
+        self.flush_posted()
+        try:
+            self._request(command, payload, max(self.completion_timeout, 5.0))
+        except LinkDown:
+            return
+        except LinkError as exc:
+            if exc.errno == errno.EOPNOTSUPP:
+                message = (f"the box refused {what}: its external vfio-user server needs fd-mapped guest "
+                           "memory, which a device behind a box cannot have (its DMA crosses the link as "
+                           "messages); see the box's log")
+            else:
+                message = f"the box refused {what}: {os.strerror(exc.errno)} (see the box's log)"
+            log.error("%s: %s", self.endpoint.name, message)
+            if command == LinkCommand.DMA_MAP and exc.errno == errno.EOPNOTSUPP and self.attach_error is None:
+                self.attach_error = message  # QEMU ignores a refused DMA_MAP: its GET_INFO fails instead
+            raise OSError(exc.errno, message) from exc
+
     def reset(self) -> None:
         self.flush_posted()
         if self.endpoint.up:
@@ -240,7 +276,7 @@ class RemoteFunction:
                 row["wait_us"] = round(row["wait_us"] + native[wait_ns] / 1000, 1)
         if native:
             link["native"] = native
-        return {**counters, "link": link}
+        return {**counters, "link": link, "attach_error": self.attach_error}
 
     # --- the remote's requests (link reader thread, stream order) --------------------
     def _dma_read(self, msg) -> tuple:
@@ -301,8 +337,11 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
         conn.close()
         err = reply.header.error
         what = {errno.EACCES: "lease token refused", errno.ENODEV: "no such device",
-                errno.EBUSY: "device is in use by another host", errno.EPROTO: "link version mismatch"}
-        raise RemoteAttachError(f"remote proxy {address} refused device {device!r}: {what.get(err, err)}", err)
+                errno.EBUSY: "device is in use by another host", errno.EPROTO: "link version mismatch",
+                errno.ENXIO: "device out of service"}
+        why = bytes(reply.payload[:500]).decode("utf-8", "replace")  # the box may say why (ENXIO)
+        raise RemoteAttachError(f"remote proxy {address} refused device {device!r}: {what.get(err, err)}"
+                                + (f": {why}" if why else ""), err)
     conn.sock.settimeout(None)
     if conn.native and spin_us:  # adaptive polling: spin before sleeping (docs/benchmarks.md)
         conn.stream.spin_us = spin_us

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model option (forward mode: address, device, lease, tls_dir, ...)")
     parser.add_argument("--allow-msix", action="store_true", help="offer MSI-X (QEMU 11.1 aborts on its unplug)")
     parser.add_argument("--write-multiple", action="store_true", help="offer REGION_WRITE_MULTI")
+    parser.add_argument("--dma-needs-fd", action="store_true",
+                        help="refuse DMA windows without a file descriptor (acts as a server that needs "
+                             "fd-mapped guest memory)")
     parser.add_argument("--log-level", default="WARNING")
     return parser
 
@@ -97,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     server = VfioUserServer(device, args.socket, name=args.name or args.model,
                             options=ServerOptions(advertise_write_multiple=args.write_multiple or bool(
-                                device.coalesce_posted), allow_msix=args.allow_msix))
+                                device.coalesce_posted), allow_msix=args.allow_msix,
+                                dma_needs_fd=args.dma_needs_fd))
 
     def snapshot() -> dict:
         return {"pid": os.getpid(), "server": server.snapshot(),

@@ -28,7 +28,8 @@ class HostProxyProcess(ChildProcess):
 
     def __init__(self, model: str, socket_path: Path, *, settings: dict | None = None,
                  log_path: Path | None = None, allow_msix: bool = False,
-                 write_multiple: bool = False, name: str | None = None, netns: str | None = None) -> None:
+                 write_multiple: bool = False, name: str | None = None, netns: str | None = None,
+                 dma_needs_fd: bool = False) -> None:
         self.model = model
         self.socket_path = Path(socket_path)
         self.settings = settings or {}
@@ -36,6 +37,7 @@ class HostProxyProcess(ChildProcess):
         self.log_path = log_path or self.socket_path.with_suffix(".log")
         self.allow_msix = allow_msix
         self.write_multiple = write_multiple
+        self.dma_needs_fd = dma_needs_fd  # refuse DMA windows without a descriptor (tests)
         self.name = name or model
         self.netns = netns  # run inside this network namespace (the lab's host node)
         self.process: subprocess.Popen | None = None
@@ -49,6 +51,7 @@ class HostProxyProcess(ChildProcess):
                 "--socket", str(self.socket_path), "--stats", str(self.stats_path), "--name", self.name]
         argv += [a for k, v in self.settings.items() for a in ("--set", f"{k}={json.dumps(v)}")]
         argv += ["--allow-msix"] * self.allow_msix + ["--write-multiple"] * self.write_multiple
+        argv += ["--dma-needs-fd"] * self.dma_needs_fd
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns, *argv]  # execs: the pid stays the server's
         with open(self.log_path, "ab") as log:
@@ -72,6 +75,14 @@ class HostProxyProcess(ChildProcess):
         if stats is None:
             raise HostProxyError("host proxy did not write its stats", logs=[self.log_path])
         return stats
+
+    def attach_error(self) -> str | None:
+        """Why the device refused QEMU's attach, if it did (a box's external server that
+        needs fd-mapped guest memory): for the error that reports a failed device_add."""
+        try:
+            return (self.stats(timeout=2.0).get("device") or {}).get("attach_error")
+        except HostProxyError:
+            return None
 
     def screenshot(self, timeout: float = 30.0) -> bytes:
         """The device's current scanout as PNG (display devices)."""

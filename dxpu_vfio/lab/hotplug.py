@@ -142,10 +142,11 @@ def attach(vm: Vm, model: str = "testdev", *, settings: dict | None = None, port
     try:
         vm.target.plug(device_id, port, server.socket_path, timeout=timeout, extra_props=extra_props)
     except QmpError as exc:
+        why = server.attach_error()
         if own_server:
             server.stop()
-        raise HotplugError(f"device_add of {device_id} on {port} failed: {exc.message}",
-                           logs=vm.logs + [server.log_path]) from exc
+        raise HotplugError(f"device_add of {device_id} on {port} failed: {exc.message}"
+                           + (f"; {why}" if why else ""), logs=vm.logs + [server.log_path]) from exc
     attachment = Attachment(vm, device_id, port, server, own_server=own_server)
     try:
         attachment.guest_bdf = watch.confirm()

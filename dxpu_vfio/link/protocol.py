@@ -22,6 +22,8 @@ LINK_VERSION = 1
 
 class LinkCommand(enum.IntEnum):
     # reused from vfio-user, same payloads
+    DMA_MAP = 2  # host -> remote, non-posted: a DMA window QEMU mapped (never an fd); only if the description asks
+    DMA_UNMAP = 3  # host -> remote, non-posted: a window QEMU unmapped (flag DMA_UNMAP_ALL: every window)
     REGION_READ = 9  # host -> remote, non-posted
     REGION_WRITE = 10  # host -> remote, posted or non-posted (config writes)
     DMA_READ = 11  # remote -> host, non-posted
@@ -67,17 +69,18 @@ class DeviceDescription:
     regions: list[tuple[int, int, bool, bool]]  # index, size, readable, writable
     irqs: dict[str, int]
     coalesce: bool = False  # the device's posted writes come in floods: combine them
+    dma_windows: bool = False  # the box wants QEMU's DMA windows (DMA_MAP/DMA_UNMAP): an external server
 
     def pack(self) -> bytes:
         return json.dumps({"model": self.model, "regions": self.regions, "irqs": self.irqs,
-                           "coalesce": self.coalesce}).encode()
+                           "coalesce": self.coalesce, "dma_windows": self.dma_windows}).encode()
 
     @classmethod
     def unpack(cls, payload: bytes | memoryview) -> "DeviceDescription":
         try:
             data = json.loads(bytes(payload))
             return cls(data["model"], [tuple(r) for r in data["regions"]], dict(data["irqs"]),
-                       bool(data.get("coalesce", False)))
+                       bool(data.get("coalesce", False)), bool(data.get("dma_windows", False)))
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"bad device description: {exc}") from exc
 

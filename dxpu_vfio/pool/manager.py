@@ -314,7 +314,8 @@ class Manager:
         try:
             target.plug(lease.qdev_id, port, socket_path, timeout)
         except QmpError as exc:
-            raise AttachError(f"QEMU refused {lease.device} on {port}: {exc.message}",
+            why = server.attach_error()  # e.g. the box's external server needs fd-mapped memory
+            raise AttachError(f"QEMU refused {lease.device} on {port}: {exc.message}" + (f"; {why}" if why else ""),
                               logs=[server.log_path]) from exc
         failpoint("attach.after_plug")
 

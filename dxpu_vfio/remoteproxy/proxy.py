@@ -29,7 +29,7 @@ from dxpu_vfio.native import stream as native
 from dxpu_vfio.remoteproxy.admission import MAX_ADMITTING, Admission, check_hello
 from dxpu_vfio.remoteproxy.config import EXTERNAL_MODEL, BoxConfig, BoxDevice
 from dxpu_vfio.remoteproxy.control import CONTROL_COMMANDS, ControlServices
-from dxpu_vfio.remoteproxy.external import ExternalFunction
+from dxpu_vfio.remoteproxy.external import ExternalFunction, ExternalServerError
 from dxpu_vfio.remoteproxy.ports import LinkDmaPort, LinkIrqPort
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message, close_listener
@@ -45,7 +45,14 @@ ACCEPT_RETRY = 0.1  # seconds to wait after an accept() error (e.g. EMFILE) befo
 
 def describe(model: str, device: PciFunction) -> DeviceDescription:
     return DeviceDescription(model, [(r.index, r.size, r.readable, r.writable) for r in device.regions()],
-                             device.irq_counts(), device.coalesce_posted)
+                             device.irq_counts(), device.coalesce_posted,
+                             dma_windows=getattr(device, "wants_dma_windows", False))
+
+
+def refusal(msg_id: int, command: int, err: int, why: str) -> bytes:
+    """An error reply that says why in its payload (UTF-8; a host shows it)."""
+    text = why.encode()[:500]
+    return vp.HEADER.pack(msg_id, command, vp.HEADER_SIZE + len(text), vp.TYPE_REPLY | vp.FLAG_ERROR, err) + text
 
 
 class Slot:
@@ -53,14 +60,41 @@ class Slot:
 
     def __init__(self, spec: BoxDevice) -> None:
         self.spec = spec
-        if spec.model == EXTERNAL_MODEL:  # an external vfio-user server, reached by its socket
-            self.device = ExternalFunction(**spec.settings)
-        else:
-            self.device = create_model(spec.model, **spec.settings)
         self.endpoint: LinkEndpoint | None = None
         self.links_served = 0
         self.dma: LinkDmaPort | None = None
         self.irq: LinkIrqPort | None = None
+        if spec.model == EXTERNAL_MODEL:  # an external vfio-user server, reached by its socket
+            self.device = self._external()
+        else:
+            self.device = create_model(spec.model, **spec.settings)
+
+    def _external(self) -> ExternalFunction:
+        device = ExternalFunction(**self.spec.settings)
+        device.on_gone = self._external_gone
+        return device
+
+    def _external_gone(self, reason: str) -> None:
+        """The external server went away (it exited): the host learns it as a link that
+        went down, and the box's log says why (not "peer closed the link")."""
+        endpoint = self.endpoint
+        if endpoint is not None and endpoint.up:
+            endpoint.mark_down(reason)
+
+    def unusable(self) -> str | None:
+        """Why this device cannot serve a new link (None: it can). An external server
+        that went away is reconnected first: it may have been restarted."""
+        gone = getattr(self.device, "gone", None)
+        if gone is None:
+            return None
+        try:
+            device = self._external()
+        except ExternalServerError as exc:
+            return f"{gone}; reconnecting failed: {exc.message}"
+        old, self.device = self.device, device
+        old.close()
+        log.warning("device %s: reconnected to its external vfio-user server at %s", self.spec.id, device.socket)
+        return None
 
     def in_use(self) -> bool:
         return self.endpoint is not None and self.endpoint.up
@@ -168,20 +202,26 @@ class RemoteProxy:
         if err == errno.EACCES:
             self.admission.refused["lease"] += 1
         old = None
+        why = None
         if err is None:
             with self._lock:
                 if slot.in_use():
                     err = errno.EBUSY
                     self.admission.refused["busy"] += 1
+                elif (why := slot.unusable()) is not None:
+                    err = errno.ENXIO
+                    self.admission.refused["out_of_service"] += 1
                 else:
                     old = slot.endpoint
                     slot.endpoint = LinkEndpoint(conn, f"{self.config.name}/{slot.spec.id}",
                                                  self._handlers(slot), on_down=lambda r, s=slot: self._released(s, r),
                                                  region_access=self._region_access(slot))
         if err is not None:
-            log.warning("refused %s for device %r: %s", peer, hello.device, errno.errorcode[err])
+            log.warning("refused %s for device %r: %s%s", peer, hello.device, errno.errorcode[err],
+                        f": {why}" if why else "")
             try:
-                conn.send(vp.error_reply(msg.header.msg_id, msg.header.command, err))
+                conn.send(refusal(msg.header.msg_id, msg.header.command, err, why) if why else
+                          vp.error_reply(msg.header.msg_id, msg.header.command, err))
             finally:
                 conn.close()
             return
@@ -203,9 +243,32 @@ class RemoteProxy:
         with slot.device.lock:
             slot.device.attach(NullDmaPort(), NullIrqPort())
             slot.device.reset()
+            forget = getattr(slot.device, "unmap_all", None)  # QEMU's windows went with the link
+            if forget is not None:
+                forget()
 
     def _handlers(self, slot: Slot) -> dict:
         device = slot.device
+
+        def dma_map(msg):  # QEMU's window, passed on by the host (an external server maps it)
+            req = vp.DmaMap.unpack(msg.payload)
+            try:
+                with device.lock:
+                    device.dma_map(req.address, req.size, req.flags)
+            except OSError:
+                if getattr(device, "gone", None):  # it died on the window: down once the host has the refusal
+                    endpoint = slot.endpoint
+                    timer = threading.Timer(0.2, lambda: endpoint.mark_down(device.gone))
+                    timer.daemon = True
+                    timer.start()
+                raise
+            return b""
+
+        def dma_unmap(msg):
+            req = vp.DmaUnmap.unpack(msg.payload)
+            with device.lock:
+                device.dma_unmap(req.address, req.size, req.flags)
+            return req.pack()
 
         def region_read(msg):
             req = vp.RegionAccess.unpack(msg.payload, write=False)
@@ -232,7 +295,9 @@ class RemoteProxy:
         def sync(msg):  # the reader got here, so everything before it is done
             return b""
 
-        return {LinkCommand.REGION_READ: region_read, LinkCommand.REGION_WRITE: region_write,
+        windows = {LinkCommand.DMA_MAP: dma_map, LinkCommand.DMA_UNMAP: dma_unmap} \
+            if getattr(device, "wants_dma_windows", False) else {}
+        return {**windows, LinkCommand.REGION_READ: region_read, LinkCommand.REGION_WRITE: region_write,
                 LinkCommand.WRITE_BATCH: write_batch, LinkCommand.DEVICE_RESET: reset, LinkCommand.SYNC: sync}
 
     def _region_access(self, slot: Slot) -> tuple:
