@@ -19,6 +19,8 @@ from dxpu_vfio.testing import eventually
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import ClientError, VfioUserClient
 
+pytestmark = pytest.mark.peer
+
 BAR0 = 0
 GUEST = 0x100000
 MEM = 1 << 20
