@@ -221,7 +221,11 @@ class RemoteProxy:
         old = None
         if err is None:
             with self._lock:
-                if slot.in_use():
+                current = self.grants.current(slot.spec.id)
+                if (current.lease if current else None) != lease:
+                    err = errno.EACCES  # granted, revoked or replaced since the proof was checked
+                    self.admission.refused["lease"] += 1
+                elif slot.in_use():
                     err = errno.EBUSY
                     self.admission.refused["busy"] += 1
                 else:
