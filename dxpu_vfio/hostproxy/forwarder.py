@@ -17,6 +17,7 @@ every access to the remote proxy. What it does that a plain forwarder would not:
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import threading
@@ -24,8 +25,9 @@ from typing import Callable
 
 from dxpu_vfio.hostproxy.coalescer import DEFAULT_COALESCE_DELAY, PostedCoalescer
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
-from dxpu_vfio.link.protocol import IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello, LinkCommand, unpack_irq
-from dxpu_vfio.link.transport import TlsFiles, connect, connect_native
+from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello, LinkCommand, hello_proof,
+                                    unpack_challenge, unpack_irq)
+from dxpu_vfio.link.transport import TlsFiles, connect, connect_native, peer_certificate
 from dxpu_vfio.native import stream as native
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
@@ -313,9 +315,13 @@ class RemoteFunction:
 def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, *,
                    completion_timeout: float = DEFAULT_COMPLETION_TIMEOUT,
                    on_down: Callable[[str], None] | None = None, timeout: float = 5.0,
-                   coalesce: bool | None = None, spin_us: float = 0.0) -> RemoteFunction:
+                   coalesce: bool | None = None, spin_us: float = 0.0,
+                   box_sha256: str | None = None) -> RemoteFunction:
     """Open the link to ``device`` on the box at ``host:port`` and return the device.
 
+    ``lease``: the lease token, proven to the box by answering its challenge (it never
+    crosses the link). ``box_sha256``: the SHA-256 of the certificate the box must
+    present (the pool pins the one it registered), checked before the proof is sent.
     ``coalesce``: combine posted writes into fewer link messages; None follows the
     device's own hint (on for the display adapter)."""
     host, _, port = address.rpartition(":")
@@ -328,8 +334,10 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
         raise RemoteAttachError(f"cannot reach remote proxy {address}: {exc}", getattr(exc, "errno", 0) or errno.EIO) from exc
     conn.sock.settimeout(timeout)
     try:
-        conn.send(vp.message(1, LinkCommand.HELLO, Hello(device, lease).pack()))
-        reply = conn.receive()
+        reply = _hello(conn, device, lease, box_sha256)
+    except RemoteAttachError:
+        conn.close()
+        raise
     except Exception as exc:  # noqa: BLE001 - TLS refusals surface here
         conn.close()
         raise RemoteAttachError(f"remote proxy {address} closed the link during HELLO: {exc}") from exc
@@ -352,3 +360,21 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
                               completion_timeout=completion_timeout, on_down=on_down, coalesce=coalesce)
     function.endpoint.start()
     return function
+
+
+def _hello(conn: Connection, device: str, token: str, box_sha256: str | None):
+    """HELLO, the box's nonce, HELLO with the proof (docs/link-protocol.md): the box's
+    last reply (an error, or the device description)."""
+    conn.send(vp.message(1, LinkCommand.HELLO, Hello(device).pack()))
+    reply = conn.receive()
+    if reply.header.is_error:
+        return reply
+    if box_sha256 is not None:
+        der = peer_certificate(conn)
+        seen = hashlib.sha256(der).hexdigest() if der else None
+        if seen != box_sha256:
+            raise RemoteAttachError(f"the box presented another certificate (sha256 {(seen or 'none')[:16]}..., "
+                                    f"registered {box_sha256[:16]}...): no proof sent", errno.EACCES)
+    nonce = unpack_challenge(reply.payload)
+    conn.send(vp.message(2, LinkCommand.HELLO, Hello(device, nonce, hello_proof(token, device, nonce)).pack()))
+    return conn.receive()

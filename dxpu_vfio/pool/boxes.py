@@ -1,8 +1,11 @@
-"""Talking to GPU boxes: their inventory, which is also the manager's heartbeat probe.
+"""Talking to GPU boxes: their inventory (also the manager's heartbeat probe), lease
+tokens, screenshots.
 
 A box answers an INVENTORY message (sent instead of HELLO, over the same mutual-TLS
-link a host proxy uses) with its devices, their identity, size and lease token, and
-closes the link. Registration stores that answer; the heartbeat repeats it.
+link a host proxy uses) with its devices, their identity and size, and closes the link.
+Registration stores that answer; the heartbeat repeats it. GRANT asks the box for a
+fresh token for one device and lease (the host proxy proves it in HELLO), REVOKE ends
+it; the box takes those, and SCREENSHOT, only from a manager's certificate.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 from dxpu_vfio.deadline import Deadline
 from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.link.protocol import LINK_VERSION, LinkCommand
-from dxpu_vfio.link.transport import TlsFiles, connect
+from dxpu_vfio.link.transport import TlsFiles, connect, peer_certificate
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
 
@@ -34,8 +37,7 @@ def tls_files(tls_dir: str | None) -> TlsFiles | None:
 
 def certificate_sha256(conn: Connection) -> str | None:
     """The SHA-256 of the certificate the box presented (None on a plaintext link)."""
-    sock = conn.sock
-    der = sock.getpeercert(binary_form=True) if isinstance(sock, ssl.SSLSocket) else None
+    der = peer_certificate(conn)
     return hashlib.sha256(der).hexdigest() if der else None
 
 
@@ -60,19 +62,54 @@ def _ask(conn: Connection, command: int, request: dict, address: str, what: str)
     reply = conn.receive()
     if reply.header.is_error:
         reasons = {errno.ENODEV: "no such device", errno.EACCES: "lease token refused",
+                   errno.EPERM: "this host's certificate is not one of the box's managers",
                    errno.ENOTSUP: "not a display device", errno.EINVAL: "the display's mode cannot be shown"}
         raise BoxUnreachable(f"box {address} refused the {what} request: "
                              f"{reasons.get(reply.header.error, reply.header.error)}")
     return bytes(reply.payload)
 
 
-def fetch_screenshot(address: str, tls_dir: str | None, device: str, token: str, timeout: float = 30.0) -> bytes:
+def grant_token(address: str, tls_dir: str | None, device: str, lease: str, timeout: float = 5.0) -> str:
+    """A fresh token from the box for ``device``, named after ``lease``; it replaces any
+    token the device had."""
+    answer = _admin(address, tls_dir, LinkCommand.GRANT, {"device": device, "lease": lease}, timeout, "grant")
+    token = answer.get("token")
+    if not isinstance(token, str) or len(token) < 32:
+        raise BoxUnreachable(f"box {address} answered GRANT without a token")
+    return token
+
+
+def revoke_token(address: str, tls_dir: str | None, device: str, lease: str, timeout: float = 2.0) -> bool:
+    """End ``lease``'s token for ``device`` (and a link it admitted); False if it had none."""
+    return bool(_admin(address, tls_dir, LinkCommand.REVOKE, {"device": device, "lease": lease}, timeout,
+                       "revoke").get("revoked"))
+
+
+def _admin(address: str, tls_dir: str | None, command: int, request: dict, timeout: float, what: str) -> dict:
+    conn = _open(address, tls_dir, timeout)
+    deadline = Deadline(conn.sock, timeout)
+    try:
+        answer = json.loads(_ask(conn, command, request, address, what))
+        if not isinstance(answer, dict):
+            raise ValueError("not an object")
+        return answer
+    except (ConnectionClosed, OSError, ssl.SSLError) as exc:
+        raise BoxUnreachable(f"box {address} closed the link during the {what} request: {exc}",
+                             hint="a box older than this manager, or one that refuses our certificate") from exc
+    except (ValueError, RecursionError, vp.ProtocolError) as exc:
+        raise BoxUnreachable(f"box {address} sent a bad {what} answer: {exc}") from exc
+    finally:
+        deadline.cancel()
+        conn.close()
+
+
+def fetch_screenshot(address: str, tls_dir: str | None, device: str, timeout: float = 30.0) -> bytes:
     """A display's scanout as PNG, rendered on the box, fetched in 1 MiB pieces."""
     conn = _open(address, tls_dir, timeout)
     try:
         png = bytearray()
         while True:
-            reply = _ask(conn, LinkCommand.SCREENSHOT, {"device": device, "lease": token, "offset": len(png)},
+            reply = _ask(conn, LinkCommand.SCREENSHOT, {"device": device, "offset": len(png)},
                          address, "screenshot")
             total = int.from_bytes(reply[:8], "little")
             png += reply[8:]
