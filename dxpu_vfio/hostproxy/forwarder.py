@@ -12,6 +12,12 @@ every access to the remote proxy. What it does that a plain forwarder would not:
 * Posted writes are coalesced (``coalesce=True``) by :class:`PostedCoalescer`, and
   flushed before anything that must not pass them: a read, a non-posted write, a reset,
   and the completion of a DMA read from the remote.
+* Nothing the box sends is trusted beyond what was asked and what it described: its
+  device description is checked at attach (:mod:`dxpu_vfio.hostproxy.description`), a
+  completion that does not answer the request (region, offset, size) is never forwarded
+  (all-ones, and the link is down: it cannot be trusted any more), and its DMA is refused
+  while the guest has Bus Master Enable off (the guest's writes to the command register
+  are watched on their way to the box; a reset turns it off).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import threading
 from typing import Callable
 
 from dxpu_vfio.hostproxy.coalescer import DEFAULT_COALESCE_DELAY, PostedCoalescer
+from dxpu_vfio.hostproxy.description import check_description
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
 from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello, LinkCommand, hello_proof,
                                     unpack_challenge, unpack_irq)
@@ -42,6 +49,7 @@ DEFAULT_COMPLETION_TIMEOUT = 1.0  # far below QEMU's 5 s x-msg-timeout
 # (The same numbers bound the native forwarder: dxpu_vfio/native/forward.c.)
 POSTED_WINDOW = 2048  # at the box's ~50 µs per posted write: at most ~0.1 s of its work queued
 POSTED_BYTES_WINDOW = 4 << 20
+COMMAND, BUS_MASTER = 0x04, 0x04  # the config space's command register and its Bus Master Enable bit
 
 log = logging.getLogger("dxpu.hostproxy")
 
@@ -72,7 +80,8 @@ class RemoteFunction:
         self.suppressed_interrupts = 0
         self.counters = {"reads": 0, "writes_posted": 0, "writes_nonposted": 0, "master_aborts": 0,
                          "dma_bytes_read": 0, "dma_bytes_written": 0, "dma_refused": 0, "irqs": 0,
-                         "posted_messages": 0}
+                         "posted_messages": 0, "bad_completions": 0}
+        self.bus_master = False  # the guest's Bus Master Enable, as written on its way to the box (reset: off)
         self.coalesce = coalesce
         self._on_down = on_down
         self.endpoint = LinkEndpoint(conn, name, {
@@ -142,6 +151,24 @@ class RemoteFunction:
     # --- device model face (what VfioUserServer calls) -------------------------------
     def attach(self, dma, irq) -> None:
         self.dma, self.irq = dma, irq
+        self._gate_dma()
+
+    def _gate_dma(self) -> None:
+        """The session's DMA table refuses the box's DMA while Bus Master Enable is off
+        (and hands the native forwarder no windows then)."""
+        if hasattr(self.dma, "bus_master"):
+            self.dma.bus_master = self.bus_master
+
+    def _watch_command(self, index: int, offset: int, data: bytes) -> None:
+        """A config write that covers the command register's low byte sets Bus Master Enable."""
+        if index == vp.REGION_CONFIG and offset <= COMMAND < offset + len(data):
+            self.bus_master = bool(data[COMMAND - offset] & BUS_MASTER)
+            self._gate_dma()
+
+    def _bad_completion(self, what: str) -> None:
+        """A completion that does not answer its request: the link cannot be trusted."""
+        self.counters["bad_completions"] += 1
+        self.endpoint.mark_down(f"bad completion: {what}")
 
     def regions(self) -> list[RegionInfo]:
         return [RegionInfo(i, size, r, w, False) for i, size, r, w in self.description.regions]
@@ -157,14 +184,24 @@ class RemoteFunction:
             return b"\xff" * size
         try:
             reply = self._request(LinkCommand.REGION_READ, vp.RegionAccess(index, offset, size).pack())
+            got = vp.RegionAccess.unpack(reply, write=True)
+            if (got.region, got.offset, got.count) != (index, offset, size):
+                self._bad_completion(f"a read of {size} bytes at region {index}+{offset:#x} answered with "
+                                     f"{got.count} bytes at region {got.region}+{got.offset:#x}")
+                raise LinkDown(self.endpoint.down_reason)
+        except vp.ProtocolError as exc:
+            self._bad_completion(f"a read of {size} bytes at region {index}+{offset:#x}: {exc}")
+            self.counters["master_aborts"] += 1
+            return b"\xff" * size
         except LinkDown:
             self.counters["master_aborts"] += 1
             return b"\xff" * size  # completion timeout: master abort semantics
         except LinkError as exc:
             raise ValueError(f"remote refused read of region {index}+{offset:#x}: {exc}") from exc
-        return vp.RegionAccess.unpack(reply, write=True).data
+        return got.data
 
     def region_write(self, index: int, offset: int, data: bytes, posted: bool = False) -> None:
+        self._watch_command(index, offset, data)
         if posted:
             self.counters["writes_posted"] += 1
             if self.coalescer is None:
@@ -178,7 +215,13 @@ class RemoteFunction:
         if not self.endpoint.up:
             return  # dropped, like a write to a device that fell off the bus
         try:
-            self._request(LinkCommand.REGION_WRITE, payload)
+            reply = self._request(LinkCommand.REGION_WRITE, payload)
+            got = vp.RegionAccess.unpack(reply, write=False)
+            if len(reply) != vp.REGION_RW.size or (got.region, got.offset, got.count) != (index, offset, len(data)):
+                self._bad_completion(f"a write of {len(data)} bytes at region {index}+{offset:#x} answered for "
+                                     f"{got.count} bytes at region {got.region}+{got.offset:#x}")
+        except vp.ProtocolError as exc:
+            self._bad_completion(f"a write of {len(data)} bytes at region {index}+{offset:#x}: {exc}")
         except LinkDown:
             pass
         except LinkError as exc:
@@ -253,6 +296,8 @@ class RemoteFunction:
             raise OSError(exc.errno, message) from exc
 
     def reset(self) -> None:
+        self.bus_master = False
+        self._gate_dma()
         self.flush_posted()
         if self.endpoint.up:
             try:
@@ -350,10 +395,16 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
         why = bytes(reply.payload[:500]).decode("utf-8", "replace")  # the box may say why (ENXIO)
         raise RemoteAttachError(f"remote proxy {address} refused device {device!r}: {what.get(err, err)}"
                                 + (f": {why}" if why else ""), err)
+    try:
+        description = DeviceDescription.unpack(reply.payload)
+        check_description(description)
+    except (vp.ProtocolError, ValueError) as exc:
+        conn.close()
+        raise RemoteAttachError(f"remote proxy {address} described device {device!r} in a way the host proxy "
+                                f"cannot serve: {exc}", errno.EPROTO) from exc
     conn.sock.settimeout(None)
     if conn.native and spin_us:  # adaptive polling: spin before sleeping (docs/benchmarks.md)
         conn.stream.spin_us = spin_us
-    description = DeviceDescription.unpack(reply.payload)
     if coalesce is None:  # the device says whether its posted writes come in floods
         coalesce = description.coalesce
     function = RemoteFunction(conn, description, f"{address}/{device}",

@@ -19,6 +19,9 @@ BOX.toml::
 
 A pool manager gets a fresh token per lease from the box (GRANT,
 :mod:`dxpu_vfio.remoteproxy.grants`); ``lease`` is only for host proxies started by hand.
+``dead_after`` (default 3 s) and ``heartbeat`` (0.25 s) are the link's liveness rule on
+the box, as on the host: a host unheard for ``dead_after`` loses its device, and no send
+to a host that stops reading waits longer than that.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ class BoxConfig:
     plaintext: bool = False
     spin_us: float = 0.0  # adaptive polling on the native stream: spin before sleeping (0: off)
     managers: list[str] = field(default_factory=lambda: ["host"])  # roles whose certificates may GRANT
+    # a host unheard this long loses its device (heartbeats every heartbeat s); sends to it
+    # are bounded by the same time, so a host that stops reading cannot hold the device longer
+    dead_after: float = 3.0
+    heartbeat: float = 0.25
 
     @classmethod
     def load(cls, path: Path) -> "BoxConfig":
@@ -58,9 +65,13 @@ class BoxConfig:
                                  d.get("settings", {})) for d in raw.get("device", [])]
             config = cls(raw["name"], raw.get("listen", "127.0.0.1"), int(raw.get("port", 7000)), devices,
                          Path(raw["tls_dir"]) if raw.get("tls_dir") else None, bool(raw.get("plaintext", False)),
-                         float(raw.get("spin_us", 0.0)), [str(r) for r in raw.get("managers", ["host"])])
+                         float(raw.get("spin_us", 0.0)), [str(r) for r in raw.get("managers", ["host"])],
+                         float(raw.get("dead_after", 3.0)), float(raw.get("heartbeat", 0.25)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: bad box config: {exc}") from exc
+        if not 0 < config.heartbeat < config.dead_after:
+            raise ValueError(f"{path}: heartbeat ({config.heartbeat} s) must be above 0 and below dead_after "
+                             f"({config.dead_after} s)")
         if config.tls_dir is None and not config.plaintext:
             raise ValueError(f"{path}: set tls_dir, or plaintext = true to run without TLS")
         return config

@@ -271,7 +271,8 @@ class RemoteProxy:
                     slot.admitted = lease
                     slot.endpoint = LinkEndpoint(conn, f"{self.config.name}/{slot.spec.id}",
                                                  self._handlers(slot), on_down=lambda r, s=slot: self._released(s, r),
-                                                 region_access=self._region_access(slot))
+                                                 region_access=self._region_access(slot),
+                                                 heartbeat=self.config.heartbeat, dead_after=self.config.dead_after)
         if err is not None:
             log.warning("refused %s for device %r: %s%s", peer, hello.device, errno.errorcode[err],
                         f": {why}" if why else "")

@@ -681,9 +681,17 @@ class VfioUserServer:
                     self.rejected_connections += 1
                     sock.close()  # one client per device, like one slot per card
                     continue
-                self._session = _Session(self, native.unix(sock) if native.enabled() else Connection(sock))
+                conn = native.unix(sock) if native.enabled() else Connection(sock)
+                try:
+                    session = _Session(self, conn)
+                except Exception as exc:  # noqa: BLE001 - e.g. a device that describes itself wrongly:
+                    self.rejected_connections += 1  # this client is refused, the next one is accepted
+                    log.error("%s: cannot serve a session: %r", self.name, exc)
+                    conn.close()
+                    continue
+                self._session = session
                 self.sessions_served += 1
-                self._session.thread.start()
+                session.thread.start()
 
     def _session_ended(self, session: _Session) -> None:
         with self._lock:  # with the session's going: a snapshot sees its counts once
