@@ -100,6 +100,61 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
             report.sections.append(("dxpu logs", f"saved in {dest}: " + ", ".join(p.name for p in saved)))
 
 
+TRACEBACK = b"Traceback (most recent call last)"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "allow_tracebacks(why): the test provokes a logged Python traceback on purpose")
+
+
+def _log_sizes(root: Path) -> dict[Path, int]:
+    sizes = {}
+    for path in root.rglob("*.log") if root.is_dir() else ():
+        try:
+            sizes[path] = path.stat().st_size
+        except OSError:  # removed while we looked
+            pass
+    return sizes
+
+
+def _tracebacks(before: dict[Path, int], after: dict[Path, int]) -> list[str]:
+    """'file: the line after Traceback' for each log that got a Python traceback."""
+    found = []
+    for path, size in after.items():
+        start = before.get(path, 0) if before.get(path, 0) <= size else 0
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                text = f.read()
+        except OSError:
+            continue
+        at = text.find(TRACEBACK)
+        if at >= 0:
+            last = text[at:].strip().splitlines()[-1].decode("utf-8", "replace")
+            found.append(f"{path}: {last[:300]}")
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_tracebacks_in_logs(request: pytest.FixtureRequest) -> Iterator[None]:
+    """No uncaught exception in any proxy or manager (issue 18): after each test, the logs
+    its processes wrote (under the run directory, and its tmp_path) are read, and a Python
+    traceback in them fails the test, naming the file. A test that provokes one on purpose
+    says so with ``@pytest.mark.allow_tracebacks("why")``. (Threads of this process: an
+    uncaught exception there is an error by pyproject's filterwarnings.)"""
+    root = run_dir()
+    before = _log_sizes(root)
+    yield
+    if request.node.get_closest_marker("allow_tracebacks"):
+        return
+    found = _tracebacks(before, _log_sizes(root))
+    tmp = request.node.funcargs.get("tmp_path") if hasattr(request.node, "funcargs") else None
+    if isinstance(tmp, Path):
+        found += _tracebacks({}, _log_sizes(tmp))
+    if found:
+        pytest.fail("a process this test ran logged a Python traceback:\n  " + "\n  ".join(found), pytrace=False)
+
+
 def register(request: pytest.FixtureRequest, factory) -> None:
     """Make a (possibly shared) factory's VMs or labs part of this test's failure logs
     (anything with ``save_logs(dest) -> list[Path]``)."""

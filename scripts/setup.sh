@@ -18,6 +18,7 @@ PACKAGES=(
     iproute2              # network namespaces for the lab
     libvirt-daemon-system libvirt-clients libvirt-dev pkg-config  # libvirt + what libvirt-python builds against
     etcd-server etcd-client  # the multi-host pool's store (3.4 on Debian 12); tests start their own members
+    meson libjson-c-dev libcmocka-dev  # libvfio-user's samples, peer software (scripts/build_libvfio_user.sh)
     python3-venv
 )
 
@@ -59,6 +60,16 @@ if [ -z "$so" ] || [ -n "$(find "$src" scripts/build_native.py -newer "$so" \( -
     .venv/bin/python scripts/build_native.py
 else
     echo "up to date"
+fi
+
+step "libvfio-user samples (peer software: an external vfio-user server that is not ours)"
+# No Debian package: built from a source checkout when there is one; without it the
+# peer tests (tests/test_libvfio_user.py) fail naming what to fetch.
+rc=0; scripts/build_libvfio_user.sh || rc=$?
+if [ "$rc" -eq 2 ]; then
+    echo "skipped: no libvfio-user source (see above); tests/test_libvfio_user.py will fail until it is there"
+elif [ "$rc" -ne 0 ]; then
+    exit "$rc"
 fi
 
 step "libvirt: QEMU runs as root (dxpu vm define)"

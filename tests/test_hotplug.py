@@ -15,7 +15,7 @@ import pytest
 from dxpu_vfio.errors import VmError
 from dxpu_vfio.hostproxy.process import HostProxyError, HostProxyProcess
 from dxpu_vfio.lab import hotplug, lab
-from dxpu_vfio.testing import GuestLoop, Serve
+from dxpu_vfio.testing import GuestLoop, Serve, eventually
 from dxpu_vfio.vmm.rootports import used_root_ports
 
 pytestmark = pytest.mark.vm
@@ -304,7 +304,28 @@ def test_guest_uses_an_external_vfio_user_server_in_a_box(vm_factory, labs, tmp_
         assert kv(vm.run(f"dxpu-testdev {bdf} dma-copy 65536").stdout)["match"] == "yes"
         assert kv(vm.run(f"dxpu-testdev {bdf} irq 5").stdout)["received"] == "5"
         assert external.stats()["server"]["dma"]["bytes_written"] == 65536
+        # the external server holds QEMU's own windows (no descriptors: its DMA is messages)
+        qemu_windows = [m[:3] for m in att.server.stats()["server"]["dma"]["maps"]]
+        maps = external.stats()["server"]["dma"]["maps"]
+        assert [m[:3] for m in maps] == qemu_windows and not any(m[3] for m in maps)
         hotplug.detach(att)
+        eventually(lambda: external.stats()["server"]["dma"]["maps"] == [], what="QEMU's windows unmapped")
+    finally:
+        external.stop()
+
+
+def test_an_external_server_that_needs_fd_mapped_memory_is_refused_at_attach(vm_factory, labs, tmp_path):
+    """device_add fails, naming why: the box cannot give guest memory by descriptor."""
+    external = HostProxyProcess("testdev", tmp_path / "needy.sock", name="needy", dma_needs_fd=True).start()
+    try:
+        state = labs.own(lab.Topology("needy", [lab.BoxSpec("boxn", [
+            {"id": "ext0", "model": "vfio-user", "settings": {"socket": str(external.socket_path)}}])]))
+        vm = vm_factory.booted("tiny")
+        with pytest.raises(hotplug.HotplugError) as refused:
+            hotplug.attach(vm, "remote", settings=state.remote_settings("boxn", "ext0"), netns=state.host_netns)
+        assert "needs fd-mapped guest memory" in str(refused.value), str(refused.value)
+        assert vm.alive()
+        assert external.stats()["server"]["dma"] is None or external.stats()["server"]["dma"]["maps"] == []
     finally:
         external.stop()
 

@@ -116,7 +116,7 @@ def test_python_ssl_client_and_native_server_talk_tls(certs):
 
 
 def test_a_certificate_from_another_ca_is_refused(certs, tmp_path):
-    make_certs(tmp_path, ["host"])
+    make_certs(tmp_path / "other", ["host"])
     a, b = tcp_pair()
     errors = []
 
@@ -129,7 +129,7 @@ def test_a_certificate_from_another_ca_is_refused(certs, tmp_path):
     thread = threading.Thread(target=server)
     thread.start()
     with pytest.raises((ConnectionClosed, ssl.SSLError, OSError)):
-        conn = native_stream.tcp(a, TlsFiles.in_dir(tmp_path, "host"), server=False, handshake_timeout=5.0)
+        conn = native_stream.tcp(a, TlsFiles.in_dir(tmp_path / "other", "host"), server=False, handshake_timeout=5.0)
         conn.receive(timeout=2)  # TLS 1.3: the client may learn of the refusal only here
     thread.join(10)
     assert errors and "TLS handshake" in errors[0]  # the box refused the link

@@ -158,6 +158,7 @@ def test_etcd_over_https_with_client_certificates(tmp_path, monkeypatch):
     trusts only its CA, whatever REQUESTS_CA_BUNDLE says; without a certificate it is
     refused with the endpoint named."""
     certs = make_etcd_certs(tmp_path / "certs")
+    assert not (certs / "ca.key").exists()  # the dir hosts get holds no CA key
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(tmp_path / "no-such-bundle.pem"))  # must not matter
     with EtcdCluster(tmp_path / "etcd", tls_dir=certs) as cluster:
         [url] = cluster.endpoints

@@ -210,8 +210,9 @@ def test_migrates_a_version_1_database_keeping_its_leases(tmp_path):
     db.commit()
     db.close()
     s = Store(path)
-    assert s.schema_version == store_mod.SCHEMA_VERSION == 3
+    assert s.schema_version == store_mod.SCHEMA_VERSION == 4
     assert s.boxes()[0]["lent"] == 1
+    assert {s.device(f"a/d{i}")["token"] for i in range(2)} == {""}  # static tokens an old version kept: gone
     assert [lease.device for lease in s.allocate("vm2")] == ["a/d1"]
     with pytest.raises(NoFreeDevice):
         s.allocate("vm3")

@@ -187,6 +187,52 @@ def test_io_through_a_prp_list_round_trips_to_the_file(ctrl, tmp_path):
     assert any(kind == "intx" for kind, _ in irq.events)  # MSI is off in this fake: INTx
 
 
+class CountingRam(FakeGuestRam):
+    """Guest RAM that records each read_many call: on a remote port each is one round trip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[list[tuple[int, int]]] = []
+
+    def read_many(self, pieces):
+        self.batches.append(list(pieces))
+        return super().read_many(pieces)
+
+
+def test_the_prp_lists_of_a_batch_are_fetched_in_one_round_trip(tmp_path):
+    """Four 16 KiB reads rung with one doorbell: their PRP lists come in one read_many
+    (one network round trip on a box) before the commands run, and the data still lands
+    where each list says."""
+    dev = nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "ns1")}], io_workers=0)
+    ram = CountingRam()
+    dev.attach(ram, RecordingIrqPort())
+    dev.config.write(4, 2, 0x6)
+    drv = Driver(dev, ram)
+    drv.enable()
+    drv.io_queues(1)
+    disk = os.urandom(64 << 10)
+    with open(tmp_path / "ns1", "r+b") as f:
+        f.write(disk)
+    lists = [PRPLIST + 64 * i for i in range(4)]
+    for i, list_addr in enumerate(lists):
+        pages = [BUF + (4 * i + 3 - j) * 4096 for j in range(4)]  # each command's pages in reverse order
+        ram.ram[list_addr - RAM_BASE:list_addr - RAM_BASE + 24] = struct.pack("<3Q", *pages[1:])
+        drv.read(1, pages[0], lba=32 * i, blocks=32)
+        off = sq_base(1) - RAM_BASE + ((drv.tails[1] - 1) % 32) * 64
+        struct.pack_into("<Q", ram.ram, off + 32, list_addr)  # PRP2: the list
+    ram.batches.clear()
+    ram.calls.clear()
+    drv.ring(1)
+    assert [status for _, status, _, _ in drv.reap(1, 4)] == [0, 0, 0, 0]
+    assert ram.batches == [[(a, 24) for a in lists]]  # one read_many: the four lists, nothing else
+    assert [addr for kind, addr, _ in ram.calls if kind == "read" and addr in lists] == lists  # none read again
+    for i in range(4):
+        for j in range(4):
+            page = BUF + (4 * i + 3 - j) * 4096 - RAM_BASE
+            assert bytes(ram.ram[page:page + 4096]) == disk[(4 * i + j) * 4096:(4 * i + j + 1) * 4096]
+    dev.close()
+
+
 def test_errors_have_the_right_status(ctrl):
     drv, _ = ctrl
     assert drv.submit(0, 0x7F)[0] == nvme.Status.INVALID_OPCODE

@@ -139,3 +139,30 @@ def test_served_devices_are_what_attach_needs(served, served_devices, labs):
     assert (second.name, second.settings["address"]) == ("box2/td1", state.box("box2").endpoint)
     stats = second.box_stats()
     assert stats["box"] == "box2" and list(stats["devices"]) == ["td1"]
+
+
+def test_a_traceback_in_a_log_fails_the_test_that_caused_it(tmp_path):
+    """Issue 18: no uncaught exception in any proxy. A process of the test that logs a
+    Python traceback (here, a child that dies of one, its output in a log) fails the test;
+    a test marked allow_tracebacks, or one whose logs are clean, passes."""
+    result = inner_session(tmp_path, "tracebacks", '''
+        import subprocess, sys
+        import pytest
+
+        def crash(log):
+            with open(log, "wb") as out:
+                subprocess.run([sys.executable, "-c", "raise KeyError('nmi')"], stderr=out)
+
+        def test_crashing_child(tmp_path):
+            crash(tmp_path / "proxy.log")
+
+        @pytest.mark.allow_tracebacks("the crash is the point")
+        def test_allowed(tmp_path):
+            crash(tmp_path / "proxy.log")
+
+        def test_clean(tmp_path):
+            (tmp_path / "proxy.log").write_text("all good\\n")
+    ''')
+    assert "ERROR test_tracebacks.py::test_crashing_child" in result.stdout, result.stdout
+    assert "3 passed, 1 error" in result.stdout, result.stdout  # the other two pass (its call passed too)
+    assert "logged a Python traceback" in result.stdout and "KeyError: 'nmi'" in result.stdout

@@ -12,7 +12,7 @@ import pytest
 
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import ClientError, VfioUserClient
-from dxpu_vfio.vfio_user.server import MAX_DMA_MAPS, VfioUserServer
+from dxpu_vfio.vfio_user.server import MAX_DMA_MAPS, MAX_DMA_WINDOW, VfioUserServer
 from qemu_device.testdev import TestDevice
 
 BAR0 = 0
@@ -175,6 +175,19 @@ def test_the_accept_loop_survives_running_out_of_descriptors(server):
     finally:
         again.close()
     assert server._accept_thread.is_alive() and server.accept_errors >= 1
+
+
+def test_dma_windows_over_8_tib_are_refused_like_libvfio_user_does(client, server):
+    """Our server is the project's stand-in for external servers: it refuses what
+    libvfio-user refuses (MAX_DMA_SIZE), so a client that maps too much fails here too."""
+    def dma_map(size):  # descriptor-less, without the client keeping memory for it
+        client.request(p.Command.DMA_MAP, p.DmaMap(3, 0, 0, size).pack())
+    with pytest.raises(ClientError) as exc:
+        dma_map(1 << 48)  # what the remote proxy once mapped into external servers
+    assert exc.value.errno == errno.EINVAL
+    dma_map(MAX_DMA_WINDOW)  # 8 TiB itself is fine
+    assert server.snapshot()["dma"]["maps"] == [[0, MAX_DMA_WINDOW, 3, False]]
+    still_served(client)
 
 
 @pytest.mark.parametrize("fastlink", ["1", "0"])

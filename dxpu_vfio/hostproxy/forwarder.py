@@ -12,18 +12,29 @@ every access to the remote proxy. What it does that a plain forwarder would not:
 * Posted writes are coalesced (``coalesce=True``) by :class:`PostedCoalescer`, and
   flushed before anything that must not pass them: a read, a non-posted write, a reset,
   and the completion of a DMA read from the remote.
+* Nothing the box sends is trusted beyond what was asked and what it described: its
+  device description is checked at attach (:mod:`dxpu_vfio.hostproxy.description`), a
+  completion that does not answer the request (region, offset, size) is never forwarded
+  (all-ones, and the link is down: it cannot be trusted any more), and its DMA is refused
+  while the guest has Bus Master Enable off (the guest's writes to the command register
+  are watched on their way to the box; a reset turns it off).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
+import logging
+import os
 import threading
 from typing import Callable
 
 from dxpu_vfio.hostproxy.coalescer import DEFAULT_COALESCE_DELAY, PostedCoalescer
+from dxpu_vfio.hostproxy.description import check_description
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
-from dxpu_vfio.link.protocol import IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello, LinkCommand, unpack_irq
-from dxpu_vfio.link.transport import TlsFiles, connect, connect_native
+from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello, LinkCommand, hello_proof,
+                                    unpack_challenge, unpack_irq)
+from dxpu_vfio.link.transport import TlsFiles, connect, connect_native, peer_certificate
 from dxpu_vfio.native import stream as native
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
@@ -38,6 +49,9 @@ DEFAULT_COMPLETION_TIMEOUT = 1.0  # far below QEMU's 5 s x-msg-timeout
 # (The same numbers bound the native forwarder: dxpu_vfio/native/forward.c.)
 POSTED_WINDOW = 2048  # at the box's ~50 µs per posted write: at most ~0.1 s of its work queued
 POSTED_BYTES_WINDOW = 4 << 20
+COMMAND, BUS_MASTER = 0x04, 0x04  # the config space's command register and its Bus Master Enable bit
+
+log = logging.getLogger("dxpu.hostproxy")
 
 
 class RemoteAttachError(Exception):
@@ -66,7 +80,8 @@ class RemoteFunction:
         self.suppressed_interrupts = 0
         self.counters = {"reads": 0, "writes_posted": 0, "writes_nonposted": 0, "master_aborts": 0,
                          "dma_bytes_read": 0, "dma_bytes_written": 0, "dma_refused": 0, "irqs": 0,
-                         "posted_messages": 0}
+                         "posted_messages": 0, "bad_completions": 0}
+        self.bus_master = False  # the guest's Bus Master Enable, as written on its way to the box (reset: off)
         self.coalesce = coalesce
         self._on_down = on_down
         self.endpoint = LinkEndpoint(conn, name, {
@@ -83,6 +98,7 @@ class RemoteFunction:
         self._posted_since_sync = self._posted_bytes_since_sync = 0
         self._forwarder = None  # the native Forwarder serving this device now, if any
         self._forwarded: dict[str, int] = {}  # counters of forwarders that ended
+        self.attach_error: str | None = None  # why QEMU cannot have this device (the box refused its windows)
 
     @property
     def event_source(self) -> LinkEndpoint:
@@ -135,6 +151,24 @@ class RemoteFunction:
     # --- device model face (what VfioUserServer calls) -------------------------------
     def attach(self, dma, irq) -> None:
         self.dma, self.irq = dma, irq
+        self._gate_dma()
+
+    def _gate_dma(self) -> None:
+        """The session's DMA table refuses the box's DMA while Bus Master Enable is off
+        (and hands the native forwarder no windows then)."""
+        if hasattr(self.dma, "bus_master"):
+            self.dma.bus_master = self.bus_master
+
+    def _watch_command(self, index: int, offset: int, data: bytes) -> None:
+        """A config write that covers the command register's low byte sets Bus Master Enable."""
+        if index == vp.REGION_CONFIG and offset <= COMMAND < offset + len(data):
+            self.bus_master = bool(data[COMMAND - offset] & BUS_MASTER)
+            self._gate_dma()
+
+    def _bad_completion(self, what: str) -> None:
+        """A completion that does not answer its request: the link cannot be trusted."""
+        self.counters["bad_completions"] += 1
+        self.endpoint.mark_down(f"bad completion: {what}")
 
     def regions(self) -> list[RegionInfo]:
         return [RegionInfo(i, size, r, w, False) for i, size, r, w in self.description.regions]
@@ -150,14 +184,24 @@ class RemoteFunction:
             return b"\xff" * size
         try:
             reply = self._request(LinkCommand.REGION_READ, vp.RegionAccess(index, offset, size).pack())
+            got = vp.RegionAccess.unpack(reply, write=True)
+            if (got.region, got.offset, got.count) != (index, offset, size):
+                self._bad_completion(f"a read of {size} bytes at region {index}+{offset:#x} answered with "
+                                     f"{got.count} bytes at region {got.region}+{got.offset:#x}")
+                raise LinkDown(self.endpoint.down_reason)
+        except vp.ProtocolError as exc:
+            self._bad_completion(f"a read of {size} bytes at region {index}+{offset:#x}: {exc}")
+            self.counters["master_aborts"] += 1
+            return b"\xff" * size
         except LinkDown:
             self.counters["master_aborts"] += 1
             return b"\xff" * size  # completion timeout: master abort semantics
         except LinkError as exc:
             raise ValueError(f"remote refused read of region {index}+{offset:#x}: {exc}") from exc
-        return vp.RegionAccess.unpack(reply, write=True).data
+        return got.data
 
     def region_write(self, index: int, offset: int, data: bytes, posted: bool = False) -> None:
+        self._watch_command(index, offset, data)
         if posted:
             self.counters["writes_posted"] += 1
             if self.coalescer is None:
@@ -171,7 +215,13 @@ class RemoteFunction:
         if not self.endpoint.up:
             return  # dropped, like a write to a device that fell off the bus
         try:
-            self._request(LinkCommand.REGION_WRITE, payload)
+            reply = self._request(LinkCommand.REGION_WRITE, payload)
+            got = vp.RegionAccess.unpack(reply, write=False)
+            if len(reply) != vp.REGION_RW.size or (got.region, got.offset, got.count) != (index, offset, len(data)):
+                self._bad_completion(f"a write of {len(data)} bytes at region {index}+{offset:#x} answered for "
+                                     f"{got.count} bytes at region {got.region}+{got.offset:#x}")
+        except vp.ProtocolError as exc:
+            self._bad_completion(f"a write of {len(data)} bytes at region {index}+{offset:#x}: {exc}")
         except LinkDown:
             pass
         except LinkError as exc:
@@ -214,7 +264,40 @@ class RemoteFunction:
         self._posted_since_sync = self._posted_bytes_since_sync = 0
         return reply
 
+    # --- QEMU's DMA windows, for a box that asks (an external server there) ------------
+    def dma_mapped(self, address: int, size: int, flags: int) -> None:
+        """QEMU mapped a window: a box whose device asks (``dma_windows``) maps it too,
+        without a descriptor. A refusal is QEMU's DMA_MAP error (OSError with the errno)."""
+        self._tell_window(LinkCommand.DMA_MAP, vp.DmaMap(flags, 0, address, size).pack(),
+                          f"DMA window {address:#x}+{size:#x}")
+
+    def dma_unmapped(self, address: int, size: int, flags: int) -> None:
+        self._tell_window(LinkCommand.DMA_UNMAP, vp.DmaUnmap(flags, address, size).pack(),
+                          f"DMA unmap {address:#x}+{size:#x}")
+
+    def _tell_window(self, command: int, payload: bytes, what: str) -> None:
+        if not self.description.dma_windows or not self.endpoint.up:
+            return  # a link that is down refuses every DMA anyway
+        self.flush_posted()
+        try:
+            self._request(command, payload, max(self.completion_timeout, 5.0))
+        except LinkDown:
+            return
+        except LinkError as exc:
+            if exc.errno == errno.EOPNOTSUPP:
+                message = (f"the box refused {what}: its external vfio-user server needs fd-mapped guest "
+                           "memory, which a device behind a box cannot have (its DMA crosses the link as "
+                           "messages); see the box's log")
+            else:
+                message = f"the box refused {what}: {os.strerror(exc.errno)} (see the box's log)"
+            log.error("%s: %s", self.endpoint.name, message)
+            if command == LinkCommand.DMA_MAP and exc.errno == errno.EOPNOTSUPP and self.attach_error is None:
+                self.attach_error = message  # QEMU ignores a refused DMA_MAP: its GET_INFO fails instead
+            raise OSError(exc.errno, message) from exc
+
     def reset(self) -> None:
+        self.bus_master = False
+        self._gate_dma()
         self.flush_posted()
         if self.endpoint.up:
             try:
@@ -240,7 +323,7 @@ class RemoteFunction:
                 row["wait_us"] = round(row["wait_us"] + native[wait_ns] / 1000, 1)
         if native:
             link["native"] = native
-        return {**counters, "link": link}
+        return {**counters, "link": link, "attach_error": self.attach_error}
 
     # --- the remote's requests (link reader thread, stream order) --------------------
     def _dma_read(self, msg) -> tuple:
@@ -277,9 +360,13 @@ class RemoteFunction:
 def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, *,
                    completion_timeout: float = DEFAULT_COMPLETION_TIMEOUT,
                    on_down: Callable[[str], None] | None = None, timeout: float = 5.0,
-                   coalesce: bool | None = None, spin_us: float = 0.0) -> RemoteFunction:
+                   coalesce: bool | None = None, spin_us: float = 0.0,
+                   box_sha256: str | None = None) -> RemoteFunction:
     """Open the link to ``device`` on the box at ``host:port`` and return the device.
 
+    ``lease``: the lease token, proven to the box by answering its challenge (it never
+    crosses the link). ``box_sha256``: the SHA-256 of the certificate the box must
+    present (the pool pins the one it registered), checked before the proof is sent.
     ``coalesce``: combine posted writes into fewer link messages; None follows the
     device's own hint (on for the display adapter)."""
     host, _, port = address.rpartition(":")
@@ -292,8 +379,10 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
         raise RemoteAttachError(f"cannot reach remote proxy {address}: {exc}", getattr(exc, "errno", 0) or errno.EIO) from exc
     conn.sock.settimeout(timeout)
     try:
-        conn.send(vp.message(1, LinkCommand.HELLO, Hello(device, lease).pack()))
-        reply = conn.receive()
+        reply = _hello(conn, device, lease, box_sha256)
+    except RemoteAttachError:
+        conn.close()
+        raise
     except Exception as exc:  # noqa: BLE001 - TLS refusals surface here
         conn.close()
         raise RemoteAttachError(f"remote proxy {address} closed the link during HELLO: {exc}") from exc
@@ -301,15 +390,42 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
         conn.close()
         err = reply.header.error
         what = {errno.EACCES: "lease token refused", errno.ENODEV: "no such device",
-                errno.EBUSY: "device is in use by another host", errno.EPROTO: "link version mismatch"}
-        raise RemoteAttachError(f"remote proxy {address} refused device {device!r}: {what.get(err, err)}", err)
+                errno.EBUSY: "device is in use by another host", errno.EPROTO: "link version mismatch",
+                errno.ENXIO: "device out of service"}
+        why = bytes(reply.payload[:500]).decode("utf-8", "replace")  # the box may say why (ENXIO)
+        raise RemoteAttachError(f"remote proxy {address} refused device {device!r}: {what.get(err, err)}"
+                                + (f": {why}" if why else ""), err)
+    try:
+        description = DeviceDescription.unpack(reply.payload)
+        check_description(description)
+    except (vp.ProtocolError, ValueError) as exc:
+        conn.close()
+        raise RemoteAttachError(f"remote proxy {address} described device {device!r} in a way the host proxy "
+                                f"cannot serve: {exc}", errno.EPROTO) from exc
     conn.sock.settimeout(None)
     if conn.native and spin_us:  # adaptive polling: spin before sleeping (docs/benchmarks.md)
         conn.stream.spin_us = spin_us
-    description = DeviceDescription.unpack(reply.payload)
     if coalesce is None:  # the device says whether its posted writes come in floods
         coalesce = description.coalesce
     function = RemoteFunction(conn, description, f"{address}/{device}",
                               completion_timeout=completion_timeout, on_down=on_down, coalesce=coalesce)
     function.endpoint.start()
     return function
+
+
+def _hello(conn: Connection, device: str, token: str, box_sha256: str | None):
+    """HELLO, the box's nonce, HELLO with the proof (docs/link-protocol.md): the box's
+    last reply (an error, or the device description)."""
+    conn.send(vp.message(1, LinkCommand.HELLO, Hello(device).pack()))
+    reply = conn.receive()
+    if reply.header.is_error:
+        return reply
+    if box_sha256 is not None:
+        der = peer_certificate(conn)
+        seen = hashlib.sha256(der).hexdigest() if der else None
+        if seen != box_sha256:
+            raise RemoteAttachError(f"the box presented another certificate (sha256 {(seen or 'none')[:16]}..., "
+                                    f"registered {box_sha256[:16]}...): no proof sent", errno.EACCES)
+    nonce = unpack_challenge(reply.payload)
+    conn.send(vp.message(2, LinkCommand.HELLO, Hello(device, nonce, hello_proof(token, device, nonce)).pack()))
+    return conn.receive()

@@ -42,11 +42,27 @@ def parse_settings(items: list[str]) -> dict:
     return settings
 
 
+def read_secrets(fd: int) -> dict:
+    """The secret settings the parent wrote into an inherited pipe (never argv or env)."""
+    chunks = []
+    with os.fdopen(fd, "rb") as pipe:
+        while chunk := pipe.read(65536):
+            chunks.append(chunk)
+    try:
+        secrets = json.loads(b"".join(chunks))
+    except ValueError as exc:
+        raise SystemExit(f"--secrets-fd {fd}: not JSON: {exc}")
+    if not isinstance(secrets, dict):
+        raise SystemExit(f"--secrets-fd {fd}: not a JSON object")
+    return secrets
+
+
 def remote_device(settings: dict) -> RemoteFunction:
     """Forward mode: the served device is a link to a remote proxy.
 
-    settings: address "host:port", device, lease, and tls_dir (with tls_role, default
-    "host") or plaintext=true; completion_timeout in seconds; coalesce (posted writes
+    settings: address "host:port", device, lease (the token: through --secrets-fd), and
+    tls_dir (with tls_role, default "host") or plaintext=true; box_sha256 (the box's
+    certificate must be this one); completion_timeout in seconds; coalesce (posted writes
     into fewer link messages; default: what the device asks for).
     """
     try:
@@ -59,6 +75,7 @@ def remote_device(settings: dict) -> RemoteFunction:
                                       completion_timeout=float(settings.get("completion_timeout", 1.0)),
                                       coalesce=settings.get("coalesce"),
                                       spin_us=float(settings.get("spin_us", 0.0)),
+                                      box_sha256=settings.get("box_sha256"),
                                       on_down=lambda reason: logging.getLogger("dxpu.hostproxy").warning(
                                           "link down: %s", reason))
             except RemoteAttachError as exc:
@@ -80,8 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stats", type=Path, help="where SIGUSR1 and exit write counters (JSON)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="model option (forward mode: address, device, lease, tls_dir, ...)")
+    parser.add_argument("--secrets-fd", type=int, default=None, metavar="FD",
+                        help="read secret settings (JSON: lease) from this inherited descriptor, then close it")
     parser.add_argument("--allow-msix", action="store_true", help="offer MSI-X (QEMU 11.1 aborts on its unplug)")
     parser.add_argument("--write-multiple", action="store_true", help="offer REGION_WRITE_MULTI")
+    parser.add_argument("--dma-needs-fd", action="store_true",
+                        help="refuse DMA windows without a file descriptor (acts as a server that needs "
+                             "fd-mapped guest memory)")
     parser.add_argument("--log-level", default="WARNING")
     return parser
 
@@ -90,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
     settings = parse_settings(args.set)
+    if args.secrets_fd is not None:
+        settings.update(read_secrets(args.secrets_fd))
     try:
         device = remote_device(settings) if args.model == "remote" else create_model(args.model, **settings)
     except Exception as exc:  # noqa: BLE001 - reported to the parent through the log
@@ -97,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     server = VfioUserServer(device, args.socket, name=args.name or args.model,
                             options=ServerOptions(advertise_write_multiple=args.write_multiple or bool(
-                                device.coalesce_posted), allow_msix=args.allow_msix))
+                                device.coalesce_posted), allow_msix=args.allow_msix,
+                                dma_needs_fd=args.dma_needs_fd))
 
     def snapshot() -> dict:
         return {"pid": os.getpid(), "server": server.snapshot(),

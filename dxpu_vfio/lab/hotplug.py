@@ -75,6 +75,9 @@ def guest_wait_for_child(vm: Vm, bridge: str, present: bool, timeout: float) -> 
     return result.stdout.strip()
 
 
+READY_WAIT = 60  # s the guest's udev watcher may take to start listening
+
+
 class _GuestWatch:
     """Guest-side confirmation of a plug: udev events on full, sysfs polling on tiny.
 
@@ -95,8 +98,10 @@ class _GuestWatch:
         self.vm.run(f"rm -f {self.READY}")
         self.pid = self.vm.spawn(f"dxpu-guest-events --bridge {self.bridge} --want add "
                                  f"--timeout {self.timeout:.0f}")
-        self.vm.run(f"i=0; while [ ! -e {self.READY} ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i+1)); done; "
-                    f"test -e {self.READY}", timeout=15)
+        # bounded by time, not by a count of sleeps: a guest slowed by a loaded host (TCG)
+        # takes seconds to start python3 + pyudev, and every sleep in the loop costs a fork
+        self.vm.run(f"timeout {READY_WAIT} sh -c 'until [ -e {self.READY} ]; do sleep 0.1; done'",
+                    timeout=READY_WAIT + 15)
 
     def confirm(self) -> str:
         if self.pid is None:
@@ -142,10 +147,11 @@ def attach(vm: Vm, model: str = "testdev", *, settings: dict | None = None, port
     try:
         vm.target.plug(device_id, port, server.socket_path, timeout=timeout, extra_props=extra_props)
     except QmpError as exc:
+        why = server.attach_error()
         if own_server:
             server.stop()
-        raise HotplugError(f"device_add of {device_id} on {port} failed: {exc.message}",
-                           logs=vm.logs + [server.log_path]) from exc
+        raise HotplugError(f"device_add of {device_id} on {port} failed: {exc.message}"
+                           + (f"; {why}" if why else ""), logs=vm.logs + [server.log_path]) from exc
     attachment = Attachment(vm, device_id, port, server, own_server=own_server)
     try:
         attachment.guest_bdf = watch.confirm()

@@ -126,6 +126,7 @@ class LinkEndpoint:
         self._last_heard = time.monotonic()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._life = threading.Lock()  # start() and close() in turn: no thread starts on a closed link
         # counters
         self.requests: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [count, wait ns]
         self.posted: dict[str, int] = defaultdict(int)
@@ -150,10 +151,13 @@ class LinkEndpoint:
         return self._state is LinkState.UP
 
     def start(self) -> "LinkEndpoint":
-        for target, label in ((self._background_reader, "read"), (self._heartbeat_loop, "beat")):
-            thread = threading.Thread(target=target, name=f"link-{label}-{self.name}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        with self._life:
+            if self._stop.is_set():  # closed before it started (the box stopping during an admission)
+                return self
+            for target, label in ((self._background_reader, "read"), (self._heartbeat_loop, "beat")):
+                thread = threading.Thread(target=target, name=f"link-{label}-{self.name}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
         return self
 
     # --- state -----------------------------------------------------------------------
@@ -463,7 +467,8 @@ class LinkEndpoint:
             self.post(LinkCommand.HEARTBEAT)
 
     def close(self) -> None:
-        self._stop.set()
+        with self._life:
+            self._stop.set()
         self.mark_down("closed")
         with self._parked:
             self._parked.notify_all()

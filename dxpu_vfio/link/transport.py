@@ -74,10 +74,39 @@ def accept_native(sock: socket.socket, tls: TlsFiles | None, handshake_timeout: 
     return native.tcp(tune(sock), tls, server=True, handshake_timeout=handshake_timeout)
 
 
+def peer_certificate(conn: object) -> bytes | None:
+    """The certificate (DER) the other end of ``conn`` presented; None on a plaintext link.
+    ``conn``: a Connection over an ssl.SSLSocket, or a native stream's NativeConnection."""
+    if getattr(conn, "native", False):
+        return conn.stream.peer_certificate()  # type: ignore[attr-defined]
+    sock = getattr(conn, "sock", conn)
+    sock = getattr(sock, "sock", sock)  # a LinkStream wraps the socket
+    return sock.getpeercert(binary_form=True) if isinstance(sock, ssl.SSLSocket) else None
+
+
+def ca_private_dir(directory: Path) -> Path:
+    """Where :func:`make_certs` keeps the CA's key: beside the TLS dir, never in it, since
+    the TLS dir is what boxes and hosts are given (whoever has the CA key can mint a
+    certificate any box or manager accepts)."""
+    d = Path(directory).resolve()
+    return d.parent / f"{d.name}.ca-private"
+
+
 def make_certs(directory: Path, roles: list[str], days: int = 365) -> list[Path]:
-    """A lab CA plus one key and certificate per role, with openssl; idempotent per file."""
+    """A lab CA plus one key and certificate per role, with openssl; idempotent per file.
+
+    ``directory`` gets ``ca.pem`` and ``ROLE.pem``/``ROLE.key``; the CA key (and serial)
+    go to :func:`ca_private_dir` (0700). A CA key an older version left in ``directory``
+    is moved there."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    private = ca_private_dir(d)
+    private.mkdir(mode=0o700, exist_ok=True)
+    private.chmod(0o700)
+    ca_key = private / "ca.key"
+    for old in ("ca.key", "ca.srl"):
+        if (d / old).exists():
+            (d / old).replace(private / old)
 
     def run(*args: str) -> None:
         proc = subprocess.run(["openssl", *args], capture_output=True, text=True)
@@ -88,16 +117,21 @@ def make_certs(directory: Path, roles: list[str], days: int = 365) -> list[Path]
     made = []
     if not (d / "ca.pem").exists():
         run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"), "-days", str(days),
+            "-keyout", str(ca_key), "-out", str(d / "ca.pem"), "-days", str(days),
             "-subj", "/CN=dxpu lab CA")
         made.append(d / "ca.pem")
+    ca_key.chmod(0o600)
     for role in roles:
         if (d / f"{role}.pem").exists():
             continue
+        if not ca_key.exists():
+            raise SetupError(f"{d} has a CA certificate but its key is not in {private}",
+                             hint=f"put the CA's ca.key into {private}, or make certificates in a new directory")
         run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
             "-keyout", str(d / f"{role}.key"), "-out", str(d / f"{role}.csr"), "-subj", f"/CN={role}")
         run("x509", "-req", "-in", str(d / f"{role}.csr"), "-CA", str(d / "ca.pem"), "-CAkey",
-            str(d / "ca.key"), "-CAcreateserial", "-out", str(d / f"{role}.pem"), "-days", str(days))
+            str(ca_key), "-CAserial", str(private / "ca.srl"), "-CAcreateserial", "-out", str(d / f"{role}.pem"),
+            "-days", str(days))
         (d / f"{role}.csr").unlink()
         (d / f"{role}.key").chmod(0o600)
         made.append(d / f"{role}.pem")

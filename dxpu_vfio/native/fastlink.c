@@ -22,6 +22,7 @@
 #include <fcntl.h>
 #include <openssl/err.h>
 #include <openssl/ssl.h>
+#include <openssl/x509.h>
 #include <poll.h>
 #include <pthread.h>
 #include <sys/socket.h>
@@ -1128,6 +1129,28 @@ static PyObject *Stream_get_tls(Stream *self, void *closure)
     return PyBool_FromLong(self->ssl != NULL);
 }
 
+/* The certificate the peer presented, DER (None on plain TCP): who is at the other end, for
+ * the box's admin commands and the host's pinning of its box (docs/link-protocol.md). */
+static PyObject *Stream_peer_certificate(Stream *self, PyObject *unused)
+{
+    unsigned char *der = NULL;
+    int len = -1;
+    pthread_mutex_lock(&self->io);
+    if (self->ssl && self->fd >= 0) {
+        X509 *cert = SSL_get1_peer_certificate(self->ssl);
+        if (cert) {
+            len = i2d_X509(cert, &der);
+            X509_free(cert);
+        }
+    }
+    pthread_mutex_unlock(&self->io);
+    if (len < 0)
+        Py_RETURN_NONE;
+    PyObject *out = PyBytes_FromStringAndSize((const char *)der, len);
+    OPENSSL_free(der);
+    return out;
+}
+
 static PyMethodDef Stream_methods[] = {
     {"receive", (PyCFunction)(void (*)(void))Stream_receive, METH_VARARGS | METH_KEYWORDS,
      "receive(timeout=None) -> (msg_id, command, flags, error, payload) or None when the timeout passed."},
@@ -1145,6 +1168,8 @@ static PyMethodDef Stream_methods[] = {
     {"shutdown", (PyCFunction)Stream_shutdown, METH_NOARGS, "Shut both directions down; wakes waiters."},
     {"close", (PyCFunction)Stream_close, METH_NOARGS, "Shut down and free the descriptor."},
     {"stats", (PyCFunction)Stream_stats, METH_NOARGS, "Byte and message counters."},
+    {"peer_certificate", (PyCFunction)Stream_peer_certificate, METH_NOARGS,
+     "The peer's certificate (DER bytes), None on plain TCP."},
     {NULL},
 };
 

@@ -10,8 +10,11 @@
  *    DMA_READ a copy into or out of guest memory (and a completion); only inside the DMA
  *    windows QEMU mapped, with their rights (dxpu_vfio/vfio_user/dma.py says how each window
  *    is reached safely: a mapping of a memfd sealed against shrinking, else pread/pwrite);
- *  - everything else returns to Python as (source, message) — QEMU's control messages, INTx,
- *    whatever is unknown — and so does a completion timeout or a closed stream. DMA outside
+ *  - everything else returns to Python as (source, message) — QEMU's control messages, its
+ *    config-space writes (Python watches Bus Master Enable in them: while it is off the DMA
+ *    table hands us no windows), INTx, whatever is unknown — and so does a completion
+ *    timeout or a closed stream. A completion that does not answer its request is never
+ *    forwarded: the link is given up ("link-closed") and Python answers QEMU (all-ones). DMA outside
  *    the windows is refused here (a DMA_READ gets EFAULT) and counted in dma_refused.
  * Ordering is the stream's: one thread, messages in arrival order, each finished before the
  * next. While a completion is awaited, box messages for Python are kept (in order) and handed
@@ -34,6 +37,7 @@
 #define CMD_IRQ 0x101
 #define CMD_HEARTBEAT 0x102
 #define CMD_SYNC 0x106
+#define REGION_CONFIG 7
 /* Posted writes the box may have queued before the forwarder waits for it to catch up (a
  * SYNC): PCIe's posted-write credits. Without them a fast host fills the box's socket with
  * writes and a read behind them waits out its completion timeout. */
@@ -281,10 +285,16 @@ static PyObject *forward_nonposted(Forwarder *f, const frame_header *qhdr, const
                 qerror = EINVAL; /* the box refused: as the Python path answers (ValueError) */
                 body_len = 0;
             } else if (len != (is_read ? 16u + count : 16u) || memcmp(pl, qpl, 16) != 0) {
-                f->bad_completions++; /* not what was asked: never forwarded to QEMU */
-                qflags |= FRAME_ERROR;
-                qerror = EIO;
-                body_len = 0;
+                /* not what was asked: never forwarded to QEMU, and a box that answers another
+                 * access cannot be trusted with the next one. QEMU's message stays buffered:
+                 * Python marks the link down and answers it (all-ones), as its own path does. */
+                f->bad_completions++;
+                rx_consume(&f->link->rx, hdr.size);
+                f->link->messages_in++;
+                PyObject *out = Py_BuildValue("(ssO)", "link-closed", "bad completion: the box answered another access",
+                                              deferred ? deferred : Py_None);
+                Py_XDECREF(deferred);
+                return out;
             }
             int r = send_frame(f->qemu, qhdr->msg_id, qhdr->command, qflags, qerror, body, body_len, NULL, 0, err,
                                sizeof err);
@@ -373,7 +383,8 @@ static PyObject *Forwarder_serve(Forwarder *f, PyObject *unused)
             int well_formed = region_access && count <= MAX_DATA &&
                               (hdr.command == CMD_REGION_READ ? !(hdr.flags & FRAME_NO_REPLY) : len == 16u + count);
             int has_fds = f->qemu->fdq_len && f->qemu->fdq[0].pos == f->qemu->rx.start;
-            if (!well_formed || has_fds) { /* Python answers with its reasons (and closes fds) */
+            int config_write = region_access && hdr.command == CMD_REGION_WRITE && frame_le32(pl + 8) == REGION_CONFIG;
+            if (!well_formed || has_fds || config_write) { /* Python answers with its reasons (and closes fds) */
                 out = result("qemu", as_python(f->qemu, &hdr, msg));
                 if (out) {
                     rx_consume(&f->qemu->rx, hdr.size);

@@ -42,7 +42,8 @@ def etcd_binary() -> str:
 def make_etcd_certs(directory: Path, days: int = 30) -> Path:
     """A CA, a member certificate (etcd.pem: 127.0.0.1/localhost, extendedKeyUsage
     serverAuth *and* clientAuth -- with only serverAuth every /v3 call answers 503 under
-    --client-cert-auth) and a client one (host.pem), with openssl. Returns ``directory``."""
+    --client-cert-auth) and a client one (host.pem), with openssl; the CA key is deleted
+    once they are made (``directory`` is what hosts get). Returns ``directory``."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
 
@@ -63,6 +64,8 @@ def make_etcd_certs(directory: Path, days: int = 30) -> Path:
                 "-CAcreateserial", "-out", str(d / f"{role}.pem"), "-days", str(days), "-extfile", str(d / f"{role}.ext"))
         (d / f"{role}.csr").unlink()
         (d / f"{role}.key").chmod(0o600)
+    for name in ("ca.key", "ca.srl"):  # every certificate is made: the CA key must not stay in a dir handed out
+        (d / name).unlink(missing_ok=True)
     return d
 
 

@@ -5,7 +5,7 @@ Key layout (every key under a versioned prefix, ``/dxpu/v1/``; values are JSON):
     /dxpu/v1/schema                 "1"
     /dxpu/v1/boxes/<box>            address, tls_dir, state, registered_at, last_error, cert_sha256
     /dxpu/v1/seen/<box>             last heartbeat answer (unix time): heartbeats write only this
-    /dxpu/v1/inventory/<box>        the box's devices, one value: [{name, class, vendor, model, capacity, token}]
+    /dxpu/v1/inventory/<box>        the box's devices, one value: [{name, class, vendor, model, capacity}]
     /dxpu/v1/claims/<box>/<dev>     lease id; the key exists exactly while the device is leased
     /dxpu/v1/leases/<lease>         the lease (device, vm, state, port, socket, pids, times)
     /dxpu/v1/hosts/<host>           reserved for host agents (not written yet)
@@ -327,7 +327,7 @@ class EtcdStore:
                       "last_error": None, "cert_sha256": cert_sha256}
             held = {key.rsplit("/", 1)[1] for key, _, _ in claimed}
             fresh = [{"name": d["id"], "class": d["class"], "vendor": d["vendor"], "model": d["model"],
-                      "capacity": int(d["capacity"]), "token": d["lease"]} for d in devices]
+                      "capacity": int(d["capacity"])} for d in devices]
             names = {d["name"] for d in fresh}
             old = inventories[0][1] if inventories else []
             kept = [d for d in old if d["name"] not in names and d["name"] in held]  # leased, gone from the box
@@ -439,7 +439,8 @@ class EtcdStore:
         if not boxes or not found:
             raise no_such_device(device_id)
         return {"id": device_id, "box": box, **found[0], "leased": int(bool(claim)),
-                "address": boxes[0][1]["address"], "tls_dir": boxes[0][1]["tls_dir"]}
+                "address": boxes[0][1]["address"], "tls_dir": boxes[0][1]["tls_dir"],
+                "cert_sha256": boxes[0][1].get("cert_sha256")}
 
     # --- allocation -------------------------------------------------------------------
     def _resync(self) -> None:

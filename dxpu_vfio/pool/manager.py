@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 from dxpu_vfio import registry
 from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.hostproxy.process import HostProxyProcess
-from dxpu_vfio.pool.boxes import TLS_ROLE, BoxUnreachable, fetch_inventory, fetch_screenshot
+from dxpu_vfio.pool.boxes import TLS_ROLE, BoxUnreachable, fetch_inventory, fetch_screenshot, grant_token, revoke_token
 from dxpu_vfio.pool.states import BoxState, LeaseState
 from dxpu_vfio.pool.storage import QDEV_PREFIX, Lease, PoolStore, StoreError
 from dxpu_vfio.procs import request_json, terminate_pid
@@ -296,12 +296,19 @@ class Manager:
             return [self._describe(lease) for lease in leases]
 
     def _plug(self, target: VmTarget, lease: Lease, timeout: float) -> None:
+        """Start the lease's host proxy and plug it. The box grants a fresh token for this
+        lease (replacing any token the device had); the proxy gets it through a pipe, not
+        its command line, and presents it to no box but the one registered (pinned by its
+        certificate)."""
         dev = self.store.device(lease.device)
-        settings = {"address": dev["address"], "device": dev["name"], "lease": dev["token"]}
+        token = grant_token(dev["address"], dev["tls_dir"], dev["name"], lease.id, timeout=min(timeout, 5.0))
+        settings = {"address": dev["address"], "device": dev["name"]}
         settings.update({"tls_dir": dev["tls_dir"], "tls_role": TLS_ROLE} if dev["tls_dir"] else {"plaintext": True})
+        if dev["tls_dir"] and dev.get("cert_sha256"):
+            settings["box_sha256"] = dev["cert_sha256"]
         socket_path = target.socket_dir() / f"{lease.id}.sock"
-        server = HostProxyProcess("remote", socket_path, settings=settings, name=lease.qdev_id,
-                                     log_path=self.proxy_log(lease))
+        server = HostProxyProcess("remote", socket_path, settings=settings, secrets={"lease": token},
+                                  name=lease.qdev_id, log_path=self.proxy_log(lease))
         lease.socket = str(socket_path)
         self.store.update_lease(lease.id, socket=lease.socket)
         server.start()
@@ -314,7 +321,8 @@ class Manager:
         try:
             target.plug(lease.qdev_id, port, socket_path, timeout)
         except QmpError as exc:
-            raise AttachError(f"QEMU refused {lease.device} on {port}: {exc.message}",
+            why = server.attach_error()  # e.g. the box's external server needs fd-mapped memory
+            raise AttachError(f"QEMU refused {lease.device} on {port}: {exc.message}" + (f"; {why}" if why else ""),
                               logs=[server.log_path]) from exc
         failpoint("attach.after_plug")
 
@@ -328,6 +336,7 @@ class Manager:
                 self.store.update_lease(lease.id, state=LeaseState.DETACHING)
                 return  # keep the lease: the device is still in the VM; reconcile retries
         stop_proxy(lease)  # its log stays: the AttachError names it
+        self._revoke(lease)
         self.store.delete_lease(lease.id)
 
     def detach(self, vm: str, device: str | None = None, *, all_devices: bool = False,
@@ -356,12 +365,23 @@ class Manager:
         return {**self._release(lease, "detached"), "counters": counters}
 
     def _release(self, lease: Lease, why: str) -> dict:
-        """The device is out of the VM (or the VM is gone): end its proxy, free it."""
+        """The device is out of the VM (or the VM is gone): end its proxy, void its token, free it."""
         stop_proxy(lease)
+        self._revoke(lease)
         self.store.delete_lease(lease.id)
         self.proxy_log(lease).unlink(missing_ok=True)
         return {"lease": lease.id, "device": lease.device, "vm": lease.vm, "state": "freed", "why": why,
                 "counters": None}
+
+    def _revoke(self, lease: Lease) -> None:
+        """Void the lease's token at its box, best effort: a box that does not answer has
+        restarted (it forgot its tokens) or is down, and the device's next lease replaces
+        the token anyway."""
+        try:
+            dev = self.store.device(lease.device)
+            revoke_token(dev["address"], dev["tls_dir"], dev["name"], lease.id, timeout=self.probe_timeout())
+        except DxpuError as exc:
+            log.warning("could not revoke the token of lease %s at its box: %s", lease.id, exc.message)
 
     # --- reconciliation ----------------------------------------------------------
     def reconcile(self) -> list[dict]:
@@ -477,7 +497,7 @@ class Manager:
         or a device id (BOX/DEVICE)."""
         leases = [lease for lease in self.store.leases() if lease.id == name]
         dev = self.store.device(leases[0].device if leases else name)
-        return fetch_screenshot(dev["address"], dev["tls_dir"], dev["name"], dev["token"])
+        return fetch_screenshot(dev["address"], dev["tls_dir"], dev["name"])
 
     def metrics(self) -> str:
         """Prometheus text exposition: pool gauges and per-device counters from the proxies."""

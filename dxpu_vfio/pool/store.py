@@ -52,7 +52,7 @@ MIGRATIONS: list[str] = [
         vendor TEXT NOT NULL,
         model TEXT NOT NULL,
         capacity INTEGER NOT NULL,
-        token TEXT NOT NULL               -- what the host proxy presents in HELLO
+        token TEXT NOT NULL               -- unused since schema 4 (was: the box's static token)
     );
     CREATE INDEX devices_by_class ON devices(class, box);
     CREATE TABLE leases (
@@ -87,6 +87,11 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE boxes ADD COLUMN cert_sha256 TEXT;
     """,
+    # 4: boxes grant a token per lease (GRANT) and no longer tell their static ones:
+    # forget those an older version copied here (the column stays, empty)
+    """
+    UPDATE devices SET token = '';
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -104,6 +109,21 @@ def default_path() -> Path:
     return base / "pool.db"
 
 
+def private_file(path: Path) -> None:
+    """Create the database file 0600 (its directory 0700 if made here), or make an existing
+    one and its WAL and shared-memory files 0600: they hold which VM has which device, and
+    SQLite creates the WAL with the database's mode."""
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    for name in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            if name.stat().st_mode & 0o077:
+                name.chmod(0o600)
+        except FileNotFoundError:
+            pass
+
+
 class Store:
     """Thread-safe handle on the pool database (one connection, one lock)."""
 
@@ -112,7 +132,7 @@ class Store:
     def __init__(self, path: Path | str | None = None) -> None:
         self.path = Path(path) if path else default_path()
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_file(self.path)
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10)
             self._db.row_factory = sqlite3.Row
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -195,7 +215,7 @@ class Store:
                            "vendor=excluded.vendor, model=excluded.model, capacity=excluded.capacity, "
                            "token=excluded.token",
                            (device_id, name, d["id"], d["class"], d["vendor"], d["model"], int(d["capacity"]),
-                            d["lease"]))
+                            ""))
             marks = ",".join("?" * len(seen))
             db.execute(f"DELETE FROM devices WHERE box = ? AND id NOT IN ({marks or 'NULL'}) "
                        "AND leased = 0", (name, *seen))
@@ -246,7 +266,7 @@ class Store:
                  "available": r["lease"] is None and r["box_state"] == BoxState.UP} for r in rows]
 
     def device(self, device_id: str) -> dict:
-        rows = self._query("SELECT devices.*, boxes.address, boxes.tls_dir FROM devices "
+        rows = self._query("SELECT devices.*, boxes.address, boxes.tls_dir, boxes.cert_sha256 FROM devices "
                            "JOIN boxes ON boxes.name = devices.box WHERE devices.id = ?", (device_id,))
         if not rows:
             raise no_such_device(device_id)

@@ -5,7 +5,9 @@ deadline for both, not a timeout per read) so a silent or trickling peer cannot 
 admission thread: the TLS handshake (mutual: the peer must present a certificate of the
 pool's CA, unless the box runs plaintext) and its first message. The proxy admits at
 most ``MAX_ADMITTING`` connections at once (:mod:`dxpu_vfio.remoteproxy.proxy`). What that message asks for (a device link after HELLO, or a control service)
-is the proxy's business; :func:`check_hello` is the rule for HELLO alone.
+is the proxy's business; :func:`check_hello` is the rule for HELLO alone: the box answers
+a first HELLO with a fresh nonce and admits the second only with a proof of a lease token
+over that nonce (docs/link-protocol.md), so a recorded HELLO is worth nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import ssl
 from collections import Counter
 
 from dxpu_vfio.deadline import Deadline
-from dxpu_vfio.link.protocol import LINK_VERSION, Hello
+from dxpu_vfio.link.protocol import LINK_VERSION, Hello, proof_matches
 from dxpu_vfio.link.transport import TlsFiles, accept_native, tune
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message, ReceiveTimeout
@@ -84,14 +86,19 @@ class Admission:
         conn.close()
 
 
-def check_hello(hello: Hello, lease_token: str | None) -> int | None:
-    """The errno a HELLO is refused with, or None. ``lease_token``: the named device's
-    token, None if the box has no such device. (Whether the device is free is checked
-    under the proxy's lock, when the link takes it.)"""
+def check_hello(hello: Hello, tokens: list[str] | None, nonce: str | None = None) -> int | None:
+    """The errno a HELLO is refused with, or None. ``tokens``: those that admit to the
+    named device now (a granted one, else its static one; :mod:`dxpu_vfio.remoteproxy.grants`),
+    None if the box has no such device. ``nonce``: None for the first HELLO, which must
+    carry no proof (a recorded second HELLO replayed as a first is refused); else the
+    nonce this connection was challenged with, which the proof must answer. (Whether the
+    device is free is checked under the proxy's lock, when the link takes it.)"""
     if hello.version != LINK_VERSION:
         return errno.EPROTO
-    if lease_token is None:
+    if tokens is None:
         return errno.ENODEV
-    if hello.lease != lease_token:
+    if nonce is None:
+        return errno.EACCES if hello.proof or hello.nonce else None
+    if hello.nonce != nonce or not any(proof_matches(hello.proof, t, hello.device, nonce) for t in tokens):
         return errno.EACCES
     return None

@@ -5,17 +5,23 @@ BOX.toml::
     name = "box1"
     listen = "198.18.0.2"
     port = 7000
-    tls_dir = "/path/to/certs"   # ca.pem + box1.pem/key; or: plaintext = true
+    tls_dir = "/path/to/certs"   # ca.pem + box1.pem/key (+ host.pem); or: plaintext = true
+    managers = ["host"]          # whose certificates (ROLE.pem in tls_dir) may GRANT tokens
     [[device]]
     id = "td0"
     model = "testdev"
-    lease = "secret-token"       # the token a host must present
     settings = { memory_size = 4294967296 }
     [[device]]
     id = "ext0"
     model = "vfio-user"          # an external vfio-user server, driven as a client
-    lease = "other-token"
+    lease = "static-token"       # optional: a token for use without a pool (never sent)
     settings = { socket = "/run/ext0.sock" }
+
+A pool manager gets a fresh token per lease from the box (GRANT,
+:mod:`dxpu_vfio.remoteproxy.grants`); ``lease`` is only for host proxies started by hand.
+``dead_after`` (default 3 s) and ``heartbeat`` (0.25 s) are the link's liveness rule on
+the box, as on the host: a host unheard for ``dead_after`` loses its device, and no send
+to a host that stops reading waits longer than that.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ EXTERNAL_MODEL = "vfio-user"  # a device behind an external vfio-user server
 class BoxDevice:
     id: str
     model: str
-    lease: str
+    lease: str | None = None  # a static token (no pool); None: only tokens the box granted admit
     settings: dict = field(default_factory=dict)
 
 
@@ -44,19 +50,28 @@ class BoxConfig:
     tls_dir: Path | None = None
     plaintext: bool = False
     spin_us: float = 0.0  # adaptive polling on the native stream: spin before sleeping (0: off)
+    managers: list[str] = field(default_factory=lambda: ["host"])  # roles whose certificates may GRANT
+    # a host unheard this long loses its device (heartbeats every heartbeat s); sends to it
+    # are bounded by the same time, so a host that stops reading cannot hold the device longer
+    dead_after: float = 3.0
+    heartbeat: float = 0.25
 
     @classmethod
     def load(cls, path: Path) -> "BoxConfig":
         with open(path, "rb") as f:
             raw = tomllib.load(f)
         try:
-            devices = [BoxDevice(d["id"], d["model"], str(d["lease"]), d.get("settings", {}))
-                       for d in raw.get("device", [])]
+            devices = [BoxDevice(d["id"], d["model"], str(d["lease"]) if d.get("lease") is not None else None,
+                                 d.get("settings", {})) for d in raw.get("device", [])]
             config = cls(raw["name"], raw.get("listen", "127.0.0.1"), int(raw.get("port", 7000)), devices,
                          Path(raw["tls_dir"]) if raw.get("tls_dir") else None, bool(raw.get("plaintext", False)),
-                         float(raw.get("spin_us", 0.0)))
+                         float(raw.get("spin_us", 0.0)), [str(r) for r in raw.get("managers", ["host"])],
+                         float(raw.get("dead_after", 3.0)), float(raw.get("heartbeat", 0.25)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: bad box config: {exc}") from exc
+        if not 0 < config.heartbeat < config.dead_after:
+            raise ValueError(f"{path}: heartbeat ({config.heartbeat} s) must be above 0 and below dead_after "
+                             f"({config.dead_after} s)")
         if config.tls_dir is None and not config.plaintext:
             raise ValueError(f"{path}: set tls_dir, or plaintext = true to run without TLS")
         return config

@@ -1,27 +1,39 @@
 """The box's control services for the pool manager, apart from the data links.
 
-A connection whose first message is INVENTORY or SCREENSHOT (instead of HELLO) gets one
-of these and is closed after it; it never takes a device. INVENTORY lists the box's
-devices (what the manager registers); SCREENSHOT renders a display's scanout once and
-hands the PNG out in pieces of at most 1 MiB, each reply ``total u64`` + the piece.
+A connection whose first message is INVENTORY, GRANT, REVOKE or SCREENSHOT (instead of
+HELLO) gets one of these and is closed after it; it never takes a device. INVENTORY lists
+the box's devices (what the manager registers; never a token); GRANT issues a fresh lease
+token for one device (:mod:`dxpu_vfio.remoteproxy.grants`), REVOKE ends it; SCREENSHOT
+renders a display's scanout once and hands the PNG out in pieces of at most 1 MiB, each
+reply ``total u64`` + the piece.
+
+INVENTORY is for any peer with a certificate of the pool's CA. GRANT, REVOKE and
+SCREENSHOT are admin commands, for the managers only: the peer must present one of the
+certificates named by the box's ``managers`` (EPERM otherwise). Another box has a
+certificate of the same CA and must not be able to take a device. A plaintext box has no
+identities and answers everyone (it is for tests).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 from typing import Callable, Mapping, Protocol
 
 from dxpu_vfio.link.protocol import LINK_VERSION, LinkCommand
+from dxpu_vfio.link.transport import peer_certificate
 from dxpu_vfio.remoteproxy.config import EXTERNAL_MODEL, BoxDevice
+from dxpu_vfio.remoteproxy.grants import Grants
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message
 
 log = logging.getLogger("dxpu.remote")
 
 PIECE = vp.MAX_DATA_XFER
-CONTROL_COMMANDS = (LinkCommand.INVENTORY, LinkCommand.SCREENSHOT)
+CONTROL_COMMANDS = (LinkCommand.INVENTORY, LinkCommand.SCREENSHOT, LinkCommand.GRANT, LinkCommand.REVOKE)
+ADMIN_COMMANDS = (LinkCommand.SCREENSHOT, LinkCommand.GRANT, LinkCommand.REVOKE)
 
 
 class ServedDevice(Protocol):
@@ -34,16 +46,28 @@ class ServedDevice(Protocol):
 
 
 class ControlServices:
-    def __init__(self, box: str, slots: Mapping[str, ServedDevice]) -> None:
+    def __init__(self, box: str, slots: Mapping[str, ServedDevice], grants: Grants | None = None,
+                 managers: set[str] | None = None, on_revoke: Callable[[str, str], None] | None = None) -> None:
         self.box = box
         self.slots = slots
+        self.grants = grants or Grants()
+        self.managers = managers  # SHA-256 of the certificates admin commands are taken from; None: anyone
+        self.on_revoke = on_revoke
+        self.refused_admin = 0
 
     def serve(self, conn: Connection, msg: Message) -> None:
         """Answer a control request (its command is in CONTROL_COMMANDS); closes ``conn``."""
+        command = msg.header.command
         try:
-            if msg.header.command == LinkCommand.INVENTORY:
-                conn.send(vp.message(msg.header.msg_id, msg.header.command,
-                                     json.dumps(self.inventory()).encode(), reply=True))
+            if command in ADMIN_COMMANDS and not self._is_manager(conn):
+                self.refused_admin += 1
+                log.warning("refused %s from a peer that is not a manager of this box",
+                            LinkCommand(command).name)
+                conn.send(vp.error_reply(msg.header.msg_id, command, errno.EPERM))
+            elif command == LinkCommand.INVENTORY:
+                conn.send(vp.message(msg.header.msg_id, command, json.dumps(self.inventory()).encode(), reply=True))
+            elif command in (LinkCommand.GRANT, LinkCommand.REVOKE):
+                self._serve_grant(conn, msg)
             else:
                 self._serve_screenshot(conn, msg)
         except (vp.ProtocolError, ConnectionClosed, OSError) as exc:
@@ -51,11 +75,38 @@ class ControlServices:
         finally:
             conn.close()
 
+    def _is_manager(self, conn: Connection) -> bool:
+        if self.managers is None:
+            return True
+        der = peer_certificate(conn)
+        return der is not None and hashlib.sha256(der).hexdigest() in self.managers
+
+    def _serve_grant(self, conn: Connection, msg: Message) -> None:
+        """GRANT {device, lease} -> {token}; REVOKE {device, lease} -> {revoked}."""
+        try:
+            req = json.loads(bytes(msg.payload))
+            device, lease = req["device"], req["lease"]
+            if not isinstance(device, str) or not isinstance(lease, str) or not lease:
+                raise TypeError("device and lease must be strings")
+        except (ValueError, KeyError, TypeError, RecursionError):
+            raise vp.ProtocolError("bad GRANT/REVOKE request") from None
+        if device not in self.slots:
+            conn.send(vp.error_reply(msg.header.msg_id, msg.header.command, errno.ENODEV))
+            return
+        if msg.header.command == LinkCommand.GRANT:
+            answer: dict = {"token": self.grants.grant(device, lease).token}
+            log.info("granted a token for %s to lease %s", device, lease)
+        else:
+            answer = {"revoked": self.grants.revoke(device, lease)}
+            if self.on_revoke is not None:
+                self.on_revoke(device, lease)
+        conn.send(vp.message(msg.header.msg_id, msg.header.command, json.dumps(answer).encode(), reply=True))
+
     def inventory(self) -> dict:
-        """Every device, its identity, size and lease token.
+        """Every device, its identity, size and whether a link holds it; no token.
 
         Only peers with a certificate of the pool's CA get here (or anyone, on a box run
-        with ``plaintext = true``): the CA is the trust boundary of the pool.
+        with ``plaintext = true``).
         """
         devices = []
         for sid, slot in self.slots.items():
@@ -67,7 +118,7 @@ class ControlServices:
                                                         if r.index < vp.REGION_CONFIG), default=0)
             devices.append({"id": sid, "class": "external" if slot.spec.model == EXTERNAL_MODEL else slot.spec.model,
                             "vendor": f"{ids & 0xFFFF:04x}", "model": f"{ids >> 16:04x}",
-                            "capacity": size, "lease": slot.spec.lease, "in_use": slot.in_use()})
+                            "capacity": size, "in_use": slot.in_use()})
         return {"box": self.box, "version": LINK_VERSION, "devices": devices}
 
     def _serve_screenshot(self, conn: Connection, msg: Message) -> None:
@@ -79,8 +130,8 @@ class ControlServices:
                 offset = int(req.get("offset", 0))
             except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested too deep
                 raise vp.ProtocolError("bad SCREENSHOT request") from None
-            err = (errno.ENODEV if slot is None else errno.EACCES if str(req.get("lease")) != slot.spec.lease
-                   else errno.ENOTSUP if not hasattr(slot.device, "render_png") else None)
+            err = (errno.ENODEV if slot is None else errno.ENOTSUP if not hasattr(slot.device, "render_png")
+                   else None)
             if err is not None:
                 conn.send(vp.error_reply(msg.header.msg_id, msg.header.command, err))
                 return

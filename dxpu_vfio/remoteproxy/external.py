@@ -1,39 +1,97 @@
 """A device behind an external vfio-user server, as the remote proxy serves it.
 
 The remote proxy drives the external server with our vfio-user client, the way QEMU
-would, but with no guest RAM of its own: it maps one descriptor-less DMA window over
-the whole address space, so every DMA the server does arrives as a DMA_READ/DMA_WRITE
-message, which goes over the link to the host proxy (which alone knows QEMU's real
-windows, and checks them). The server's interrupts arrive on eventfds this module
-hands it and leave as IRQ messages. To the remote proxy it looks like any model.
+would, but with no guest RAM of its own: guest memory stays on the host. The host proxy
+passes QEMU's DMA windows on (link DMA_MAP/DMA_UNMAP, for a device whose description
+says ``dma_windows``) and this module maps each into the server *without a descriptor*,
+so every DMA the server does arrives as a DMA_READ/DMA_WRITE message, which goes over the
+link to the host proxy (which checks it against QEMU's windows again). The server's
+interrupts arrive on eventfds this module hands it and leave as IRQ messages. To the
+remote proxy it looks like any model.
+
+A server that needs fd-mapped guest memory cannot work behind a box: it refuses such a
+window, or closes the connection on it, and the map is answered ``EOPNOTSUPP`` (the
+host's QEMU gets its DMA_MAP refused at attach) with the reason in the log. A server that
+goes away at any other time (it exited) makes the device *gone*: every access fails with
+``ENXIO``, ``on_gone`` tells the proxy (which takes the link down with that reason), and
+nothing raises ``ConnectionClosed`` into a proxy thread.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import select
 import threading
 from pathlib import Path
+from typing import Callable
 
+from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.vfio_user import protocol as p
-from dxpu_vfio.vfio_user.client import VfioUserClient
+from dxpu_vfio.vfio_user.client import ClientError, VfioUserClient
 from qemu_device.device import RegionInfo
 from qemu_device.ports import NullDmaPort, NullIrqPort
 
-WHOLE_SPACE = 1 << 48  # every guest-physical address a q35 guest can have
+log = logging.getLogger("dxpu.remote")
+
 IRQ_NAMES = {p.IRQ_INTX: "intx", p.IRQ_MSI: "msi", p.IRQ_MSIX: "msix", p.IRQ_ERR: "err", p.IRQ_REQ: "req"}
+NO_FD = ("a box maps guest memory into its external servers without file descriptors (guest RAM stays on "
+         "the host; DMA crosses the link as messages), so a server that needs fd-mapped guest memory "
+         "cannot run behind a box")
+# what a server answers to a window it will not take without a descriptor
+FD_REFUSALS = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EFAULT, errno.EBADF, errno.ENODEV,
+               errno.ECONNRESET}
+
+
+class ExternalServerError(DxpuError):
+    """The external vfio-user server of a box device cannot be reached or driven."""
+
+
+class ExternalServerGone(OSError):
+    """The external server went away: the device answers nothing any more (ENXIO)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(errno.ENXIO, reason)
 
 
 class ExternalFunction:
     coalesce_posted = False  # the features a served device declares (see qemu_device.device.PciFunction)
     event_source = None
+    wants_dma_windows = True  # the host proxy passes QEMU's DMA windows on (link DMA_MAP/DMA_UNMAP)
 
     def __init__(self, socket: str | Path) -> None:
+        self.socket = Path(socket)
         self.lock = threading.RLock()
         self.dma = NullDmaPort()
         self.irq = NullIrqPort()
         self.suppressed_interrupts = 0
-        self.client = VfioUserClient(Path(socket), dma_handler=self._dma)
+        self.gone: str | None = None  # why the server is unusable, once it is
+        self.on_gone: Callable[[str], None] | None = None  # set by the proxy: take the link down
+        self.windows: dict[int, tuple[int, int]] = {}  # address -> (size, flags) mapped into the server
+        self._state = threading.Lock()
+        self._mapping: tuple[int, int] | None = None  # the window being mapped now (the server may die on it)
+        try:
+            self.client = VfioUserClient(self.socket, dma_handler=self._dma, on_close=self._closed)
+        except OSError as exc:
+            raise ExternalServerError(f"cannot reach the external vfio-user server at {self.socket}: "
+                                      f"{exc.strerror or exc}",
+                                      hint="start that server before the remote proxy, or fix the socket "
+                                           "path in the box config") from exc
+        self._eventfds: dict[int, tuple[int, int]] = {}  # fd -> (irq index, vector)
+        try:
+            self._describe()
+        except (ClientError, OSError) as exc:
+            self.client.close()
+            for fd in self._eventfds:
+                os.close(fd)
+            raise ExternalServerError(f"the external vfio-user server at {self.socket} failed the handshake: "
+                                      f"{exc}", hint="check that it is a vfio-user server and see its log") from exc
+        self._stop_r, self._stop_w = os.pipe()
+        self._irq_thread = threading.Thread(target=self._irq_loop, name="external-irqs", daemon=True)
+        self._irq_thread.start()
+
+    def _describe(self) -> None:
         self.client.negotiate()
         _flags, regions, irqs = self.client.device_info()
         self._regions = []
@@ -42,17 +100,43 @@ class ExternalFunction:
             self._regions.append(RegionInfo(index, size, bool(flags & p.REGION_FLAG_READ),
                                             bool(flags & p.REGION_FLAG_WRITE), False))
         self._irq_counts = {IRQ_NAMES[i]: self.client.irq_info(i)[0] for i in range(min(irqs, p.NUM_IRQS))}
-        self.client.dma_map(0, WHOLE_SPACE)
-        self._eventfds: dict[int, tuple[int, int]] = {}  # fd -> (irq index, vector)
         for index in (p.IRQ_INTX, p.IRQ_MSI, p.IRQ_MSIX):
             count = self._irq_counts.get(IRQ_NAMES[index], 0)
             if count:
                 fds = [os.eventfd(0, os.EFD_NONBLOCK) for _ in range(count)]
-                self.client.set_irqs(index, fds)
                 self._eventfds.update({fd: (index, v) for v, fd in enumerate(fds)})
-        self._stop_r, self._stop_w = os.pipe()
-        self._irq_thread = threading.Thread(target=self._irq_loop, name="external-irqs", daemon=True)
-        self._irq_thread.start()
+                self.client.set_irqs(index, fds)
+
+    # --- the server's health ------------------------------------------------------------
+    def _closed(self, reason: str) -> None:
+        """The client's reader saw the session end (on its thread)."""
+        with self._state:
+            if self.gone is not None:
+                return
+            if self._mapping is not None:
+                address, size = self._mapping
+                self.gone = (f"the external vfio-user server at {self.socket} closed its connection when given "
+                             f"DMA window {address:#x}+{size:#x} without a file descriptor: {NO_FD}")
+                notify = False  # dma_map reports it, as the map's error
+            else:
+                self.gone = f"the external vfio-user server at {self.socket} went away: {reason}"
+                notify = True
+        log.error("%s", self.gone)
+        if notify and self.on_gone is not None:
+            self.on_gone(self.gone)
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        """One request to the server: its refusal is an OSError with its errno; a server
+        that is gone is :class:`ExternalServerGone` (never ConnectionClosed)."""
+        if self.gone is not None:
+            raise ExternalServerGone(self.gone)
+        try:
+            return fn(*args, **kwargs)
+        except ClientError as exc:
+            if self.client.closed_reason is not None or exc.errno == errno.ECONNRESET:
+                self._closed(str(exc))
+                raise ExternalServerGone(self.gone or str(exc)) from exc
+            raise OSError(exc.errno, f"external vfio-user server at {self.socket}: {what}: {exc}") from exc
 
     # --- model face ---------------------------------------------------------------------
     def attach(self, dma, irq) -> None:
@@ -65,16 +149,66 @@ class ExternalFunction:
         return dict(self._irq_counts)
 
     def region_read(self, index: int, offset: int, size: int) -> bytes:
-        return self.client.read(index, offset, size)
+        return self._call(f"read of region {index}+{offset:#x}", self.client.read, index, offset, size)
 
     def region_write(self, index: int, offset: int, data: bytes, posted: bool = False) -> None:
-        self.client.write(index, offset, bytes(data), posted=posted)
+        self._call(f"write to region {index}+{offset:#x}", self.client.write, index, offset, bytes(data),
+                   posted=posted)
 
     def reset(self) -> None:
-        self.client.reset()
+        if self.gone is None:
+            try:
+                self._call("reset", self.client.reset)
+            except OSError as exc:
+                log.warning("reset of the external device at %s failed: %s", self.socket, exc)
 
     def posted_idle(self) -> None:
         pass
+
+    # --- QEMU's DMA windows, passed on by the host proxy ----------------------------------
+    def dma_map(self, address: int, size: int, flags: int) -> None:
+        """Map a window without a descriptor: the server's DMA there comes as messages."""
+        if self.gone is not None:
+            raise ExternalServerGone(self.gone)
+        with self._state:
+            self._mapping = (address, size)
+        try:
+            self._call(f"DMA_MAP {address:#x}+{size:#x}", self.client.dma_map, address, size,
+                       flags=flags & (p.DMA_FLAG_READ | p.DMA_FLAG_WRITE))
+        except ExternalServerGone as exc:
+            raise OSError(errno.EOPNOTSUPP, str(exc)) from exc
+        except OSError as exc:
+            if exc.errno not in FD_REFUSALS:
+                raise
+            reason = (f"the external vfio-user server at {self.socket} refused DMA window {address:#x}+{size:#x} "
+                      f"without a file descriptor ({os.strerror(exc.errno)}): {NO_FD}")
+            log.error("%s", reason)
+            raise OSError(errno.EOPNOTSUPP, reason) from exc
+        finally:
+            with self._state:
+                self._mapping = None
+        self.windows[address] = (size, flags)
+
+    def dma_unmap(self, address: int, size: int, flags: int = 0) -> None:
+        """Unmap the windows inside [address, address+size) (every one with DMA_UNMAP_ALL)."""
+        everything = bool(flags & p.DMA_UNMAP_ALL)
+        for base, (length, _) in sorted(self.windows.items()):
+            if everything or (address <= base and base + length <= address + size):
+                del self.windows[base]
+                self._call(f"DMA_UNMAP {base:#x}+{length:#x}", self.client.dma_unmap, base, length)
+
+    def unmap_all(self) -> None:
+        """The link that mapped them is gone: the next lease starts with no windows."""
+        try:
+            self.dma_unmap(0, 0, p.DMA_UNMAP_ALL)
+        except OSError as exc:
+            log.info("unmapping the windows of %s: %s", self.socket, exc)
+        self.windows.clear()
+
+    def stats(self) -> dict:
+        return {"socket": str(self.socket), "gone": self.gone,
+                "windows": [[a, n, f] for a, (n, f) in sorted(self.windows.items())],
+                "dma_requests": self.client.dma_requests}
 
     def close(self) -> None:
         os.write(self._stop_w, b"x")
@@ -85,6 +219,7 @@ class ExternalFunction:
 
     # --- the server's DMA and interrupts ------------------------------------------------
     def _dma(self, address: int, what: int | bytes, write: bool) -> bytes | None:
+        self.client.dma_requests += 1
         if write:
             self.dma.write(address, what)
             return None
@@ -112,5 +247,10 @@ class ExternalFunction:
                         # then let the server signal again if its line stays high.
                         self.irq.intx(True)
                         self.irq.intx(False)
-                        self.client.request(p.Command.DEVICE_SET_IRQS, p.SetIrqs(
-                            p.IRQ_DATA_NONE | p.IRQ_ACTION_UNMASK, p.IRQ_INTX, 0, 1).pack())
+                        try:
+                            self._call("INTx unmask", self.client.request, p.Command.DEVICE_SET_IRQS, p.SetIrqs(
+                                p.IRQ_DATA_NONE | p.IRQ_ACTION_UNMASK, p.IRQ_INTX, 0, 1).pack())
+                        except ExternalServerGone:
+                            return
+                        except OSError as exc:
+                            log.warning("%s", exc)

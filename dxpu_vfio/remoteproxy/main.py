@@ -70,6 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return serve(args.config, args.stats)
-    except BoxConfigError as exc:
+    except DxpuError as exc:  # a bad config, an external server that cannot be reached
         print(f"dxpu: error: {exc}", file=sys.stderr)
         return 1

@@ -2,7 +2,8 @@
 
 Each device of the box (:mod:`dxpu_vfio.remoteproxy.config`) is one model instance that
 lives as long as the proxy; one host link at a time may drive it, after a HELLO naming
-the device and a lease token the box accepts (:mod:`dxpu_vfio.remoteproxy.admission`).
+the device and proving a lease token the box accepts (:mod:`dxpu_vfio.remoteproxy.admission`,
+:mod:`dxpu_vfio.remoteproxy.grants`).
 The link's reader thread performs region accesses in stream order; the device reaches
 guest memory and raises interrupts through the link ports
 (:mod:`dxpu_vfio.remoteproxy.ports`). Connections that ask for a control service
@@ -22,17 +23,19 @@ import socket
 import threading
 import time
 
+from dxpu_vfio.deadline import Deadline
 from dxpu_vfio.link.endpoint import LinkEndpoint
-from dxpu_vfio.link.protocol import DeviceDescription, Hello, LinkCommand
+from dxpu_vfio.link.protocol import DeviceDescription, Hello, LinkCommand, challenge, new_nonce, proof_matches
 from dxpu_vfio.link.transport import TlsFiles, server_context
 from dxpu_vfio.native import stream as native
 from dxpu_vfio.remoteproxy.admission import MAX_ADMITTING, Admission, check_hello
 from dxpu_vfio.remoteproxy.config import EXTERNAL_MODEL, BoxConfig, BoxDevice
 from dxpu_vfio.remoteproxy.control import CONTROL_COMMANDS, ControlServices
-from dxpu_vfio.remoteproxy.external import ExternalFunction
+from dxpu_vfio.remoteproxy.external import ExternalFunction, ExternalServerError
+from dxpu_vfio.remoteproxy.grants import Grants, certificate_fingerprints
 from dxpu_vfio.remoteproxy.ports import LinkDmaPort, LinkIrqPort
 from dxpu_vfio.vfio_user import protocol as vp
-from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message, close_listener
+from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message, ReceiveTimeout, close_listener
 from dxpu_vfio.vfio_user.posted import unpack_batch
 from qemu_device.device import PciFunction
 from qemu_device.models import create_model
@@ -45,7 +48,14 @@ ACCEPT_RETRY = 0.1  # seconds to wait after an accept() error (e.g. EMFILE) befo
 
 def describe(model: str, device: PciFunction) -> DeviceDescription:
     return DeviceDescription(model, [(r.index, r.size, r.readable, r.writable) for r in device.regions()],
-                             device.irq_counts(), device.coalesce_posted)
+                             device.irq_counts(), device.coalesce_posted,
+                             dma_windows=getattr(device, "wants_dma_windows", False))
+
+
+def refusal(msg_id: int, command: int, err: int, why: str) -> bytes:
+    """An error reply that says why in its payload (UTF-8; a host shows it)."""
+    text = why.encode()[:500]
+    return vp.HEADER.pack(msg_id, command, vp.HEADER_SIZE + len(text), vp.TYPE_REPLY | vp.FLAG_ERROR, err) + text
 
 
 class Slot:
@@ -53,14 +63,42 @@ class Slot:
 
     def __init__(self, spec: BoxDevice) -> None:
         self.spec = spec
-        if spec.model == EXTERNAL_MODEL:  # an external vfio-user server, reached by its socket
-            self.device = ExternalFunction(**spec.settings)
-        else:
-            self.device = create_model(spec.model, **spec.settings)
         self.endpoint: LinkEndpoint | None = None
+        self.admitted: str | None = None  # the lease whose granted token admitted the link (None: static)
         self.links_served = 0
         self.dma: LinkDmaPort | None = None
         self.irq: LinkIrqPort | None = None
+        if spec.model == EXTERNAL_MODEL:  # an external vfio-user server, reached by its socket
+            self.device = self._external()
+        else:
+            self.device = create_model(spec.model, **spec.settings)
+
+    def _external(self) -> ExternalFunction:
+        device = ExternalFunction(**self.spec.settings)
+        device.on_gone = self._external_gone
+        return device
+
+    def _external_gone(self, reason: str) -> None:
+        """The external server went away (it exited): the host learns it as a link that
+        went down, and the box's log says why (not "peer closed the link")."""
+        endpoint = self.endpoint
+        if endpoint is not None and endpoint.up:
+            endpoint.mark_down(reason)
+
+    def unusable(self) -> str | None:
+        """Why this device cannot serve a new link (None: it can). An external server
+        that went away is reconnected first: it may have been restarted."""
+        gone = getattr(self.device, "gone", None)
+        if gone is None:
+            return None
+        try:
+            device = self._external()
+        except ExternalServerError as exc:
+            return f"{gone}; reconnecting failed: {exc.message}"
+        old, self.device = self.device, device
+        old.close()
+        log.warning("device %s: reconnected to its external vfio-user server at %s", self.spec.id, device.socket)
+        return None
 
     def in_use(self) -> bool:
         return self.endpoint is not None and self.endpoint.up
@@ -85,7 +123,12 @@ class RemoteProxy:
             self.admission = Admission(None, native=True, native_tls=files)
         else:
             self.admission = Admission(server_context(files) if files else None)
-        self.control = ControlServices(config.name, self.slots)
+        self.grants = Grants()
+        managers = None if config.plaintext else certificate_fingerprints(config.tls_dir, config.managers)
+        if managers == set():
+            log.warning("box %s: no manager certificate (%s in %s): no pool can be granted a lease token",
+                        config.name, ", ".join(f"{r}.pem" for r in config.managers), config.tls_dir)
+        self.control = ControlServices(config.name, self.slots, self.grants, managers, on_revoke=self._revoked)
         self.port = config.port
         self.max_admitting = MAX_ADMITTING
         self._admitting: threading.BoundedSemaphore | None = None
@@ -156,32 +199,86 @@ class RemoteProxy:
             log.info("%s went away while being admitted: %s", peer, exc)
             conn.close()
 
+    def _tokens(self, slot: Slot | None) -> list[tuple[str | None, str]] | None:
+        """(grant's lease id or None for the static token, token) that admit to ``slot`` now."""
+        if slot is None:
+            return None
+        grant = self.grants.current(slot.spec.id)
+        if grant is not None:
+            return [(grant.lease, grant.token)]
+        return [(None, slot.spec.lease)] if slot.spec.lease else []
+
+    def _challenge(self, conn: Connection, msg: Message, device: str, peer: tuple) -> tuple[Message, Hello, str] | None:
+        """Answer the first HELLO with a fresh nonce and read the second, bounded like the
+        first: (its message, the HELLO, the nonce), or None (refused and closed)."""
+        nonce = new_nonce()
+        deadline = Deadline(conn.sock, self.admission.handshake_timeout)
+        try:
+            conn.send(vp.message(msg.header.msg_id, msg.header.command, challenge(nonce), reply=True))
+            second = conn.receive()
+            if second.header.command != LinkCommand.HELLO:
+                raise vp.ProtocolError("the answer to the challenge must be HELLO")
+            hello = Hello.unpack(second.payload)
+            if hello.device != device:
+                raise vp.ProtocolError(f"the answer to the challenge names device {hello.device!r}, not {device!r}")
+            return second, hello, nonce
+        except (vp.ProtocolError, ConnectionClosed, ReceiveTimeout, OSError) as exc:
+            deadline.cancel()
+            self.admission.refuse_hello(conn, peer, f"no whole HELLO answer in "
+                                        f"{self.admission.handshake_timeout} s" if deadline.expired else exc)
+            return None
+        finally:
+            deadline.cancel()
+
     def _take_link(self, conn: Connection, msg: Message, peer: tuple) -> None:
-        """HELLO and lease check; then the device belongs to this link."""
+        """HELLO, challenge, HELLO with the proof of a lease token; then the device belongs
+        to this link."""
         try:
             hello = Hello.unpack(msg.payload)
         except (vp.ProtocolError, RecursionError) as exc:  # RecursionError: JSON nested too deep (fuzzer)
             self.admission.refuse_hello(conn, peer, exc)
             return
         slot = self.slots.get(hello.device)
-        err = check_hello(hello, slot.spec.lease if slot else None)
+        tokens = self._tokens(slot)
+        err = check_hello(hello, None if tokens is None else [t for _, t in tokens])
+        lease = None
+        if err is None:
+            answered = self._challenge(conn, msg, hello.device, peer)
+            if answered is None:
+                return
+            msg, hello, nonce = answered
+            tokens = self._tokens(slot)  # a GRANT or REVOKE may have come meanwhile
+            err = check_hello(hello, [t for _, t in tokens], nonce)
+            lease = next((who for who, t in tokens if proof_matches(hello.proof, t, hello.device, nonce)), None)
         if err == errno.EACCES:
             self.admission.refused["lease"] += 1
         old = None
+        why = None
         if err is None:
             with self._lock:
-                if slot.in_use():
+                current = self.grants.current(slot.spec.id)
+                if (current.lease if current else None) != lease:
+                    err = errno.EACCES  # granted, revoked or replaced since the proof was checked
+                    self.admission.refused["lease"] += 1
+                elif slot.in_use():
                     err = errno.EBUSY
                     self.admission.refused["busy"] += 1
+                elif (why := slot.unusable()) is not None:
+                    err = errno.ENXIO
+                    self.admission.refused["out_of_service"] += 1
                 else:
                     old = slot.endpoint
+                    slot.admitted = lease
                     slot.endpoint = LinkEndpoint(conn, f"{self.config.name}/{slot.spec.id}",
                                                  self._handlers(slot), on_down=lambda r, s=slot: self._released(s, r),
-                                                 region_access=self._region_access(slot))
+                                                 region_access=self._region_access(slot),
+                                                 heartbeat=self.config.heartbeat, dead_after=self.config.dead_after)
         if err is not None:
-            log.warning("refused %s for device %r: %s", peer, hello.device, errno.errorcode[err])
+            log.warning("refused %s for device %r: %s%s", peer, hello.device, errno.errorcode[err],
+                        f": {why}" if why else "")
             try:
-                conn.send(vp.error_reply(msg.header.msg_id, msg.header.command, err))
+                conn.send(refusal(msg.header.msg_id, msg.header.command, err, why) if why else
+                          vp.error_reply(msg.header.msg_id, msg.header.command, err))
             finally:
                 conn.close()
             return
@@ -198,14 +295,45 @@ class RemoteProxy:
                              describe(slot.spec.model, slot.device).pack(), reply=True))
         slot.endpoint.start()
 
+    def _revoked(self, device: str, lease: str) -> None:
+        """The manager revoked ``lease``'s token: a link it admitted goes down now."""
+        slot = self.slots[device]
+        with self._lock:
+            endpoint = slot.endpoint if slot.admitted == lease and slot.in_use() else None
+        if endpoint is not None:  # down, not closed: the next link's admission closes it (once)
+            endpoint.mark_down(f"lease {lease} revoked")
+
     def _released(self, slot: Slot, reason: str) -> None:
         """The link went down: the device forgets its host and is reset for the next lease."""
         with slot.device.lock:
             slot.device.attach(NullDmaPort(), NullIrqPort())
             slot.device.reset()
+            forget = getattr(slot.device, "unmap_all", None)  # QEMU's windows went with the link
+            if forget is not None:
+                forget()
 
     def _handlers(self, slot: Slot) -> dict:
         device = slot.device
+
+        def dma_map(msg):  # QEMU's window, passed on by the host (an external server maps it)
+            req = vp.DmaMap.unpack(msg.payload)
+            try:
+                with device.lock:
+                    device.dma_map(req.address, req.size, req.flags)
+            except OSError:
+                if getattr(device, "gone", None):  # it died on the window: down once the host has the refusal
+                    endpoint = slot.endpoint
+                    timer = threading.Timer(0.2, lambda: endpoint.mark_down(device.gone))
+                    timer.daemon = True
+                    timer.start()
+                raise
+            return b""
+
+        def dma_unmap(msg):
+            req = vp.DmaUnmap.unpack(msg.payload)
+            with device.lock:
+                device.dma_unmap(req.address, req.size, req.flags)
+            return req.pack()
 
         def region_read(msg):
             req = vp.RegionAccess.unpack(msg.payload, write=False)
@@ -232,7 +360,9 @@ class RemoteProxy:
         def sync(msg):  # the reader got here, so everything before it is done
             return b""
 
-        return {LinkCommand.REGION_READ: region_read, LinkCommand.REGION_WRITE: region_write,
+        windows = {LinkCommand.DMA_MAP: dma_map, LinkCommand.DMA_UNMAP: dma_unmap} \
+            if getattr(device, "wants_dma_windows", False) else {}
+        return {**windows, LinkCommand.REGION_READ: region_read, LinkCommand.REGION_WRITE: region_write,
                 LinkCommand.WRITE_BATCH: write_batch, LinkCommand.DEVICE_RESET: reset, LinkCommand.SYNC: sync}
 
     def _region_access(self, slot: Slot) -> tuple:

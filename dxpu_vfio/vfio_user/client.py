@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import logging
 import os
 import queue
 import socket
@@ -37,9 +38,17 @@ class VfioUserClient:
     instead of ``memory``; it runs on a worker thread of its own (in order), so the
     reader thread keeps delivering region replies while a DMA waits elsewhere."""
 
-    def __init__(self, path: Path, *, timeout: float = 5.0, dma_handler: DmaHandler | None = None) -> None:
+    def __init__(self, path: Path, *, timeout: float = 5.0, dma_handler: DmaHandler | None = None,
+                 on_close: Callable[[str], None] | None = None) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(str(path))
+        try:
+            sock.connect(str(path))
+        except OSError:
+            sock.close()
+            raise
+        self.on_close = on_close  # called once (on the reader thread) when the server ends the session
+        self.closed_reason: str | None = None  # why the session ended (None: it has not)
+        self._closing = False
         self.conn = Connection(sock)
         self.timeout = timeout
         self._ids = itertools.count(1)
@@ -72,14 +81,21 @@ class VfioUserClient:
                     self._dma_queue.put(msg)
                 else:
                     self._serve_dma(msg)
-        except (ConnectionClosed, p.ProtocolError):
-            pass
+        except (ConnectionClosed, p.ProtocolError, OSError) as exc:
+            self.closed_reason = "closed by us" if self._closing else f"the server closed the connection ({exc})"
         finally:
+            if self.closed_reason is None:
+                self.closed_reason = "the client's reader failed"
             self._dma_queue.put(None)
             with self._lock:
                 waiters, self._pending = list(self._pending.values()), {}
             for event, _ in waiters:
                 event.set()
+            if self.on_close is not None and not self._closing:  # after the waiters are free
+                try:
+                    self.on_close(self.closed_reason)
+                except Exception:  # noqa: BLE001 - a callback's failure must not hide the close
+                    logging.getLogger("dxpu.vfio_user").exception("on_close callback failed")
 
     def _find(self, address: int, count: int) -> tuple[bytearray, int]:
         for base, buf in self.memory.items():
@@ -135,10 +151,17 @@ class VfioUserClient:
                 no_reply: bool = False) -> memoryview | None:
         msg_id = next(self._ids) & 0xFFFF
         waiter: tuple[threading.Event, list] = (threading.Event(), [])
-        if not no_reply:
-            with self._lock:
+        with self._lock:
+            if self.closed_reason is not None:
+                raise ClientError(f"the session is over: {self.closed_reason}", errno.ECONNRESET)
+            if not no_reply:
                 self._pending[msg_id] = waiter
-        self.conn.send(p.message(msg_id, command, payload, no_reply=no_reply), fds)
+        try:
+            self.conn.send(p.message(msg_id, command, payload, no_reply=no_reply), fds)
+        except (ConnectionClosed, OSError) as exc:
+            with self._lock:
+                self._pending.pop(msg_id, None)
+            raise ClientError(f"server closed the connection ({exc})", errno.ECONNRESET) from exc
         if no_reply:
             return None
         if not waiter[0].wait(self.timeout):
@@ -208,5 +231,6 @@ class VfioUserClient:
         self.request(p.Command.DEVICE_RESET)
 
     def close(self) -> None:
+        self._closing = True
         self.conn.close()
         self._reader.join(5)

@@ -60,6 +60,11 @@ class DmaTable(ScatterByPieces):
         self._fallback = fallback
         self.max_maps = max_maps
         self.refused = 0  # accesses outside the table or against its rights
+        # False: every access is refused (and counted), the native forwarder gets no windows.
+        # The host proxy's box device clears it while the guest has Bus Master Enable off:
+        # the box is not trusted to keep PCI's rule itself (local models check it themselves).
+        self.bus_master = True
+        self.refused_bus_master = 0
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -109,6 +114,8 @@ class DmaTable(ScatterByPieces):
         where ``address`` sits in the file); kind 2, one the forwarder leaves to this table."""
         out = []
         with self._lock:
+            if not self.bus_master:
+                return out  # the forwarder refuses (and counts) every DMA then
             for m in self._maps:
                 if m.memory is not None and m.fd is None:
                     out.append((m.address, m.size, m.flags, 0, m.memory, m.map_delta))
@@ -128,6 +135,10 @@ class DmaTable(ScatterByPieces):
         """Split an access into (mapping, offset in mapping, length) or refuse it whole."""
         pieces = []
         with self._lock:
+            if not self.bus_master:
+                self.refused += 1
+                self.refused_bus_master += 1
+                raise DmaError(f"DMA at {address:#x} while the guest has Bus Master Enable off")
             starts = [m.address for m in self._maps]
             pos, left = address, length
             while left > 0:

@@ -26,7 +26,13 @@ The client is not trusted: a message may carry only the descriptors its command 
 (DMA_MAP one, SET_IRQS one eventfd per vector, nothing else any), a session holds at
 most ``MAX_DMA_MAPS`` mappings (each keeps a descriptor), and a malformed message gets an
 error reply (EINVAL, EPROTO...) and the session goes on; only a stream whose framing
-is lost ends it. The accept loop survives ``accept()`` errors (e.g. EMFILE).
+is lost ends it. The accept loop survives ``accept()`` errors (e.g. EMFILE). A window
+above ``max_dma_window`` (8 TiB, libvfio-user's limit) is refused.
+
+A device that passes QEMU's DMA windows on (the host proxy's link to a box's external
+server) has ``dma_mapped(address, size, flags)`` and ``dma_unmapped(address, size, flags)``:
+called once the table changed; a refused map is undone and is QEMU's error, and the
+session's end unmaps everything (``DMA_UNMAP_ALL``).
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
 log = logging.getLogger("dxpu.vfio_user.server")
 
 DMA_REPLY_TIMEOUT = 5.0
+MAX_DMA_WINDOW = 8 << 40  # bytes: libvfio-user's MAX_DMA_SIZE
 MAX_DMA_MAPS = 256  # advertised as max_dma_maps; each fd-backed map holds a descriptor (QEMU uses a few)
 ACCEPT_RETRY = 0.1  # seconds to wait after an accept() error before the next accept
 FDS_ALLOWED = {p.Command.DMA_MAP: 1, p.Command.DEVICE_SET_IRQS: p.MAX_MSG_FDS}  # every other command: none
@@ -123,6 +130,12 @@ class CommandStats:
 class ServerOptions:
     advertise_write_multiple: bool = False
     allow_msix: bool = False  # QEMU 11.1 aborts on device_del of MSI-X vfio-user devices
+    # the largest DMA window accepted: libvfio-user's MAX_DMA_SIZE (8 TiB), so that a client
+    # that maps more (the remote proxy once mapped 2^48 bytes) fails against us as against it
+    max_dma_window: int = MAX_DMA_WINDOW
+    # refuse windows without a descriptor, like a server that needs fd-mapped guest memory
+    # (tests: such a server cannot work behind a box)
+    dma_needs_fd: bool = False
 
 
 IRQ_INDEX = {"intx": p.IRQ_INTX, "msi": p.IRQ_MSI, "msix": p.IRQ_MSIX, "err": p.IRQ_ERR, "req": p.IRQ_REQ}
@@ -162,6 +175,7 @@ class _Session:
         self.thread = threading.Thread(target=self._run, name=f"vfio-user-{server.name}",
                                        daemon=True)
         self.version_seen = False
+        self.windows_told = False  # the device was told of a DMA window (dma_mapped)
         self.forwarder = None  # the native Forwarder that served this session, if one did (its counters)
         self._event_poll: select.poll | None = None  # QEMU's socket + the device's event source
         self._events_fd = 0
@@ -225,6 +239,11 @@ class _Session:
             self._fail_pending()
             self.irqs.close()
             self.dma.clear()
+            if self.windows_told:  # the device passed QEMU's windows on: they end with the session
+                try:
+                    device.dma_unmapped(0, 0, p.DMA_UNMAP_ALL)
+                except Exception as exc:  # noqa: BLE001 - the session ends either way
+                    log.info("%s: unmapping the session's DMA windows failed: %s", self.server.name, exc)
             self.conn.close()
             with device.lock:
                 device.reset()
@@ -453,8 +472,22 @@ def _dma_map(s: _Session, msg: Message) -> bytes:
     if msg.fds and (req.size > sys.maxsize - p.PAGE_SIZE or req.offset > sys.maxsize - req.size - p.PAGE_SIZE):
         raise p.ProtocolError(f"DMA_MAP of {req.size:#x} bytes at file offset {req.offset:#x}: "
                               "beyond what a mapping can hold")
+    if s.server.options.max_dma_window and req.size > s.server.options.max_dma_window:
+        raise ValueError(f"DMA_MAP of {req.size:#x} bytes: windows are at most "
+                         f"{s.server.options.max_dma_window:#x} bytes here")
+    if s.server.options.dma_needs_fd and not msg.fds:
+        raise ValueError(f"DMA_MAP of {req.address:#x}+{req.size:#x} without a file descriptor: "
+                         "this server needs fd-mapped guest memory")
     fd = msg.fds.pop() if msg.fds else None
     s.dma.add(req.address, req.size, req.flags, fd, req.offset)
+    watcher = getattr(s.server.device, "dma_mapped", None)  # a device that passes windows on (forward mode)
+    if watcher is not None:
+        try:
+            watcher(req.address, req.size, req.flags)
+        except BaseException:
+            s.dma.remove(req.address, req.size)
+            raise
+        s.windows_told = True
     return b""
 
 
@@ -464,10 +497,18 @@ def _dma_unmap(s: _Session, msg: Message) -> bytes:
         s.dma.clear()
     else:
         s.dma.remove(req.address, req.size)
+    watcher = getattr(s.server.device, "dma_unmapped", None)
+    if watcher is not None:
+        watcher(req.address, req.size, req.flags)
     return req.pack()
 
 
 def _device_info(s: _Session, msg: Message) -> bytes:
+    # QEMU only logs a refused DMA_MAP (it sends them before GET_INFO, without waiting):
+    # a device that cannot work with QEMU's windows fails the attach here instead
+    refused = getattr(s.server.device, "attach_error", None)
+    if refused:
+        raise OSError(errno.EOPNOTSUPP, refused)
     return p.device_info_reply()
 
 
@@ -640,9 +681,17 @@ class VfioUserServer:
                     self.rejected_connections += 1
                     sock.close()  # one client per device, like one slot per card
                     continue
-                self._session = _Session(self, native.unix(sock) if native.enabled() else Connection(sock))
+                conn = native.unix(sock) if native.enabled() else Connection(sock)
+                try:
+                    session = _Session(self, conn)
+                except Exception as exc:  # noqa: BLE001 - e.g. a device that describes itself wrongly:
+                    self.rejected_connections += 1  # this client is refused, the next one is accepted
+                    log.error("%s: cannot serve a session: %r", self.name, exc)
+                    conn.close()
+                    continue
+                self._session = session
                 self.sessions_served += 1
-                self._session.thread.start()
+                session.thread.start()
 
     def _session_ended(self, session: _Session) -> None:
         with self._lock:  # with the session's going: a snapshot sees its counts once
@@ -686,7 +735,9 @@ class VfioUserServer:
     def _dma_counters(s: _Session) -> dict:
         """The session's DMA, with what the native forwarder did in C (outside the table)."""
         native_dma = s.forwarder.counters() if s.forwarder is not None else {}
-        return {"windows": len(s.dma.windows()), "refused": s.dma.refused + native_dma.get("dma_refused", 0),
+        windows = s.dma.windows()
+        return {"windows": len(windows), "maps": [[a, n, f, fd] for a, n, f, fd in windows],
+                "refused": s.dma.refused + native_dma.get("dma_refused", 0),
                 "bytes_read": s.dma.bytes_read + native_dma.get("dma_bytes_read", 0),
                 "bytes_written": s.dma.bytes_written + native_dma.get("dma_bytes_written", 0)}
 

@@ -1,0 +1,239 @@
+"""Issue 18 item 8: a box's replies and its device description are checked against what
+was asked and what the device described, never trusted. Fake boxes on loopback
+(tests/hostile_box.py) against the manager's box client and the host proxy (its link and
+vfio-user server, our client in QEMU's place); the host side runs over both link streams."""
+
+from __future__ import annotations
+
+import errno
+import json
+import threading
+import time
+
+import pytest
+from fakes import map_guest_memory
+from hostile_box import TESTDEV, DeviceBox, HostileBox, reply
+
+from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, connect_remote
+from dxpu_vfio.link.protocol import LinkCommand
+from dxpu_vfio.native import stream as native
+from dxpu_vfio.pool.boxes import MAX_SCREENSHOT, BoxUnreachable, fetch_inventory, fetch_screenshot
+from dxpu_vfio.vfio_user import protocol as vp
+from dxpu_vfio.vfio_user.client import ClientError, VfioUserClient
+from dxpu_vfio.vfio_user.connection import ConnectionClosed
+from dxpu_vfio.vfio_user.server import VfioUserServer
+
+GUEST, MEM = 0x100000, 1 << 20
+
+
+# --- the manager's box client (pool/boxes.py) ---------------------------------------------
+
+class ScreenshotBox(HostileBox):
+    """Answers every SCREENSHOT request with ``piece(n)`` (n: pieces sent so far), counting them."""
+
+    def __init__(self, piece) -> None:
+        self.piece, self.sent = piece, 0
+        super().__init__(self._serve)
+
+    def _serve(self, conn, msg) -> None:
+        while msg.header.command == LinkCommand.SCREENSHOT and self.sent < 200:
+            reply(conn, msg, self.piece(self.sent))
+            self.sent += 1
+            msg = conn.receive()
+
+
+def piece(total: int, size: int = 1 << 20) -> bytes:
+    return total.to_bytes(8, "little") + b"\x89" * size
+
+
+@pytest.mark.parametrize("case, answer, error", [
+    ("offers more than the cap", lambda n: piece(1 << 62), "offered a screenshot of .* at most"),
+    ("total grows with every piece", lambda n: piece((n + 2) << 20), "disagree on the size"),
+    ("sends more than it offered", lambda n: piece((3 << 20) + 5), "more screenshot than"),
+    ("empty pieces for ever", lambda n: (5 << 20).to_bytes(8, "little"), "ended the screenshot at 0 of"),
+    ("a piece without its size", lambda n: b"\x01\x02", "a piece of 2 bytes"),
+])
+def test_an_endless_or_oversized_screenshot_is_refused_early(case, answer, error):
+    box = ScreenshotBox(answer)
+    try:
+        with pytest.raises(BoxUnreachable, match=error):
+            fetch_screenshot(box.address, None, "fb0", timeout=10)
+        assert box.sent <= 4, f"the manager took {box.sent} MiB of a screenshot that was never going to end"
+    finally:
+        box.close()
+
+
+def test_a_trickled_screenshot_is_cut_at_its_deadline():
+    def trickle(conn, msg):
+        head = vp.message(msg.header.msg_id, msg.header.command, piece(1 << 20), reply=True)
+        for i in range(0, len(head), 64):
+            conn.sock.sendall(head[i:i + 64])
+            time.sleep(0.05)
+    box = HostileBox(trickle)
+    try:
+        started = time.monotonic()
+        with pytest.raises(BoxUnreachable, match="within 1.0 s"):
+            fetch_screenshot(box.address, None, "fb0", timeout=1.0)
+        assert time.monotonic() - started < 3
+    finally:
+        box.close()
+
+
+def test_an_honest_screenshot_of_the_largest_size_still_comes_whole():
+    total = MAX_SCREENSHOT
+    box = ScreenshotBox(lambda n: piece(total, min(1 << 20, total - (n << 20))))
+    try:
+        assert len(fetch_screenshot(box.address, None, "fb0", timeout=30)) == total
+    finally:
+        box.close()
+
+
+def device(**fields) -> dict:
+    return {"id": "td0", "class": "testdev", "vendor": "1b36", "model": "10f0", "capacity": 4096,
+            "in_use": False, **fields}
+
+
+@pytest.mark.parametrize("inventory, error", [
+    ({"box": "b", "devices": [device(capacity="lots")]}, "'capacity' must be an integer"),
+    ({"box": "b", "devices": [device(capacity=True)]}, "'capacity' must be an integer"),
+    ({"box": "b", "devices": [{k: v for k, v in device().items() if k != "vendor"}]}, "'vendor' must be a string"),
+    ({"box": "b", "devices": [device(id=["td0"])]}, "'id' must be a string"),
+    ({"box": "b", "devices": [device(), device()]}, "appears twice"),
+    ({"box": "b", "devices": [device(id=f"d{i}") for i in range(2000)]}, "2000 devices; at most 1024"),
+    ({"box": ["b"], "devices": []}, "no box name"),
+    ({"box": "b", "devices": [7]}, "device 0 is not an object"),
+])
+def test_an_inventory_is_checked_before_the_manager_keeps_it(inventory, error):
+    box = HostileBox(lambda conn, msg: reply(conn, msg, json.dumps(inventory).encode()))
+    try:
+        with pytest.raises(BoxUnreachable, match=f"bad inventory: .*{error}"):
+            fetch_inventory(box.address, None)
+    finally:
+        box.close()
+
+
+def test_an_oversized_inventory_reply_is_refused_before_it_is_read():
+    sent = []
+
+    def endless(conn, msg):  # a header that says 1 GiB, then bytes for as long as we take them
+        conn.sock.sendall(vp.HEADER.pack(msg.header.msg_id, msg.header.command, 1 << 30, vp.TYPE_REPLY, 0))
+        while len(sent) < 256:
+            conn.sock.sendall(b"\0" * (1 << 20))
+            sent.append(1)
+    box = HostileBox(endless)
+    try:
+        with pytest.raises(BoxUnreachable, match="bad inventory: message size 1073741824 exceeds"):
+            fetch_inventory(box.address, None)
+        assert len(sent) < 16
+    finally:
+        box.close()
+
+
+# --- the host proxy (hostproxy/forwarder.py, vfio_user/server.py, native/forward.c) -------------
+
+@pytest.fixture(params=["native", "python"])
+def stream(request, monkeypatch):
+    if request.param == "native" and not native.built():
+        pytest.fail("the native stream is not built: run scripts/setup.sh")
+    monkeypatch.setenv("DXPU_FASTLINK", "1" if request.param == "native" else "0")
+    return request.param
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"irqs": {**TESTDEV["irqs"], "nmi": 1}}, "interrupt 'nmi'"),
+    ({"irqs": {"msi": 4096}}, "'msi' with 4096 vectors"),
+    ({"regions": TESTDEV["regions"][:3]}, "3 regions; vfio-user has 9"),
+    ({"regions": [TESTDEV["regions"][1], TESTDEV["regions"][0], *TESTDEV["regions"][2:]]}, "region 0 is numbered 1"),
+    ({"regions": [[0, -4096, True, True], *TESTDEV["regions"][1:]]}, "region 0: size -4096"),
+    ({"regions": [*TESTDEV["regions"][:7], [7, 12, True, True], TESTDEV["regions"][8]]}, "configuration space of 12"),
+    ({"regions": "all of them"}, "regions"),
+])
+def test_a_device_description_the_server_cannot_serve_refuses_the_device(stream, change, error):
+    box = DeviceBox({**TESTDEV, **change})
+    try:
+        with pytest.raises(RemoteAttachError, match=error) as refused:
+            connect_remote(box.address, "td0", "t", None, timeout=3)
+        assert refused.value.errno == errno.EPROTO
+    finally:
+        box.close()
+
+
+class BadIrqs:
+    """A device whose interrupt names the server does not know (as a box described once)."""
+
+    lock = threading.RLock()
+    event_source = None
+    native_forward = None
+    coalesce_posted = False
+
+    def irq_counts(self) -> dict:
+        return {"msi": 1, "nmi": 1}
+
+    def attach(self, dma, irq) -> None:
+        pass
+
+
+def test_a_session_the_server_cannot_build_is_refused_and_the_next_client_is_accepted(tmp_path):
+    server = VfioUserServer(BadIrqs(), tmp_path / "bad.sock", name="bad").start()
+    try:
+        for _ in range(2):
+            with pytest.raises((ClientError, ConnectionClosed)):  # closed at once, not left without a reply
+                VfioUserClient(server.socket_path, timeout=2).negotiate()
+        assert server._accept_thread.is_alive() and server.rejected_connections == 2
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def host(tmp_path, stream):
+    """A hostile box, the host proxy linked to it, our client in QEMU's place with guest RAM."""
+    box = DeviceBox()
+    device = connect_remote(box.address, "td0", "t", None, completion_timeout=0.5)
+    server = VfioUserServer(device, tmp_path / "host.sock", name="fwd").start()
+    client = VfioUserClient(server.socket_path)
+    ram = map_guest_memory(client, GUEST, MEM)
+    assert box.linked.wait(2)
+    yield box, device, server, client, ram
+    client.close()
+    server.stop()
+    ram.close()
+    box.close()
+
+
+@pytest.mark.parametrize("case, answer", [
+    ("twice the bytes", lambda req: vp.RegionAccess(req.region, req.offset, req.count * 2, b"\x11" * req.count * 2).pack()),
+    ("half the bytes", lambda req: vp.RegionAccess(req.region, req.offset, req.count // 2, b"\x11" * (req.count // 2)).pack()),
+    ("another offset", lambda req: vp.RegionAccess(req.region, req.offset + 4, req.count, b"\x11" * req.count).pack()),
+    ("another region", lambda req: vp.RegionAccess(2, req.offset, req.count, b"\x11" * req.count).pack()),
+    ("unframed", lambda req: b"\x01\x02\x03"),
+])
+def test_a_read_answered_with_something_else_never_reaches_qemu_and_breaks_the_link(host, case, answer):
+    box, device, _, client, _ = host
+    assert client.read(0, 0x08, 4) == b"\x5a" * 4
+    box.answer_read = answer
+    got = client.read(0, 0x08, 4)
+    assert got == b"\xff" * 4, f"QEMU was handed {got!r} for a read of 4 bytes"
+    assert not device.link_up, "the link that answered another access is still trusted"
+    assert device.stats()["bad_completions"] >= 1
+    assert client.read(0, 0x08, 4) == b"\xff" * 4  # from now on: a device that fell off the bus
+
+
+def test_the_box_dma_is_refused_while_bus_master_enable_is_off(host):
+    box, device, server, client, ram = host
+    ram[0:8] = b"\0" * 8
+    box.dma_write(GUEST, b"written!")
+    read = box.dma_read(GUEST, 8)
+    assert read.header.is_error and read.header.error == errno.EFAULT
+    assert ram[0:8] == b"\0" * 8, "the box wrote guest memory while the guest had Bus Master Enable off"
+    assert server.snapshot()["dma"]["refused"] >= 2
+    client.write(vp.REGION_CONFIG, 4, (6).to_bytes(2, "little"))  # memory + bus master on
+    box.dma_write(GUEST, b"written!")
+    read = box.dma_read(GUEST, 8)
+    assert not read.header.is_error and bytes(read.payload[16:]) == b"written!"
+    assert ram[0:8] == b"written!"
+    client.write(vp.REGION_CONFIG, 4, (2).to_bytes(2, "little"))  # bus master off again
+    box.dma_write(GUEST, b"too late")
+    assert box.dma_read(GUEST, 8).header.is_error and ram[0:8] == b"written!"
+    client.write(vp.REGION_CONFIG, 4, (6).to_bytes(2, "little"))
+    client.reset()  # a reset turns it off, as on the device
+    assert box.dma_read(GUEST, 8).header.is_error
