@@ -12,7 +12,6 @@ HELLO, INVENTORY or SCREENSHOT (or garbage).
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import socket
@@ -23,7 +22,7 @@ from pathlib import Path
 from dxpu_vfio.fuzz.mutate import edge, mutate_bytes, mutate_json
 from dxpu_vfio.fuzz.peer import Gone, Hang, Peer
 from dxpu_vfio.fuzz.vfio_user import PROBE_ID, framing_breaker, header
-from dxpu_vfio.link.protocol import LINK_VERSION, LinkCommand, pack_irq
+from dxpu_vfio.link.protocol import LINK_VERSION, Hello, LinkCommand, hello_proof, pack_irq, unpack_challenge
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 from dxpu_vfio.vfio_user import protocol as p
 
@@ -91,15 +90,18 @@ class LinkTarget:
         self._close()
         self.broken = False
         self.device = device
-        hello = p.message(1, L.HELLO, json.dumps({"version": LINK_VERSION, "device": device,
-                                                 "lease": DEVICES[device]}).encode())
+        first = p.message(1, L.HELLO, Hello(device).pack())
         while True:
             self.peer = Peer(self._connect(), self._answer)
-            try:
-                reply = self.peer.request(hello, 1, deadline)
+            try:  # HELLO, the box's challenge, HELLO with the proof of the lease token
+                reply = self.peer.request(first, 1, deadline)
                 if not reply.is_error:
-                    return [hello]
-            except Gone:
+                    nonce = unpack_challenge(self.peer.reply_payload)
+                    second = p.message(2, L.HELLO, Hello(device, nonce, hello_proof(DEVICES[device], device,
+                                                                                     nonce)).pack())
+                    if not self.peer.request(second, 2, deadline).is_error:
+                        return [first, second]
+            except (Gone, p.ProtocolError):
                 pass
             self._close()
             if time.monotonic() > deadline:
@@ -198,7 +200,9 @@ class LinkTarget:
         roll = rng.randrange(6)
         if roll <= 2:
             device = rng.choice(list(DEVICES) + ["nope", ""])
-            doc = {"version": LINK_VERSION, "device": device, "lease": DEVICES.get(device, "x")}
+            doc: dict = {"version": LINK_VERSION, "device": device}
+            if rng.random() < 0.5:  # a second HELLO without the challenge, or a replayed one
+                doc.update(nonce=rng.randbytes(16).hex(), proof=rng.randbytes(32).hex())
             data = header(rng, L.HELLO, mutate_json(rng, doc, {"device": tuple(DEVICES), "version": (0, 1, 2)}))
         elif roll == 3:
             data = header(rng, L.INVENTORY, mutate_json(rng, {"version": LINK_VERSION}))
@@ -286,7 +290,7 @@ class LinkTarget:
                             p.HEADER_SIZE + len(payload), flags, edge(rng, 32)) + payload, False
 
     def _hello(self, rng: random.Random):
-        doc = {"version": LINK_VERSION, "device": rng.choice(list(DEVICES)), "lease": "lease-td0"}
+        doc = {"version": LINK_VERSION, "device": rng.choice(list(DEVICES)), "nonce": "00" * 16, "proof": "00" * 32}
         yield header(rng, L.HELLO, mutate_json(rng, doc)), False
 
     def _flip(self, rng: random.Random):

@@ -38,6 +38,7 @@ class Peer:
         self._want: dict[int, vp.Header | None] = {}
         self._outbox = bytearray()  # answers to the target's requests not sent yet (whole messages, in order)
         self.requests_seen = 0  # the target's own requests (DMA, heartbeats, interrupts)
+        self.reply_payload = b""  # of the last reply :meth:`request` waited for
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -123,6 +124,7 @@ class Peer:
             if hdr.is_reply:
                 if hdr.msg_id in self._want:
                     self._want[hdr.msg_id] = hdr
+                    self.reply_payload = payload
                 continue
             self.requests_seen += 1
             if self.answer is not None and not hdr.no_reply:
