@@ -191,8 +191,6 @@ def test_dma_windows_over_8_tib_are_refused_like_libvfio_user_does(client, serve
 
 
 @pytest.mark.parametrize("fastlink", ["1", "0"])
-@pytest.mark.xfail(strict=True, reason="known (scripts/fuzz.py): a read's descriptors go to the first message "
-                                       "in it (vfio_user/connection.py, native/fastlink.c); docs/limits.md, Descriptors")
 def test_descriptors_sent_behind_unread_bytes_reach_their_own_message(tmp_path, monkeypatch, fastlink):
     import threading
     monkeypatch.setenv("DXPU_FASTLINK", fastlink)

@@ -123,6 +123,7 @@ class LinkEndpoint:
         self._deferred: Message | None = None  # a request a waiter read but may not serve
         self._parked = threading.Condition()
         self._wake_r, self._wake_w = os.pipe()  # wakes the background reader when a driver claims
+        os.set_blocking(self._wake_w, False)  # a wake-up already pending is enough: never wait to add one
         self._last_heard = time.monotonic()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -175,7 +176,7 @@ class LinkEndpoint:
             self.stream.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        os.write(self._wake_w, b"d")
+        self._wake(b"d")
         if self.on_down:
             self.on_down(reason)
 
@@ -275,6 +276,10 @@ class LinkEndpoint:
                         self._read_until(pending, deadline)
                     finally:
                         self._read_lock.release()
+                    if self.conn.has_message() or self.stream.pending():
+                        # what came behind our completion in the same read is buffered, and
+                        # the background reader sleeps on the fd, which will not wake it
+                        self._wake(b"b")
                     continue
                 # someone else reads: it hands our completion over, or lets go of the stream
                 with self._lock:
@@ -297,6 +302,15 @@ class LinkEndpoint:
             raise LinkError(f"{_cmd_name(pending.command)}: {os.strerror(reply.header.error)}", reply.header.error)
         return reply.payload
 
+    def _wake(self, why: bytes) -> None:
+        """Wake the background reader (it re-checks the stream, its parking, the link)."""
+        try:
+            os.write(self._wake_w, why)
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups it has not read yet
+        except OSError:
+            pass  # closed: the endpoint is going away
+
     # --- receiving ---------------------------------------------------------------------
     def _read_until(self, pending: Pending, deadline: float) -> None:
         """Read (holding the read lock, or as the driver) until ``pending`` completes."""
@@ -310,7 +324,7 @@ class LinkEndpoint:
                 continue
             if not serve and not msg.header.is_reply:
                 self._deferred = msg  # the background reader serves it, then reads on
-                os.write(self._wake_w, b"r")
+                self._wake(b"r")
                 return
             self._dispatch(msg)
             if pending.done:
@@ -430,7 +444,7 @@ class LinkEndpoint:
         completions inline. Until :meth:`release`."""
         with self._parked:
             self._driver = threading.current_thread()
-        os.write(self._wake_w, b"c")
+        self._wake(b"c")
         self._read_lock.acquire()  # the background reader (or a waiter) lets go between messages
 
     def release(self) -> None:

@@ -212,8 +212,11 @@ static void close_fds(const int *fds, int count)
         close(fds[i]);
 }
 
-/* recvmsg into buf, queueing the descriptors that came with it at the buffer position the
- * read began (s->rx.end: the caller reads into the room after end). IO_ERRNO: see errno
+/* recvmsg into buf, queueing the descriptors that came with it at the buffer position of the
+ * read's last byte (the caller reads into the room after s->rx.end). Linux glues bytes sent
+ * without descriptors in front of a message that carries some into one read, and ends the
+ * read with that message's bytes: its descriptors belong to the message holding the last
+ * byte, not to the first one in the read. IO_ERRNO: see errno
  * (EAGAIN, EINTR, ...); IO_ERROR (errbuf): too many descriptors. */
 static ssize_t recv_with_fds(Stream *s, unsigned char *buf, size_t len, char *errbuf, size_t errlen)
 {
@@ -227,7 +230,7 @@ static ssize_t recv_with_fds(Stream *s, unsigned char *buf, size_t len, char *er
     ssize_t n = recvmsg(s->fd, &mh, MSG_CMSG_CLOEXEC);
     if (n < 0)
         return IO_ERRNO;
-    fd_batch batch = {.pos = s->rx.end, .count = 0};
+    fd_batch batch = {.pos = s->rx.end + (n > 0 ? (size_t)n - 1 : 0), .count = 0};
     for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
         if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
             continue;
@@ -609,19 +612,22 @@ static double timeout_arg(PyObject *obj, double none_value)
     return t < 0 ? 0 : t;
 }
 
-/* The message at msg with its descriptors as a 6-tuple; descriptors of reads that began
- * inside it (a sender that split them from their message's first byte) are closed. */
+/* The message at msg with its descriptors as a 6-tuple: those of the first read whose last
+ * byte lies in it (recv_with_fds); any other batch inside it (a sender that split one
+ * message's descriptors over several sends) is closed. */
 static PyObject *message_with_fds(Stream *self, const frame_header *hdr, const unsigned char *msg)
 {
     size_t start = (size_t)(msg - self->rx.data), end = start + hdr->size;
     PyObject *fds = PyList_New(0);
     if (!fds)
         return NULL;
-    int taken = 0;
+    int taken = 0, given = 0;
     while (taken < self->fdq_len && self->fdq[taken].pos < end) {
         fd_batch *b = &self->fdq[taken];
+        int mine = b->pos >= start && !given;
+        given |= mine;
         for (int i = 0; i < b->count; i++) {
-            if (b->pos == start) {
+            if (mine) {
                 PyObject *fd = PyLong_FromLong(b->fds[i]);
                 if (!fd || PyList_Append(fds, fd) < 0) {
                     Py_XDECREF(fd);

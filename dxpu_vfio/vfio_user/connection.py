@@ -8,9 +8,10 @@ requests (we send DMA_READ/DMA_WRITE). Reading is greedy (as much as the buffer'
 room a call) to save system calls on the hot path, and goes into one preallocated
 buffer (``recv_into``/``recvmsg_into``): a ``recv(256 KiB)`` would make CPython allocate,
 shrink and free a 256 KiB object per call (mmap + mremap + munmap, 12-14 µs here).
-Descriptors that arrive with a read belong to the first message that starts in it: the
-kernel never merges bytes that carry different descriptors into one read, and every
-sender passes a message's fds with its first byte.
+Descriptors that arrive with a read belong to the message that holds the read's last
+byte: Linux glues bytes sent without descriptors (a posted write QEMU sent just before)
+in front of a message that carries some into one read, and ends the read with that
+message's bytes (a read never goes on past a send with descriptors).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class Connection:
                 os.close(fd)
             raise ConnectionClosed("peer closed the connection")
         if fds:
-            self._fds.append((self._end, fds))
+            self._fds.append((self._end + n - 1, fds))  # the position of the read's last byte
         self._end += n
 
     def fileno(self) -> int:
@@ -146,11 +147,13 @@ class Connection:
         start, end = self._start, self._start + header.size
         payload = memoryview(self._view[start + HEADER_SIZE:end].tobytes())
         fds: list[int] = []
-        if self._fds and self._fds[0][0] == start:
-            fds = self._fds.pop(0)[1]
-        while self._fds and self._fds[0][0] < end:  # a sender that split fds from their message
-            for fd in self._fds.pop(0)[1]:
-                os.close(fd)
+        while self._fds and self._fds[0][0] < end:
+            pos, got = self._fds.pop(0)
+            if pos >= start and not fds:
+                fds = got
+            else:  # a sender that split one message's fds over several sends
+                for fd in got:
+                    os.close(fd)
         self._start = end
         if self._start == self._end:  # all consumed (no fds can be left): reads start at the front again
             self._start = self._end = 0
