@@ -28,6 +28,7 @@ import pytest
 from pyroute2 import netns
 
 from dxpu_vfio.lab import lab
+from dxpu_vfio.native import stream as native
 from dxpu_vfio.paths import PROJECT_ROOT, run_dir
 from dxpu_vfio.procs import pid_alive, request_json, wait_until
 from dxpu_vfio.vms.images import Image, load_image
@@ -172,6 +173,16 @@ def shared_vm(request: pytest.FixtureRequest, factory: VmFactory) -> Vm:
     if not vm.guest_alive():
         pytest.fail(f"the shared guest died earlier; see {vm.workdir}")
     return vm
+
+
+@pytest.fixture(params=["native", "python"])
+def stream(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A test taking ``stream`` runs over both link streams: the native one (C) and the
+    Python one (the reference); processes it starts inherit the choice (DXPU_FASTLINK)."""
+    if request.param == "native" and not native.built():
+        pytest.fail("the native stream is not built: run scripts/setup.sh")
+    monkeypatch.setenv("DXPU_FASTLINK", "1" if request.param == "native" else "0")
+    return request.param
 
 
 def eventually(predicate, timeout: float = 5.0, what: str = "condition", interval: float = 0.02) -> None:

@@ -17,7 +17,6 @@ from external_box import BOX, Box, Host, free_port
 from dxpu_vfio.hostproxy.forwarder import RemoteAttachError
 from dxpu_vfio.hostproxy.process import HostProxyProcess
 from dxpu_vfio.link.transport import make_certs
-from dxpu_vfio.native import stream as native
 from dxpu_vfio.testing import eventually
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import ClientError
@@ -32,14 +31,6 @@ def certs(tmp_path_factory):
     d = tmp_path_factory.mktemp("certs")
     make_certs(d, ["host", BOX])
     return d
-
-
-@pytest.fixture(params=["native", "python"])
-def stream(request, monkeypatch):
-    if request.param == "native" and not native.built():
-        pytest.fail("the native stream is not built: run scripts/setup.sh")
-    monkeypatch.setenv("DXPU_FASTLINK", "1" if request.param == "native" else "0")
-    return request.param
 
 
 @pytest.fixture

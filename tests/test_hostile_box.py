@@ -16,7 +16,6 @@ from hostile_box import TESTDEV, DeviceBox, HostileBox, reply
 
 from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, connect_remote
 from dxpu_vfio.link.protocol import LinkCommand
-from dxpu_vfio.native import stream as native
 from dxpu_vfio.pool.boxes import MAX_SCREENSHOT, BoxUnreachable, fetch_inventory, fetch_screenshot
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.client import ClientError, VfioUserClient
@@ -130,14 +129,6 @@ def test_an_oversized_inventory_reply_is_refused_before_it_is_read():
 
 
 # --- the host proxy (hostproxy/forwarder.py, vfio_user/server.py, native/forward.c) -------------
-
-@pytest.fixture(params=["native", "python"])
-def stream(request, monkeypatch):
-    if request.param == "native" and not native.built():
-        pytest.fail("the native stream is not built: run scripts/setup.sh")
-    monkeypatch.setenv("DXPU_FASTLINK", "1" if request.param == "native" else "0")
-    return request.param
-
 
 @pytest.mark.parametrize("change, error", [
     ({"irqs": {**TESTDEV["irqs"], "nmi": 1}}, "interrupt 'nmi'"),

@@ -15,7 +15,6 @@ import pytest
 from fakes import map_guest_memory
 
 from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, connect_remote
-from dxpu_vfio.native import stream as native
 from dxpu_vfio.link.endpoint import LinkState
 from dxpu_vfio.link.transport import TlsFiles, make_certs
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
@@ -47,16 +46,6 @@ def certs(tmp_path_factory):
     other = tmp_path_factory.mktemp("other-ca")
     make_certs(other, ["host"])  # a host certificate from a CA the box does not trust
     return d, other
-
-
-@pytest.fixture(params=["native", "python"])
-def stream(request, monkeypatch):
-    """Every link test runs over both link streams: the native one (C) and the Python one
-    (the reference); the box process inherits the choice."""
-    if request.param == "native" and not native.built():
-        pytest.fail("the native stream is not built: run scripts/setup.sh")
-    monkeypatch.setenv("DXPU_FASTLINK", "1" if request.param == "native" else "0")
-    return request.param
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ import struct
 import time
 from pathlib import Path
 
+from dxpu_vfio.fuzz.child import ChildTarget
 from dxpu_vfio.fuzz.mutate import edge, mutate_bytes, mutate_json
 from dxpu_vfio.fuzz.peer import Gone, Hang, Peer
 from dxpu_vfio.fuzz.vfio_user import PROBE_ID, framing_breaker, header
@@ -30,17 +31,16 @@ DEVICES = {"td0": "lease-td0", "nv0": "lease-nv0"}
 L = LinkCommand
 
 
-class LinkTarget:
+class LinkTarget(ChildTarget):
     name = "link"
 
     def __init__(self) -> None:
+        super().__init__()
         self.process: RemoteProxyProcess | None = None
-        self.log_path = Path("/nonexistent")
         self.port = 0
         self.peer: Peer | None = None
         self.device = "td0"
         self.broken = False
-        self.drops: list[str] = []
         self.answers = random.Random(0)
         self._index = 0
         self._last_beat = 0.0
@@ -56,22 +56,6 @@ class LinkTarget:
         self.process = RemoteProxyProcess(config, log_path=self.log_path).start()
         found = re.findall(rb"127\.0\.0\.1:(\d+)", self.log_path.read_bytes())
         self.port = int(found[-1])
-
-    def stop(self) -> None:
-        self._close()
-        if self.process is not None:
-            self.process.stop()
-            self.process = None
-
-    def pid(self) -> int | None:
-        return self.process.pid if self.process and self.process.process else None
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.alive()
-
-    def take_drops(self) -> list[str]:
-        drops, self.drops = self.drops, []
-        return drops
 
     # --- links -----------------------------------------------------------------------
     def _close(self) -> None:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
+from dxpu_vfio.fuzz.child import ChildTarget
 from dxpu_vfio.fuzz.mutate import json_value, mutate_bytes, mutate_json, nested, text
 from dxpu_vfio.fuzz.peer import Hang
 from dxpu_vfio.pool.service import ManagerProcess
@@ -27,12 +28,12 @@ ROUTES = (("GET", "/v1/health"), ("GET", "/v1/ls"), ("GET", "/v1/status"), ("GET
           ("POST", "/v1/boxes/remove"), ("POST", "/v1/reconcile"))
 
 
-class ManagerTarget:
+class ManagerTarget(ChildTarget):
     name = "manager"
 
     def __init__(self) -> None:
+        super().__init__()
         self.process: ManagerProcess | None = None
-        self.log_path = Path("/nonexistent")
         self.token = ""
 
     def start(self, workdir: Path) -> None:
@@ -46,20 +47,6 @@ class ManagerTarget:
                        "all": (True, False), "name": ("box1", "fz"), "address": ("127.0.0.1:1", "127.0.0.1:99999",
                        "127.0.0.1:-1", "127.0.0.1:0", "localhost:1", "[::1]:1", "127.0.0.1", ":1", "1"),
                        "tls_dir": (str(workdir), "", "nonexistent")}
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
-            self.process = None
-
-    def pid(self) -> int | None:
-        return self.process.pid if self.process and self.process.process else None
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.alive()
-
-    def take_drops(self) -> list[str]:
-        return []
 
     def _exchange(self, request: bytes, deadline: float) -> bytes:
         """Send one request, end our side, read the answer (b"": the service closed)."""

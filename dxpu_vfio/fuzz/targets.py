@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from dxpu_vfio.fuzz.runner import Target
 from dxpu_vfio.fuzz.link import LinkTarget
 from dxpu_vfio.fuzz.manager import ManagerTarget
+from dxpu_vfio.fuzz.runner import Target
 from dxpu_vfio.fuzz.vfio_user import VfioUserTarget
 
 TARGETS: dict[str, Callable[[], Target]] = {

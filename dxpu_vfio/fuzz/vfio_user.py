@@ -22,6 +22,7 @@ import struct
 import time
 from pathlib import Path
 
+from dxpu_vfio.fuzz.child import ChildTarget
 from dxpu_vfio.fuzz.mutate import edge, mutate_bytes, mutate_json, nested, small
 from dxpu_vfio.fuzz.peer import Gone, Hang, Peer
 from dxpu_vfio.hostproxy.process import HostProxyProcess
@@ -90,17 +91,16 @@ def _odd_fd(rng: random.Random) -> int:
     return _memfd(rng)
 
 
-class VfioUserTarget:
+class VfioUserTarget(ChildTarget):
     """The host proxy process serving ``model`` (testdev or nvme), fuzzed on its socket."""
 
     def __init__(self, model: str = "testdev") -> None:
+        super().__init__()
         self.model = model
         self.name = "vfio-user" if model == "testdev" else f"vfio-user-{model}"
         self.process: HostProxyProcess | None = None
-        self.log_path = Path("/nonexistent")
         self.peer: Peer | None = None
         self.broken = False  # a framing breaker was sent on this session: its end is expected
-        self.drops: list[str] = []
         self.kept: list[int] = []  # memfds we mapped and may shrink later
         self.ram: mmap.mmap | None = None
         self.answers = random.Random(0)  # how the server's DMA requests are answered
@@ -116,24 +116,8 @@ class VfioUserTarget:
         self.process = HostProxyProcess(self.model, workdir / f"{self.name}.sock", settings=settings,
                                         log_path=self.log_path, name=f"fuzz-{self.name}-{os.getpid()}").start()
 
-    def stop(self) -> None:
-        self._close_session()
-        if self.process is not None:
-            self.process.stop()
-            self.process = None
-
-    def pid(self) -> int | None:
-        return self.process.process.pid if self.process and self.process.process else None
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.alive()
-
-    def take_drops(self) -> list[str]:
-        drops, self.drops = self.drops, []
-        return drops
-
     # --- sessions --------------------------------------------------------------------
-    def _close_session(self) -> None:
+    def _close(self) -> None:
         if self.peer is not None:
             self.peer.close()
             self.peer = None
@@ -153,24 +137,24 @@ class VfioUserTarget:
             while time.monotonic() < deadline:
                 self.peer.pump(0.1)
         except Gone:
-            self._close_session()
+            self._close()
             return
         except OSError:
-            self._close_session()
+            self._close()
             return
-        self._close_session()
+        self._close()
         raise Hang("the server did not end a session whose framing was broken")
 
     def _lost(self, why: str) -> None:
         if not self.broken:
             self.drops.append(f"the server ended a session whose framing was intact ({why}); "
                               f"last unit {self._index}")
-        self._close_session()
+        self._close()
 
     def _session(self, deadline: float, negotiate: bool = True) -> list[bytes]:
         """A new session (the server serves one at a time: retried until the last one is
         gone), negotiated and with guest RAM mapped unless told otherwise."""
-        self._close_session()
+        self._close()
         self.broken = False
         sent: list[bytes] = []
         assert self.process is not None
@@ -185,7 +169,7 @@ class VfioUserTarget:
                 self.peer.request(hello, 1, deadline)
                 break
             except (Gone, ConnectionRefusedError, FileNotFoundError):
-                self._close_session()
+                self._close()
                 if time.monotonic() > deadline:
                     raise Hang("the server served no new session (the last one did not end?)") from None
                 time.sleep(0.01)
