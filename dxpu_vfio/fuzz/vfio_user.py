@@ -236,9 +236,9 @@ class VfioUserTarget(ChildTarget):
         try:
             for data, fds, breaks in self._unit(rng):
                 if fds and not breaks:
-                    # As QEMU does, nothing else in flight when descriptors go: bytes sent before
-                    # them may reach the server in the read that carries them, and both streams
-                    # give such descriptors to the earlier message (docs/limits.md, "Descriptors").
+                    # As QEMU does, nothing else in flight when descriptors go (the streams give a
+                    # read's descriptors to the message holding its last byte, docs/limits.md
+                    # "Descriptors"; test_vfio_user_limits checks the other order on its own).
                     sync = p.message(SYNC_ID, CMD.REGION_READ, p.RegionAccess(p.REGION_CONFIG, 0, 4).pack())
                     self.peer.request(sync, SYNC_ID, deadline)
                     sent.append(sync)
