@@ -263,6 +263,23 @@ class LinkEndpoint:
             raise LinkDown(self.down_reason) from exc
         return pending
 
+    def send_requests(self, command: int, payloads: list[bytes]) -> list[Pending]:
+        """Several non-posted requests of one command sent with one call (a pipelined
+        scatter list: a few TLS records and one system call, not one per piece)."""
+        if not self.up:
+            raise LinkDown(self.down_reason)
+        now = time.perf_counter_ns()
+        batch = [(next(self._ids) & 0xFFFF, Pending(command, now)) for _ in payloads]
+        with self._lock:
+            self._pending.update(batch)
+        try:
+            self.conn.send_messages([(msg_id, command, vp.TYPE_COMMAND, payload)
+                                     for (msg_id, _), payload in zip(batch, payloads)])
+        except ConnectionClosed as exc:
+            self.mark_down(f"send failed: {exc}")
+            raise LinkDown(self.down_reason) from exc
+        return [pending for _, pending in batch]
+
     def wait(self, pending: Pending, timeout: float) -> memoryview:
         """The completion of a request sent with :meth:`send_request`, received by this
         thread itself where it can (see the module docstring)."""
