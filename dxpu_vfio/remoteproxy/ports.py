@@ -48,34 +48,14 @@ class LinkDmaPort:
     def read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
         """Pipelined: up to READ_WINDOW_BYTES (and READ_WINDOW_PIECES) in flight across all
         ranges, each piece at most READ_PIECE, requests sent a windowful per call, so a
-        scatter list costs about one round trip plus the transfer, not one per page."""
+        scatter list costs about one round trip plus the transfer, not one per page. This
+        thread receives the completions itself (the background reader stands aside)."""
         for addr, length in ranges:
             check_range(addr, length)
-        pieces = [(i, addr + pos, min(READ_PIECE, length - pos))
-                  for i, (addr, length) in enumerate(ranges) for pos in range(0, length, READ_PIECE)]
-        pieces.reverse()  # popped from the end, in order
         out = [bytearray(length) for _, length in ranges]
-        in_flight: collections.deque = collections.deque()
-        flight_bytes = 0
         try:
-            while pieces or in_flight:
-                batch = []
-                while pieces and len(in_flight) + len(batch) < READ_WINDOW_PIECES and (
-                        not (in_flight or batch) or flight_bytes + pieces[-1][2] <= READ_WINDOW_BYTES):
-                    batch.append(pieces.pop())
-                    flight_bytes += batch[-1][2]
-                if batch:
-                    sent = self.endpoint.send_requests(LinkCommand.DMA_READ,
-                                                       [vp.DmaAccess(a, n).pack() for _, a, n in batch])
-                    in_flight.extend(zip(batch, sent))
-                (i, a, n), pending = in_flight.popleft()
-                reply = vp.DmaAccess.unpack(self.endpoint.wait(pending, DMA_TIMEOUT), with_data=True)
-                flight_bytes -= n
-                if reply.address != a or len(reply.data) != n:
-                    raise DmaError(f"host answered a DMA read of {n} bytes at {a:#x} with "
-                                   f"{len(reply.data)} bytes at {reply.address:#x}")
-                pos = a - ranges[i][0]
-                out[i][pos:pos + n] = reply.data
+            with self.endpoint.reading_own_completions():
+                self._pipeline(ranges, out)
         except LinkError as exc:
             raise DmaError(f"host refused a DMA read: {exc}") from exc
         except vp.ProtocolError as exc:
@@ -84,6 +64,31 @@ class LinkDmaPort:
             raise DmaError(f"link down during DMA read: {exc}") from exc
         self.bytes_read += sum(n for _, n in ranges)
         return [bytes(b) for b in out]
+
+    def _pipeline(self, ranges: list[tuple[int, int]], out: list[bytearray]) -> None:
+        pieces = [(i, addr + pos, min(READ_PIECE, length - pos))
+                  for i, (addr, length) in enumerate(ranges) for pos in range(0, length, READ_PIECE)]
+        pieces.reverse()  # popped from the end, in order
+        in_flight: collections.deque = collections.deque()
+        flight_bytes = 0
+        while pieces or in_flight:
+            batch = []
+            while pieces and len(in_flight) + len(batch) < READ_WINDOW_PIECES and (
+                    not (in_flight or batch) or flight_bytes + pieces[-1][2] <= READ_WINDOW_BYTES):
+                batch.append(pieces.pop())
+                flight_bytes += batch[-1][2]
+            if batch:
+                sent = self.endpoint.send_requests(LinkCommand.DMA_READ,
+                                                   [vp.DmaAccess(a, n).pack() for _, a, n in batch])
+                in_flight.extend(zip(batch, sent))
+            (i, a, n), pending = in_flight.popleft()
+            reply = vp.DmaAccess.unpack(self.endpoint.wait(pending, DMA_TIMEOUT), with_data=True)
+            flight_bytes -= n
+            if reply.address != a or len(reply.data) != n:
+                raise DmaError(f"host answered a DMA read of {n} bytes at {a:#x} with "
+                               f"{len(reply.data)} bytes at {reply.address:#x}")
+            pos = a - ranges[i][0]
+            out[i][pos:pos + n] = reply.data
 
     def write(self, addr: int, data: bytes) -> None:
         self.write_many([(addr, data)])
