@@ -109,12 +109,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _log_sizes(root: Path) -> dict[Path, int]:
+    """Every *.log under ``root`` and its size. os.walk, not rglob: a lab or VM directory
+    removed during the walk (a teardown in another process) is skipped, not an error."""
     sizes = {}
-    for path in root.rglob("*.log") if root.is_dir() else ():
-        try:
-            sizes[path] = path.stat().st_size
-        except OSError:  # removed while we looked
-            pass
+    for folder, _dirs, files in os.walk(root, onerror=lambda _exc: None):
+        for name in files:
+            if name.endswith(".log"):
+                path = Path(folder, name)
+                try:
+                    sizes[path] = path.stat().st_size
+                except OSError:  # removed while we looked
+                    pass
     return sizes
 
 
