@@ -128,7 +128,7 @@ class Faults:
     def _note(self, event: str, **what) -> None:
         entry = {"t": time.time(), "event": event, "box": self.name, "device": self.device, **what}
         self.history.append(entry)
-        log.warning("fault %s on %s/%s at %s %s", event, self.name, self.device,
+        log.info("fault %s on %s/%s at %s %s", event, self.name, self.device,
                     time.strftime("%H:%M:%S", time.gmtime(entry["t"])), what or "")
 
     def arm(self, kind: str, target: str | None = None, *, ms: float | None = None,
@@ -202,12 +202,16 @@ class Faults:
         self._thaw_timer.daemon = True
         self._thaw_timer.start()
 
-    def thaw(self) -> float | None:
-        """SIGCONT a box this client froze; returns how long it was frozen."""
+    def thaw(self, force: bool = False) -> float | None:
+        """SIGCONT a box this client froze (``force``: any stopped box, e.g. one a killed
+        ``dxpu lab fault`` left frozen); returns how long this client kept it frozen."""
         timer, self._thaw_timer = self._thaw_timer, None
         if timer is not None and timer is not threading.current_thread():
             timer.cancel()
         if self.frozen_at is None:
+            if force and self.proxy_pid is not None:
+                box_process.thaw(self.proxy_pid)
+                self._note("thawed", forced=True)
             return None
         box_process.thaw(self.proxy_pid)
         seconds = time.monotonic() - self.frozen_at
@@ -218,6 +222,14 @@ class Faults:
             log.warning("box %s did not take the freeze note: %s", self.name, exc)
         self.frozen_at = None
         return seconds
+
+    def wait_thawed(self) -> float:
+        """Block until the thaw timer of :meth:`freeze` has run; how long it was frozen."""
+        started = self.frozen_at
+        timer = self._thaw_timer
+        if timer is not None:
+            timer.join()
+        return time.monotonic() - started if started is not None else 0.0
 
     def close(self) -> None:
         """Teardown: thaw, then clear everything armed on the box."""
