@@ -267,3 +267,41 @@ def test_fault_table_bounds_by_time_and_count():
     table.arm("d0", "stall", "mmio-read", duration=60)
     table.clear_all()
     assert table.listing()["faults"] == []
+
+
+FAULT_LAB = """
+name = "lab"
+[[box]]
+name = "fbox"
+[[box.device]]
+id = "fd0"
+model = "testdev"
+"""
+
+
+def test_dxpu_lab_fault_arms_lists_and_clears_and_the_fixture_clears_at_teardown(labs, lab_faults):
+    """A lab's box (no VM) from the CLI and from the fixture, both through the lab's host namespace."""
+    import json
+    import subprocess
+    import sys
+
+    from dxpu_vfio.lab import lab
+    state = labs.shared(lab.Topology.parse(FAULT_LAB))
+    run = lambda *a: subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "lab", "fault", "fbox", *a,  # noqa: E731
+                                     "--name", state.name, "--json"], capture_output=True, text=True, timeout=60)
+    armed = run("stall", "mmio-read", "--ms", "50", "--count", "3")
+    assert armed.returncode == 0, armed.stderr
+    fault = json.loads(armed.stdout)["fault"]
+    assert (fault["device"], fault["kind"], fault["target"], fault["ms"], fault["count"]) == \
+        ("fd0", "stall", "mmio-read", 50.0, 3)
+    bad = run("abort")
+    assert bad.returncode == 1 and "needs a target" in bad.stderr and "dxpu lab fault fbox abort mmio-read" in bad.stderr
+    assert json.loads(bad.stdout)["error"] == "FaultError"
+    faults = lab_faults(state, "fbox")
+    assert [f["id"] for f in faults.list()["faults"]] == [fault["id"]]
+    faults.drop_posted(duration=60)
+    cleared = run("clear", "--id", str(fault["id"]))
+    assert [f["id"] for f in json.loads(cleared.stdout)["cleared"]] == [fault["id"]]
+    assert [f["kind"] for f in faults.list()["faults"]] == ["drop-posted"]
+    faults.close()  # what the fixture does at teardown
+    assert json.loads(run("list").stdout)["faults"] == []
