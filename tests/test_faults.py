@@ -305,3 +305,18 @@ def test_dxpu_lab_fault_arms_lists_and_clears_and_the_fixture_clears_at_teardown
     assert [f["kind"] for f in faults.list()["faults"]] == ["drop-posted"]
     faults.close()  # what the fixture does at teardown
     assert json.loads(run("list").stdout)["faults"] == []
+
+
+def test_dxpu_stats_shows_the_box_fault_counters(forwarded, faults):
+    import json
+    import subprocess
+    import sys
+    client, _, _, _ = forwarded
+    faults.abort("mmio-read", count=1)
+    faults.drop_posted(duration=30)
+    with pytest.raises(ClientError):
+        client.read32(BAR0, 0)
+    out = subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "stats", "--json"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    row = {r["name"]: r for r in json.loads(out)}[f"{BOX}/td0"]
+    assert row["faults"] == {"armed": 1, "abort:mmio-read": 1}
