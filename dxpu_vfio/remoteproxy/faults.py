@@ -116,7 +116,7 @@ class FaultTable:
         self.devices = list(devices)
         self.actions = actions or {}
         self._lock = threading.Lock()
-        self._faults: list[Fault] = []
+        self.armed: list[Fault] = []  # live faults; empty: the serving paths skip every check
         self._ids = itertools.count(1)
         self.history: collections.deque = collections.deque(maxlen=HISTORY)
         self.hits: dict[str, collections.Counter] = {d: collections.Counter() for d in self.devices}
@@ -144,7 +144,7 @@ class FaultTable:
             raise FaultError("count must be at least 1")
         fault = Fault(next(self._ids), device, kind, target, ms, duration, count)
         with self._lock:
-            self._faults.append(fault)
+            self.armed = [*self.armed, fault]  # replaced, not changed: the serving threads read it unlocked
         self._event("armed", fault)
         self._schedule_expiry()
         if kind in ("cut", "remove"):
@@ -160,7 +160,7 @@ class FaultTable:
     def clear(self, device: str | None = None, fault_id: int | None = None) -> list[Fault]:
         """End the matching active faults (all of them by default); held completions go on."""
         with self._lock:
-            chosen = [f for f in self._faults if f.ended is None and (device is None or f.device == device)
+            chosen = [f for f in self.armed if f.ended is None and (device is None or f.device == device)
                       and (fault_id is None or f.id == fault_id)]
             held = [f for f in self._holding.values() if f.ended == "spent" and (device is None or f.device == device)
                     and (fault_id is None or f.id == fault_id)]
@@ -180,14 +180,14 @@ class FaultTable:
             if fault.ended is not None:
                 return
             fault.ended, fault.ended_at = why, time.time()
-            self._faults = [f for f in self._faults if f is not fault]
+            self.armed = [f for f in self.armed if f is not fault]
         if why != "spent":  # the hit that spent it is still to be held
             fault._release.set()
         self._event(why, fault)
 
     def _expire(self) -> None:
         with self._lock:
-            late = [f for f in self._faults if f.remaining() <= 0]
+            late = [f for f in self.armed if f.remaining() <= 0]
         for fault in late:
             self._end(fault, "expired")
         self._schedule_expiry()
@@ -196,7 +196,7 @@ class FaultTable:
         """A timer for the next fault to expire: an expired fault is logged when it
         expires, not when it is next looked at, and a held completion is let go."""
         with self._lock:
-            nxt = min((f.remaining() for f in self._faults), default=None)
+            nxt = min((f.remaining() for f in self.armed), default=None)
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
@@ -208,7 +208,7 @@ class FaultTable:
     # --- what the proxy asks while it serves -------------------------------------------
     def active(self, device: str, kind: str, target: str | None = None) -> Fault | None:
         """The oldest live fault of this kind (and target) on ``device``, without a hit."""
-        faults = self._faults  # a list replaced, never changed in place: read without the lock
+        faults = self.armed  # a list replaced, never changed in place: read without the lock
         if not faults:
             return None
         for fault in faults:
@@ -249,7 +249,7 @@ class FaultTable:
 
     def read_fault(self, device: str, region: int) -> int | None:
         """Before a read is performed: hold it (stall) and/or answer with an errno (abort)."""
-        if not self._faults:
+        if not self.armed:
             return None
         target = "config-read" if region == vp.REGION_CONFIG else "mmio-read"
         stall = self.take(device, "stall", target)
@@ -260,10 +260,10 @@ class FaultTable:
         return None
 
     def drop_posted(self, device: str) -> bool:
-        return bool(self._faults) and self.take(device, "drop-posted") is not None
+        return bool(self.armed) and self.take(device, "drop-posted") is not None
 
     def removed(self, device: str) -> Fault | None:
-        return self.active(device, "remove") if self._faults else None
+        return self.active(device, "remove") if self.armed else None
 
     # --- reports -------------------------------------------------------------------------
     def _event(self, event: str, fault: Fault) -> None:
@@ -276,13 +276,13 @@ class FaultTable:
 
     def listing(self) -> dict:
         with self._lock:
-            faults = [f.to_dict() for f in self._faults]
+            faults = [f.to_dict() for f in self.armed]
         return {"faults": faults, "log": list(self.history),
                 "hits": {d: dict(c) for d, c in self.hits.items() if c}}
 
     def counters(self, device: str) -> dict:
         """For the device's counters: hits per kind, and how many are armed now."""
-        return {"armed": sum(1 for f in self._faults if f.device == device), **self.hits[device]}
+        return {"armed": sum(1 for f in self.armed if f.device == device), **self.hits[device]}
 
     def request(self, req: object) -> dict:
         """A FAULT request (JSON object) -> its answer; :class:`FaultError` if it is bad."""

@@ -43,7 +43,7 @@ class LinkDmaPort:
 
     def _refused(self, target: str) -> None:
         """An armed refuse-dma fault: the DMA fails here, as an unsupported request would."""
-        if self.faults is not None and self.faults._faults:
+        if self.faults is not None and self.faults.armed:
             fault = self.faults.take(self.device, "refuse-dma", target)
             if fault is not None:
                 raise DmaError(f"unsupported request: {target} refused by fault {fault.id}")
@@ -82,7 +82,7 @@ class LinkDmaPort:
         except LinkDown as exc:
             raise DmaError(f"link down during DMA read: {exc}") from exc
         self.bytes_read += sum(n for _, n in ranges)
-        if self.faults is not None and self.faults._faults:
+        if self.faults is not None and self.faults.armed:
             stall = self.faults.take(self.device, "stall", "dma-read")
             if stall is not None:  # the completion came; the device gets it late
                 self.faults.hold(stall)

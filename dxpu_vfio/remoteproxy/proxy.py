@@ -353,7 +353,7 @@ class RemoteProxy:
 
         def region_read(msg):
             req = vp.RegionAccess.unpack(msg.payload, write=False)
-            if faults._faults and (err := faults.read_fault(dev_id, req.region)) is not None:
+            if faults.armed and (err := faults.read_fault(dev_id, req.region)) is not None:
                 raise OSError(err, "completer abort (fault)")
             with device.lock:
                 data = device.region_read(req.region, req.offset, req.count)
@@ -361,14 +361,14 @@ class RemoteProxy:
 
         def region_write(msg):
             req = vp.RegionAccess.unpack(msg.payload, write=True)
-            if msg.header.no_reply and faults.drop_posted(dev_id):
+            if msg.header.no_reply and faults.armed and faults.drop_posted(dev_id):
                 return None
             with device.lock:
                 device.region_write(req.region, req.offset, req.data, posted=msg.header.no_reply)
             return vp.RegionAccess(req.region, req.offset, req.count).pack()
 
         def write_batch(msg):  # posted runs, applied in order
-            if faults.drop_posted(dev_id):
+            if faults.armed and faults.drop_posted(dev_id):
                 return
             with device.lock:
                 for region, offset, data in unpack_batch(msg.payload):
@@ -394,7 +394,7 @@ class RemoteProxy:
         faults, dev_id = self.faults, slot.spec.id
 
         def read(region: int, offset: int, count: int):
-            if faults._faults and (err := faults.read_fault(dev_id, region)) is not None:
+            if faults.armed and (err := faults.read_fault(dev_id, region)) is not None:
                 return err
             try:
                 with device.lock:
@@ -404,7 +404,7 @@ class RemoteProxy:
                 return getattr(exc, "errno", None) or errno.EIO
 
         def write(region: int, offset: int, data: bytes, posted: bool):
-            if posted and faults.drop_posted(dev_id):
+            if posted and faults.armed and faults.drop_posted(dev_id):
                 return None
             try:
                 with device.lock:
