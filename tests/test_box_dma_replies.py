@@ -107,3 +107,57 @@ def test_a_request_behind_a_dma_completion_is_served_at_once():
         finally:
             box.close()
             host.close()
+
+
+class BatchingHost(HostileHost):
+    """Answers DMA reads only when ``batch`` requests are waiting (or none came for 0.3 s),
+    and records the most it ever had unanswered: the box's window."""
+
+    def __init__(self, sock: socket.socket, batch: int) -> None:
+        self.batch, self.most_waiting = batch, 0
+        super().__init__(sock)
+
+    def _serve(self) -> None:
+        waiting: list = []
+        try:
+            while True:
+                try:
+                    msg = self.conn.receive(timeout=0.3) if waiting else self.conn.receive()
+                except Exception:  # noqa: BLE001 - the receive timeout: answer what waits
+                    msg = None
+                if msg is not None and msg.header.command == LinkCommand.DMA_READ and not msg.header.is_reply:
+                    waiting.append((msg.header.msg_id, vp.DmaAccess.unpack(msg.payload, with_data=False)))
+                    self.most_waiting = max(self.most_waiting, len(waiting))
+                if waiting and (msg is None or len(waiting) >= self.batch):
+                    for msg_id, req in waiting:
+                        self.conn.send(vp.message(msg_id, LinkCommand.DMA_READ, self.answer(req), reply=True))
+                    waiting = []
+        except (ConnectionClosed, vp.ProtocolError, OSError):
+            pass
+
+
+@pytest.mark.parametrize("ranges, window", [
+    ([(0x10000 + 8192 * i, 4096) for i in range(32)], 32),  # a Write's 32 scattered pages: all at once
+    ([(0x100000, 4 << 20)], 4),  # 4 MiB: 256 KiB pieces, 1 MiB in flight
+])
+def test_a_scatter_list_is_read_with_a_window_of_pieces_in_flight(ranges, window):
+    """The box's DMA reads are pipelined: a 128 KiB scatter list of 4 KiB pages costs one
+    round trip, not one per page (or per 4 pages, as it was), and a large read stays within
+    the byte window. The data lands in order."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        host_sock = socket.create_connection(listener.getsockname())
+        box_sock, _ = listener.accept()
+    endpoint = LinkEndpoint(Connection(box_sock), "box/test", {}).start()
+    host = BatchingHost(host_sock, batch=window)
+    host.answer = lambda req: vp.DmaAccess(req.address, req.count,
+                                           (req.address >> 12).to_bytes(8, "little") * (req.count // 8)).pack()
+    try:
+        got = LinkDmaPort(endpoint).read_many(ranges)
+        assert host.most_waiting == window
+        assert endpoint.handed_over == 0, "the background reader took completions the device thread waited for"
+        for (addr, length), data in zip(ranges, got):
+            assert len(data) == length
+            assert data[:8] == (addr >> 12).to_bytes(8, "little")
+    finally:
+        endpoint.close()
+        host.conn.close()

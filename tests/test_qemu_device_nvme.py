@@ -230,6 +230,41 @@ def test_the_prp_lists_of_a_batch_are_fetched_in_one_round_trip(tmp_path):
         for j in range(4):
             page = BUF + (4 * i + 3 - j) * 4096 - RAM_BASE
             assert bytes(ram.ram[page:page + 4096]) == disk[(4 * i + j) * 4096:(4 * i + j + 1) * 4096]
+
+
+def test_the_write_data_of_a_batch_is_read_in_one_scatter_list(tmp_path):
+    """Four 16 KiB writes from scattered pages rung with one doorbell: after their PRP
+    lists, every page of all four comes in one more read_many (one pipelined transfer on a
+    box, not a round trip per command), and each lands where its LBA says. A fifth Write
+    with a bad PRP in the same batch fails alone."""
+    dev = nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "ns1")}], io_workers=0)
+    ram = CountingRam()
+    dev.attach(ram, RecordingIrqPort())
+    dev.config.write(4, 2, 0x6)
+    drv = Driver(dev, ram)
+    drv.enable()
+    drv.io_queues(1)
+    data = os.urandom(64 << 10)
+    lists = [PRPLIST + 64 * i for i in range(4)]
+    wanted = []
+    for i, list_addr in enumerate(lists):
+        pages = [BUF + (4 * i + 3 - j) * 4096 for j in range(4)]  # each command's pages in reverse order
+        for j, page in enumerate(pages):
+            ram.ram[page - RAM_BASE:page - RAM_BASE + 4096] = data[(4 * i + j) * 4096:(4 * i + j + 1) * 4096]
+        wanted += [(page, 4096) for page in pages]
+        ram.ram[list_addr - RAM_BASE:list_addr - RAM_BASE + 24] = struct.pack("<3Q", *pages[1:])
+        drv.write(1, pages[0], lba=32 * i, blocks=32)
+        off = sq_base(1) - RAM_BASE + ((drv.tails[1] - 1) % 32) * 64
+        struct.pack_into("<Q", ram.ram, off + 32, list_addr)  # PRP2: the list
+    bad = drv.post(1, 0x01, nsid=1, prp1=BUF + 2, cdw=(0, 0, 7, 0, 0, 0))  # PRP1 not dword aligned
+    ram.batches.clear()
+    drv.ring(1)
+    done = {cid: status for cid, status, _, _ in drv.reap(1, 5)}
+    assert status_of(done.pop(bad)) == nvme.Status.INVALID_PRP_OFFSET
+    assert list(done.values()) == [0, 0, 0, 0]
+    assert ram.batches == [[(a, 24) for a in lists], wanted]  # the lists, then all the data at once
+    with open(tmp_path / "ns1", "rb") as f:
+        assert f.read(64 << 10) == data
     dev.close()
 
 

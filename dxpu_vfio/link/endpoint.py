@@ -15,7 +15,11 @@ order). Who reads, one thread at a time (the read lock):
 * a *driver* (the host proxy's vfio-user session thread, :meth:`claim`) reads for good: it
   serves the stream from its own poll loop (:meth:`service`) and receives its own
   completions inline; the background reader is parked meanwhile;
-* otherwise the background reader thread does.
+* otherwise the background reader thread does. It stands aside while a thread waits for
+  its completions (:meth:`reading_own_completions`, which a scatter-list DMA read holds for
+  its whole span), serving only a request that waiter left to it: a completion the
+  background reader took would have to be handed over (two wake-ups, counted in
+  ``handed_over``).
 
 A heartbeat thread posts HEARTBEAT every ``heartbeat`` seconds and declares the link
 down when nothing at all was heard for ``dead_after`` seconds (a peer that is stopped,
@@ -27,6 +31,7 @@ no more).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import itertools
@@ -38,7 +43,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from dxpu_vfio.link.protocol import LinkCommand
 from dxpu_vfio.native import stream as native
@@ -121,7 +126,9 @@ class LinkEndpoint:
         self._driver: threading.Thread | None = None
         self.waiters_serve = waiters_serve
         self._deferred: Message | None = None  # a request a waiter read but may not serve
-        self._parked = threading.Condition()
+        self._parked = threading.Condition()  # the background reader waits here for a driver or waiters
+        self._waiters = 0  # threads in wait() that are not the driver: they read for themselves
+        self._sleepers = 0  # waiters asleep on their completion's event (someone else reads)
         self._wake_r, self._wake_w = os.pipe()  # wakes the background reader when a driver claims
         os.set_blocking(self._wake_w, False)  # a wake-up already pending is enough: never wait to add one
         self._last_heard = time.monotonic()
@@ -135,6 +142,7 @@ class LinkEndpoint:
         self.handled: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [count, handler ns]
         self.timeouts = 0
         self.self_received = 0  # completions received by the thread that waited for them
+        self.handed_over = 0  # completions another thread received while their waiter slept
 
     def set_send_timeout(self, seconds: float) -> None:
         """How long a send may wait for a peer that does not read; then the link is down."""
@@ -263,6 +271,23 @@ class LinkEndpoint:
             raise LinkDown(self.down_reason) from exc
         return pending
 
+    def send_requests(self, command: int, payloads: list[bytes]) -> list[Pending]:
+        """Several non-posted requests of one command sent with one call (a pipelined
+        scatter list: a few TLS records and one system call, not one per piece)."""
+        if not self.up:
+            raise LinkDown(self.down_reason)
+        now = time.perf_counter_ns()
+        batch = [(next(self._ids) & 0xFFFF, Pending(command, now)) for _ in payloads]
+        with self._lock:
+            self._pending.update(batch)
+        try:
+            self.conn.send_messages([(msg_id, command, vp.TYPE_COMMAND, payload)
+                                     for (msg_id, _), payload in zip(batch, payloads)])
+        except ConnectionClosed as exc:
+            self.mark_down(f"send failed: {exc}")
+            raise LinkDown(self.down_reason) from exc
+        return [pending for _, pending in batch]
+
     def wait(self, pending: Pending, timeout: float) -> memoryview:
         """The completion of a request sent with :meth:`send_request`, received by this
         thread itself where it can (see the module docstring)."""
@@ -270,24 +295,8 @@ class LinkEndpoint:
         if threading.current_thread() is self._driver:
             self._read_until(pending, deadline)
         else:
-            while not pending.done and time.monotonic() < deadline:
-                if self._deferred is None and self._read_lock.acquire(blocking=False):
-                    try:
-                        self._read_until(pending, deadline)
-                    finally:
-                        self._read_lock.release()
-                    if self.conn.has_message() or self.stream.pending():
-                        # what came behind our completion in the same read is buffered, and
-                        # the background reader sleeps on the fd, which will not wake it
-                        self._wake(b"b")
-                    continue
-                # someone else reads: it hands our completion over, or lets go of the stream
-                with self._lock:
-                    if pending.done:
-                        break
-                    if pending.event is None:
-                        pending.event = threading.Event()
-                pending.event.wait(min(0.002, max(0.0, deadline - time.monotonic())))
+            with self.reading_own_completions():
+                self._wait_reading(pending, deadline)
         if not pending.done:
             self.timeouts += 1
             self.mark_down(f"completion timeout: no answer to {_cmd_name(pending.command)} in {timeout * 1000:.0f} ms")
@@ -301,6 +310,60 @@ class LinkEndpoint:
         if reply.header.is_error:
             raise LinkError(f"{_cmd_name(pending.command)}: {os.strerror(reply.header.error)}", reply.header.error)
         return reply.payload
+
+    @contextlib.contextmanager
+    def reading_own_completions(self) -> Iterator[None]:
+        """While this thread waits for completions, within this span and not only inside
+        :meth:`wait`, the background reader leaves the stream to it: a scatter list's next
+        completion arriving while the thread copies the last one stays for the thread,
+        instead of costing a hand-off (two wake-ups)."""
+        with self._parked:
+            self._waiters += 1
+        try:
+            yield
+        finally:
+            with self._parked:
+                self._waiters -= 1
+                if not self._waiters:
+                    self._parked.notify_all()  # the background reader reads again
+
+    def _wait_reading(self, pending: Pending, deadline: float) -> None:
+        """A waiter that is not the driver: reads the stream itself while nobody else does
+        (the background reader steps aside while waiters are there), else sleeps until the
+        one who reads hands its completion over."""
+        while not pending.done and time.monotonic() < deadline:
+            if self._deferred is None and self._read_lock.acquire(blocking=False):
+                try:
+                    self._read_until(pending, deadline)
+                finally:
+                    self._read_lock.release()
+                if self._sleepers:
+                    self._nudge_sleepers()  # another waiter may read now
+                if self.conn.has_message() or self.stream.pending():
+                    # what came behind our completion in the same read is buffered, and
+                    # the background reader sleeps on the fd, which will not wake it
+                    self._wake(b"b")
+                continue
+            # someone else reads (or serves what we left it): it hands our completion
+            # over, or nudges us when the stream is free again
+            with self._lock:
+                if pending.done:
+                    break
+                if pending.event is None:
+                    pending.event = threading.Event()
+                else:
+                    pending.event.clear()
+                self._sleepers += 1
+            pending.event.wait(min(0.002, max(0.0, deadline - time.monotonic())))
+            with self._lock:
+                self._sleepers -= 1
+
+    def _nudge_sleepers(self) -> None:
+        """Wake the waiters asleep on their completions: the stream is free to read."""
+        with self._lock:
+            for other in self._pending.values():
+                if other.event is not None:
+                    other.event.set()
 
     def _wake(self, why: bytes) -> None:
         """Wake the background reader (it re-checks the stream, its parking, the link)."""
@@ -323,8 +386,9 @@ class LinkEndpoint:
             if msg is None:
                 continue
             if not serve and not msg.header.is_reply:
-                self._deferred = msg  # the background reader serves it, then reads on
-                self._wake(b"r")
+                with self._parked:
+                    self._deferred = msg  # the background reader serves it, then reads on
+                    self._parked.notify_all()
                 return
             self._dispatch(msg)
             if pending.done:
@@ -355,6 +419,8 @@ class LinkEndpoint:
                 pending = self._pending.pop(hdr.msg_id, None)
                 if pending is not None:
                     pending.reply.append(msg)
+                    if pending.event is not None:
+                        self.handed_over += 1
                     self._complete(pending)
             return
         self.received[_cmd_name(hdr.command)] += 1
@@ -404,8 +470,8 @@ class LinkEndpoint:
         poller.register(self.stream.fileno(), select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
         while self.up and not self._stop.is_set():
-            with self._parked:
-                while self._driver is not None and self.up and not self._stop.is_set():
+            with self._parked:  # a driver reads for good; waiters read their own completions
+                while (self._driver is not None or self._stands_aside()) and self.up and not self._stop.is_set():
                     self._parked.wait()
             if not self.up or self._stop.is_set():
                 return
@@ -415,14 +481,27 @@ class LinkEndpoint:
                     os.read(self._wake_r, 64)
                     if self._deferred is None:
                         continue  # a driver claims the stream (or the link went down)
+            with self._parked:
+                if self._stands_aside():
+                    continue  # a waiter came while this thread polled: it reads what came
+            served_deferred = False
             with self._read_lock:
                 if self._driver is None:
                     msg, self._deferred = self._deferred, None
+                    served_deferred = msg is not None
                     if msg is None and self.region_access is not None:
                         msg = self._serve_region_access()
                     msg = msg or self._receive(0)
                     if msg is not None:
                         self._dispatch(msg)
+            if served_deferred:
+                self._nudge_sleepers()  # the waiter that left it reads on
+
+    def _stands_aside(self) -> bool:
+        """While a thread waits for its completion, it reads the stream itself: this
+        reader taking that completion would cost a hand-off (two wake-ups) each. It serves
+        only what a waiter left to it (``_deferred``). Called with ``_parked`` held."""
+        return self._waiters > 0 and self._deferred is None
 
     def _serve_region_access(self) -> Message | None:
         """Let C answer the register accesses that are there; the first message it leaves."""
@@ -505,6 +584,6 @@ class LinkEndpoint:
                     mine["count"] += row["count"]
                     mine["us"] = round(mine["us"] + row["ns"] / 1000, 1)
         return {"up": self.up, "down_reason": self.down_reason, "timeouts": self.timeouts,
-                "self_received": self.self_received,
+                "self_received": self.self_received, "handed_over": self.handed_over,
                 "requests": {k: {"count": c, "wait_us": round(ns / 1000, 1)} for k, (c, ns) in self.requests.items()},
                 "posted": dict(self.posted), "received": dict(self.received), "handled": handled}

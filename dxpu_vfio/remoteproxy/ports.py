@@ -13,6 +13,8 @@ link goes on (its framing is intact).
 
 from __future__ import annotations
 
+import collections
+
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
 from dxpu_vfio.link.protocol import IRQ_INTX, IRQ_MSI, IRQ_MSIX, LinkCommand, pack_irq
 from dxpu_vfio.remoteproxy.faults import FaultTable
@@ -21,8 +23,9 @@ from qemu_device.ports import DmaError
 
 DMA_TIMEOUT = 2.0
 CHUNK = vp.MAX_DATA_XFER
-READ_PIECE = 256 << 10  # a large DMA read goes as several pieces in flight at once: each
-READ_WINDOW = 4  # message costs ~100 µs of Python per side, so pieces are large (1 MiB in flight)
+READ_PIECE = 256 << 10  # a large DMA read goes as several pieces in flight at once
+READ_WINDOW_BYTES = 1 << 20  # in flight at most: a whole 128 KiB scatter list of 4 KiB pages
+READ_WINDOW_PIECES = 64  # is one round trip, and a large read keeps 4 pieces of 256 KiB going
 
 
 def check_range(addr: int, length: int) -> None:
@@ -52,29 +55,17 @@ class LinkDmaPort:
         return self.read_many([(addr, length)])[0]
 
     def read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
-        """Pipelined: up to READ_WINDOW pieces of at most READ_PIECE in flight, across all
-        ranges, so a scatter list costs about one round trip plus the transfer, not one
-        round trip per page or per piece."""
+        """Pipelined: up to READ_WINDOW_BYTES (and READ_WINDOW_PIECES) in flight across all
+        ranges, each piece at most READ_PIECE, requests sent a windowful per call, so a
+        scatter list costs about one round trip plus the transfer, not one per page. This
+        thread receives the completions itself (the background reader stands aside)."""
         for addr, length in ranges:
             check_range(addr, length)
         self._refused("dma-read")
-        pieces = [(i, addr + pos, min(READ_PIECE, length - pos))
-                  for i, (addr, length) in enumerate(ranges) for pos in range(0, length, READ_PIECE)]
         out = [bytearray(length) for _, length in ranges]
-        in_flight: list = []
         try:
-            while pieces or in_flight:
-                while pieces and len(in_flight) < READ_WINDOW:
-                    i, a, n = pieces.pop(0)
-                    pos = a - ranges[i][0]
-                    in_flight.append((i, pos, n, self.endpoint.send_request(LinkCommand.DMA_READ,
-                                                                            vp.DmaAccess(a, n).pack())))
-                i, pos, n, pending = in_flight.pop(0)
-                reply = vp.DmaAccess.unpack(self.endpoint.wait(pending, DMA_TIMEOUT), with_data=True)
-                if reply.address != ranges[i][0] + pos or len(reply.data) != n:
-                    raise DmaError(f"host answered a DMA read of {n} bytes at {ranges[i][0] + pos:#x} with "
-                                   f"{len(reply.data)} bytes at {reply.address:#x}")
-                out[i][pos:pos + n] = reply.data
+            with self.endpoint.reading_own_completions():
+                self._pipeline(ranges, out)
         except LinkError as exc:
             raise DmaError(f"host refused a DMA read: {exc}") from exc
         except vp.ProtocolError as exc:
@@ -87,6 +78,31 @@ class LinkDmaPort:
             if stall is not None:  # the completion came; the device gets it late
                 self.faults.hold(stall)
         return [bytes(b) for b in out]
+
+    def _pipeline(self, ranges: list[tuple[int, int]], out: list[bytearray]) -> None:
+        pieces = [(i, addr + pos, min(READ_PIECE, length - pos))
+                  for i, (addr, length) in enumerate(ranges) for pos in range(0, length, READ_PIECE)]
+        pieces.reverse()  # popped from the end, in order
+        in_flight: collections.deque = collections.deque()
+        flight_bytes = 0
+        while pieces or in_flight:
+            batch = []
+            while pieces and len(in_flight) + len(batch) < READ_WINDOW_PIECES and (
+                    not (in_flight or batch) or flight_bytes + pieces[-1][2] <= READ_WINDOW_BYTES):
+                batch.append(pieces.pop())
+                flight_bytes += batch[-1][2]
+            if batch:
+                sent = self.endpoint.send_requests(LinkCommand.DMA_READ,
+                                                   [vp.DmaAccess(a, n).pack() for _, a, n in batch])
+                in_flight.extend(zip(batch, sent))
+            (i, a, n), pending = in_flight.popleft()
+            reply = vp.DmaAccess.unpack(self.endpoint.wait(pending, DMA_TIMEOUT), with_data=True)
+            flight_bytes -= n
+            if reply.address != a or len(reply.data) != n:
+                raise DmaError(f"host answered a DMA read of {n} bytes at {a:#x} with "
+                               f"{len(reply.data)} bytes at {reply.address:#x}")
+            pos = a - ranges[i][0]
+            out[i][pos:pos + n] = reply.data
 
     def write(self, addr: int, data: bytes) -> None:
         self.write_many([(addr, data)])
