@@ -134,3 +134,31 @@ def test_surprise_removal_reads_all_ones_then_device_del_and_reattach(vm, state,
     assert again.state is AttachmentState.DETACHED
     assert vm.run(f"test -e /sys/bus/pci/devices/{again.guest_bdf}", check=False).rc != 0
     assert [e["event"] for e in faults.history if e["event"] == "device_del"] == ["device_del"]
+
+
+def test_a_cut_link_reads_all_ones_the_vm_stays_up_and_a_reattach_recovers(vm, state, plugged, faults):
+    mmio(vm, plugged, "0", "write", "0x08", "0x5a5a5a5a")
+    faults.cut()
+    assert mmio(vm, plugged, "0", "read", "0x00") == "0xffffffff"
+    assert plugged.server.stats()["device"]["master_aborts"] >= 1
+    hotplug.detach(plugged)
+    again = attach(vm, state)
+    try:
+        assert mmio(vm, again, "0", "read", "0x00") == "0xd0c50001"
+        assert mmio(vm, again, "0", "read", "0x08") == "0x00000000"  # a new lease: the device was reset
+    finally:
+        hotplug.detach(again)
+    assert hits(faults)["cut"] == 1
+
+
+def test_a_frozen_box_past_the_completion_timeout_reads_all_ones_and_thaws_on_time(vm, state, plugged, faults):
+    faults.freeze(seconds=3)
+    assert mmio(vm, plugged, "0", "read", "0x00") == "0xffffffff"  # no completion within 1 s
+    assert faults.wait_thawed() >= 2.9
+    hotplug.detach(plugged)  # the link is down for good: recovery is a re-attach
+    again = attach(vm, state)
+    try:
+        assert mmio(vm, again, "0", "read", "0x00") == "0xd0c50001"
+    finally:
+        hotplug.detach(again)
+    assert hits(faults)["freeze"] == 1
