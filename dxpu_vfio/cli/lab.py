@@ -160,8 +160,9 @@ def cmd_lab_fault(args: argparse.Namespace) -> int:
 def _fault_text(info: dict) -> str:
     def one(f: dict) -> str:
         what = f["kind"] + (f" {f['target']}" if f["target"] else "") + (f" {f['ms']:g} ms" if f.get("ms") else "")
-        bound = f"{f['remaining']:.1f} s left" + (f", {f['hits']}/{f['count']} hits" if f["count"] else f", {f['hits']} hits")
-        return f"  fault {f['id']:<3} {f['device']:<8} {what:<24} {bound}" + (f" ({f['ended']})" if f.get("ended") else "")
+        hits = f"{f['hits']}/{f['count']}" if f["count"] else str(f["hits"])
+        ended = f" ({f['ended']})" if f.get("ended") else ""
+        return f"  fault {f['id']:<3} {f['device']:<8} {what:<24} {f['remaining']:.1f} s left, {hits} hits{ended}"
     if "fault" in info:
         return "armed:\n" + one(info["fault"])
     if "cleared" in info:

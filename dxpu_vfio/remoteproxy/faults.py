@@ -313,7 +313,8 @@ class FaultTable:
             return {"noted": kind}
         if op == "arm":
             device, kind, target = req.get("device"), req.get("kind"), req.get("target")
-            if not isinstance(device, str) or not isinstance(kind, str) or not (target is None or isinstance(target, str)):
+            if not isinstance(device, str) or not isinstance(kind, str) \
+                    or not (target is None or isinstance(target, str)):
                 raise FaultError("arm needs device and kind (strings), and target a string or null")
             fault = self.arm(device, kind, target, ms=_number(req, "ms", float),
                              duration=_number(req, "duration", float), count=_number(req, "count", int))
