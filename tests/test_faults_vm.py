@@ -80,6 +80,7 @@ def test_mmio_read_under_a_completer_abort_reads_all_ones_in_the_guest(vm, plugg
     assert mmio(vm, plugged, "0", "read", "0x00") == "0xffffffff"
     assert mmio(vm, plugged, "0", "read", "0x00") == "0xd0c50001"  # one read only; the link is up
     assert hits(faults) == {"abort:mmio-read": 1}
+    assert plugged.server.stats()["device"]["error_completions"] == 1  # and the host proxy saw it
 
 
 def test_config_read_under_a_completer_abort_reads_all_ones_in_the_guest(vm, plugged, faults):
