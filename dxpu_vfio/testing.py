@@ -1,6 +1,7 @@
 """pytest support: the VM ladder (image -> configured VM -> booted VM) and the factory
 that owns every VM a test starts; the lab factory that owns every lab of a session, and
-devices served locally or from a GPU box of a lab.
+devices served locally or from a GPU box of a lab; faults on demand on a lab's boxes
+(``lab_faults``).
 
 The VM factory kills every VM at teardown, by pid; the lab factory brings every lab
 down at the end of the session. When a test fails, the serial log, QEMU's stderr and
@@ -495,6 +496,26 @@ def labs(request: pytest.FixtureRequest, lab_factory: LabFactory) -> Iterator[La
         yield use
     finally:
         use.close()
+
+
+@pytest.fixture
+def lab_faults() -> Iterator:
+    """Faults on demand on lab boxes (:mod:`dxpu_vfio.lab.faults`):
+    ``lab_faults(state, "box1", "td0", attachment=att)`` -> a :class:`~dxpu_vfio.lab.faults.Faults`.
+    At teardown every box it was used on is thawed and every fault armed there is cleared,
+    whatever the test did."""
+    from dxpu_vfio.lab.faults import Faults
+    made: list[Faults] = []
+
+    def make(state: lab.LabState, box: str, device: str | None = None, **kwargs) -> Faults:
+        faults = Faults.for_lab(state, box, device, **kwargs)
+        made.append(faults)
+        return faults
+    try:
+        yield make
+    finally:
+        for faults in made:
+            faults.close()
 
 
 # --- devices served locally or from a GPU box ------------------------------------------

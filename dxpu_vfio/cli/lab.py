@@ -1,10 +1,11 @@
-"""The lab's commands: ``dxpu lab up/status/down/link/sweep`` (host and GPU boxes in network
+"""The lab's commands: ``dxpu lab up/status/down/link/fault/sweep`` (host and GPU boxes in network
 namespaces) and ``dxpu demo`` (the whole story on embedded defaults)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from dxpu_vfio.cli.commands import Subparsers, command, group
@@ -115,6 +116,71 @@ def _link_text(info: dict) -> str:
     return "\n".join(lines)
 
 
+FAULT_ACTIONS = ("list", "stall", "abort", "refuse-dma", "drop-posted", "cut", "remove", "freeze", "thaw", "clear")
+
+
+def cmd_lab_fault(args: argparse.Namespace) -> int:
+    from dxpu_vfio.lab import lab
+    from dxpu_vfio.lab.faults import FaultError, Faults
+    state = lab.LabState.load(_existing_lab(_name(args)))
+    faults = Faults.for_lab(state, args.box, args.device)
+    action, target = args.action, args.target
+    if target is not None and action not in ("stall", "abort", "refuse-dma"):
+        raise FaultError(f"{action} takes no target ({target!r})",
+                         hint=f"dxpu lab fault {args.box} stall mmio-read --ms 200 (targets: stall, abort, refuse-dma)")
+    if args.ms is not None and action != "stall":
+        raise FaultError("--ms is for stall only", hint=f"dxpu lab fault {args.box} stall mmio-read --ms {args.ms:g}")
+    if action in ("stall", "abort") and target is None:
+        raise FaultError(f"{action} needs a target",
+                         hint=f"dxpu lab fault {args.box} {action} mmio-read (or config-read"
+                              f"{', dma-read' if action == 'stall' else ''})")
+    bounds = {"duration": args.duration, "count": args.count}
+    info: dict
+    if action == "list":
+        info = faults.list()
+    elif action == "clear":
+        info = {"cleared": faults.clear(args.id)}
+    elif action == "freeze":  # this command holds the freeze: a box is never left stopped by it
+        faults.freeze(seconds=args.duration)
+        info = {"frozen_s": faults.wait_thawed()}
+    elif action == "thaw":
+        faults.thaw(force=True)
+        info = {"thawed": args.box}
+    elif action == "cut":
+        info = {"fault": faults.cut()}
+    elif action == "remove":
+        info = {"fault": faults.remove(grace=None, duration=args.duration or 30.0)}
+    else:
+        kwargs = {"ms": args.ms} if action == "stall" else {}
+        info = {"fault": faults.arm(action, target or ("dma" if action == "refuse-dma" else None), **kwargs, **bounds)}
+    emit(args, info, _fault_text)
+    return 0
+
+
+def _fault_text(info: dict) -> str:
+    def one(f: dict) -> str:
+        what = f["kind"] + (f" {f['target']}" if f["target"] else "") + (f" {f['ms']:g} ms" if f.get("ms") else "")
+        hits = f"{f['hits']}/{f['count']}" if f["count"] else str(f["hits"])
+        ended = f" ({f['ended']})" if f.get("ended") else ""
+        return f"  fault {f['id']:<3} {f['device']:<8} {what:<24} {f['remaining']:.1f} s left, {hits} hits{ended}"
+    if "fault" in info:
+        return "armed:\n" + one(info["fault"])
+    if "cleared" in info:
+        return "\n".join(["cleared:"] + [one(f) for f in info["cleared"]]) if info["cleared"] else "nothing armed"
+    if "frozen_s" in info:
+        return f"box frozen for {info['frozen_s']:.2f} s, thawed"
+    if "thawed" in info:
+        return f"box {info['thawed']} thawed"
+    lines = ["armed:"] + [one(f) for f in info["faults"]] if info["faults"] else ["nothing armed"]
+    for device, hits in info.get("hits", {}).items():
+        lines.append(f"  hits on {device}: " + ", ".join(f"{k} {v}" for k, v in hits.items()))
+    for e in info.get("log", [])[-10:]:
+        stamp = time.strftime("%H:%M:%S", time.gmtime(e["t"])) + f".{int(e['t'] * 1000) % 1000:03d}Z"
+        lines.append(f"  {stamp} fault {e['fault'] or '-'} {e['kind']}{' ' + e['target'] if e.get('target') else ''} "
+                     f"{e['event']}")
+    return "\n".join(lines)
+
+
 def cmd_lab_sweep(args: argparse.Namespace) -> int:
     from dxpu_vfio.lab.sweep import run_sweep
     from dxpu_vfio.procs import exit_on_sigterm
@@ -161,10 +227,11 @@ def register(sub: Subparsers) -> None:
              ("status", cmd_lab_status, "show the lab"),
              ("down", cmd_lab_down, "remove every process, namespace and file of the lab"),
              ("link", cmd_lab_link, "show or change what a box's link does to packets (delay, loss, rate...)"),
+             ("fault", cmd_lab_fault, "list, arm or clear faults on a box's device (stall, abort, refuse-dma, ...)"),
              ("sweep", cmd_lab_sweep,
               "run guest workloads at several link delays, fit and check the performance model")]
     parsers = {verb: command(lab, verb, func, text) for verb, func, text in verbs}
-    for verb in ("up", "status", "down", "link"):  # the sweep brings up a lab of its own
+    for verb in ("up", "status", "down", "link", "fault"):  # the sweep brings up a lab of its own
         parsers[verb].add_argument("--name", default=None,
                                    help=f"lab name (default: the topology's, or {DEFAULT_NAME!r})")
     p = parsers["up"]
@@ -189,6 +256,18 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--reset", action="store_true", help="zero the emulator's counters")
     p.add_argument("--realtime", choices=["on", "off"],
                    help="the emulator SCHED_FIFO (default on): holds on time on a busy machine (kept until changed)")
+    p = parsers["fault"]
+    p.add_argument("box", help="the box whose device misbehaves")
+    p.add_argument("action", choices=FAULT_ACTIONS,
+                   help="list, arm one (stall, abort, refuse-dma, drop-posted, cut, remove), freeze the "
+                        "box for --duration s (this command waits and thaws), thaw, or clear (all, or --id)")
+    p.add_argument("target", nargs="?", help="stall: config-read, mmio-read, dma-read; abort: config-read, "
+                                            "mmio-read; refuse-dma: dma-read, dma-write, dma (default)")
+    p.add_argument("--device", help="the box's device (default: its first)")
+    p.add_argument("--ms", type=float, help="stall: hold each completion this long (default: until cleared)")
+    p.add_argument("--duration", type=float, help="seconds until the fault ends by itself (default 30, at most 3600)")
+    p.add_argument("--count", type=int, help="the fault ends after this many hits")
+    p.add_argument("--id", type=int, help="clear: only this fault")
     p = parsers["sweep"]
     p.add_argument("--delays", default="0,100,250,500,1000", help="added one-way delays, µs")
     p.add_argument("--calibration", default="0,250,1000", help="delays the model is fitted on")

@@ -82,6 +82,8 @@ def stats_rows(entries: list[tuple[dict, dict | None]]) -> list[dict]:
                 "timeouts": link["timeouts"] if link else 0,
                 "link_wait_us": round(sum(r["wait_us"] for r in link["requests"].values()), 1) if link else 0.0,
                 "dma_refused": device.get("dma_refused", (server.get("dma") or {}).get("refused", 0)),
+                "master_aborts": device.get("master_aborts", 0),
+                "error_completions": device.get("error_completions", 0),  # the box refused (a completer abort)
             })
         else:
             for dev_id, dev in stats["devices"].items():
@@ -96,6 +98,7 @@ def stats_rows(entries: list[tuple[dict, dict | None]]) -> list[dict]:
                     "irqs": dev["irqs_sent"], "timeouts": link["timeouts"] if link else 0,
                     "link_wait_us": round(sum(r["wait_us"] for r in reqs.values()), 1),
                     "dma_refused": None,
+                    "faults": dev.get("faults") or {},  # armed now, and hits per fault kind (docs/testing.md)
                 })
     return rows
 

@@ -80,7 +80,7 @@ class RemoteFunction:
         self.suppressed_interrupts = 0
         self.counters = {"reads": 0, "writes_posted": 0, "writes_nonposted": 0, "master_aborts": 0,
                          "dma_bytes_read": 0, "dma_bytes_written": 0, "dma_refused": 0, "irqs": 0,
-                         "posted_messages": 0, "bad_completions": 0}
+                         "posted_messages": 0, "bad_completions": 0, "error_completions": 0}
         self.bus_master = False  # the guest's Bus Master Enable, as written on its way to the box (reset: off)
         self.coalesce = coalesce
         self._on_down = on_down
@@ -197,6 +197,7 @@ class RemoteFunction:
             self.counters["master_aborts"] += 1
             return b"\xff" * size  # completion timeout: master abort semantics
         except LinkError as exc:
+            self.counters["error_completions"] += 1  # e.g. a completer abort: QEMU gives the guest all-ones
             raise ValueError(f"remote refused read of region {index}+{offset:#x}: {exc}") from exc
         return got.data
 
@@ -225,6 +226,7 @@ class RemoteFunction:
         except LinkDown:
             pass
         except LinkError as exc:
+            self.counters["error_completions"] += 1
             raise ValueError(f"remote refused write to region {index}+{offset:#x}: {exc}") from exc
 
     # --- posted-write coalescing --------------------------------------------------------

@@ -43,6 +43,7 @@ class LinkCommand(enum.IntEnum):
     SYNC = 0x106  # host -> remote, non-posted, empty: completed once everything before it was done
     GRANT = 0x107  # manager -> remote, instead of HELLO: a fresh lease token for one device (JSON)
     REVOKE = 0x108  # manager -> remote, instead of HELLO: that device's token is void (JSON)
+    FAULT = 0x109  # manager -> remote, instead of HELLO: arm, clear or list test faults (JSON)
 
 
 IRQ_MSG = struct.Struct("<III")  # kind, vector, level

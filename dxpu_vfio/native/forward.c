@@ -70,7 +70,7 @@ typedef struct {
     size_t posted_bytes_since_sync;
     unsigned char *dma_buf; /* a DMA_READ completion: header + data */
     unsigned long long reads, writes_posted, writes_nonposted, dma_read_bytes, dma_write_bytes, dma_refused,
-        irqs, bad_completions, to_python, read_wait_ns, write_wait_ns, syncs;
+        irqs, bad_completions, to_python, read_wait_ns, write_wait_ns, syncs, error_completions;
 } Forwarder;
 
 static PyTypeObject ForwarderType;
@@ -284,6 +284,7 @@ static PyObject *forward_nonposted(Forwarder *f, const frame_header *qhdr, const
                 qflags |= FRAME_ERROR;
                 qerror = EINVAL; /* the box refused: as the Python path answers (ValueError) */
                 body_len = 0;
+                f->error_completions++; /* e.g. a completer abort */
             } else if (len != (is_read ? 16u + count : 16u) || memcmp(pl, qpl, 16) != 0) {
                 /* not what was asked: never forwarded to QEMU, and a box that answers another
                  * access cannot be trusted with the next one. QEMU's message stays buffered:
@@ -549,11 +550,12 @@ static PyObject *Forwarder_set_irqs(Forwarder *f, PyObject *args)
 
 static PyObject *Forwarder_counters(Forwarder *f, PyObject *unused)
 {
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsK}", "reads", f->reads, "writes_posted", f->writes_posted,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsK}", "reads", f->reads, "writes_posted", f->writes_posted,
                          "writes_nonposted", f->writes_nonposted, "dma_bytes_read", f->dma_read_bytes,
                          "dma_bytes_written", f->dma_write_bytes, "dma_refused", f->dma_refused, "irqs", f->irqs,
                          "bad_completions", f->bad_completions, "to_python", f->to_python, "read_wait_ns",
-                         f->read_wait_ns, "write_wait_ns", f->write_wait_ns, "syncs", f->syncs);
+                         f->read_wait_ns, "write_wait_ns", f->write_wait_ns, "syncs", f->syncs,
+                         "error_completions", f->error_completions);
 }
 
 static int Forwarder_init(Forwarder *f, PyObject *args, PyObject *kwds)

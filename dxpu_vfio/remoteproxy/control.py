@@ -1,14 +1,15 @@
 """The box's control services for the pool manager, apart from the data links.
 
-A connection whose first message is INVENTORY, GRANT, REVOKE or SCREENSHOT (instead of
-HELLO) gets one of these and is closed after it; it never takes a device. INVENTORY lists
+A connection whose first message is INVENTORY, GRANT, REVOKE, SCREENSHOT or FAULT (instead
+of HELLO) gets one of these and is closed after it; it never takes a device. INVENTORY lists
 the box's devices (what the manager registers; never a token); GRANT issues a fresh lease
 token for one device (:mod:`dxpu_vfio.remoteproxy.grants`), REVOKE ends it; SCREENSHOT
 renders a display's scanout once and hands the PNG out in pieces of at most 1 MiB, each
-reply ``total u64`` + the piece.
+reply ``total u64`` + the piece. FAULT arms, clears or lists test faults
+(:mod:`dxpu_vfio.remoteproxy.faults`): ``{"op": "arm"|"clear"|"list", ...}`` -> JSON.
 
-INVENTORY is for any peer with a certificate of the pool's CA. GRANT, REVOKE and
-SCREENSHOT are admin commands, for the managers only: the peer must present one of the
+INVENTORY is for any peer with a certificate of the pool's CA. GRANT, REVOKE,
+SCREENSHOT and FAULT are admin commands, for the managers only: the peer must present one of the
 certificates named by the box's ``managers`` (EPERM otherwise). Another box has a
 certificate of the same CA and must not be able to take a device. A plaintext box has no
 identities and answers everyone (it is for tests).
@@ -25,6 +26,7 @@ from typing import Callable, Mapping, Protocol
 from dxpu_vfio.link.protocol import LINK_VERSION, LinkCommand
 from dxpu_vfio.link.transport import peer_certificate
 from dxpu_vfio.remoteproxy.config import EXTERNAL_MODEL, BoxDevice
+from dxpu_vfio.remoteproxy.faults import FaultError, FaultTable
 from dxpu_vfio.remoteproxy.grants import Grants
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message
@@ -32,8 +34,9 @@ from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message
 log = logging.getLogger("dxpu.remote")
 
 PIECE = vp.MAX_DATA_XFER
-CONTROL_COMMANDS = (LinkCommand.INVENTORY, LinkCommand.SCREENSHOT, LinkCommand.GRANT, LinkCommand.REVOKE)
-ADMIN_COMMANDS = (LinkCommand.SCREENSHOT, LinkCommand.GRANT, LinkCommand.REVOKE)
+CONTROL_COMMANDS = (LinkCommand.INVENTORY, LinkCommand.SCREENSHOT, LinkCommand.GRANT, LinkCommand.REVOKE,
+                    LinkCommand.FAULT)
+ADMIN_COMMANDS = (LinkCommand.SCREENSHOT, LinkCommand.GRANT, LinkCommand.REVOKE, LinkCommand.FAULT)
 
 
 class ServedDevice(Protocol):
@@ -47,12 +50,14 @@ class ServedDevice(Protocol):
 
 class ControlServices:
     def __init__(self, box: str, slots: Mapping[str, ServedDevice], grants: Grants | None = None,
-                 managers: set[str] | None = None, on_revoke: Callable[[str, str], None] | None = None) -> None:
+                 managers: set[str] | None = None, on_revoke: Callable[[str, str], None] | None = None,
+                 faults: FaultTable | None = None) -> None:
         self.box = box
         self.slots = slots
         self.grants = grants or Grants()
         self.managers = managers  # SHA-256 of the certificates admin commands are taken from; None: anyone
         self.on_revoke = on_revoke
+        self.faults = faults
         self.refused_admin = 0
 
     def serve(self, conn: Connection, msg: Message) -> None:
@@ -68,6 +73,8 @@ class ControlServices:
                 conn.send(vp.message(msg.header.msg_id, command, json.dumps(self.inventory()).encode(), reply=True))
             elif command in (LinkCommand.GRANT, LinkCommand.REVOKE):
                 self._serve_grant(conn, msg)
+            elif command == LinkCommand.FAULT:
+                self._serve_fault(conn, msg)
             else:
                 self._serve_screenshot(conn, msg)
         except (vp.ProtocolError, ConnectionClosed, OSError) as exc:
@@ -100,6 +107,22 @@ class ControlServices:
             answer = {"revoked": self.grants.revoke(device, lease)}
             if self.on_revoke is not None:
                 self.on_revoke(device, lease)
+        conn.send(vp.message(msg.header.msg_id, msg.header.command, json.dumps(answer).encode(), reply=True))
+
+    def _serve_fault(self, conn: Connection, msg: Message) -> None:
+        """FAULT {op, ...} -> JSON; a bad request gets EINVAL (ENODEV: no such device) and
+        the reason as its payload."""
+        try:
+            if self.faults is None:
+                raise FaultError("this box takes no faults", errno.ENOTSUP)
+            answer = self.faults.request(json.loads(bytes(msg.payload)))
+        except FaultError as exc:
+            text = str(exc).encode()[:500]
+            conn.send(vp.HEADER.pack(msg.header.msg_id, msg.header.command, vp.HEADER_SIZE + len(text),
+                                     vp.TYPE_REPLY | vp.FLAG_ERROR, exc.errno) + text)
+            return
+        except (ValueError, RecursionError):
+            raise vp.ProtocolError("bad FAULT request") from None
         conn.send(vp.message(msg.header.msg_id, msg.header.command, json.dumps(answer).encode(), reply=True))
 
     def inventory(self) -> dict:

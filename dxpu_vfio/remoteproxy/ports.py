@@ -17,6 +17,7 @@ import collections
 
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
 from dxpu_vfio.link.protocol import IRQ_INTX, IRQ_MSI, IRQ_MSIX, LinkCommand, pack_irq
+from dxpu_vfio.remoteproxy.faults import FaultTable
 from dxpu_vfio.vfio_user import protocol as vp
 from qemu_device.ports import DmaError
 
@@ -37,10 +38,18 @@ def check_range(addr: int, length: int) -> None:
 class LinkDmaPort:
     """The device's DMA port on the box."""
 
-    def __init__(self, endpoint: LinkEndpoint) -> None:
+    def __init__(self, endpoint: LinkEndpoint, faults: FaultTable | None = None, device: str = "") -> None:
         self.endpoint = endpoint
         self.bytes_read = 0
         self.bytes_written = 0
+        self.faults, self.device = faults, device  # armed faults (refuse-dma, stall dma-read) of this device
+
+    def _refused(self, target: str) -> None:
+        """An armed refuse-dma fault: the DMA fails here, as an unsupported request would."""
+        if self.faults is not None and self.faults.armed:
+            fault = self.faults.take(self.device, "refuse-dma", target)
+            if fault is not None:
+                raise DmaError(f"unsupported request: {target} refused by fault {fault.id}")
 
     def read(self, addr: int, length: int) -> bytes:
         return self.read_many([(addr, length)])[0]
@@ -52,6 +61,7 @@ class LinkDmaPort:
         thread receives the completions itself (the background reader stands aside)."""
         for addr, length in ranges:
             check_range(addr, length)
+        self._refused("dma-read")
         out = [bytearray(length) for _, length in ranges]
         try:
             with self.endpoint.reading_own_completions():
@@ -63,6 +73,10 @@ class LinkDmaPort:
         except LinkDown as exc:
             raise DmaError(f"link down during DMA read: {exc}") from exc
         self.bytes_read += sum(n for _, n in ranges)
+        if self.faults is not None and self.faults.armed:
+            stall = self.faults.take(self.device, "stall", "dma-read")
+            if stall is not None:  # the completion came; the device gets it late
+                self.faults.hold(stall)
         return [bytes(b) for b in out]
 
     def _pipeline(self, ranges: list[tuple[int, int]], out: list[bytearray]) -> None:
@@ -100,6 +114,7 @@ class LinkDmaPort:
             raise DmaError(f"link down: {self.endpoint.down_reason}")
         for addr, data in pieces:
             check_range(addr, len(data))
+        self._refused("dma-write")
         payloads = []
         for addr, data in pieces:
             view = memoryview(data)

@@ -63,6 +63,16 @@ class RemoteProxyProcess(ChildProcess):
         terminate(self.process, timeout)
 
 
+def freeze(pid: int) -> None:
+    """SIGSTOP a box and return once it is stopped (a frozen box answers nothing)."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(lambda: _state(pid) in ("T", "t", None), 5.0, interval=0.005)
+
+
+def thaw(pid: int) -> None:
+    os.kill(pid, signal.SIGCONT)
+
+
 def _state(pid: int) -> str | None:
     """The scheduler state of a process (/proc/PID/stat field 3), None if gone."""
     try:

@@ -7,7 +7,10 @@ the device and proving a lease token the box accepts (:mod:`dxpu_vfio.remoteprox
 The link's reader thread performs region accesses in stream order; the device reaches
 guest memory and raises interrupts through the link ports
 (:mod:`dxpu_vfio.remoteproxy.ports`). Connections that ask for a control service
-instead of a device go to :mod:`dxpu_vfio.remoteproxy.control`.
+instead of a device go to :mod:`dxpu_vfio.remoteproxy.control`. Test faults armed by a
+manager (:mod:`dxpu_vfio.remoteproxy.faults`) are applied where the box serves: the region
+access callbacks (Python handlers and the native reader's alike), the posted writes and
+the DMA port.
 
 The accept loop never ends but by :meth:`RemoteProxy.stop`: an ``accept()`` error (no
 descriptors left, a connection reset before it was accepted) is counted, logged and
@@ -32,6 +35,7 @@ from dxpu_vfio.remoteproxy.admission import MAX_ADMITTING, Admission, check_hell
 from dxpu_vfio.remoteproxy.config import EXTERNAL_MODEL, BoxConfig, BoxDevice
 from dxpu_vfio.remoteproxy.control import CONTROL_COMMANDS, ControlServices
 from dxpu_vfio.remoteproxy.external import ExternalFunction, ExternalServerError
+from dxpu_vfio.remoteproxy.faults import FaultTable
 from dxpu_vfio.remoteproxy.grants import Grants, certificate_fingerprints
 from dxpu_vfio.remoteproxy.ports import LinkDmaPort, LinkIrqPort
 from dxpu_vfio.vfio_user import protocol as vp
@@ -103,8 +107,9 @@ class Slot:
     def in_use(self) -> bool:
         return self.endpoint is not None and self.endpoint.up
 
-    def snapshot(self) -> dict:
+    def snapshot(self, faults: FaultTable | None = None) -> dict:
         return {"model": self.spec.model, "links": self.links_served,
+                "faults": faults.counters(self.spec.id) if faults else {},
                 "link": self.endpoint.stats() if self.endpoint else None,
                 "dma_bytes_read": self.dma.bytes_read if self.dma else 0,
                 "dma_bytes_written": self.dma.bytes_written if self.dma else 0,
@@ -128,7 +133,9 @@ class RemoteProxy:
         if managers == set():
             log.warning("box %s: no manager certificate (%s in %s): no pool can be granted a lease token",
                         config.name, ", ".join(f"{r}.pem" for r in config.managers), config.tls_dir)
-        self.control = ControlServices(config.name, self.slots, self.grants, managers, on_revoke=self._revoked)
+        self.faults = FaultTable(list(self.slots), {"cut": self._fault_down, "remove": self._fault_down})
+        self.control = ControlServices(config.name, self.slots, self.grants, managers, on_revoke=self._revoked,
+                                       faults=self.faults)
         self.port = config.port
         self.max_admitting = MAX_ADMITTING
         self._admitting: threading.BoundedSemaphore | None = None
@@ -263,6 +270,9 @@ class RemoteProxy:
                 elif slot.in_use():
                     err = errno.EBUSY
                     self.admission.refused["busy"] += 1
+                elif (removed := self.faults.removed(slot.spec.id)) is not None:
+                    err, why = errno.ENXIO, f"device removed by fault {removed.id} (surprise removal)"
+                    self.admission.refused["out_of_service"] += 1
                 elif (why := slot.unusable()) is not None:
                     err = errno.ENXIO
                     self.admission.refused["out_of_service"] += 1
@@ -287,7 +297,7 @@ class RemoteProxy:
         if getattr(conn, "native", False) and self.config.spin_us:
             conn.stream.spin_us = self.config.spin_us
         slot.links_served += 1
-        slot.dma, slot.irq = LinkDmaPort(slot.endpoint), LinkIrqPort(slot.endpoint)
+        slot.dma, slot.irq = LinkDmaPort(slot.endpoint, self.faults, slot.spec.id), LinkIrqPort(slot.endpoint)
         with slot.device.lock:
             slot.device.vmm_masks_msix = True  # the host's QEMU keeps the MSI-X table
             slot.device.attach(slot.dma, slot.irq)
@@ -303,6 +313,12 @@ class RemoteProxy:
         if endpoint is not None:  # down, not closed: the next link's admission closes it (once)
             endpoint.mark_down(f"lease {lease} revoked")
 
+    def _fault_down(self, device: str, reason: str) -> None:
+        """A cut or remove fault: the device's link goes down now (shut, so the host sees it)."""
+        endpoint = self.slots[device].endpoint
+        if endpoint is not None and endpoint.up:
+            endpoint.mark_down(reason)
+
     def _released(self, slot: Slot, reason: str) -> None:
         """The link went down: the device forgets its host and is reset for the next lease."""
         with slot.device.lock:
@@ -313,7 +329,7 @@ class RemoteProxy:
                 forget()
 
     def _handlers(self, slot: Slot) -> dict:
-        device = slot.device
+        device, faults, dev_id = slot.device, self.faults, slot.spec.id
 
         def dma_map(msg):  # QEMU's window, passed on by the host (an external server maps it)
             req = vp.DmaMap.unpack(msg.payload)
@@ -337,17 +353,23 @@ class RemoteProxy:
 
         def region_read(msg):
             req = vp.RegionAccess.unpack(msg.payload, write=False)
+            if faults.armed and (err := faults.read_fault(dev_id, req.region)) is not None:
+                raise OSError(err, "completer abort (fault)")
             with device.lock:
                 data = device.region_read(req.region, req.offset, req.count)
             return vp.RegionAccess(req.region, req.offset, req.count, data).pack()
 
         def region_write(msg):
             req = vp.RegionAccess.unpack(msg.payload, write=True)
+            if msg.header.no_reply and faults.armed and faults.drop_posted(dev_id):
+                return None
             with device.lock:
                 device.region_write(req.region, req.offset, req.data, posted=msg.header.no_reply)
             return vp.RegionAccess(req.region, req.offset, req.count).pack()
 
         def write_batch(msg):  # posted runs, applied in order
+            if faults.armed and faults.drop_posted(dev_id):
+                return
             with device.lock:
                 for region, offset, data in unpack_batch(msg.payload):
                     device.region_write(region, offset, data, posted=True)
@@ -369,8 +391,11 @@ class RemoteProxy:
         """(read, write) for the native reader (native/serve.c): the same work as the
         REGION_READ/REGION_WRITE handlers, with an errno instead of an exception."""
         device, name = slot.device, f"{self.config.name}/{slot.spec.id}"
+        faults, dev_id = self.faults, slot.spec.id
 
         def read(region: int, offset: int, count: int):
+            if faults.armed and (err := faults.read_fault(dev_id, region)) is not None:
+                return err
             try:
                 with device.lock:
                     return device.region_read(region, offset, count)
@@ -379,6 +404,8 @@ class RemoteProxy:
                 return getattr(exc, "errno", None) or errno.EIO
 
         def write(region: int, offset: int, data: bytes, posted: bool):
+            if posted and faults.armed and faults.drop_posted(dev_id):
+                return None
             try:
                 with device.lock:
                     device.region_write(region, offset, data, posted=posted)
@@ -395,7 +422,7 @@ class RemoteProxy:
     def snapshot(self) -> dict:
         return {"box": self.config.name, "port": self.port, "refused": self.refused,
                 "accept_errors": self.accept_errors,
-                "devices": {sid: s.snapshot() for sid, s in self.slots.items()}}
+                "devices": {sid: s.snapshot(self.faults) for sid, s in self.slots.items()}}
 
     def screenshots(self):
         """Every display's scanout, for SIGUSR2 (:mod:`dxpu_vfio.daemon`)."""
@@ -408,6 +435,7 @@ class RemoteProxy:
 
     def stop(self) -> None:
         self._stopping = True
+        self.faults.clear_all()  # held completions go on; nothing outlives the box
         close_listener(self._listener)
         self._listener = None
         for slot in self.slots.values():

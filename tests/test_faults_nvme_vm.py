@@ -1,0 +1,68 @@
+"""The guest's nvme driver when an I/O's completion is stalled past its timeout: our NVMe
+controller in a lab GPU box, hot-plugged into a tiny TCG guest booted with a short
+``nvme_core.io_timeout``; the box holds the device's next DMA read (the fetch of the
+I/O's submission entry) longer than the driver waits. The driver must abort, reset the
+controller, retry, and the application must get its data back intact."""
+
+import time
+
+import pytest
+
+from dxpu_vfio.lab import hotplug
+from dxpu_vfio.lab.guest_devices import nvme_disk
+from dxpu_vfio.testing import Serve, serve_topology
+
+pytestmark = pytest.mark.vm
+
+BOX, DEV = "nfbox", "nv0"
+IO_TIMEOUT = 2  # seconds (nvme_core.io_timeout, the guest's kernel command line)
+STALL_MS = 3 * IO_TIMEOUT * 1000  # past the abort (1 timeout) and the reset (2 timeouts)
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def _factory(tiny_image):
+    from dxpu_vfio.testing import VmFactory
+    factory = VmFactory("nvme-faults")
+    factory.booted("tiny", name="nflt", cmdline=f"{tiny_image.cmdline} nvme_core.io_timeout={IO_TIMEOUT}")
+    yield factory
+    factory.kill_all()
+
+
+@pytest.fixture
+def vm(request, _factory):
+    from dxpu_vfio.testing import shared_vm
+    return shared_vm(request, _factory)
+
+
+@pytest.fixture
+def state(labs, lab_factory):
+    disks = lab_factory.directory("fault-nvme-disks")
+    spec = Serve("nvme", DEV, BOX, {"namespaces": [{"size": 16 * MiB, "path": str(disks / "n1")}]})
+    return labs.shared(serve_topology([spec], "nvfaults"))
+
+
+def test_an_io_stalled_past_the_timeout_is_aborted_reset_retried_and_its_data_intact(vm, state, lab_faults):
+    assert vm.run("cat /sys/module/nvme_core/parameters/io_timeout").stdout.strip() == str(IO_TIMEOUT)
+    att = hotplug.attach(vm, "remote", settings=state.remote_settings(BOX, DEV), netns=state.host_netns)
+    try:
+        disk = nvme_disk(vm, att.guest_bdf)
+        faults = lab_faults(state, BOX, DEV, attachment=att)
+        vm.run("dd if=/dev/urandom of=/tmp/data bs=64k count=4 2>/dev/null; dmesg -c > /dev/null")
+        faults.stall("dma-read", ms=STALL_MS, count=1, duration=60)
+        started = time.monotonic()
+        out = vm.run(f"dd if=/tmp/data of=/dev/{disk} bs=64k count=4 oflag=direct 2>&1 && sync && "
+                     f"dd if=/dev/{disk} of=/tmp/back bs=64k count=4 iflag=direct 2>/dev/null && "
+                     "md5sum /tmp/data /tmp/back", timeout=120, check=False)
+        took = time.monotonic() - started
+        dmesg = vm.run("dmesg").stdout
+        print(f"stalled write: {took:.1f} s; guest kernel said:\n{dmesg}")
+        assert out.rc == 0, out.stdout + dmesg
+        sums = out.stdout.split()
+        assert sums[-4] == sums[-2], "the data read back differs from the data written"
+        assert took >= 2 * IO_TIMEOUT  # it did wait for the driver's timeouts
+        assert "timeout" in dmesg and "abort" in dmesg.lower(), dmesg  # the driver's abort path ran
+        assert "reset" in dmesg.lower(), dmesg  # and then the controller reset
+        assert faults.list()["hits"][DEV]["stall:dma-read"] >= 1
+    finally:
+        hotplug.detach(att)
