@@ -79,9 +79,10 @@ def details(r: dict) -> list[str]:
                     f"dd exit {p['dd_rc']}, the rest of the I/O took {p['io_after_reset_s']} s"]
     if r.get("model"):
         out += ["", "- the model's counters over the test: " + ", ".join(f"{k} {v}" for k, v in r["model"].items())]
-    for key, label in (("removed_after_s", "controller removed after (s)"), ("pci_driver_after", "PCI driver after"),
-                       ("csts_read_after", "CSTS read by the guest after"), ("writer_error_after_s",
-                                                                            "writer's error after (s)"),
+    for key, label in (("controller_state", "controller state after"), ("dead_after_s", "... reached after (s)"),
+                       ("disk_after", "the namespace's block device"), ("pci_driver_after", "PCI driver after"),
+                       ("config_dword0_read_after", "config space dword 0 as the guest reads it after"),
+                       ("writer_error_after_s", "writer's error after (s)"),
                        ("writer_ios_before_error", "writer's dd runs before the error"),
                        ("host_proxy_link", "host proxy's link"), ("reattach_s", "re-attach after healing (s)"),
                        ("data_back_intact", "data flushed before the cut, after re-attach intact"),

@@ -82,6 +82,13 @@ def device_stats(att) -> dict:
         return {}
 
 
+def model_stats(att, served_device) -> dict:
+    """The NVMe model's own counters: in the host proxy (local) or in the box's proxy."""
+    if not served_device.remote:
+        return device_stats(att)
+    return (served_device.box_stats().get("devices", {}).get(served_device.device) or {}).get("device") or {}
+
+
 # --- controller reset from the guest during I/O ------------------------------------------------
 
 RESET_CHUNKS = 384  # 48 MiB in 128 KiB direct I/O
@@ -126,12 +133,12 @@ def test_controller_reset_during_checksummed_io_keeps_the_data(vm, served_device
         ns, ctrl = nvme_disk(vm, att.guest_bdf, 1), controller(vm, att.guest_bdf)
         vm.run(f"dd if=/dev/urandom of=/tmp/data bs=128k count={RESET_CHUNKS} 2>/dev/null; rm -f /tmp/back", timeout=120)
         dmesg_nvme(vm)
-        before = device_stats(att)
+        before = model_stats(att, served_device)
         write = io_with_reset(vm, ns, ctrl, write=True)
         vm.run("sync; echo 3 > /proc/sys/vm/drop_caches")
         read = io_with_reset(vm, ns, ctrl, write=False)
         sums = vm.run("md5sum /tmp/data /tmp/back").stdout.split()
-        after = device_stats(att)
+        after = model_stats(att, served_device)
         log = dmesg_nvme(vm)
         intact = sums[0] == sums[2]
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("enables", "disables", "aborted", "admin_refused")
@@ -150,7 +157,7 @@ def test_controller_reset_during_checksummed_io_keeps_the_data(vm, served_device
                 f"the reset did not land during the I/O: {phase}"
             assert phase["dd_rc"] == 0, f"the application saw an error: {phase}"
         assert intact, "the data read back differs from the data written"
-        if served == "local":  # the model's own counters (a box keeps them in its proxy)
+        if delta:  # the model's own counters
             assert delta["disables"] == 2 and delta["enables"] == 2, delta
             assert delta["admin_refused"] == 0, f"the driver's recovery asked for something not served: {delta}"
     finally:
@@ -207,7 +214,7 @@ def test_random_and_bursty_loss_on_the_link_keep_the_data(vm, served_lab):
             run = timed_chunks(vm, ns, offset=i * LOSS_CHUNKS)
             report = lab.link_report(served_lab, box) or {}
             run["achieved_loss"] = {d: (report.get(d) or {}).get("loss_rate") for d in ("up", "down")}
-            run["packets"] = {d: (report.get(d) or {}).get("packets_in") for d in ("up", "down")}
+            run["packets"] = {d: (report.get(d) or {}).get("packets") for d in ("up", "down")}
             run["link_up"] = (device_stats(att).get("link") or {}).get("up")
             runs[name] = run
             print(f"\n{name}: write p50 {run['latency']['write']['p50_ms']} ms p99 {run['latency']['write']['p99_ms']} ms, "
@@ -251,7 +258,7 @@ def test_link_cut_removes_the_controller_vm_stays_up_reattach_brings_the_data_ba
     cut = observed = False
     try:
         bdf = att.guest_bdf
-        ns = nvme_disk(vm, bdf, 1)
+        ns, ctrl = nvme_disk(vm, bdf, 1), controller(vm, bdf)
         vm.run(f"dd if=/dev/urandom of=/tmp/keep bs=128k count=32 2>/dev/null; "
                f"dd if=/tmp/keep of=/dev/{ns} bs=128k oflag=direct 2>/dev/null; sync")  # flushed before the cut
         dmesg_nvme(vm)
@@ -263,22 +270,25 @@ def test_link_cut_removes_the_controller_vm_stays_up_reattach_brings_the_data_ba
         lab.set_link(served_lab, box, Impairment(loss=1.0))
         cut = True
         started = time.monotonic()
-        gone = vm.run(f"i=0; while [ -e /sys/block/{ns} ] && [ $i -lt 900 ]; do sleep 0.1; i=$((i+1)); done; "
-                      f"cut -d' ' -f1 /proc/uptime; [ ! -e /sys/block/{ns} ]", timeout=150, check=False)
-        removed = gone.rc == 0
-        t_removed = float(gone.stdout.split()[0])
+        state = f"/sys/class/nvme/{ctrl}/state"  # 6.12 marks a controller it cannot enable dead (older: removed)
+        gone = vm.run(f"i=0; while [ \"$(cat {state} 2>/dev/null || echo removed)\" != dead ] && [ -e {state} ] "
+                      f"&& [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; "
+                      f"echo $(cut -d' ' -f1 /proc/uptime) $(cat {state} 2>/dev/null || echo removed) "
+                      f"$([ -e /sys/block/{ns} ] && echo disk-present || echo disk-gone)", timeout=120).stdout.split()
+        t_removed, ctrl_state, disk = float(gone[0]), gone[1], gone[2]
+        removed = ctrl_state in ("dead", "removed")
+        config = vm.run(f"hexdump -n 4 -e '1/4 \"%08x\"' /sys/bus/pci/devices/{bdf}/config 2>&1 || true").stdout.strip()
         ended = vm.run("i=0; while [ ! -e /tmp/cut.rc ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; "
                        "cat /tmp/cut.rc 2>/dev/null; tr '\\n' ' ' < /tmp/cut.err", timeout=60, check=False).stdout.split("\n")
         rc_line = ended[0].split()
-        mmio = vm.run(f"dxpu-mmio {bdf} 0 read 0x1c 2>&1 || true").stdout.strip()  # CSTS as the guest reads it now
         driver = vm.run(f"basename $(readlink /sys/bus/pci/devices/{bdf}/driver 2>/dev/null) 2>/dev/null || echo none"
                         ).stdout.strip() or "none"
         alive = vm.guest_alive() and vm.run("echo alive").stdout == "alive\n"
         link = device_stats(att).get("link") or {}
         log = dmesg_nvme(vm)
         record.update({
-            "removed": removed, "removed_after_s": round(t_removed - t_cut, 1), "pci_driver_after": driver,
-            "csts_read_after": mmio, "writer_rc": int(rc_line[0]) if rc_line else None,
+            "controller_state": ctrl_state, "disk_after": disk, "dead_after_s": round(t_removed - t_cut, 1),
+            "pci_driver_after": driver, "config_dword0_read_after": config, "writer_rc": int(rc_line[0]) if rc_line else None,
             "writer_ios_before_error": int(rc_line[1]) if len(rc_line) > 1 else None,
             "writer_error_after_s": round(float(rc_line[2]) - t_cut, 1) if len(rc_line) > 2 else None,
             "writer_said": ended[1].strip() if len(ended) > 1 else "", "vm_alive": alive,
@@ -303,8 +313,9 @@ def test_link_cut_removes_the_controller_vm_stays_up_reattach_brings_the_data_ba
         record.update({"reattach_s": round(time.monotonic() - healed, 1), "data_back_intact": sums[0] == sums[2],
                        "detected_s": round(time.monotonic() - started, 1)})
         record.update({
-            "driver": (f"I/O timeout ({IO_TIMEOUT} s) -> reads CSTS all-ones -> reset -> enable fails -> "
-                       f"controller removed after {record['removed_after_s']} s (PCI driver: {driver})"),
+            "driver": (f"I/O timeout ({IO_TIMEOUT} s) -> CSTS reads all-ones -> reset -> enable fails (-19) -> "
+                       f"controller {ctrl_state} after {record['dead_after_s']} s, its disk's I/O fails "
+                       f"(the disk node stays: {disk}; PCI driver still {driver})"),
             "application": (f"I/O error (dd rc {record['writer_rc']}, {record['writer_said'][:60]!r}) "
                             f"after {record['writer_error_after_s']} s; VM up: {alive}; "
                             f"after re-attach the data flushed before the cut is "
@@ -312,10 +323,10 @@ def test_link_cut_removes_the_controller_vm_stays_up_reattach_brings_the_data_ba
             "recovery_s": record["reattach_s"]})
         observe("link-cut", record)
         observed = True
-        assert removed, f"the driver did not remove the controller within 90 s: {record}"
+        assert removed, f"the driver did not give up on the controller within 60 s: {record}"
+        assert any("CSTS=0xffffffff" in line for line in log), f"the driver did not read all-ones: {log}"
         assert record["writer_rc"] not in (None, 0), f"the writer saw no error: {record}"
         assert alive, "the VM stopped answering"
-        assert "0xffffffff" in mmio.lower() or mmio.lower().endswith("ffffffff"), f"CSTS read {mmio!r}, not all-ones"
         assert record["data_back_intact"], "the data flushed before the cut did not come back"
     finally:
         if cut:
