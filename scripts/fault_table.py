@@ -60,17 +60,22 @@ def summary(records: list[dict]) -> list[str]:
 def details(r: dict) -> list[str]:
     out = [f"### {r['name']}", "", f"Recorded {r.get('recorded', '?')}."]
     if "runs" in r:  # loss: one row per link condition
-        out += ["", "| link | write p50 | write p99 | read p50 | read p99 | achieved loss up / down | errors | data |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        out += ["", "| link | write p50 | write p99 | read p50 | read p99 | achieved loss up / down | packets up / down "
+                "| errors | data |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, run in r["runs"].items():
             lat = run["latency"]
             loss = run.get("achieved_loss") or {}
             fmt = lambda v: "—" if v is None else f"{v * 100:.2f} %"  # noqa: E731
             out.append(f"| {name} | {lat['write']['p50_ms']} ms | {lat['write']['p99_ms']} ms | {lat['read']['p50_ms']} ms "
                        f"| {lat['read']['p99_ms']} ms | {fmt(loss.get('up'))} / {fmt(loss.get('down'))} "
+                       f"| {(run.get('packets') or {}).get('up', '—')} / {(run.get('packets') or {}).get('down', '—')} "
                        f"| {run['errors']} | {'intact' if run['data_intact'] else 'DIFFERS'} |")
         out += ["", "Each latency is one `dd` of 64 KiB with `oflag=direct`/`iflag=direct` as the guest's "
-                "shell timed it (`ts -i`), process start included: compare rows, not absolute values."]
+                "shell timed it (`ts -i`), the start of the process included (a TCG guest on a 2-core host "
+                "shared with other work: a few tens of ms, and noisy); what loss adds shows in p99: a lost "
+                "segment waits for TCP's retransmission (200 ms minimum RTO when no duplicate ACKs come). "
+                "The achieved loss is the emulator's own count over the run's packets (a burst model "
+                "over a few thousand packets lands far from its mean)."]
     for phase in ("write", "read"):
         if isinstance(r.get(phase), dict):
             p = r[phase]

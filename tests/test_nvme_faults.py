@@ -146,8 +146,10 @@ def test_controller_reset_during_checksummed_io_keeps_the_data(vm, served_device
         observe(f"reset-{served}", {
             "fault": "controller reset from the guest (reset_controller) during a 48 MiB write and its read-back",
             "mode": served, "write": write, "read": read, "data_intact": intact, "model": delta, "dmesg": log,
-            "driver": "disables the controller with I/O in flight (CC.EN=0, waits RDY=0), enables it, "
-                      "Identify and queues again, requeues the cancelled I/O",
+            "driver": (f"reset the controller with I/O in flight: the model saw {delta.get('disables', '?')} "
+                       f"disables and {delta.get('enables', '?')} enables (CC.EN 1->0->1), "
+                       f"{delta.get('admin_refused', '?')} admin commands refused; the kernel said only "
+                       + " / ".join(sorted(set(log)) or ["nothing"])),
             "application": ("no error; data read back intact" if intact and not write["dd_rc"] + read["dd_rc"]
                             else f"dd rc {write['dd_rc']}/{read['dd_rc']}, data intact: {intact}"),
             "recovery_s": max(write["reset_s"], read["reset_s"])})
@@ -226,9 +228,9 @@ def test_random_and_bursty_loss_on_the_link_keep_the_data(vm, served_lab):
             "fault": "1 % random and 0.1 % bursty (Gilbert-Elliott, bursts of 4) loss both ways on the host<->box link",
             "mode": "remote", "runs": runs, "dmesg": log,
             "driver": "nothing: no timeout, no reset" if not log else "; ".join(log[:3]),
-            "application": "no error, data intact; latency " + ", ".join(
-                f"{n}: p50 {r['latency']['read']['p50_ms']}/{r['latency']['write']['p50_ms']} ms, "
-                f"p99 {r['latency']['read']['p99_ms']}/{r['latency']['write']['p99_ms']} ms (read/write)"
+            "application": ("no error, data intact" if all(r["data_intact"] and not r["errors"] for r in runs.values())
+                            else "ERRORS or data differs") + "; p99 of a 64 KiB read/write: " + ", ".join(
+                f"{n} {r['latency']['read']['p99_ms']:.0f}/{r['latency']['write']['p99_ms']:.0f} ms"
                 for n, r in runs.items()),
             "recovery_s": 0})
         for name, run in runs.items():
