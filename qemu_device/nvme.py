@@ -389,6 +389,9 @@ class NvmeController(PciFunction):
                     self.csts |= CSTS_CFS  # the controller cannot reach its own queue
                 self._fetch_done()
                 return
+            except BaseException:  # never leave a fetch counted: RDY would never fall
+                self._fetch_done()
+                raise
             if qid == 0:
                 self._fetch_done()  # from here each command counts itself in flight
                 for i in range(count):

@@ -57,6 +57,12 @@ def summary(records: list[dict]) -> list[str]:
     return lines
 
 
+def num(run: dict, direction: str) -> str:
+    """Packets the emulator saw in one direction; none where it was not in the path (a clean link)."""
+    value = (run.get("packets") or {}).get(direction)
+    return "—" if value is None else str(value)
+
+
 def details(r: dict) -> list[str]:
     out = [f"### {r['name']}", "", f"Recorded {r.get('recorded', '?')}."]
     if "runs" in r:  # loss: one row per link condition
@@ -68,7 +74,7 @@ def details(r: dict) -> list[str]:
             fmt = lambda v: "—" if v is None else f"{v * 100:.2f} %"  # noqa: E731
             out.append(f"| {name} | {lat['write']['p50_ms']} ms | {lat['write']['p99_ms']} ms | {lat['read']['p50_ms']} ms "
                        f"| {lat['read']['p99_ms']} ms | {fmt(loss.get('up'))} / {fmt(loss.get('down'))} "
-                       f"| {(run.get('packets') or {}).get('up', '—')} / {(run.get('packets') or {}).get('down', '—')} "
+                       f"| {num(run, 'up')} / {num(run, 'down')} "
                        f"| {run['errors']} | {'intact' if run['data_intact'] else 'DIFFERS'} |")
         out += ["", "Each latency is one `dd` of 64 KiB with `oflag=direct`/`iflag=direct` as the guest's "
                 "shell timed it (`ts -i`), the start of the process included (a TCG guest on a 2-core host "
@@ -99,11 +105,26 @@ def details(r: dict) -> list[str]:
     return out + [""]
 
 
+FOOTER = """## What these runs do not show
+
+- Abort with the guest's driver: Linux sends one when an I/O outlives `io_timeout`, which
+  needs a completion stalled on purpose (the fault-injection API of issue 17 item 2). The
+  model's side is tested without a guest (`tests/test_qemu_device_nvme.py`:
+  [Reset and Abort](devices/nvme.md#reset-and-abort)).
+- A cut link does not heal by itself: the host proxy marks the link down for good
+  (every later read all-ones) and QEMU does not reconnect a vfio-user device, so the disk
+  comes back only through `device_del` + `device_add` with a new host proxy (what the test
+  does, and what the pool manager's healing does). The 6.12 driver marks the controller
+  `dead` and fails its disk's I/O; it does not unbind from the PCI device, so the unplug
+  is what takes the old disk node away.
+"""
+
+
 def render(records: list[dict], io_timeout: object) -> str:
     lines = [HEADER.format(io_timeout=io_timeout), "## Summary", ""] + summary(records) + ["", "## Details", ""]
     for r in records:
         lines += details(r)
-    return "\n".join(lines).rstrip() + "\n"
+    return "\n".join(lines).rstrip() + "\n\n" + FOOTER
 
 
 def main(argv: list[str] | None = None) -> int:
