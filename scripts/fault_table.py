@@ -66,7 +66,9 @@ def num(run: dict, direction: str) -> str:
 
 
 def details(r: dict) -> list[str]:
-    out = [f"### {r['name']}", "", f"Recorded {r.get('recorded', '?')}."]
+    load = r.get("host_load")
+    out = [f"### {r['name']}", "", f"Recorded {r.get('recorded', '?')}"
+           + (f"; the host's load average (1, 5, 15 min) at the end: {', '.join(map(str, load))}." if load else ".")]
     if "runs" in r:  # loss: one row per link condition
         out += ["", "| link | write p50 | write p99 | read p50 | read p99 | achieved loss up / down | packets up / down "
                 "| errors | data |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -91,7 +93,9 @@ def details(r: dict) -> list[str]:
                     f"`reset_controller` returned after {p['reset_s']} s, state `{p['state_after']}`, "
                     f"dd exit {p['dd_rc']}, the rest of the I/O took {p['io_after_reset_s']} s"]
     if r.get("model"):
-        out += ["", "- the model's counters over the test: " + ", ".join(f"{k} {v}" for k, v in r["model"].items())]
+        out += ["", "- the model's counters over the test: " + ", ".join(f"{k} {v}" for k, v in r["model"].items())
+                + (f"; admin commands refused during the driver's probe: {r['admin_refused_at_probe']}"
+                   if r.get("admin_refused_at_probe") is not None else "")]
     for key, label in (("controller_state", "controller state after"), ("dead_after_s", "... reached after (s)"),
                        ("disk_after", "the namespace's block device"), ("pci_driver_after", "PCI driver after"),
                        ("config_dword0_read_after", "config space dword 0 as the guest reads it after"),

@@ -11,6 +11,7 @@ driver's timeout path within seconds."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -33,7 +34,8 @@ def observe(name: str, record: dict) -> Path:
     FAULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = FAULTS_DIR / f"{name}.json"
     path.write_text(json.dumps({"name": name, "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                "io_timeout": IO_TIMEOUT, **record}, indent=1, default=str) + "\n")
+                                "io_timeout": IO_TIMEOUT, "host_load": [round(x, 1) for x in os.getloadavg()],
+                                **record}, indent=1, default=str) + "\n")
     print(f"\n{name}: " + json.dumps(record, default=str))
     return path
 
@@ -146,6 +148,7 @@ def test_controller_reset_during_checksummed_io_keeps_the_data(vm, served_device
         observe(f"reset-{served}", {
             "fault": "controller reset from the guest (reset_controller) during a 48 MiB write and its read-back",
             "mode": served, "write": write, "read": read, "data_intact": intact, "model": delta, "dmesg": log,
+            "admin_refused_at_probe": before.get("admin_refused"),
             "driver": (f"reset the controller with I/O in flight: the model saw {delta.get('disables', '?')} "
                        f"disables and {delta.get('enables', '?')} enables (CC.EN 1->0->1), "
                        f"{delta.get('admin_refused', '?')} admin commands refused; the kernel said only "
@@ -162,6 +165,7 @@ def test_controller_reset_during_checksummed_io_keeps_the_data(vm, served_device
         if delta:  # the model's own counters
             assert delta["disables"] == 2 and delta["enables"] == 2, delta
             assert delta["admin_refused"] == 0, f"the driver's recovery asked for something not served: {delta}"
+            assert before["admin_refused"] == 0, f"the driver's probe asked for something not served: {before}"
     finally:
         hotplug.detach(att)
 
