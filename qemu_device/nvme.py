@@ -63,6 +63,7 @@ MSIX_TABLE, MSIX_PBA = 0x3000, 0x3800
 CAP, VS, INTMS, INTMC, CC, CSTS, AQA, ASQ, ACQ = 0x00, 0x08, 0x0C, 0x10, 0x14, 0x1C, 0x24, 0x28, 0x30
 CC_EN, CSTS_RDY, CSTS_CFS = 1, 1, 2
 CSTS_SHST_OCCURRING, CSTS_SHST_DONE, CSTS_SHST = 1 << 2, 2 << 2, 3 << 2
+ABORT_LIMIT = 3  # Identify's ACL: Aborts outstanding at once, minus one (Linux sends up to ACL + 1)
 
 
 class AdminOpcode(enum.IntEnum):
@@ -98,6 +99,7 @@ class IdentifyCns(enum.IntEnum):
     CONTROLLER = 0x01
     ACTIVE_NAMESPACES = 0x02  # ids above CDW1.NSID
     NAMESPACE_DESCRIPTORS = 0x03
+    CS_CONTROLLER = 0x06  # I/O command set specific controller (CDW11.CSI); Linux asks for NVM's
 
 
 class LogPage(enum.IntEnum):
@@ -106,6 +108,7 @@ class LogPage(enum.IntEnum):
     ERROR = 0x01
     SMART = 0x02
     FIRMWARE_SLOT = 0x03
+    COMMAND_EFFECTS = 0x05  # which commands are supported and what they change (Identify's LPA bit 1)
 
 
 class Feature(enum.IntEnum):
@@ -150,6 +153,8 @@ class Status(enum.IntEnum):
     INVALID_FIELD = _GENERIC | 0x02
     DATA_TRANSFER_ERROR = _GENERIC | 0x04
     INTERNAL_ERROR = _GENERIC | 0x06
+    ABORT_REQUESTED = _GENERIC | 0x07  # an Abort command took it before it started
+    ABORTED_SQ_DELETION = _GENERIC | 0x08  # its SQ was deleted before it started
     INVALID_NAMESPACE = _GENERIC | 0x0B
     INVALID_PRP_OFFSET = _GENERIC | 0x13
     LBA_OUT_OF_RANGE = _GENERIC | 0x80  # NVM command set
@@ -162,6 +167,9 @@ class Status(enum.IntEnum):
     WRITE_FAULT = _MEDIA | 0x80  # the backing file did not take the data (full, I/O error)
     UNRECOVERED_READ_ERROR = _MEDIA | 0x81
 
+
+# An admin command answered with these asked for something not served (counted, logged).
+REFUSED = frozenset({Status.INVALID_OPCODE, Status.INVALID_FIELD, Status.INVALID_LOG_PAGE})
 
 # Retrying these cannot help (the guest's own PRPs, a full or failing backing file): DNR set.
 NO_RETRY = frozenset({Status.INVALID_PRP_OFFSET, Status.WRITE_FAULT, Status.UNRECOVERED_READ_ERROR})
@@ -201,6 +209,24 @@ class Queue:
     phase: int = 1  # CQ
     sq_ids: set = field(default_factory=set)  # CQ: SQs that post here
     in_flight: int = 0  # SQ: commands taken from it that have not ended yet
+
+
+@dataclass(eq=False)
+class IoJob:
+    """An I/O command taken from its SQ and handed to the pool; until a thread starts it,
+    an Abort (or its SQ's deletion) can still take it back."""
+
+    sq: Queue
+    sqe: memoryview
+    nsid: int
+    ticket: int
+    lists: dict | None = None
+    fetched: WriteData | None = None  # its data, read ahead with its batch (a Write)
+    cancelled: bool = False  # completed by Abort or Delete SQ: the job does nothing when it runs
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.sq.qid, struct.unpack_from("<H", self.sqe, 2)[0]
 
 
 class Namespace:
@@ -244,11 +270,14 @@ class NvmeController(PciFunction):
             raise ValueError(f"io_workers must be 0 (I/O on the worker) or a thread count, not {io_workers}")
         self.io_pool = WorkerPool("nvme-io", io_workers) if io_workers else None  # I/O side by side
         self.stats_counters = {"commands": 0, "errors": 0, "bytes_read": 0, "bytes_written": 0, "flushes": 0,
-                               "io_in_flight_peak": 0}
+                               "io_in_flight_peak": 0, "aborts": 0, "aborted": 0, "admin_refused": 0,
+                               "enables": 0, "disables": 0}
         self._features: dict[int, int] = {}
         # Commands in flight survive a reset of the registers (they are still running):
         self._ended = threading.Condition(self.lock)  # notified whenever a command ends
         self._in_flight = 0  # commands taken from any SQ that have not ended
+        self._fetches = 0  # SQ entries or PRP lists being read for commands not yet counted in flight
+        self._not_started: dict[tuple[int, int], IoJob] = {}  # (sqid, cid) -> a job no thread has started
         self._tickets = itertools.count()  # I/O commands in the order they were taken
         self._ns_pending: dict[int, set[int]] = {}  # nsid -> tickets of its commands in flight
         self.reset_registers()
@@ -295,19 +324,34 @@ class NvmeController(PciFunction):
         elif offset == INTMC:
             self.intms &= ~value
 
+    def _busy(self) -> bool:
+        """Whether a command or a fetch may still touch the queues' or buffers' memory (lock held)."""
+        return bool(self._in_flight or self._fetches)
+
     def _write_cc(self, value: int) -> None:
         was, self.cc = self.cc, value
         if value & CC_EN and not was & CC_EN:
             self.sqs = {0: Queue(0, self.asq & ~0xFFF, (self.aqa & 0xFFF) + 1)}
             self.cqs = {0: Queue(0, self.acq & ~0xFFF, ((self.aqa >> 16) & 0xFFF) + 1, sq_ids={0})}
             self.csts = CSTS_RDY
+            self.stats_counters["enables"] += 1
         elif not value & CC_EN and was & CC_EN:
             self.reset_registers()  # the queues are gone: nothing in flight completes into them
             self.cc = value
-            if self._in_flight:  # the host waits for RDY=0 before it reuses their memory
+            self.stats_counters["disables"] += 1
+            self.lower_interrupt()  # no completion is left to signal
+            # Commands taken but not started are dropped now; running ones and fetches end
+            # on their own. The host waits for RDY=0 before it reuses queue and buffer memory,
+            # so RDY stays up until the last of them has ended (_ended_one).
+            for job in self._not_started.values():
+                job.cancelled = True
+                self._end_accounting(job.sq, job.nsid, job.ticket)
+            self._not_started.clear()
+            self._ended.notify_all()
+            if self._busy():
                 self._draining, self.csts = True, CSTS_RDY
         if (value >> 14) & 3:  # shutdown notification: flush and report done
-            if self._in_flight:  # the last command to end does it (_end)
+            if self._busy():  # the last command to end does it (_ended_one)
                 self._shutdown_pending = True
                 self.csts = (self.csts & ~CSTS_SHST) | CSTS_SHST_OCCURRING
             else:
@@ -348,13 +392,19 @@ class NvmeController(PciFunction):
                 first = sq.head
                 count = (sq.tail - first) % sq.size
                 count = min(count, sq.size - first)  # do not wrap inside one read
+                self._fetches += 1  # a disable keeps RDY up until this read is over
             try:
                 batch = memoryview(self.dma_read(sq.base + first * 64, count * 64))
             except DmaError:
                 with self.lock:
                     self.csts |= CSTS_CFS  # the controller cannot reach its own queue
+                self._fetch_done()
                 return
+            except BaseException:  # never leave a fetch counted: RDY would never fall
+                self._fetch_done()
+                raise
             if qid == 0:
+                self._fetch_done()  # from here each command counts itself in flight
                 for i in range(count):
                     with self.lock:
                         if self.sqs.get(qid) is not sq:
@@ -366,23 +416,26 @@ class NvmeController(PciFunction):
                     finally:
                         self._end(sq)
                 continue
-            with self.lock:
-                if self.sqs.get(qid) is not sq:
-                    return
-                sq.head = (first + count) % sq.size  # the whole batch is in our hands
-                sqes = [batch[i * 64:(i + 1) * 64] for i in range(count)]
-            lists = self._prefetch_prp_lists(sqes)  # one round trip for the batch's PRP lists
-            # and, run inline, one for its write data (a pool overlaps each command's own reads)
-            fetched = self._prefetch_write_data(sqes, lists) if self.io_pool is None else {}
-            with self.lock:
-                if self.sqs.get(qid) is not sq:
-                    return
-                jobs = [self._dispatch(sq, sqe, lists, fetched.get(i)) for i, sqe in enumerate(sqes)]
+            try:
+                with self.lock:
+                    if self.sqs.get(qid) is not sq:
+                        return
+                    sq.head = (first + count) % sq.size  # the whole batch is in our hands
+                    sqes = [batch[i * 64:(i + 1) * 64] for i in range(count)]
+                lists = self._prefetch_prp_lists(sqes)  # one round trip for the batch's PRP lists
+                # and, run inline, one for its write data (a pool overlaps each command's own reads)
+                fetched = self._prefetch_write_data(sqes, lists) if self.io_pool is None else {}
+                with self.lock:
+                    if self.sqs.get(qid) is not sq:
+                        return
+                    jobs = [self._dispatch(sq, sqe, lists, fetched.get(i)) for i, sqe in enumerate(sqes)]
+            finally:
+                self._fetch_done()
             for job in jobs:  # in ticket order: a Flush is never taken before what it waits for
                 if self.io_pool is None:
-                    job()  # inline: in order, a Flush after what it waits for
+                    self._run_io(job)  # inline: in order, a Flush after what it waits for
                 else:
-                    self.io_pool.submit(job)
+                    self.io_pool.submit(lambda job=job: self._run_io(job))
 
     def _begin(self, sq: Queue) -> None:
         """Count a command as in flight (lock held)."""
@@ -442,41 +495,78 @@ class NvmeController(PciFunction):
         return {i: WriteData(segments, [next(pieces) for _ in segments]) for i, segments in chosen.items()}
 
     def _dispatch(self, sq: Queue, sqe: memoryview, lists: dict[tuple[int, int], bytes] | None = None,
-                  fetched: WriteData | None = None):
-        """An I/O command as a pool job, counted in flight from now on (lock held)."""
+                  fetched: WriteData | None = None) -> IoJob:
+        """An I/O command as a job, counted in flight from now on and abortable until a
+        thread starts it (lock held)."""
         nsid = struct.unpack_from("<I", sqe, 4)[0]
-        ticket = next(self._tickets)
-        self._ns_pending.setdefault(nsid, set()).add(ticket)
+        job = IoJob(sq, sqe, nsid, next(self._tickets), lists, fetched)
+        self._ns_pending.setdefault(nsid, set()).add(job.ticket)
         self._begin(sq)
+        self._not_started[job.key] = job
         peak = self.stats_counters["io_in_flight_peak"]
         self.stats_counters["io_in_flight_peak"] = max(peak, self._in_flight)
-        return lambda: self._run_io(sq, sqe, nsid, ticket, lists, fetched)
+        return job
 
-    def _run_io(self, sq: Queue, sqe: memoryview, nsid: int, ticket: int,
-                lists: dict[tuple[int, int], bytes] | None = None, fetched: WriteData | None = None) -> None:
-        """One I/O command on a pool thread; dropped if its queue went away before it ran."""
+    def _run_io(self, job: IoJob) -> None:
+        """One I/O command on a pool thread (or the worker); dropped if its queue went away
+        before it ran, nothing at all if an Abort or a disable took it back."""
+        sq = job.sq
+        with self.lock:
+            if self._not_started.get(job.key) is job:
+                del self._not_started[job.key]
+            if job.cancelled:  # its completion (if any) is posted and it has ended
+                return
         try:
             with self.lock:
                 if self.sqs.get(sq.qid) is not sq:
                     return
-                if sqe[0] == IoOpcode.FLUSH:  # after the commands of its namespace taken before it
-                    self._ended.wait_for(lambda: min(self._ns_pending[nsid]) == ticket)
-            self._execute(sq, sqe, lists, fetched)
+                if job.sqe[0] == IoOpcode.FLUSH:  # after the commands of its namespace taken before it
+                    self._ended.wait_for(lambda: min(self._ns_pending[job.nsid]) == job.ticket)
+            self._execute(sq, job.sqe, job.lists, job.fetched)
         finally:
-            self._end(sq, nsid, ticket)
+            self._end(sq, job.nsid, job.ticket)
+
+    def _take_back(self, job: IoJob, status: Status) -> bool:
+        """Complete a command no thread has started with ``status`` and end it (Abort,
+        Delete SQ); the job then does nothing when a thread gets to it. False if a thread
+        started it first (call without the lock: the completion is a DMA)."""
+        with self.lock:
+            if self._not_started.get(job.key) is not job or job.cancelled:
+                return False
+            del self._not_started[job.key]
+            job.cancelled = True
+            self.stats_counters["aborted"] += 1
+        self._complete(job.sq, job.key[1], status, 0)
+        self._end(job.sq, job.nsid, job.ticket)
+        return True
+
+    def _end_accounting(self, sq: Queue, nsid: int | None, ticket: int | None) -> None:
+        """Count a command as ended (lock held); :meth:`_ended_one` then acts on it."""
+        if ticket is not None:
+            pending = self._ns_pending[nsid]
+            pending.discard(ticket)
+            if not pending:  # a guest naming many bad NSIDs must not grow this
+                del self._ns_pending[nsid]
+        sq.in_flight -= 1
+        self._in_flight -= 1
 
     def _end(self, sq: Queue, nsid: int | None = None, ticket: int | None = None) -> None:
         """A command has ended (its completion, if any, written): wake who waits for that."""
         with self.lock:
-            if ticket is not None:
-                pending = self._ns_pending[nsid]
-                pending.discard(ticket)
-                if not pending:  # a guest naming many bad NSIDs must not grow this
-                    del self._ns_pending[nsid]
-            sq.in_flight -= 1
-            self._in_flight -= 1
+            self._end_accounting(sq, nsid, ticket)
+        self._ended_one()
+
+    def _fetch_done(self) -> None:
+        with self.lock:
+            self._fetches -= 1
+        self._ended_one()
+
+    def _ended_one(self) -> None:
+        """After a command or fetch ended: once nothing may touch guest memory any more, a
+        pending disable drops RDY and a pending shutdown fsyncs and reports done."""
+        with self.lock:
             shutdown = False
-            if not self._in_flight:
+            if not self._busy():
                 if self._draining:
                     self._draining = False
                     if not self.cc & CC_EN:
@@ -506,6 +596,10 @@ class NvmeController(PciFunction):
             status = Status.INTERNAL_ERROR
         if result is Deferred.HELD:
             return
+        if sq.qid == 0 and status in REFUSED:  # what a driver asked that is not served: worth knowing
+            log.info("NVMe admin opcode %#x (CDW10 %#x) refused: %s", opcode,
+                     struct.unpack_from("<I", sqe, 40)[0], status.name)
+            self._count("admin_refused")
         self._complete(sq, cid, status, result)
 
     def _complete(self, sq: Queue, cid: int, status: Status, result: int) -> None:
@@ -543,7 +637,7 @@ class NvmeController(PciFunction):
         nsid = struct.unpack_from("<I", sqe, 4)[0]
         match opcode:
             case AdminOpcode.IDENTIFY:
-                self._write_prp(prp1, prp2, self._identify(cdw10 & 0xFF, nsid))
+                self._write_prp(prp1, prp2, self._identify(cdw10 & 0xFF, nsid, cdw11 >> 24))
             case AdminOpcode.SET_FEATURES:
                 return self._set_feature(cdw10 & 0xFF, cdw11)
             case AdminOpcode.GET_FEATURES:
@@ -558,20 +652,33 @@ class NvmeController(PciFunction):
             case AdminOpcode.DELETE_SQ | AdminOpcode.DELETE_CQ:
                 self._delete_queue(cdw10 & 0xFFFF, cq=opcode == AdminOpcode.DELETE_CQ)
             case AdminOpcode.GET_LOG_PAGE:
-                self._write_prp(prp1, prp2, self._log_page(cdw10, cdw11))
+                cdw12, cdw13 = struct.unpack_from("<II", sqe, 48)
+                self._write_prp(prp1, prp2, self._log_page(cdw10, cdw11, cdw13 << 32 | cdw12))
             case AdminOpcode.ASYNC_EVENT_REQUEST:  # held until there is an event
                 with self.lock:
                     self.pending_aers.append(struct.unpack_from("<H", sqe, 2)[0])
                 return Deferred.HELD
-            case AdminOpcode.ABORT:  # we never abort, the command completes normally
-                return 1
+            case AdminOpcode.ABORT:
+                return self._abort(cdw10 & 0xFFFF, cdw10 >> 16)
             case AdminOpcode.KEEP_ALIVE:
                 return 0
             case _:
                 raise CommandError(Status.INVALID_OPCODE)
         return 0
 
-    def _identify(self, cns: int, nsid: int) -> bytes:
+    def _abort(self, sqid: int, cid: int) -> int:
+        """Abort: a command taken but not started yet is completed now with Command Abort
+        Requested, and Dword 0 bit 0 is 0 (aborted). One already running (or done, or never
+        seen: the admin queue's commands run in order, so every one before this Abort has
+        ended) is left to complete normally: bit 0 is 1."""
+        with self.lock:
+            self.stats_counters["aborts"] += 1
+            job = self._not_started.get((sqid, cid))
+            if job is None or self.sqs.get(sqid) is not job.sq:
+                return 1
+        return 0 if self._take_back(job, Status.ABORT_REQUESTED) else 1
+
+    def _identify(self, cns: int, nsid: int, csi: int = 0) -> bytes:
         out = bytearray(PAGE)
         if cns == IdentifyCns.CONTROLLER:
             struct.pack_into("<HH", out, 0, 0x1B36, 0x1B36)
@@ -580,9 +687,9 @@ class NvmeController(PciFunction):
             out[64:72] = b"1.0".ljust(8)
             out[72], out[77] = 6, MDTS
             struct.pack_into("<HI", out, 78, 1, 0x00010400)  # CNTLID, VER
-            out[258], out[259] = 3, 3  # ACL, AERL
+            out[258], out[259] = ABORT_LIMIT, 3  # ACL, AERL
             out[260] = 0x02  # FRMW: one slot
-            out[261] = 0x02  # LPA: command effects... SMART per namespace no; extended data yes
+            out[261] = 0x02 | 0x04  # LPA: the Commands Supported and Effects log; extended data (NUMDU, LPO)
             out[512], out[513] = 0x66, 0x44  # SQES, CQES
             struct.pack_into("<I", out, 516, len(self.namespaces))  # NN
             struct.pack_into("<H", out, 520, (1 << 2) | (1 << 3))  # ONCS: DSM, Write Zeroes
@@ -601,6 +708,9 @@ class NvmeController(PciFunction):
         elif cns == IdentifyCns.ACTIVE_NAMESPACES:
             ids = [n for n in sorted(self.namespaces) if n > nsid][:1024]
             struct.pack_into(f"<{len(ids)}I", out, 0, *ids)
+        elif cns == IdentifyCns.CS_CONTROLLER:
+            if csi != 0:  # only the NVM command set; its limits (VSL, WZSL, DMRL ...) all 0: none beyond MDTS
+                raise CommandError(Status.INVALID_FIELD)
         elif cns == IdentifyCns.NAMESPACE_DESCRIPTORS:
             ns = self.namespaces.get(nsid)
             if ns is None:
@@ -619,9 +729,11 @@ class NvmeController(PciFunction):
             return 0
         raise CommandError(Status.INVALID_FIELD)
 
-    def _log_page(self, cdw10: int, cdw11: int) -> bytes:
+    def _log_page(self, cdw10: int, cdw11: int, offset: int = 0) -> bytes:
         lid = cdw10 & 0xFF
         length = ((((cdw11 & 0xFFFF) << 16) | (cdw10 >> 16)) + 1) * 4
+        if offset & 3:
+            raise CommandError(Status.INVALID_FIELD)
         if lid == LogPage.ERROR:  # no errors
             page = bytes(64)
         elif lid == LogPage.SMART:  # SMART / health
@@ -637,9 +749,19 @@ class NvmeController(PciFunction):
             fw[0] = 1
             fw[8:16] = b"1.0".ljust(8)
             page = bytes(fw)
+        elif lid == LogPage.COMMAND_EFFECTS:  # CSUPP for what is served; LBCC for what changes blocks
+            effects = bytearray(4096)
+            for op in AdminOpcode:
+                struct.pack_into("<I", effects, op * 4, 1)
+            for op in IoOpcode:
+                changes = op in (IoOpcode.WRITE, IoOpcode.WRITE_ZEROES, IoOpcode.DATASET_MANAGEMENT)
+                struct.pack_into("<I", effects, 1024 + op * 4, 1 | (2 if changes else 0))
+            page = bytes(effects)
         else:
             raise CommandError(Status.INVALID_LOG_PAGE)
-        return page[:length].ljust(min(length, PAGE), b"\0")
+        if offset >= len(page):
+            raise CommandError(Status.INVALID_FIELD)
+        return page[offset:offset + length].ljust(min(length, PAGE), b"\0")
 
     def _create_cq(self, cdw10: int, cdw11: int, base: int) -> None:
         qid, size = cdw10 & 0xFFFF, (cdw10 >> 16) + 1
@@ -673,11 +795,16 @@ class NvmeController(PciFunction):
                 raise CommandError(Status.INVALID_QID)
             if cq and table[qid].sq_ids:
                 raise CommandError(Status.INVALID_QUEUE_DELETION)
-            if not cq:  # its commands in flight complete first (into the CQ, which stays);
-                sq = table[qid]  # one stuck longer is dropped: its completion finds no SQ
-                self._ended.wait_for(lambda: sq.in_flight == 0, DELETE_WAIT)
-                if table.get(qid) is not sq:  # reset meanwhile (table is the old dict)
-                    raise CommandError(Status.INVALID_QID)
+            target = table[qid]
+            waiting = [] if cq else [j for j in self._not_started.values() if j.sq is target]
+        for job in waiting:  # not started: completed as aborted (posting it is a DMA: no lock held)
+            self._take_back(job, Status.ABORTED_SQ_DELETION)
+        with self.lock:
+            if not cq:  # the running ones complete first (into the CQ, which stays); one
+                # stuck longer is dropped: its completion finds no SQ
+                self._ended.wait_for(lambda: target.in_flight == 0, DELETE_WAIT)
+            if table.get(qid) is not target:  # reset or deleted meanwhile (table is the old dict)
+                raise CommandError(Status.INVALID_QID)
             queue = table.pop(qid)
             if not cq:
                 self.cqs.get(queue.cqid, Queue(0, 0, 1)).sq_ids.discard(qid)

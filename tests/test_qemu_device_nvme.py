@@ -656,3 +656,215 @@ def test_a_namespace_without_path_leaves_no_file_whatever_ends_the_process(tmp_p
         proc.kill()
         proc.wait()
     assert os.listdir(tmp_path) == []
+
+
+# --- controller reset, Abort and what Linux's nvme driver does on recovery (issue 17) ------------
+
+def abort(drv: Driver, sqid: int, cid: int) -> tuple[int, int]:
+    """Abort (CDW10: SQID | CID << 16); its (status, Dword 0)."""
+    return drv.submit(0, 0x08, cdw=(sqid | cid << 16, 0, 0, 0, 0, 0))
+
+
+def wait_not_ready(drv: Driver, timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while drv.r32(nvme.CSTS) & nvme.CSTS_RDY:
+        assert time.monotonic() < deadline, "CSTS.RDY stayed up"
+        time.sleep(0.001)
+
+
+def fresh_queues(drv: Driver) -> None:
+    """What a driver does before it enables again: its queue memory zeroed, its indexes back to 0."""
+    for qid in range(QUEUES):
+        for base in (sq_base(qid), cq_base(qid)):
+            put(drv, base, bytes(0x1000))
+    drv.tails = dict.fromkeys(range(QUEUES), 0)
+    drv.cq_heads = dict.fromkeys(range(QUEUES), 0)
+    drv.phases = dict.fromkeys(range(QUEUES), 1)
+
+
+def test_abort_takes_back_a_command_not_started_and_leaves_a_running_one(tmp_path):
+    """One I/O thread, held in the first read's DMA: the second read is taken but not
+    started. Abort of it: it completes at once with Command Abort Requested, and the
+    Abort's Dword 0 bit 0 is 0 (aborted). Abort of the running one: bit 0 is 1, and it
+    completes normally once its DMA goes on."""
+    drv, _ = enabled_controller(tmp_path, io_workers=1)
+    try:
+        drv.io_queues(1)
+        a, b = bufs(2)
+        reached, release = drv.ram.hold(a)
+        running, waiting = drv.read(1, a), drv.read(1, b, lba=8)
+        drv.ring(1)
+        assert reached.wait(5)
+        assert abort(drv, 1, waiting) == (0, 0), "the command not started was not aborted"
+        [(cid, status, _, _)] = drv.reap(1)
+        assert (cid, status) == (waiting, nvme.Status.ABORT_REQUESTED)
+        assert abort(drv, 1, running) == (0, 1), "a running command cannot be aborted here"
+        assert abort(drv, 1, 999) == (0, 1)  # a CID not outstanding
+        assert drv.nothing_completes(1, 0.2)
+        release.set()
+        assert drv.reap(1)[0][:2] == (running, 0)
+        assert drv.nothing_completes(1, 0.2), "the aborted command completed a second time"
+        assert not [c for c in drv.ram.calls if c[0] == "write" and c[1] == b], "the aborted read moved data"
+        assert drv.dev.stats()["aborted"] == 1 and drv.dev.stats()["aborts"] == 3
+    finally:
+        drv.ram.holds[a][1].set()
+        drv.dev.close()
+
+
+def test_disable_during_the_fetch_of_entries_drops_rdy_only_after_it(ctrl):
+    """CC.EN=0 while the controller is still reading the SQ entries a doorbell announced:
+    RDY stays up until that read is over, and nothing from it runs after (no DMA once RDY
+    is 0: the host frees the queue memory then)."""
+    drv, _ = ctrl
+    drv.io_queues(1)
+    reached, release = drv.ram.hold(sq_base(1))
+    drv.read(1, BUF)
+    drv.ring(1)
+    assert reached.wait(5)
+    drv.w32(nvme.CC, 0)
+    assert drv.r32(nvme.CSTS) & nvme.CSTS_RDY, "RDY fell while the controller was reading the SQ"
+    release.set()
+    wait_not_ready(drv)
+    seen = len(drv.ram.calls)
+    time.sleep(0.2)
+    assert drv.ram.calls[seen:] == [], "DMA after RDY fell"
+    assert not [c for c in drv.ram.calls if c[1] == BUF], "a command fetched before the disable ran"
+
+
+def test_disable_drops_commands_not_started_and_waits_for_the_running_one(tmp_path):
+    drv, irq = enabled_controller(tmp_path, io_workers=1)
+    try:
+        drv.io_queues(1)
+        a, b = bufs(2)
+        reached, release = drv.ram.hold(a)
+        drv.read(1, a)
+        drv.read(1, b, lba=8)
+        drv.ring(1)
+        assert reached.wait(5)
+        drv.w32(nvme.CC, 0)
+        assert drv.r32(nvme.CSTS) & nvme.CSTS_RDY
+        writes, _ = drv.ram.cq_writes(1), irq.take()
+        release.set()
+        wait_not_ready(drv)
+        time.sleep(0.2)
+        assert drv.ram.cq_writes(1) == writes, "a completion into a queue of before the disable"
+        assert not [c for c in drv.ram.calls if c[1] == b], "a command not started ran after the disable"
+        assert not [e for e in irq.take() if e != ("intx", False)]
+    finally:
+        drv.ram.holds[a][1].set()
+        drv.dev.close()
+
+
+def test_delete_sq_completes_commands_not_started_as_aborted(tmp_path):
+    drv, _ = enabled_controller(tmp_path, io_workers=1)
+    try:
+        drv.io_queues(1)
+        a, b = bufs(2)
+        reached, release = drv.ram.hold(a)
+        running, waiting = drv.read(1, a), drv.read(1, b, lba=8)
+        drv.ring(1)
+        assert reached.wait(5)
+        delete = drv.post(0, 0x00, cdw=(1, 0, 0, 0, 0, 0))
+        drv.ring(0)
+        [(cid, status, _, _)] = drv.reap(1)
+        assert (cid, status) == (waiting, nvme.Status.ABORTED_SQ_DELETION)
+        assert drv.nothing_completes(0, 0.2), "Delete SQ did not wait for the running command"
+        release.set()
+        assert drv.reap(1)[0][:2] == (running, 0)
+        assert drv.reap(0)[0][:2] == (delete, 0)
+    finally:
+        drv.ram.holds[a][1].set()
+        drv.dev.close()
+
+
+def recover_like_linux(drv: Driver) -> None:
+    """nvme_reset_work after nvme_dev_disable: enable, then what nvme_init_ctrl_finish,
+    nvme_setup_io_queues and the namespace scan send; every command must succeed."""
+    fresh_queues(drv)
+    drv.enable()
+    assert drv.submit(0, 0x06, prp1=BUF, cdw=(1, 0, 0, 0, 0, 0)) == (0, 0)  # Identify Controller
+    ident = get(drv, BUF, PAGE)
+    assert ident[261] & 0x02 and ident[258] == nvme.ABORT_LIMIT  # LPA: effects log; ACL
+    assert drv.submit(0, 0x02, prp1=BUF, cdw=(5 | (1023 << 16), 0, 0, 0, 0, 0))[0] == 0  # effects log
+    assert struct.unpack_from("<I", drv.ram.ram, BUF - RAM_BASE + 1024 + 4)[0] == 0b11  # Write: CSUPP, LBCC
+    assert drv.submit(0, 0x06, prp1=BUF, cdw=(6, 0, 0, 0, 0, 0))[0] == 0  # Identify NVM CS controller
+    assert drv.submit(0, 0x09, cdw=(7, 1 | 1 << 16, 0, 0, 0, 0)) == (0, (7 << 16) | 7)  # Number of Queues
+    assert drv.submit(0, 0x06, prp1=BUF, cdw=(2, 0, 0, 0, 0, 0))[0] == 0  # active namespaces
+    assert drv.submit(0, 0x06, nsid=1, prp1=BUF, cdw=(3, 0, 0, 0, 0, 0))[0] == 0  # descriptors
+    assert drv.submit(0, 0x06, nsid=1, prp1=BUF, cdw=(0, 0, 0, 0, 0, 0))[0] == 0  # Identify Namespace
+    drv.io_queues(1)
+
+
+def test_reset_with_io_in_flight_then_recovery_as_linux_does_it(ctrl):
+    """nvme_dev_disable with a write in flight: Delete SQ and CQ, CC.EN=0, RDY=0; then the
+    recovery's admin commands, all answered; the data written before and after is intact."""
+    drv, _ = ctrl
+    drv.io_queues(1)
+    before, after = os.urandom(4096), os.urandom(4096)
+    a, b = bufs(2)
+    put(drv, a, before)
+    reached, release = drv.ram.hold(a)
+    write = drv.write(1, a, lba=40)
+    drv.ring(1)
+    assert reached.wait(5)
+    delete_sq = drv.post(0, 0x00, cdw=(1, 0, 0, 0, 0, 0))
+    drv.ring(0)
+    release.set()  # the write ends, then Delete SQ completes
+    assert drv.reap(1)[0][:2] == (write, 0)
+    assert drv.reap(0)[0][:2] == (delete_sq, 0)
+    assert drv.submit(0, 0x04, cdw=(1, 0, 0, 0, 0, 0)) == (0, 0)  # Delete CQ
+    drv.w32(nvme.CC, drv.r32(nvme.CC) & ~1)
+    wait_not_ready(drv)
+    refused = drv.dev.stats()["admin_refused"]
+    recover_like_linux(drv)
+    assert drv.dev.stats()["admin_refused"] == refused, "a recovery command was refused"
+    put(drv, b, after)
+    assert drv.submit(1, 0x01, nsid=1, prp1=b, cdw=(48, 0, 7, 0, 0, 0)) == (0, 0)
+    for lba, data in ((40, before), (48, after)):
+        assert drv.submit(1, 0x02, nsid=1, prp1=BUF + 0x8000, cdw=(lba, 0, 7, 0, 0, 0)) == (0, 0)
+        assert get(drv, BUF + 0x8000, 4096) == data
+
+
+def test_shutdown_then_disable_then_enable_again(ctrl):
+    """nvme_dev_disable(shutdown) keeps CC.EN=1 and sets CC.SHN; a later reset clears EN,
+    then enables: the controller comes back with working queues."""
+    drv, _ = ctrl
+    drv.io_queues(1)
+    drv.w32(nvme.CC, drv.r32(nvme.CC) | (1 << 14))
+    assert drv.r32(nvme.CSTS) & nvme.CSTS_SHST == nvme.CSTS_SHST_DONE
+    drv.w32(nvme.CC, drv.r32(nvme.CC) & ~(1 | 3 << 14))
+    wait_not_ready(drv)
+    assert drv.r32(nvme.CSTS) == 0
+    recover_like_linux(drv)
+    assert drv.submit(1, 0x02, nsid=1, prp1=BUF, cdw=(0, 0, 7, 0, 0, 0)) == (0, 0)
+
+
+def test_repeated_resets_with_io_in_flight_leak_no_threads(tmp_path):
+    """Twenty resets, each with reads in flight at CC.EN=0: the device's threads stay the
+    worker and its pool, and every reset ends with RDY=0."""
+    drv, _ = enabled_controller(tmp_path, io_workers=3)
+    try:
+        counts = []
+        for _ in range(20):
+            drv.io_queues(1)
+            for i in range(6):
+                drv.read(1, BUF + 0x1000 * i, lba=8 * i)
+            drv.ring(1)
+            drv.w32(nvme.CC, 0)
+            wait_not_ready(drv)
+            counts.append(len([t for t in threading.enumerate() if t.name.startswith("nvme")]))
+            fresh_queues(drv)
+            drv.enable()
+        assert max(counts) <= 1 + 3, counts
+        assert drv.dev.stats()["enables"] == 21 and drv.dev.stats()["disables"] == 20
+        assert drv.dev._in_flight == 0 and not drv.dev._not_started
+    finally:
+        drv.dev.close()
+
+
+def test_log_page_offset_and_unknown_cs_identify(ctrl):
+    drv, _ = ctrl
+    assert drv.submit(0, 0x02, prp1=BUF, cdw=(5 | (255 << 16), 0, 1024, 0, 0, 0))[0] == 0  # from byte 1024
+    assert struct.unpack_from("<I", drv.ram.ram, BUF - RAM_BASE + 4)[0] == 0b11  # the I/O Write entry
+    assert drv.submit(0, 0x02, prp1=BUF, cdw=(2 | (1 << 16), 0, 4096, 0, 0, 0))[0] == nvme.Status.INVALID_FIELD
+    assert drv.submit(0, 0x06, prp1=BUF, cdw=(6, 2 << 24, 0, 0, 0, 0))[0] == nvme.Status.INVALID_FIELD  # ZNS
