@@ -722,8 +722,9 @@ def main(argv: list[str] | None = None) -> int:
     except (AccelError, OSError) as exc:
         print(f"error={exc}")
         return 2
-    print(f"bdf={dev.mmio.bdf} vram={dev.vram_size} caps={dev.caps:#x} ring={dev.ring_size} "
-          f"huge_pages={int(getattr(dev.memory, 'huge', False))}")
+    for key, value in (("bdf", dev.mmio.bdf), ("vram", dev.vram_size), ("caps", f"{dev.caps:#x}"),
+                       ("ring", dev.ring_size), ("huge_pages", int(getattr(dev.memory, "huge", False)))):
+        print(f"{key}={value}")
     if args.command == "info":
         return 0
     try:
