@@ -45,6 +45,7 @@ REGISTER_BAR = 0
 VRAM_BAR = 2
 REGISTER_BAR_SIZE = 4096
 DEFAULT_VRAM_SIZE = 1 << 30
+VRAM_PAGE = 64 << 10             # VRAM is allocated on first write, in pieces of this size
 VECTORS = 4
 
 # BAR0 registers (32-bit; 64-bit values as LO/HI pairs)
@@ -208,7 +209,7 @@ class AccelDevice(PciFunction):
                          config_size=config_size, pcie=pcie)
         self.backend: KernelBackend = get_backend(str(backend))
         self.vram_size = vram_size
-        self.vram = SparseMemory(vram_size)
+        self.vram = SparseMemory(vram_size, VRAM_PAGE)
         self.worker = DeviceWorker(f"accel-{id(self):x}")
         self._idle = threading.Condition(self.lock)
         self._t0 = time.monotonic_ns()

@@ -9,7 +9,9 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import signal
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -264,3 +266,38 @@ def test_vram_allocator_reuses_and_merges():
     assert alloc.malloc(512) == 0                  # the two holes merged
     with pytest.raises(MemoryError):
         alloc.malloc(4096)
+
+
+def test_the_box_killed_mid_kernel_ends_the_wait_with_an_error(remote, box):
+    """The guest program neither hangs nor gets a result: the host proxy completes its
+    reads with all-ones once the box is gone, and the runtime says the device is gone."""
+    dev, _ = remote
+    n = 1536                                       # a GEMM of ~0.2 s on the box's numpy
+    a = dev.malloc(4 * n * n)
+    s = dev.stream()
+    s.gemm(a, a, a, n, n, n)
+    s.gemm(a, a, a, n, n, n)
+    event = s.record()
+    box.signal(signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(rt.DeviceGone):
+        event.synchronize(timeout=15)
+    assert time.monotonic() - started < 10
+
+
+def test_reset_while_work_is_queued_cancels_it_and_the_device_works_on(local):
+    dev, device = local
+    n = 1024
+    a = dev.malloc(4 * n * n)
+    s = dev.stream()
+    for _ in range(20):
+        s.gemm(a, a, a, n, n, n)                   # seconds of work queued
+    s.flush()
+    dev.reset()                                    # engine reset: the queue is dropped
+    assert device.wait_idle(5)
+    x = dev.malloc(4)
+    s2 = dev.stream()
+    s2.fill(x, 4, 42)
+    s2.synchronize(timeout=10)
+    assert int.from_bytes(dev.memcpy_dtoh(x, 4), "little") == 42
+    assert device.stats()["opcodes"].get("0x10", 0) <= 2
