@@ -216,6 +216,14 @@ def test_selftest_and_mlp_from_a_box_over_tls(remote):
     assert forwarder.stats()["dma_bytes_read"] > 1 << 20   # the box fetched the data from "guest" memory
 
 
+def test_the_runtimes_own_mlp_checks_itself(local):
+    dev, device = local
+    result = rt.mlp_inference(dev, batch=8, width=64, layers=3, repeat=3)
+    assert result["match"] and result["max_abs_error"] < 1e-4 and result["median_ms"] > 0
+    assert result["nonzero"] > 64 // 4               # ReLU left a real result to compare
+    assert device.stats()["opcodes"]["0x10"] == 9
+
+
 def test_an_error_is_raised_and_cleared(local):
     dev, _ = local
     s = dev.stream()

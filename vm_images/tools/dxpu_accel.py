@@ -20,6 +20,7 @@ fills) are batched and go to the device with one doorbell at ``flush``/``synchro
 ring, so they run in the order they were flushed.
 
     python3 dxpu_accel.py [--bdf BDF] info|selftest [--sizes 4096,1048576,...]
+    python3 dxpu_accel.py [--bdf BDF] mlp [--batch 64 --width 256 --layers 3 --repeat 5]
 
 prints ``key=value`` lines and exits 0 (ok), 1 (a check failed) or 2 (no device).
 """
@@ -711,10 +712,59 @@ def selftest(dev: Accel, sizes: list[int], out=print) -> bool:
     return ok
 
 
+def mlp_inference(dev: Accel, batch: int, width: int = 256, layers: int = 3, repeat: int = 5,
+                  seed: int = 16) -> dict:
+    """An MLP (``layers`` x [GEMM width x width, bias, ReLU]) on the device: weights uploaded
+    once, then ``repeat`` timed forward passes of ``batch`` rows (input copied in, output
+    copied out, one doorbell per pass). The first row is checked against pure Python."""
+    rng = random.Random(seed)
+    scale = 1 / math.sqrt(width)
+    weights = [[rng.uniform(-scale, scale) * 1.7 for _ in range(width * width)] for _ in range(layers)]
+    biases = [[rng.uniform(-0.1, 0.1) for _ in range(width)] for _ in range(layers)]
+    x = [rng.uniform(-1, 1) for _ in range(batch * width)]
+    pw = [dev.malloc(4 * width * width) for _ in range(layers)]
+    pb = [dev.malloc(4 * width) for _ in range(layers)]
+    act = [dev.malloc(4 * batch * width) for _ in range(2)]
+    s = dev.stream()
+    for i in range(layers):
+        s.memcpy_htod(pw[i], _floats(weights[i]))
+        s.memcpy_htod(pb[i], _floats(biases[i]))
+    s.synchronize()
+    host_in, host_out = dev.host_alloc(4 * batch * width), dev.host_alloc(4 * batch * width)
+    host_in.view[:] = _floats(x)
+    times = []
+    for _ in range(repeat):
+        started = time.monotonic()
+        s.memcpy_htod(act[0], host_in)
+        for i in range(layers):
+            src, dst = act[i % 2], act[(i + 1) % 2]
+            s.gemm(dst, src, pw[i], batch, width, width)
+            s.bias_add(dst, dst, pb[i], batch, width)
+            s.relu(dst, dst, batch * width)
+        s.memcpy_dtoh(host_out, act[layers % 2])
+        s.synchronize()
+        times.append(time.monotonic() - started)
+    row = x[:width]
+    for i in range(layers):
+        row = [max(0.0, v + biases[i][c]) for c, v in enumerate(_matmul(row, weights[i], 1, width, width))]
+    got = _unfloats(bytes(host_out.view[:4 * width]))
+    error = max(abs(a - b) for a, b in zip(got, row))
+    for p in (*pw, *pb, *act):
+        dev.free(p)
+    times.sort()
+    return {"batch": batch, "width": width, "layers": layers, "median_ms": round(1000 * times[len(times) // 2], 3),
+            "min_ms": round(1000 * times[0], 3), "max_abs_error": error,
+            "nonzero": sum(1 for v in row if v), "match": error < 1e-3}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bdf", help="the device (default: the first accel in sysfs)")
-    parser.add_argument("command", choices=["info", "selftest"])
+    parser.add_argument("command", choices=["info", "selftest", "mlp"])
+    parser.add_argument("--batch", type=int, default=64, help="mlp: rows per forward pass")
+    parser.add_argument("--width", type=int, default=256, help="mlp: layer width")
+    parser.add_argument("--layers", type=int, default=3, help="mlp: layers")
+    parser.add_argument("--repeat", type=int, default=5, help="mlp: timed forward passes")
     parser.add_argument("--sizes", default="4096,65536,1048576", help="copy sizes for selftest (bytes, comma separated)")
     args = parser.parse_args(argv)
     try:
@@ -728,6 +778,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         return 0
     try:
+        if args.command == "mlp":
+            result = mlp_inference(dev, args.batch, args.width, args.layers, args.repeat)
+            for key, value in result.items():
+                print(f"mlp_{key}={value}")
+            return 0 if result["match"] else 1
         return 0 if selftest(dev, [int(x) for x in args.sizes.split(",") if x]) else 1
     except AccelError as exc:
         print(f"error={exc}")
