@@ -194,10 +194,10 @@ class AccelDevice(PciFunction):
     """The accelerator (1b36:10f2, class 120000). ``close()`` stops its worker.
 
     ``vram_size``: VRAM bytes (a power of two, 64 KiB to 64 GiB); ``backend``: the
-    kernels' backend (numpy, cupy, torch).
+    kernels' backend (numpy, cupy, torch); ``threads``: numpy's BLAS threads.
     """
 
-    def __init__(self, *, vram_size: int = DEFAULT_VRAM_SIZE, backend: str = "numpy",
+    def __init__(self, *, vram_size: int = DEFAULT_VRAM_SIZE, backend: str = "numpy", threads: int = 1,
                  config_size: int = 4096, pcie: bool = True) -> None:
         vram_size = int(vram_size)
         if vram_size < 1 << 16:
@@ -207,7 +207,10 @@ class AccelDevice(PciFunction):
                 BarSpec(VRAM_BAR, vram_size, "mem64", prefetchable=True)]
         super().__init__(identity, bars, IrqConfig(intx=True, msi_vectors=VECTORS),
                          config_size=config_size, pcie=pcie)
-        self.backend: KernelBackend = get_backend(str(backend))
+        threads = int(threads)
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, not {threads}")
+        self.backend: KernelBackend = get_backend(str(backend), threads)
         self.vram_size = vram_size
         self.vram = SparseMemory(vram_size, VRAM_PAGE)
         self.worker = DeviceWorker(f"accel-{id(self):x}")

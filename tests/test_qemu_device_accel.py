@@ -630,3 +630,11 @@ def test_bf16_round_trip():
     np.testing.assert_array_equal(back[:3], x[:3])          # exactly representable
     assert abs(back[3] - 1e-3) < 1e-5 and back[4] == np.inf and np.isnan(back[5])
     assert ak.to_bf16(np.array([1.00390625], dtype=np.float32))[0] == 0x3F80   # ties to even
+
+
+def test_blas_threads_are_limited_where_numpy_uses_openblas():
+    with open("/proc/self/maps") as maps:
+        openblas = any("openblas" in line.lower() for line in maps)
+    assert ak.limit_blas_threads(1) is openblas
+    with pytest.raises(ValueError, match="threads"):
+        ac.AccelDevice(vram_size=1 << 16, threads=0)
