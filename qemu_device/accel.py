@@ -341,7 +341,7 @@ class AccelDevice(PciFunction):
                 if not self._enabled:
                     self._enable()
             else:
-                self._enabled = False   # the worker stops before its next entry
+                self._enabled = False   # the worker stops after the entry it runs
         elif reg == REG_DOORBELL:
             self._doorbell(value)
         elif reg == REG_IRQ_CAUSE:
@@ -459,6 +459,8 @@ class AccelDevice(PciFunction):
                     self.opcode_counts[entry.opcode] = self.opcode_counts.get(entry.opcode, 0) + 1
                     if entry.flags & FLAG_INTERRUPT:
                         self._signal(CAUSE_COMPLETION, entry.vector)
+                    if not self._enabled:
+                        break       # CONTROL.ENABLE cleared: the rest of the batch waits
 
     # -- commands ---------------------------------------------------------------------------
 

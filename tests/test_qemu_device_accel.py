@@ -638,3 +638,24 @@ def test_blas_threads_are_limited_where_numpy_uses_openblas():
     assert ak.limit_blas_threads(1) is openblas
     with pytest.raises(ValueError, match="threads"):
         ac.AccelDevice(vram_size=1 << 16, threads=0)
+
+
+def test_disabling_stops_the_ring_after_the_running_entry(drv):
+    reached, release = threading.Event(), threading.Event()
+    write = drv.ram.write
+
+    def slow_write(addr, data):          # the first fence's DMA waits
+        if addr == FENCES:
+            reached.set()
+            release.wait(5)
+        write(addr, data)
+
+    drv.ram.write = slow_write
+    drv.post(ac.encode_entry(ac.OP_FENCE, FENCES, 1))
+    drv.post(ac.encode_entry(ac.OP_FENCE, FENCES + 8, 2))
+    drv.ring()
+    assert reached.wait(5)
+    drv.w32(ac.REG_CONTROL, 0)
+    release.set()
+    assert drv.dev.wait_idle(5)
+    assert drv.r32(ac.REG_RING_HEAD) == 1 and drv.fence_value(1) == 0 and drv.r32(ac.REG_STATUS) == 0
