@@ -309,3 +309,32 @@ def test_reset_while_work_is_queued_cancels_it_and_the_device_works_on(local):
     s2.synchronize(timeout=10)
     assert int.from_bytes(dev.memcpy_dtoh(x, 4), "little") == 42
     assert device.stats()["opcodes"].get("0x10", 0) <= 2
+
+
+def test_the_vmm_going_away_with_work_in_flight_leaves_a_clean_device(tmp_path):
+    """What hot-unplug does to the server: QEMU's connection ends while the ring still
+    holds seconds of GEMMs. The device is reset (the queue dropped), and the next
+    connection finds it clean and working."""
+    device = ac.AccelDevice(vram_size=64 << 20)
+    server = VfioUserServer(device, tmp_path / "accel.sock", name="accel").start()
+    try:
+        for round_ in range(2):
+            client = VfioUserClient(server.socket_path)
+            dev, ram = open_runtime(client)
+            x = dev.malloc(4)
+            assert int.from_bytes(dev.memcpy_dtoh(x, 4), "little") == 0     # VRAM clean
+            dev.memcpy_htod(x, (7).to_bytes(4, "little"))
+            n = 1024
+            a = dev.malloc(4 * n * n)
+            s = dev.stream()
+            for _ in range(20):
+                s.gemm(a, a, a, n, n, n)
+            s.flush()
+            client.close()
+            assert device.wait_idle(10)
+            del dev, s
+            gc.collect()
+            ram.close()
+        assert device.stats()["opcodes"].get("0x10", 0) <= 4          # the queues were dropped
+    finally:
+        server.stop()
