@@ -338,3 +338,123 @@ def test_the_vmm_going_away_with_work_in_flight_leaves_a_clean_device(tmp_path):
         assert device.stats()["opcodes"].get("0x10", 0) <= 4          # the queues were dropped
     finally:
         server.stop()
+
+
+class OnDevice:
+    """float32 arrays in VRAM by name, for the workload tests."""
+
+    def __init__(self, dev) -> None:
+        self.dev, self.ptr, self.shape = dev, {}, {}
+
+    def put(self, s, name: str, array: np.ndarray) -> int:
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        self.ptr[name], self.shape[name] = self.dev.malloc(array.nbytes), array.shape
+        s.memcpy_htod(self.ptr[name], array)
+        return self.ptr[name]
+
+    def new(self, name: str, *shape: int) -> int:
+        self.ptr[name], self.shape[name] = self.dev.malloc(4 * int(np.prod(shape))), shape
+        return self.ptr[name]
+
+    def get(self, name: str) -> np.ndarray:
+        shape = self.shape[name]
+        return np.frombuffer(self.dev.memcpy_dtoh(self.ptr[name], 4 * int(np.prod(shape))), dtype=np.float32).reshape(shape)
+
+
+def _ln(x, g, b, eps=1e-5):
+    return (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + eps) * g + b
+
+
+def _gelu(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+@pytest.mark.parametrize("seq", [16, 64])
+def test_a_transformer_block_forward_matches_numpy(local, seq):
+    """Pre-LN, one head: LN, Q/K/V, softmax(Q K^T / sqrt(d)) V, output projection,
+    residual; LN, GELU MLP, residual. All on the device, one doorbell."""
+    dev, _ = local
+    d, f = 64, 256
+    rng = np.random.default_rng(seq)
+    w = {n: (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+         for n, shape in (("wq", (d, d)), ("wk", (d, d)), ("wv", (d, d)), ("wo", (d, d)), ("w1", (d, f)), ("w2", (f, d)))}
+    w["wq"] = (w["wq"] / np.sqrt(d)).astype(np.float32)          # the attention scale, folded into W_q
+    vec = {n: rng.standard_normal(k).astype(np.float32) * 0.1 for n, k in (("g1", d), ("b1n", d), ("g2", d),
+                                                                            ("b2n", d), ("b1", f), ("b2", d))}
+    x = rng.standard_normal((seq, d)).astype(np.float32)
+    m, s = OnDevice(dev), dev.stream()
+    for name, array in {**w, **vec, "x": x}.items():
+        m.put(s, name, array)
+    p = m.ptr
+    for name, shape in (("h", (seq, d)), ("q", (seq, d)), ("k", (seq, d)), ("v", (seq, d)), ("sc", (seq, seq)),
+                        ("pr", (seq, seq)), ("att", (seq, d)), ("o", (seq, d)), ("x1", (seq, d)), ("h2", (seq, d)),
+                        ("u", (seq, f)), ("y2", (seq, d)), ("y", (seq, d))):
+        m.new(name, *shape)
+    s.layer_norm(p["h"], p["x"], seq, d, p["g1"], p["b1n"])
+    for out, weight in (("q", "wq"), ("k", "wk"), ("v", "wv")):
+        s.gemm(p[out], p["h"], p[weight], seq, d, d)
+    s.gemm(p["sc"], p["q"], p["k"], seq, seq, d, trans_b=True)   # Q K^T
+    s.softmax(p["pr"], p["sc"], seq, seq)
+    s.gemm(p["att"], p["pr"], p["v"], seq, d, seq)
+    s.gemm(p["o"], p["att"], p["wo"], seq, d, d)
+    s.add(p["x1"], p["x"], p["o"], seq * d)
+    s.layer_norm(p["h2"], p["x1"], seq, d, p["g2"], p["b2n"])
+    s.gemm(p["u"], p["h2"], p["w1"], seq, f, d)
+    s.bias_add(p["u"], p["u"], p["b1"], seq, f)
+    s.gelu(p["u"], p["u"], seq * f)
+    s.gemm(p["y2"], p["u"], p["w2"], seq, d, f)
+    s.bias_add(p["y2"], p["y2"], p["b2"], seq, d)
+    s.add(p["y"], p["x1"], p["y2"], seq * d)
+    s.synchronize()
+
+    h = _ln(x, vec["g1"], vec["b1n"])
+    q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+    sc = q @ k.T
+    pr = np.exp(sc - sc.max(1, keepdims=True))
+    pr /= pr.sum(1, keepdims=True)
+    x1 = x + (pr @ v) @ w["wo"]
+    want = x1 + _gelu(_ln(x1, vec["g2"], vec["b2n"]) @ w["w1"] + vec["b1"]) @ w["w2"] + vec["b2"]
+    np.testing.assert_allclose(m.get("y"), want, rtol=1e-3, atol=1e-4)
+
+
+def test_an_mlp_training_step_matches_numpy(local):
+    """Forward, MSE loss gradient, backward (ReLU), SGD update of all four parameters.
+    The loss's 2/(batch*out) factor is folded into the learning rate."""
+    dev, _ = local
+    b, i, h, o, lr = 32, 48, 64, 8, 0.05
+    rng = np.random.default_rng(3)
+    params = {"w1": rng.standard_normal((i, h)) / np.sqrt(i), "b1": rng.standard_normal(h) * 0.1,
+              "w2": rng.standard_normal((h, o)) / np.sqrt(h), "b2": rng.standard_normal(o) * 0.1}
+    params = {k: v.astype(np.float32) for k, v in params.items()}
+    x, t = rng.standard_normal((b, i)).astype(np.float32), rng.standard_normal((b, o)).astype(np.float32)
+    m, s = OnDevice(dev), dev.stream()
+    for name, array in {**params, "x": x, "t": t}.items():
+        m.put(s, name, array)
+    for name, shape in (("z1", (b, h)), ("a1", (b, h)), ("y", (b, o)), ("dy", (b, o)), ("dw2", (h, o)),
+                        ("db2", (o,)), ("da1", (b, h)), ("dz1", (b, h)), ("dw1", (i, h)), ("db1", (h,))):
+        m.new(name, *shape)
+    p, step = m.ptr, -lr * 2 / (b * o)
+    s.gemm(p["z1"], p["x"], p["w1"], b, h, i)
+    s.bias_add(p["z1"], p["z1"], p["b1"], b, h)
+    s.relu(p["a1"], p["z1"], b * h)
+    s.gemm(p["y"], p["a1"], p["w2"], b, o, h)
+    s.bias_add(p["y"], p["y"], p["b2"], b, o)
+    s.axpy(p["dy"], p["y"], p["t"], b * o, -1.0)                 # dL/dy without its constant: y - t
+    s.gemm(p["dw2"], p["a1"], p["dy"], h, o, b, trans_a=True)    # a1^T dy
+    s.sum_rows(p["db2"], p["dy"], b, o)
+    s.gemm(p["da1"], p["dy"], p["w2"], b, h, o, trans_b=True)    # dy W2^T
+    s.relu_grad(p["dz1"], p["z1"], p["da1"], b * h)
+    s.gemm(p["dw1"], p["x"], p["dz1"], i, h, b, trans_a=True)    # x^T dz1
+    s.sum_rows(p["db1"], p["dz1"], b, h)
+    for name, size in (("w1", i * h), ("b1", h), ("w2", h * o), ("b2", o)):
+        s.axpy(p[name], p[name], p["d" + name], size, step)
+    s.synchronize()
+
+    z1 = x @ params["w1"] + params["b1"]
+    a1 = np.maximum(z1, 0)
+    dy = a1 @ params["w2"] + params["b2"] - t
+    dz1 = np.where(z1 > 0, dy @ params["w2"].T, 0)
+    grads = {"w1": x.T @ dz1, "b1": dz1.sum(0), "w2": a1.T @ dy, "b2": dy.sum(0)}
+    for name in params:
+        np.testing.assert_allclose(m.get(name), params[name] + step * grads[name], rtol=1e-4, atol=1e-5)
+        assert not np.allclose(m.get(name), params[name])   # the step changed every parameter
