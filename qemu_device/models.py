@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .accel import AccelDevice
 from .device import PciFunction
 from .display import DisplayAdapter
 from .nvme import NvmeController
@@ -13,6 +14,7 @@ MODELS: dict[str, Callable[..., PciFunction]] = {
     "testdev": TestDevice,
     "nvme": NvmeController,
     "display": DisplayAdapter,
+    "accel": AccelDevice,
 }
 
 

@@ -11,18 +11,24 @@ PAGE_SIZE = 4096
 
 
 class SparseMemory:
-    """``size`` bytes of zero-initialised memory, stored as a dict of 4 KiB pages."""
+    """``size`` bytes of zero-initialised memory, stored as a dict of pages (4 KiB by
+    default; a device that moves megabytes at a time, the accelerator's VRAM, takes
+    larger ones: fewer pages to visit per access)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, page_size: int = PAGE_SIZE) -> None:
         if size <= 0:
             raise ValueError(f"memory size must be positive, not {size}")
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page size must be a power of two, not {page_size}")
         self.size = size
+        self.page_size = page_size
+        self._zero_page = bytes(page_size)
         self._pages: dict[int, bytearray] = {}
 
     @property
     def resident_bytes(self) -> int:
         """Bytes actually allocated (whole pages)."""
-        return len(self._pages) * PAGE_SIZE
+        return len(self._pages) * self.page_size
 
     def read(self, offset: int, length: int) -> bytes:
         self._check(offset, length)
@@ -40,9 +46,9 @@ class SparseMemory:
             piece = view[pos:pos + chunk]
             page = self._pages.get(page_index)
             if page is None:
-                if not any(piece):
+                if piece.tobytes() == (self._zero_page if chunk == self.page_size else bytes(chunk)):
                     continue   # zeros onto an absent page change nothing: stay sparse
-                page = self._pages[page_index] = bytearray(PAGE_SIZE)
+                page = self._pages[page_index] = bytearray(self.page_size)
             page[page_offset:page_offset + chunk] = piece
 
     def clear(self) -> None:
@@ -54,8 +60,8 @@ class SparseMemory:
         pos = 0
         while pos < length:
             address = offset + pos
-            page_index, page_offset = divmod(address, PAGE_SIZE)
-            chunk = min(PAGE_SIZE - page_offset, length - pos)
+            page_index, page_offset = divmod(address, self.page_size)
+            chunk = min(self.page_size - page_offset, length - pos)
             yield pos, page_index, page_offset, chunk
             pos += chunk
 

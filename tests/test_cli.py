@@ -47,8 +47,8 @@ def test_wrong_image_name_is_a_usage_error():
 
 
 @pytest.mark.vm
-def test_demo_gets_nvme_and_display_from_the_pool_uses_them_and_gives_them_back():
-    proc = dxpu("demo", "--json")
+def test_demo_gets_nvme_display_and_accel_from_the_pool_uses_them_and_gives_them_back():
+    proc = dxpu("demo", "--json", timeout=600)  # a TCG guest: ~5 min here
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["kernel"].startswith("6.12")
@@ -60,7 +60,10 @@ def test_demo_gets_nvme_and_display_from_the_pool_uses_them_and_gives_them_back(
     assert nvme["link_up"] and nvme["in_vm"] and nvme["counters"]["dma_bytes_written"] >= 8 << 20
     assert nvme["counters"]["dma_refused"] == 0
     assert devices["box1/fb0"]["counters"]["writes_posted"] > 0
-    assert sorted(data["freed"]) == ["box1/fb0", "box1/nvme0"]
+    assert data["accel"]["match"] is True and data["accel"]["remote"]["batch"] == 64
+    assert data["accel"]["local"]["median_ms"] > 0 and data["accel"]["remote"]["median_ms"] > 0
+    assert devices["box1/acc0"]["counters"]["dma_bytes_read"] > 0
+    assert sorted(data["freed"]) == ["box1/acc0", "box1/fb0", "box1/nvme0"]
     assert not any(ns.startswith("dxdemo") for ns in subprocess.run(
         ["ip", "netns", "list"], capture_output=True, text=True).stdout.split())  # the lab is gone
 

@@ -150,3 +150,14 @@ def test_sparse_memory_bounds(offset, length):
         mem.read(offset, length)
     with pytest.raises(ValueError, match="outside"):
         mem.write(offset, b"\1" * length)
+
+
+def test_sparse_memory_with_larger_pages():
+    mem = SparseMemory(1 << 30, page_size=64 << 10)
+    mem.write(100, bytes(1 << 20))                       # zeros: nothing allocated
+    assert mem.resident_bytes == 0
+    mem.write((64 << 10) - 1, b"\x01\x02")              # straddles two pages
+    assert mem.resident_bytes == 128 << 10
+    assert mem.read((64 << 10) - 2, 4) == b"\x00\x01\x02\x00"
+    with pytest.raises(ValueError, match="power of two"):
+        SparseMemory(1 << 20, page_size=3000)

@@ -115,7 +115,7 @@ def register(sub: Subparsers) -> None:
     vm_help = "the VM: its QMP socket path (e.g. a second -qmp monitor) or its libvirt domain name"
     p = _with_db(command(sub, "attach", cmd_attach, "give a VM free devices from the pool (hot-plug)"))
     p.add_argument("vm", help=vm_help)
-    p.add_argument("--class", dest="device_class", help="device class: nvme, testdev, display, external")
+    p.add_argument("--class", dest="device_class", help="device class: nvme, testdev, display, accel, external")
     p.add_argument("--count", type=int, default=1)
     p.add_argument("--box", help="only devices of this GPU box")
     p.add_argument("--device", help="this device (BOX/DEVICE, or a device name)")

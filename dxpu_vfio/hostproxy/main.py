@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dxpu_vfio.hostproxy",
                                      description="serve one device (a local model, or a GPU box's device "
                                                  "with --model remote) to QEMU over vfio-user")
-    parser.add_argument("--model", required=True, help="testdev, nvme, display, ... or remote (forward mode)")
+    parser.add_argument("--model", required=True, help="testdev, nvme, display, accel, ... or remote (forward mode)")
     parser.add_argument("--socket", required=True, type=Path, help="vfio-user socket QEMU connects to")
     parser.add_argument("--name", default=None, help="device name in dxpu stats (default: the model)")
     parser.add_argument("--stats", type=Path, help="where SIGUSR1 and exit write counters (JSON)")

@@ -1,0 +1,460 @@
+"""The guest runtime (vm_images/tools/dxpu_accel.py) driving the accel device without a
+VM: through our vfio-user client in QEMU's place, with a memfd as guest RAM, served
+locally (the device in the vfio-user server) and from a GPU box (a remote proxy process
+over TCP + mutual TLS, the host proxy forwarding); and the box's inventory and the
+pool's allocation by class ``accel``."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import signal
+import socket
+import time
+
+import numpy as np
+import pytest
+from fakes import map_guest_memory
+
+from dxpu_vfio.hostproxy.forwarder import connect_remote
+from dxpu_vfio.link.transport import TlsFiles, make_certs
+from dxpu_vfio.paths import VM_IMAGES_DIR
+from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
+from dxpu_vfio.vfio_user import protocol as p
+from dxpu_vfio.vfio_user.client import VfioUserClient
+from dxpu_vfio.vfio_user.server import VfioUserServer
+from qemu_device import accel as ac
+
+GUEST = 0x1_0000_0000
+MEM = 32 << 20
+BOX = f"abox{os.getpid()}"
+
+
+def load_runtime():
+    spec = importlib.util.spec_from_file_location("dxpu_accel", VM_IMAGES_DIR / "tools" / "dxpu_accel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+rt = load_runtime()
+
+
+class ClientMmio:
+    """BAR0 through the vfio-user client; writes posted, as QEMU sends MMIO writes."""
+
+    def __init__(self, client: VfioUserClient) -> None:
+        self.client, self.bdf = client, "client"
+
+    def read32(self, offset: int) -> int:
+        return self.client.read32(0, offset)
+
+    def write32(self, offset: int, value: int) -> None:
+        self.client.write32(0, offset, value, posted=True)
+
+
+def open_runtime(client: VfioUserClient):
+    ram = map_guest_memory(client, GUEST, MEM)
+    cmd = int.from_bytes(client.read(p.REGION_CONFIG, 4, 2), "little")
+    client.write(p.REGION_CONFIG, 4, (cmd | 6).to_bytes(2, "little"))
+    return rt.Accel(ClientMmio(client), rt.MappedMemory(ram, GUEST), timeout=20), ram
+
+
+def close_ram(handle: list, ram) -> None:
+    """The runtime's buffers are views of the memfd mapping: drop them (pytest keeps the
+    fixture's value, ``handle``, until teardown ends), then unmap."""
+    handle.clear()
+    gc.collect()
+    try:
+        ram.close()
+    except BufferError:   # a failed test's traceback still holds a buffer: unmapped when it goes
+        pass
+
+
+@pytest.fixture
+def local(tmp_path):
+    device = ac.AccelDevice(vram_size=64 << 20)
+    server = VfioUserServer(device, tmp_path / "accel.sock", name="accel").start()
+    client = VfioUserClient(server.socket_path)
+    dev, ram = open_runtime(client)
+    handle = [dev, device]
+    del dev
+    yield handle
+    client.close()
+    server.stop()
+    close_ram(handle, ram)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("certs")
+    make_certs(d, ["host", BOX])
+    return d
+
+
+@pytest.fixture
+def box(tmp_path, certs):
+    port = free_port()
+    config = tmp_path / f"{BOX}.toml"
+    config.write_text(f'name = "{BOX}"\nlisten = "127.0.0.1"\nport = {port}\ntls_dir = "{certs}"\n'
+                      '[[device]]\nid = "acc0"\nmodel = "accel"\nlease = "lease-acc0"\n'
+                      'settings = { vram_size = 67108864 }\n')
+    proc = RemoteProxyProcess(config).start()
+    proc.address = f"127.0.0.1:{port}"
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def remote(tmp_path, box, certs):
+    device = connect_remote(box.address, "acc0", "lease-acc0", TlsFiles.in_dir(certs, "host"))
+    server = VfioUserServer(device, tmp_path / "host.sock", name="fwd").start()
+    client = VfioUserClient(server.socket_path)
+    dev, ram = open_runtime(client)
+    handle = [dev, device]
+    del dev
+    yield handle
+    client.close()
+    server.stop()
+    close_ram(handle, ram)
+
+
+def test_runtime_speaks_the_models_register_map():
+    for name in dir(rt):
+        if name.startswith(("REG_", "OP_", "FLAG_", "CONTROL_", "STATUS_", "DTYPE_")):
+            assert getattr(rt, name) == getattr(ac, name), name
+    assert (rt.ID_VALUE, rt.VENDOR_ID, rt.DEVICE_ID, rt.ENTRY_SIZE) == (ac.ID_VALUE, ac.VENDOR_ID, ac.DEVICE_ID, ac.ENTRY_SIZE)
+    assert rt.ENTRY.size == ac.ENTRY.size
+
+
+def test_selftest_locally(local):
+    dev, device = local
+    lines = []
+    assert rt.selftest(dev, [4096, 1 << 20, 16 << 20], out=lines.append), lines
+    assert device.stats()["errors"] == 1          # the self-test's deliberate one
+
+
+def test_a_batch_is_one_doorbell_and_one_fetch(local):
+    dev, device = local
+    s = dev.stream()
+    x = dev.malloc(4096)
+    before = device.stats()
+    for i in range(100):
+        s.fill(x, 4, i)
+    s.synchronize()
+    after = device.stats()
+    assert after["doorbells"] - before["doorbells"] == 1 and after["fetches"] - before["fetches"] == 1
+    assert int.from_bytes(dev.memcpy_dtoh(x, 4), "little") == 99
+
+
+def test_copies_from_a_scattered_host_buffer(local):
+    """A host buffer of 4 KiB pages in reverse order: copies go through scatter lists."""
+    dev, _ = local
+    pages = 300                                    # more than one scatter-list page holds
+    base = dev.host_alloc(pages * 4096)
+    scattered = rt.HostBuffer(base.view, [(base.segments[0][0] + (pages - 1 - i) * 4096, 4096) for i in range(pages)])
+    data = os.urandom(pages * 4096)
+    for i in range(pages):                         # the bytes of "page i" live in memory page pages-1-i
+        base.view[(pages - 1 - i) * 4096:(pages - i) * 4096] = data[i * 4096:(i + 1) * 4096]
+    ptr = dev.malloc(len(data))
+    s = dev.stream()
+    s.memcpy_htod(ptr, scattered)
+    s.synchronize()
+    assert dev.memcpy_dtoh(ptr, len(data)) == data
+
+
+def mlp_forward(dev, x: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Linear + bias + ReLU per layer (no ReLU after the last), one stream, one sync."""
+    assert x.dtype == np.float32 and all(w.dtype == b.dtype == np.float32 for w, b in layers)
+    s = dev.stream()
+    batch, width = x.shape
+    cur = dev.malloc(x.nbytes)
+    s.memcpy_htod(cur, x)
+    for i, (w, b) in enumerate(layers):
+        pw, pb, out = dev.malloc(w.nbytes), dev.malloc(b.nbytes), dev.malloc(4 * batch * w.shape[1])
+        s.memcpy_htod(pw, w)
+        s.memcpy_htod(pb, b)
+        s.gemm(out, cur, pw, batch, w.shape[1], width)
+        s.bias_add(out, out, pb, batch, w.shape[1])
+        if i < len(layers) - 1:
+            s.relu(out, out, batch * w.shape[1])
+        cur, width = out, w.shape[1]
+    s.synchronize()
+    return np.frombuffer(dev.memcpy_dtoh(cur, 4 * batch * width), dtype=np.float32).reshape(batch, width)
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_mlp_inference_matches_numpy(local, batch):
+    dev, _ = local
+    rng = np.random.default_rng(batch)
+    layers = [((rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32), rng.standard_normal(b).astype(np.float32))
+              for a, b in ((256, 512), (512, 512), (512, 10))]
+    x = rng.standard_normal((batch, 256)).astype(np.float32)
+    want = x
+    for i, (w, b) in enumerate(layers):
+        want = want @ w + b
+        if i < len(layers) - 1:
+            want = np.maximum(want, 0)
+    np.testing.assert_allclose(mlp_forward(dev, x, layers), want, rtol=1e-4, atol=1e-4)
+
+
+def test_selftest_and_mlp_from_a_box_over_tls(remote):
+    dev, forwarder = remote
+    lines = []
+    assert rt.selftest(dev, [4096, 1 << 20], out=lines.append), lines
+    rng = np.random.default_rng(1)
+    layers = [(rng.standard_normal((64, 32)).astype(np.float32), rng.standard_normal(32).astype(np.float32))]
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    np.testing.assert_allclose(mlp_forward(dev, x, layers), x @ layers[0][0] + layers[0][1], rtol=1e-4, atol=1e-4)
+    assert forwarder.stats()["dma_bytes_read"] > 1 << 20   # the box fetched the data from "guest" memory
+
+
+def test_the_runtimes_own_mlp_checks_itself(local):
+    dev, device = local
+    result = rt.mlp_inference(dev, batch=8, width=64, layers=3, repeat=3)
+    assert result["match"] and result["max_abs_error"] < 1e-4 and result["median_ms"] > 0
+    assert result["nonzero"] > 64 // 4               # ReLU left a real result to compare
+    assert device.stats()["opcodes"]["0x10"] == 9
+
+
+def test_an_error_is_raised_and_cleared(local):
+    dev, _ = local
+    s = dev.stream()
+    s.raw(0x77)
+    with pytest.raises(rt.AccelError, match="bad opcode") as info:
+        s.synchronize(timeout=5)
+    assert info.value.code == ac.ERR_BAD_OPCODE and info.value.opcode == 0x77
+    dev.clear_error()
+    s.synchronize(timeout=5)
+    dev.check()
+
+
+def test_box_inventory_says_accel_and_the_pool_allocates_it_by_class(box, certs, tmp_path):
+    from dxpu_vfio.pool.boxes import fetch_inventory
+    from dxpu_vfio.pool.store import Store
+    inventory = fetch_inventory(box.address, str(certs))
+    [acc] = inventory["devices"]
+    assert acc == {"id": "acc0", "class": "accel", "vendor": "1b36", "model": "10f2", "capacity": 64 << 20,
+                   "in_use": False}
+    store = Store(str(tmp_path / "pool.db"))
+    try:
+        store.register_box(BOX, box.address, None, [
+            {**acc, "lease": "t0"}, {"id": "td0", "class": "testdev", "vendor": "1b36", "model": "10f0",
+                                     "capacity": 1 << 20, "lease": "t1"}])
+        [lease] = store.allocate("vm1", device_class="accel")
+        assert lease.device == f"{BOX}/acc0"
+    finally:
+        store.close()
+
+
+def test_pagemap_memory_gives_physical_segments():
+    if os.geteuid() != 0:
+        pytest.skip("pagemap PFNs need root")
+    memory = rt.PagemapMemory(huge=False)
+    buf = memory.alloc(5 * 4096 + 1)
+    assert sum(n for _, n in buf.segments) == 6 * 4096 and all(a % 4096 == 0 and a for a, _ in buf.segments)
+    assert len(memory.alloc(4096, contiguous=True).segments) == 1
+    with pytest.raises(ValueError, match="contiguous"):
+        memory.alloc(8192, contiguous=True)
+
+
+def test_vram_allocator_reuses_and_merges():
+    alloc = rt.VramAllocator(4096, align=256)
+    a, b, c = alloc.malloc(100), alloc.malloc(256), alloc.malloc(1000)
+    assert (a, b, c) == (0, 256, 512)
+    alloc.free(b)
+    alloc.free(a)
+    assert alloc.malloc(512) == 0                  # the two holes merged
+    with pytest.raises(MemoryError):
+        alloc.malloc(4096)
+
+
+def test_the_box_killed_mid_kernel_ends_the_wait_with_an_error(remote, box):
+    """The guest program neither hangs nor gets a result: the host proxy completes its
+    reads with all-ones once the box is gone, and the runtime says the device is gone."""
+    dev, _ = remote
+    n = 1536                                       # a GEMM of ~0.2 s on the box's numpy
+    a = dev.malloc(4 * n * n)
+    s = dev.stream()
+    s.gemm(a, a, a, n, n, n)
+    s.gemm(a, a, a, n, n, n)
+    event = s.record()
+    box.signal(signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(rt.DeviceGone):
+        event.synchronize(timeout=15)
+    assert time.monotonic() - started < 10
+
+
+def test_reset_while_work_is_queued_cancels_it_and_the_device_works_on(local):
+    dev, device = local
+    n = 1024
+    a = dev.malloc(4 * n * n)
+    s = dev.stream()
+    for _ in range(20):
+        s.gemm(a, a, a, n, n, n)                   # seconds of work queued
+    s.flush()
+    dev.reset()                                    # engine reset: the queue is dropped
+    assert device.wait_idle(5)
+    x = dev.malloc(4)
+    s2 = dev.stream()
+    s2.fill(x, 4, 42)
+    s2.synchronize(timeout=10)
+    assert int.from_bytes(dev.memcpy_dtoh(x, 4), "little") == 42
+    assert device.stats()["opcodes"].get("0x10", 0) <= 2
+
+
+def test_the_vmm_going_away_with_work_in_flight_leaves_a_clean_device(tmp_path):
+    """What hot-unplug does to the server: QEMU's connection ends while the ring still
+    holds seconds of GEMMs. The device is reset (the queue dropped), and the next
+    connection finds it clean and working."""
+    device = ac.AccelDevice(vram_size=64 << 20)
+    server = VfioUserServer(device, tmp_path / "accel.sock", name="accel").start()
+    try:
+        for round_ in range(2):
+            client = VfioUserClient(server.socket_path)
+            dev, ram = open_runtime(client)
+            x = dev.malloc(4)
+            assert int.from_bytes(dev.memcpy_dtoh(x, 4), "little") == 0     # VRAM clean
+            dev.memcpy_htod(x, (7).to_bytes(4, "little"))
+            n = 1024
+            a = dev.malloc(4 * n * n)
+            s = dev.stream()
+            for _ in range(20):
+                s.gemm(a, a, a, n, n, n)
+            s.flush()
+            client.close()
+            assert device.wait_idle(10)
+            del dev, s
+            gc.collect()
+            ram.close()
+        assert device.stats()["opcodes"].get("0x10", 0) <= 4          # the queues were dropped
+    finally:
+        server.stop()
+
+
+class OnDevice:
+    """float32 arrays in VRAM by name, for the workload tests."""
+
+    def __init__(self, dev) -> None:
+        self.dev, self.ptr, self.shape = dev, {}, {}
+
+    def put(self, s, name: str, array: np.ndarray) -> int:
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        self.ptr[name], self.shape[name] = self.dev.malloc(array.nbytes), array.shape
+        s.memcpy_htod(self.ptr[name], array)
+        return self.ptr[name]
+
+    def new(self, name: str, *shape: int) -> int:
+        self.ptr[name], self.shape[name] = self.dev.malloc(4 * int(np.prod(shape))), shape
+        return self.ptr[name]
+
+    def get(self, name: str) -> np.ndarray:
+        shape = self.shape[name]
+        return np.frombuffer(self.dev.memcpy_dtoh(self.ptr[name], 4 * int(np.prod(shape))), dtype=np.float32).reshape(shape)
+
+
+def _ln(x, g, b, eps=1e-5):
+    return (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + eps) * g + b
+
+
+def _gelu(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+@pytest.mark.parametrize("seq", [16, 64])
+def test_a_transformer_block_forward_matches_numpy(local, seq):
+    """Pre-LN, one head: LN, Q/K/V, softmax(Q K^T / sqrt(d)) V, output projection,
+    residual; LN, GELU MLP, residual. All on the device, one doorbell."""
+    dev, _ = local
+    d, f = 64, 256
+    rng = np.random.default_rng(seq)
+    w = {n: (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+         for n, shape in (("wq", (d, d)), ("wk", (d, d)), ("wv", (d, d)), ("wo", (d, d)), ("w1", (d, f)), ("w2", (f, d)))}
+    w["wq"] = (w["wq"] / np.sqrt(d)).astype(np.float32)          # the attention scale, folded into W_q
+    vec = {n: rng.standard_normal(k).astype(np.float32) * 0.1 for n, k in (("g1", d), ("b1n", d), ("g2", d),
+                                                                            ("b2n", d), ("b1", f), ("b2", d))}
+    x = rng.standard_normal((seq, d)).astype(np.float32)
+    m, s = OnDevice(dev), dev.stream()
+    for name, array in {**w, **vec, "x": x}.items():
+        m.put(s, name, array)
+    p = m.ptr
+    for name, shape in (("h", (seq, d)), ("q", (seq, d)), ("k", (seq, d)), ("v", (seq, d)), ("sc", (seq, seq)),
+                        ("pr", (seq, seq)), ("att", (seq, d)), ("o", (seq, d)), ("x1", (seq, d)), ("h2", (seq, d)),
+                        ("u", (seq, f)), ("y2", (seq, d)), ("y", (seq, d))):
+        m.new(name, *shape)
+    s.layer_norm(p["h"], p["x"], seq, d, p["g1"], p["b1n"])
+    for out, weight in (("q", "wq"), ("k", "wk"), ("v", "wv")):
+        s.gemm(p[out], p["h"], p[weight], seq, d, d)
+    s.gemm(p["sc"], p["q"], p["k"], seq, seq, d, trans_b=True)   # Q K^T
+    s.softmax(p["pr"], p["sc"], seq, seq)
+    s.gemm(p["att"], p["pr"], p["v"], seq, d, seq)
+    s.gemm(p["o"], p["att"], p["wo"], seq, d, d)
+    s.add(p["x1"], p["x"], p["o"], seq * d)
+    s.layer_norm(p["h2"], p["x1"], seq, d, p["g2"], p["b2n"])
+    s.gemm(p["u"], p["h2"], p["w1"], seq, f, d)
+    s.bias_add(p["u"], p["u"], p["b1"], seq, f)
+    s.gelu(p["u"], p["u"], seq * f)
+    s.gemm(p["y2"], p["u"], p["w2"], seq, d, f)
+    s.bias_add(p["y2"], p["y2"], p["b2"], seq, d)
+    s.add(p["y"], p["x1"], p["y2"], seq * d)
+    s.synchronize()
+
+    h = _ln(x, vec["g1"], vec["b1n"])
+    q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+    sc = q @ k.T
+    pr = np.exp(sc - sc.max(1, keepdims=True))
+    pr /= pr.sum(1, keepdims=True)
+    x1 = x + (pr @ v) @ w["wo"]
+    want = x1 + _gelu(_ln(x1, vec["g2"], vec["b2n"]) @ w["w1"] + vec["b1"]) @ w["w2"] + vec["b2"]
+    np.testing.assert_allclose(m.get("y"), want, rtol=1e-3, atol=1e-4)
+
+
+def test_an_mlp_training_step_matches_numpy(local):
+    """Forward, MSE loss gradient, backward (ReLU), SGD update of all four parameters.
+    The loss's 2/(batch*out) factor is folded into the learning rate."""
+    dev, _ = local
+    b, i, h, o, lr = 32, 48, 64, 8, 0.05
+    rng = np.random.default_rng(3)
+    params = {"w1": rng.standard_normal((i, h)) / np.sqrt(i), "b1": rng.standard_normal(h) * 0.1,
+              "w2": rng.standard_normal((h, o)) / np.sqrt(h), "b2": rng.standard_normal(o) * 0.1}
+    params = {k: v.astype(np.float32) for k, v in params.items()}
+    x, t = rng.standard_normal((b, i)).astype(np.float32), rng.standard_normal((b, o)).astype(np.float32)
+    m, s = OnDevice(dev), dev.stream()
+    for name, array in {**params, "x": x, "t": t}.items():
+        m.put(s, name, array)
+    for name, shape in (("z1", (b, h)), ("a1", (b, h)), ("y", (b, o)), ("dy", (b, o)), ("dw2", (h, o)),
+                        ("db2", (o,)), ("da1", (b, h)), ("dz1", (b, h)), ("dw1", (i, h)), ("db1", (h,))):
+        m.new(name, *shape)
+    p, step = m.ptr, -lr * 2 / (b * o)
+    s.gemm(p["z1"], p["x"], p["w1"], b, h, i)
+    s.bias_add(p["z1"], p["z1"], p["b1"], b, h)
+    s.relu(p["a1"], p["z1"], b * h)
+    s.gemm(p["y"], p["a1"], p["w2"], b, o, h)
+    s.bias_add(p["y"], p["y"], p["b2"], b, o)
+    s.axpy(p["dy"], p["y"], p["t"], b * o, -1.0)                 # dL/dy without its constant: y - t
+    s.gemm(p["dw2"], p["a1"], p["dy"], h, o, b, trans_a=True)    # a1^T dy
+    s.sum_rows(p["db2"], p["dy"], b, o)
+    s.gemm(p["da1"], p["dy"], p["w2"], b, h, o, trans_b=True)    # dy W2^T
+    s.relu_grad(p["dz1"], p["z1"], p["da1"], b * h)
+    s.gemm(p["dw1"], p["x"], p["dz1"], i, h, b, trans_a=True)    # x^T dz1
+    s.sum_rows(p["db1"], p["dz1"], b, h)
+    for name, size in (("w1", i * h), ("b1", h), ("w2", h * o), ("b2", o)):
+        s.axpy(p[name], p[name], p["d" + name], size, step)
+    s.synchronize()
+
+    z1 = x @ params["w1"] + params["b1"]
+    a1 = np.maximum(z1, 0)
+    dy = a1 @ params["w2"] + params["b2"] - t
+    dz1 = np.where(z1 > 0, dy @ params["w2"].T, 0)
+    grads = {"w1": x.T @ dz1, "b1": dz1.sum(0), "w2": a1.T @ dy, "b2": dy.sum(0)}
+    for name in params:
+        np.testing.assert_allclose(m.get(name), params[name] + step * grads[name], rtol=1e-4, atol=1e-5)
+        assert not np.allclose(m.get(name), params[name])   # the step changed every parameter
