@@ -57,6 +57,12 @@ def test_patterns_through_fb0_and_kms_appear_pixel_exact_without_messages(full_v
         try:
             full_vm.run("dd if=/tmp/pattern.raw of=/dev/fb0 bs=1M 2>&1", timeout=60)
             probe.wait_pixels(1024, 768, guest_kms.pattern_rgb(1024, 768), timeout=60)
+            if dev.remote:  # the console is unbound: nothing changes, so nothing may cross the link
+                time.sleep(0.5)
+                sent = shadow_stats(att)
+                time.sleep(1)
+                now = shadow_stats(att)
+                assert now["bytes_sent"] == sent["bytes_sent"] and now["periodic"] > sent["periodic"] + 30
         finally:
             guest_kms.bind_console(full_vm, True)
         assert region_writes(att) - before < 1000  # 3 MiB trapped is ~100k writes
@@ -71,3 +77,38 @@ def test_patterns_through_fb0_and_kms_appear_pixel_exact_without_messages(full_v
         print(f"KMS pattern seen {late * 1000:.0f} ms after the mode")
     finally:
         hotplug.detach(att)
+
+
+def shadow_stats(att) -> dict:
+    return att.server.stats()["device"]["shadows"]["0"]
+
+
+@pytest.mark.vm
+def test_from_a_box_unplug_flushes_the_last_frame(full_vm, served_device):
+    """No periodic write-back (writeback_hz = 0), so only ordering carries frames: the
+    KMS client's pattern, drawn after its mode set, reaches the box when device_del
+    takes the device while the client still shows it (the driver's last register
+    writes, or the session's reset, flush first)."""
+    dev = served_device
+    if not dev.remote:
+        pytest.skip("the write-back exists only for a box's device")
+    att = hotplug.attach(full_vm, **dev.attach_args(writeback_hz=0))
+    detached = False
+    try:
+        probe = DisplayProbe.of(att, dev.lab, dev.box, dev.device)
+        probe.wait_mode()
+        kms = guest_kms.install(full_vm)
+        full_vm.run("rm -f /tmp/kms.stop")
+        pid = full_vm.spawn(f"python3 {kms} --mode 800x600 --hold 240 --until /tmp/kms.stop")
+        probe.wait_mode(lambda m: (m["xres"], m["yres"]) == (800, 600), timeout=120)
+        time.sleep(8)  # the client draws its pattern (Python in a TCG guest), then holds
+        box_bytes = probe.state()["framebuffer_bytes"]
+        hotplug.detach(att)
+        detached = True
+        after = probe.state()["framebuffer_bytes"]
+        assert after - box_bytes >= 800 * 600 * 4, "the last frame did not reach the box at unplug"
+        full_vm.wait(pid, 60)
+    finally:
+        full_vm.run("touch /tmp/kms.stop", check=False)
+        if not detached:
+            hotplug.detach(att)
