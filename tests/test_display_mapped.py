@@ -98,16 +98,20 @@ def test_from_a_box_unplug_flushes_the_last_frame(full_vm, served_device):
         probe = DisplayProbe.of(att, dev.lab, dev.box, dev.device)
         probe.wait_mode()
         kms = guest_kms.install(full_vm)
-        full_vm.run("rm -f /tmp/kms.stop")
-        pid = full_vm.spawn(f"python3 {kms} --mode 800x600 --hold 240 --until /tmp/kms.stop")
+        full_vm.run("rm -f /tmp/kms.stop /tmp/kms.out")
+        pid = full_vm.spawn(f"python3 {kms} --mode 800x600 --hold 240 --until /tmp/kms.stop > /tmp/kms.out")
         probe.wait_mode(lambda m: (m["xres"], m["yres"]) == (800, 600), timeout=120)
-        time.sleep(8)  # the client draws its pattern (Python in a TCG guest), then holds
+        deadline = time.monotonic() + 120
+        while "fill_s" not in full_vm.run("cat /tmp/kms.out", check=False).stdout:  # drawn: it holds now
+            assert time.monotonic() < deadline, "the KMS client never drew"
+            time.sleep(1)
         box_bytes = probe.state()["framebuffer_bytes"]
         hotplug.detach(att)
         detached = True
         after = probe.state()["framebuffer_bytes"]
         assert after - box_bytes >= 800 * 600 * 4, "the last frame did not reach the box at unplug"
-        full_vm.wait(pid, 60)
+        full_vm.run("touch /tmp/kms.stop")
+        full_vm.wait(pid, 60)  # the client outlives its card
     finally:
         full_vm.run("touch /tmp/kms.stop", check=False)
         if not detached:

@@ -109,6 +109,19 @@ def test_stores_reach_the_box_at_the_next_register_access_and_a_static_screen_co
     assert shadow.counters["bytes_sent"] - sent["bytes_sent"] == H * W * 4 // 4096 * 4096  # the changed pages only
 
 
+def test_accesses_of_the_bar_that_reach_the_host_proxy_are_served_by_the_shadow(box, shadowed):
+    """QEMU maps the BAR, but an access it still sends (a failed mmap, x-no-mmap) is the
+    shadow's: a read never crosses the link, a write leaves with the next flush."""
+    client, fb, device, _ = shadowed
+    fb[0:4] = b"\x11\x22\x33\x44"
+    reads = device.stats()["reads"]
+    assert client.read(0, 0, 4) == b"\x11\x22\x33\x44" and device.stats()["reads"] == reads
+    client.write(0, 4, b"\x55\x66\x77\x00")
+    assert fb[4:8] == b"\x55\x66\x77\x00"
+    client.read(2, 0x500, 2)
+    assert box_pixels(box)[3:6] == bytes([0x77, 0x66, 0x55])  # pixel 1 (BGRX in memory)
+
+
 def test_the_box_follows_within_a_period_without_any_access(box, shadowed):
     """The periodic write-back alone (20 Hz here): the box shows the frame within two periods."""
     _, fb, device, _ = shadowed

@@ -129,7 +129,7 @@ class DeviceDescription:
             data = json.loads(bytes(payload))
             return cls(data["model"], [tuple(r) for r in data["regions"]], dict(data["irqs"]),
                        bool(data.get("coalesce", False)), bool(data.get("dma_windows", False)),
-                       list(data.get("mappable", [])))
+                       data.get("mappable", []))  # checked by the host (hostproxy/description.py)
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"bad device description: {exc}") from exc
 
