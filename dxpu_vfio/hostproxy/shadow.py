@@ -149,7 +149,11 @@ class ShadowBar:
     # --- the periodic write-back ---------------------------------------------------------
     def _run(self) -> None:
         period = 1.0 / self.rate_hz
-        while not self._stop.wait(period):
+        due = time.monotonic()
+        while True:  # on a fixed beat: a slow flush does not stretch the period
+            due = max(due + period, time.monotonic())  # behind: flush now, then on the beat again
+            if self._stop.wait(max(0.0, due - time.monotonic())):
+                return
             try:
                 self.flush("periodic")
             except Exception:  # noqa: BLE001 - the write-back must outlive one failure
