@@ -38,6 +38,7 @@ from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 QEMU_BDF = "0000:00:06.0"
+FRAME = 1024 * 768 * 4
 
 
 def card_of(vm: Vm, bdf: str, timeout: int = 120) -> str:
@@ -125,7 +126,7 @@ def main() -> int:
         lab.down(topology.name)  # safe where lab.up never finished
     print("  staleness (loopback, no guest) ...", flush=True)
     stale = {f"{label}": staleness.measure(frames=120, frame_hz=hz, changed=changed)
-             for label, hz, changed in (("full frames 30/s", 30, 1024 * 768 * 4), ("full frames 60/s", 60, 1024 * 768 * 4),
+             for label, hz, changed in (("full frames 30/s", 30, FRAME), ("full frames 60/s", 60, FRAME),
                                         ("64 KiB 100/s", 100, 64 << 10))}
     q = results["qemu-bochs-display"]["MBps"]
     local = results.get("local", results.get("local-mapped"))["MBps"]

@@ -359,8 +359,10 @@ class RemoteFunction:
                 row["wait_us"] = round(row["wait_us"] + native[wait_ns] / 1000, 1)
         if native:
             link["native"] = native
-        shadows = {str(i): sh.stats() for i, sh in self.shadows.items()}
-        return {**counters, "link": link, "attach_error": self.attach_error, **({"shadows": shadows} if shadows else {})}
+        out = {**counters, "link": link, "attach_error": self.attach_error}
+        if self.shadows:
+            out["shadows"] = {str(i): shadow.stats() for i, shadow in self.shadows.items()}
+        return out
 
     # --- the remote's requests (link reader thread, stream order) --------------------
     def _dma_read(self, msg) -> tuple:
