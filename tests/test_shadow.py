@@ -4,6 +4,7 @@ our vfio-user client in QEMU's place, mapping the shadow's memfd as QEMU maps it
 
 import mmap
 import os
+import signal
 import socket
 import struct
 import threading
@@ -33,25 +34,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def box(tmp_path_factory):
-    d = tmp_path_factory.mktemp("shadow")
-    make_certs(d / "certs", ["host", BOX])
+def start_box(d, name: str = BOX) -> RemoteProxyProcess:
+    make_certs(d / "certs", ["host", name])
     port = free_port()
-    config = d / f"{BOX}.toml"
-    config.write_text(f'name = "{BOX}"\nlisten = "127.0.0.1"\nport = {port}\ntls_dir = "{d / "certs"}"\n'
+    config = d / f"{name}.toml"
+    config.write_text(f'name = "{name}"\nlisten = "127.0.0.1"\nport = {port}\ntls_dir = "{d / "certs"}"\n'
                       '[[device]]\nid = "fb0"\nmodel = "display"\nlease = "lease-fb0"\n'
                       'settings = { mapped = true }\n')
     proc = RemoteProxyProcess(config).start()
     proc.address, proc.certs = f"127.0.0.1:{port}", d / "certs"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory):
+    proc = start_box(tmp_path_factory.mktemp("shadow"))
     yield proc
     proc.stop()
 
 
-@pytest.fixture
-def shadowed(tmp_path, box):
-    """(client, the shadow as the client mapped it, device, server); rate 20 Hz."""
-    device = connect_remote(box.address, "fb0", "lease-fb0", TlsFiles.in_dir(box.certs, "host"), writeback_hz=20)
+def plug(tmp_path, box, **settings):
+    """(client, the shadow as the client mapped it, device, server)."""
+    device = connect_remote(box.address, "fb0", "lease-fb0", TlsFiles.in_dir(box.certs, "host"), **settings)
     server = VfioUserServer(device, tmp_path / "host.sock", name="fwd").start()
     client = VfioUserClient(server.socket_path)
     client.negotiate()
@@ -60,10 +64,42 @@ def shadowed(tmp_path, box):
     fb = mmap.mmap(fd, FB)
     os.close(fd)
     set_mode(client)
+    return client, fb, device, server
+
+
+@pytest.fixture
+def shadowed(tmp_path, box):
+    """A plugged shadow, write-back at 20 Hz."""
+    client, fb, device, server = plug(tmp_path, box, writeback_hz=20)
     yield client, fb, device, server
     fb.close()
     client.close()
     server.stop()
+
+
+def test_a_link_failure_leaves_the_guest_its_framebuffer(tmp_path):
+    """The box dies: register reads master-abort within the completion timeout, but the
+    guest's framebuffer (the shadow) still takes stores and reads, and the write-back
+    neither raises nor sends."""
+    own = start_box(tmp_path, f"dbox{os.getpid()}")
+    client, fb, device, server = plug(tmp_path, own, writeback_hz=20, completion_timeout=0.5)
+    try:
+        draw(fb, 5)
+        client.read(2, 0x500, 2)
+        own.signal(signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while client.read(2, 0x500, 2) != b"\xff\xff":
+            assert time.monotonic() < deadline, "register reads never master-aborted"
+        sent = device.shadows[0].counters["bytes_sent"]
+        fb[0:4] = b"\x01\x02\x03\x04"
+        assert client.read(0, 0, 4) == b"\x01\x02\x03\x04"
+        time.sleep(0.2)  # four periods
+        assert device.shadows[0].counters["bytes_sent"] == sent and not device.link_up
+    finally:
+        fb.close()
+        client.close()
+        server.stop()
+        own.stop()
 
 
 def set_mode(client) -> None:

@@ -104,7 +104,7 @@ class RemoteFunction:
         # --- host-mapped BARs (hostproxy/shadow.py): the shadows QEMU maps, written back to the box
         self.shadows: dict[int, ShadowBar] = {
             index: ShadowBar(index, description.regions[index][1], self._post_shadow, self.lock,
-                             rate_hz=writeback_hz, name=name)
+                             rate_hz=writeback_hz, name=name, live=lambda: self.endpoint.up)
             for index in (description.mappable if map_bars else [])}
 
     @property

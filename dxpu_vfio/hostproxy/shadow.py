@@ -17,7 +17,8 @@ sends the box what changed:
   any MMIO write, which QEMU sends non-posted once a region is mapped, so a mode change
   or a scanout offset cannot pass the pixels before it), before a reset (unplug ends the
   session with one), and when the shadow closes.
-* **A new link** (every attach: a re-attach after a link failure is a new host proxy)
+* **A link that is down** sends nothing and costs no scan; the guest keeps drawing into
+  the shadow. **A new link** (every attach: a re-attach after a link failure is a new host proxy)
   starts with ``full``: the first flush sends the whole BAR, whatever the box kept.
 
 Reads of the BAR (QEMU's, when it did not map it) are served from the shadow; writes go
@@ -52,7 +53,8 @@ class ShadowBar:
     ``lock`` (the device's: a flush never interleaves with a request on the stream)."""
 
     def __init__(self, index: int, size: int, post: Post, lock: threading.RLock, *,
-                 rate_hz: float = DEFAULT_RATE_HZ, name: str = "shadow") -> None:
+                 rate_hz: float = DEFAULT_RATE_HZ, name: str = "shadow",
+                 live: Callable[[], bool] = lambda: True) -> None:
         if size <= 0 or size % PAGE:
             raise ValueError(f"shadowed BAR of {size} bytes: whole pages only")
         self.index, self.size, self.rate_hz = index, size, float(rate_hz)
@@ -61,7 +63,7 @@ class ShadowBar:
         self.known = np.zeros(size, np.uint8)  # what the box has, as far as the host knows
         self._now64, self._known64 = self._now.view(np.uint64), self.known.view(np.uint64)
         self.full = True  # nothing is known of the box's copy yet
-        self._post, self._lock = post, lock
+        self._post, self._lock, self._live = post, lock, live  # live: the stream is up (else nothing to send)
         self.counters = {"flushes": 0, "flushes_sent": 0, "pages_sent": 0, "bytes_sent": 0, "scan_ns": 0,
                          "scan_ns_max": 0, "periodic": 0, "ordered": 0}
         self.last_sent = 0.0  # monotonic time of the last flush that sent something
@@ -85,8 +87,8 @@ class ShadowBar:
     def flush(self, why: str = "ordered") -> int:
         """Send what changed since the last flush; returns the bytes sent."""
         with self._lock:
-            if self.memory.fd < 0:
-                return 0
+            if self.memory.fd < 0 or not self._live():
+                return 0  # closed, or the link is down: the guest keeps its shadow, the box gets nothing
             started = time.perf_counter_ns()
             runs = self._changed()
             scan = time.perf_counter_ns() - started
