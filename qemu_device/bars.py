@@ -35,12 +35,19 @@ class BarKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class BarSpec:
-    """One memory BAR: slot ``index`` (0-5), power-of-two ``size`` in bytes."""
+    """One memory BAR: slot ``index`` (0-5), power-of-two ``size`` in bytes.
+
+    ``host_mappable``: the BAR is memory written only by the CPU (a framebuffer), which
+    whoever serves the device may let the VMM map into the guest, so that guest stores
+    never become messages; the model then keeps the BAR in a
+    :class:`~qemu_device.mapped_memory.MappedMemory` (``PciFunction.bar_memory``). Only a
+    prefetchable BAR may be: reads have no side effects and writes may be merged."""
 
     index: int
     size: int
     kind: BarKind = BarKind.MEM32
     prefetchable: bool = False
+    host_mappable: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -56,6 +63,10 @@ class BarSpec:
         if self.kind is BarKind.MEM32 and self.size > MAX_MEM32_BAR:
             raise ValueError(f"BAR {self.index}: a 32-bit BAR can be at most 2 GiB, "
                              f"not {self.size:#x}; use kind='mem64'")
+        if self.host_mappable and not self.prefetchable:
+            raise ValueError(f"BAR {self.index}: only a prefetchable BAR can be host-mappable")
+        if self.host_mappable and self.size % 4096:
+            raise ValueError(f"BAR {self.index}: a host-mappable BAR is whole pages (4 KiB or more)")
         if self.kind is BarKind.MEM64:
             if self.size > MAX_MEM64_BAR:
                 raise ValueError(f"BAR {self.index}: size {self.size:#x} exceeds the "

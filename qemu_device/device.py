@@ -168,19 +168,27 @@ class PciFunction:
     def regions(self) -> list[RegionInfo]:
         """Regions 0-8 in vfio-user numbering; absent ones have size 0.
 
-        Nothing is mappable: every access must reach the model (and, when
-        remote, cross the network in order with DMA and interrupts).
+        Only a BAR declared ``host_mappable`` is mappable; every other access must reach
+        the model (and, when remote, cross the network in order with DMA and interrupts).
         """
         infos = []
         for index in range(REGION_COUNT):
+            mappable = False
             if index == REGION_CONFIG:
                 size = self.config.size
             elif index in self.bars:
                 size = self.bars[index].size
+                mappable = self.bars[index].host_mappable
             else:
                 size = 0
-            infos.append(RegionInfo(index, size, size > 0, size > 0, False))
+            infos.append(RegionInfo(index, size, size > 0, size > 0, mappable))
         return infos
+
+    def bar_memory(self, index: int):
+        """The :class:`~qemu_device.mapped_memory.MappedMemory` behind a host-mappable BAR
+        (its ``fd`` is what the VMM maps); None for every other BAR. Subclasses with a
+        host-mappable BAR override it."""
+        return None
 
     def irq_counts(self) -> dict[str, int]:
         """Interrupt counts per vfio-user IRQ index (INTx, MSI, MSI-X, ERR, REQ)."""

@@ -2,7 +2,10 @@
 own ``bochs`` DRM driver binds to.
 
 BAR0 is the framebuffer (prefetchable; memory of whoever serves the device: on a GPU
-box, the box); BAR2 is 4 KiB of MMIO: an EDID blob at 0x000, the VBE DISPI registers at
+box, the box). With ``mapped=True`` it is declared host-mappable (written only by the
+CPU) and kept in a sealed memfd, which QEMU maps straight into the guest when the device
+is served locally, and a host proxy shadows and writes back when it is served from a box
+(docs/devices/display.md); BAR2 is 4 KiB of MMIO: an EDID blob at 0x000, the VBE DISPI registers at
 0x500 (16 bit each, index * 2) and QEMU's extended registers at 0x600 (size, byte order).
 Nothing else: no VGA, no legacy I/O ports. ``render_png()`` draws the current scanout.
 
@@ -23,6 +26,7 @@ from PIL import Image
 from .bars import BarSpec
 from .device import IrqConfig, PciFunction
 from .header import PciIdentity
+from .mapped_memory import MappedMemory
 
 DISPI, QEXT = 0x500, 0x600
 ID, XRES, YRES, BPP, ENABLE, BANK, VIRT_WIDTH, VIRT_HEIGHT, X_OFFSET, Y_OFFSET, VIDEO_MEMORY_64K = range(11)
@@ -58,16 +62,19 @@ class DisplayModeError(ValueError):
 class DisplayAdapter(PciFunction):
     """``vram_mib``: framebuffer size (16 MiB or more); ``coalesce``: ask whoever serves
     the device to combine posted writes (vfio-user write_multiple, link batches), since
-    framebuffer fills are floods of them."""
+    framebuffer fills are floods of them; ``mapped``: the framebuffer BAR is host-mappable
+    (a memfd the VMM maps; False: every store is a trapped access)."""
 
-    def __init__(self, *, vram_mib: int = 16, coalesce: bool = True) -> None:
+    def __init__(self, *, vram_mib: int = 16, coalesce: bool = True, mapped: bool = False) -> None:
         self.coalesce_posted = coalesce
         if vram_mib < 16 or vram_mib & (vram_mib - 1):
             raise ValueError("vram_mib must be a power of two, 16 or more")
         super().__init__(PciIdentity(0x1234, 0x1111, 0x038000, revision=2),
-                         [BarSpec(0, vram_mib << 20, "mem32", prefetchable=True), BarSpec(2, 4096, "mem32")],
+                         [BarSpec(0, vram_mib << 20, "mem32", prefetchable=True, host_mappable=bool(mapped)),
+                          BarSpec(2, 4096, "mem32")],
                          IrqConfig(intx=False), config_size=256, pcie=False)
-        self.vram = bytearray(vram_mib << 20)
+        self.memory = MappedMemory(vram_mib << 20, "dxpu-display-vram") if mapped else None
+        self.vram = self.memory.buf if self.memory is not None else bytearray(vram_mib << 20)
         self.edid = _edid()
         self.writes = 0
         self.bytes_written = 0
@@ -78,6 +85,13 @@ class DisplayAdapter(PciFunction):
         self.dispi[ID] = DISPI_ID5
         self.dispi[VIDEO_MEMORY_64K] = len(self.vram) >> 16
         self.byteorder = BYTEORDER_LE
+
+    def bar_memory(self, index: int) -> MappedMemory | None:
+        return self.memory if index == 0 else None
+
+    def close(self) -> None:
+        if self.memory is not None:
+            self.memory.close()
 
     # --- BAR access ------------------------------------------------------------------------
     def bar_read(self, index: int, offset: int, size: int) -> bytes:
@@ -163,6 +177,7 @@ class DisplayAdapter(PciFunction):
         return out.getvalue()
 
     def stats(self) -> dict:
-        return {"framebuffer_writes": self.writes, "framebuffer_bytes": self.bytes_written, "mode": self.mode(),
+        return {"framebuffer_writes": self.writes, "framebuffer_bytes": self.bytes_written,
+                "framebuffer_mapped": self.memory is not None, "mode": self.mode(),
                 "mode_error": self.mode_error(),
                 "suppressed_interrupts": 0}

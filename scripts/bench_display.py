@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
 """Framebuffer fill rate: our display adapter remote (framebuffer in a GPU box over the
-lab network, TLS) and local (served by the host proxy), each with and without posted-write
-coalescing, against QEMU's own bochs-display, all in the same full-image VM and all
-driven by the guest's own bochs DRM driver.
+lab network, TLS) and local (served by the host proxy), trapped (each with and without
+posted-write coalescing) and mapped (``mapped = true``: QEMU maps the framebuffer; from a
+box, the host proxy's shadow is written back), against QEMU's own bochs-display, all in
+the same full-image VM and all driven by the guest's own bochs DRM driver. For the
+mapped rows also the write-back traffic (MB/s over the fills) and the host proxy's CPU;
+then the write-back's staleness (how late the box shows a frame), measured without a
+guest on loopback (dxpu_vfio/lab/staleness.py).
 
 The guest's KMS client (vm_images/tools/dxpu_kms.py) sets 1024x768x32 on the device's card,
 maps the scanout buffer (VRAM, write-combined) and fills it with 1 KiB memcpys, ending
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -28,10 +33,12 @@ from dxpu_vfio.bench import table, write_json  # noqa: E402
 from dxpu_vfio.lab import lab  # noqa: E402
 from dxpu_vfio.lab import hotplug
 from dxpu_vfio.lab import kms as guest_kms  # noqa: E402
+from dxpu_vfio.lab import staleness  # noqa: E402
 from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 QEMU_BDF = "0000:00:06.0"
+FRAME = 1024 * 768 * 4
 
 
 def card_of(vm: Vm, bdf: str, timeout: int = 120) -> str:
@@ -57,18 +64,29 @@ def counters(att: hotplug.Attachment) -> dict:
     out = {"region_write_msgs": cmds.get("REGION_WRITE", {}).get("count", 0),
            "write_multi_msgs": cmds.get("REGION_WRITE_MULTI", {}).get("count", 0)}
     dev = stats["device"]
+    if dev.get("shadows"):
+        out["shadow"] = dev["shadows"]["0"]
     if "link" in dev:
         out.update(writes_posted=dev["writes_posted"], link_posted_msgs=dev["posted_messages"],
                    link_posted=dev["link"]["posted"])
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5, help="fills per device (the first is not counted)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--skip-trapped", action="store_true", help="only QEMU's bochs-display and the mapped rows")
     args = parser.parse_args()
-    topology = lab.Topology("bd", [lab.BoxSpec("gpubox", [{"id": "fb0", "model": "display"}])])
+    topology = lab.Topology("bd", [lab.BoxSpec("gpubox", [{"id": "fb0", "model": "display"},
+                                                          {"id": "fbm", "model": "display",
+                                                           "settings": {"mapped": True}}])])
     exit_on_sigterm()  # a SIGTERM still runs the finally below: the lab goes
     results: dict[str, dict] = {}
     try:
@@ -81,7 +99,11 @@ def main() -> int:
             print(f"  qemu-bochs-display   {results['qemu-bochs-display']['MBps']:9.2f} MB/s", flush=True)
             remote = state.remote_settings("gpubox", "fb0")
             cases = {"local": ("display", {}), "local-uncoalesced": ("display", {"coalesce": False}),
-                     "remote": ("remote", remote), "remote-uncoalesced": ("remote", {**remote, "coalesce": False})}
+                     "remote": ("remote", remote), "remote-uncoalesced": ("remote", {**remote, "coalesce": False}),
+                     "local-mapped": ("display", {"mapped": True}),
+                     "remote-mapped": ("remote", state.remote_settings("gpubox", "fbm"))}
+            if args.skip_trapped:
+                cases = {k: v for k, v in cases.items() if k.endswith("mapped")}
             for name, (model, settings) in cases.items():
                 netns = state.host_netns if model == "remote" else None
                 started = time.monotonic()
@@ -89,18 +111,35 @@ def main() -> int:
                 try:
                     card = card_of(vm, att.guest_bdf)
                     bind_s = time.monotonic() - started
-                    results[name] = {**fill(vm, kms, card, args.repeat), "plug_to_card_s": bind_s,
-                                     "host_proxy": counters(att)}
+                    before, cpu0, t0 = counters(att), cpu_seconds(att.server.pid), time.monotonic()
+                    results[name] = {**fill(vm, kms, card, args.repeat), "plug_to_card_s": bind_s}
+                    took, cpu = time.monotonic() - t0, cpu_seconds(att.server.pid) - cpu0
+                    after = counters(att)
+                    results[name].update(host_proxy=after, host_proxy_cpu_s=cpu, host_proxy_cpu_share=cpu / took)
+                    if "shadow" in after:  # the write-back while the guest filled (and the KMS client ran)
+                        sent = after["shadow"]["bytes_sent"] - before["shadow"]["bytes_sent"]
+                        results[name]["writeback_MBps"] = sent / took / 1e6
                 finally:
                     hotplug.detach(att, timeout=60)  # the guest may still be flushing its console
                 print(f"  {name:20} {results[name]['MBps']:9.2f} MB/s", flush=True)
     finally:
         lab.down(topology.name)  # safe where lab.up never finished
+    print("  staleness (loopback, no guest) ...", flush=True)
+    stale = {f"{label}": staleness.measure(frames=120, frame_hz=hz, changed=changed)
+             for label, hz, changed in (("full frames 30/s", 30, FRAME), ("full frames 60/s", 60, FRAME),
+                                        ("64 KiB 100/s", 100, 64 << 10))}
     q = results["qemu-bochs-display"]["MBps"]
-    rows = [[name, r["MBps"], r["MBps"] / q, r["MBps"] / results["local"]["MBps"]] for name, r in results.items()]
+    local = results.get("local", results.get("local-mapped"))["MBps"]
+    rows = [[name, r["MBps"], r["MBps"] / q, r["MBps"] / local, r.get("writeback_MBps", "-"),
+             r.get("host_proxy_cpu_share", "-")] for name, r in results.items()]
     print()
-    print(table(["device", "fill MB/s", "/ QEMU bochs-display", "/ local (coalesced)"], rows))
-    path = write_json("display", {"repeat": args.repeat, "frame": "1024x768x32", "results": results}, args.out)
+    print(table(["device", "fill MB/s", "/ QEMU bochs-display", "/ local", "write-back MB/s", "host proxy CPU"], rows))
+    print()
+    print(table(["write-back (60 Hz)", "staleness p50 ms", "p99 ms", "max ms", "write-back MB/s", "scan ms"],
+                [[k, v["staleness_ms"]["p50"], v["staleness_ms"]["p99"], v["staleness_ms"]["max"], v["writeback_MBps"],
+                  v["scan_ms_mean"]] for k, v in stale.items()]))
+    path = write_json("display", {"repeat": args.repeat, "frame": "1024x768x32", "results": results,
+                                  "staleness": stale}, args.out)
     print(f"\nJSON: {path}")
     return 0
 

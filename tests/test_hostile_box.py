@@ -138,6 +138,9 @@ def test_an_oversized_inventory_reply_is_refused_before_it_is_read():
     ({"regions": [[0, -4096, True, True], *TESTDEV["regions"][1:]]}, "region 0: size -4096"),
     ({"regions": [*TESTDEV["regions"][:7], [7, 12, True, True], TESTDEV["regions"][8]]}, "configuration space of 12"),
     ({"regions": "all of them"}, "regions"),
+    ({"mappable": [7]}, "mappable region 7: only BARs 0-5"),
+    ({"mappable": [1]}, "mappable region 1 of 0 bytes"),  # the test device has no BAR1
+    ({"mappable": "0"}, "mappable regions '0' are not a list"),
 ])
 def test_a_device_description_the_server_cannot_serve_refuses_the_device(stream, change, error):
     box = DeviceBox({**TESTDEV, **change})

@@ -18,6 +18,7 @@ MAX_VECTORS = {"intx": 1, "msi": 32, "msix": 2048, "err": 1, "req": 1}
 CONFIG_SIZES = (256, 4096)  # PCI and PCI Express configuration space
 MAX_REGION = 1 << 62  # bytes; a 64-bit BAR of more cannot be placed
 MAX_MODEL = 64  # characters in the model name (shown in stats and logs)
+MAX_SHADOW = 1 << 30  # bytes of a host-mappable BAR the host proxy shadows (host memory, twice: shadow + snapshot)
 
 
 class BadDescription(ValueError):
@@ -44,6 +45,15 @@ def check_description(desc: DeviceDescription) -> None:
     if config[1] not in CONFIG_SIZES or not config[2]:
         raise BadDescription(f"configuration space of {config[1]} bytes (readable: {config[2]}); "
                              f"it must be {' or '.join(map(str, CONFIG_SIZES))} and readable")
+    if not isinstance(desc.mappable, list):
+        raise BadDescription(f"mappable regions {desc.mappable!r} are not a list")
+    for index in desc.mappable:
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 6:
+            raise BadDescription(f"mappable region {index!r}: only BARs 0-5 can be")
+        size = desc.regions[index][1]
+        if not 0 < size <= MAX_SHADOW or size % 4096:
+            raise BadDescription(f"mappable region {index} of {size} bytes: the host shadows whole pages, "
+                                 f"at most {MAX_SHADOW >> 20} MiB")
     for name, count in desc.irqs.items():
         if name not in IRQ_INDEX:
             raise BadDescription(f"interrupt {name!r}; known: {', '.join(IRQ_INDEX)}")

@@ -31,6 +31,7 @@ from typing import Callable
 
 from dxpu_vfio.hostproxy.coalescer import DEFAULT_COALESCE_DELAY, PostedCoalescer
 from dxpu_vfio.hostproxy.description import check_description
+from dxpu_vfio.hostproxy.shadow import DEFAULT_RATE_HZ, ShadowBar
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
 from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello, LinkCommand, hello_proof,
                                     unpack_challenge, unpack_irq)
@@ -71,7 +72,8 @@ class RemoteFunction:
                  completion_timeout: float = DEFAULT_COMPLETION_TIMEOUT,
                  on_down: Callable[[str], None] | None = None, heartbeat: float = 0.25,
                  dead_after: float = 3.0, coalesce: bool = False,
-                 coalesce_delay: float = DEFAULT_COALESCE_DELAY) -> None:
+                 coalesce_delay: float = DEFAULT_COALESCE_DELAY, writeback_hz: float = DEFAULT_RATE_HZ,
+                 map_bars: bool = True) -> None:
         self.description = description
         self.completion_timeout = completion_timeout
         self.lock = threading.RLock()
@@ -99,6 +101,11 @@ class RemoteFunction:
         self._forwarder = None  # the native Forwarder serving this device now, if any
         self._forwarded: dict[str, int] = {}  # counters of forwarders that ended
         self.attach_error: str | None = None  # why QEMU cannot have this device (the box refused its windows)
+        # --- host-mapped BARs (hostproxy/shadow.py): the shadows QEMU maps, written back to the box
+        self.shadows: dict[int, ShadowBar] = {
+            index: ShadowBar(index, description.regions[index][1], self._post_shadow, self.lock,
+                             rate_hz=writeback_hz, name=name, live=lambda: self.endpoint.up)
+            for index in (description.mappable if map_bars else [])}
 
     @property
     def event_source(self) -> LinkEndpoint:
@@ -113,7 +120,8 @@ class RemoteFunction:
     def native_forward(self) -> "RemoteFunction | None":
         """Region accesses, DMA and MSI/MSI-X forwarded in C: on the native link stream,
         without posted-write coalescing (whose batching is Python's), while the link is up."""
-        return self if self.endpoint.native and self.coalescer is None and self.endpoint.up else None
+        return (self if self.endpoint.native and self.coalescer is None and self.endpoint.up and not self.shadows
+                else None)  # shadows: their write-back is Python's, ordered by flush_posted
 
     @property
     def link_stream(self):
@@ -171,12 +179,19 @@ class RemoteFunction:
         self.endpoint.mark_down(f"bad completion: {what}")
 
     def regions(self) -> list[RegionInfo]:
-        return [RegionInfo(i, size, r, w, False) for i, size, r, w in self.description.regions]
+        return [RegionInfo(i, size, r, w, i in self.shadows) for i, size, r, w in self.description.regions]
+
+    def bar_memory(self, index: int):
+        """The shadow QEMU maps for a host-mappable BAR (None: not one)."""
+        shadow = self.shadows.get(index)
+        return shadow.memory if shadow is not None else None
 
     def irq_counts(self) -> dict[str, int]:
         return dict(self.description.irqs)
 
     def region_read(self, index: int, offset: int, size: int) -> bytes:
+        if index in self.shadows:  # host-mapped: the shadow is the BAR (hostproxy/shadow.py)
+            return self.shadows[index].read(offset, size)
         self.counters["reads"] += 1
         self.flush_posted()  # a read never passes an earlier posted write
         if not self.endpoint.up:
@@ -202,6 +217,9 @@ class RemoteFunction:
         return got.data
 
     def region_write(self, index: int, offset: int, data: bytes, posted: bool = False) -> None:
+        if index in self.shadows:  # into the shadow; it reaches the box with the next flush
+            self.shadows[index].write(offset, data)
+            return
         self._watch_command(index, offset, data)
         if posted:
             self.counters["writes_posted"] += 1
@@ -231,9 +249,12 @@ class RemoteFunction:
 
     # --- posted-write coalescing --------------------------------------------------------
     def flush_posted(self) -> None:
-        """Send the pending posted writes now: whatever the caller sends next goes after them."""
+        """Send the pending posted writes now: whatever the caller sends next goes after them
+        (the shadows' changes too: hostproxy/shadow.py)."""
         if self.coalescer is not None:
             self.coalescer.flush()
+        for shadow in self.shadows.values():
+            shadow.flush()
 
     def posted_idle(self) -> None:
         """The vfio-user server is about to wait for QEMU: send what is pending soon."""
@@ -252,6 +273,19 @@ class RemoteFunction:
             self.endpoint.post(LinkCommand.WRITE_BATCH, payload)
         self._posted_since_sync += 1
         self._posted_bytes_since_sync += len(payload)
+        self._sync_if_behind()
+
+    def _post_shadow(self, pieces: list[Run]) -> None:
+        """A shadow's changed pages (hostproxy/shadow.py): posted REGION_WRITEs, sent
+        together with their data framed in place (no copy of the pages before the send)."""
+        self.counters["posted_messages"] += len(pieces)
+        self.endpoint.post_many(LinkCommand.REGION_WRITE,
+                                [(vp.REGION_RW.pack(offset, index, len(data)), data) for index, offset, data in pieces])
+        self._posted_since_sync += len(pieces)
+        self._posted_bytes_since_sync += sum(vp.REGION_RW.size + len(data) for _, _, data in pieces)
+        self._sync_if_behind()
+
+    def _sync_if_behind(self) -> None:
         if self._posted_since_sync >= POSTED_WINDOW or self._posted_bytes_since_sync >= POSTED_BYTES_WINDOW:
             try:
                 self._request(LinkCommand.SYNC, b"")
@@ -310,6 +344,8 @@ class RemoteFunction:
     def close(self) -> None:
         if self.coalescer is not None:
             self.coalescer.close()
+        for shadow in self.shadows.values():
+            shadow.close()  # after a last flush
         self.endpoint.close()
 
     def stats(self) -> dict:
@@ -325,7 +361,10 @@ class RemoteFunction:
                 row["wait_us"] = round(row["wait_us"] + native[wait_ns] / 1000, 1)
         if native:
             link["native"] = native
-        return {**counters, "link": link, "attach_error": self.attach_error}
+        out = {**counters, "link": link, "attach_error": self.attach_error}
+        if self.shadows:
+            out["shadows"] = {str(i): shadow.stats() for i, shadow in self.shadows.items()}
+        return out
 
     # --- the remote's requests (link reader thread, stream order) --------------------
     def _dma_read(self, msg) -> tuple:
@@ -363,14 +402,17 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
                    completion_timeout: float = DEFAULT_COMPLETION_TIMEOUT,
                    on_down: Callable[[str], None] | None = None, timeout: float = 5.0,
                    coalesce: bool | None = None, spin_us: float = 0.0,
-                   box_sha256: str | None = None) -> RemoteFunction:
+                   box_sha256: str | None = None, writeback_hz: float = DEFAULT_RATE_HZ,
+                   map_bars: bool = True) -> RemoteFunction:
     """Open the link to ``device`` on the box at ``host:port`` and return the device.
 
     ``lease``: the lease token, proven to the box by answering its challenge (it never
     crosses the link). ``box_sha256``: the SHA-256 of the certificate the box must
     present (the pool pins the one it registered), checked before the proof is sent.
     ``coalesce``: combine posted writes into fewer link messages; None follows the
-    device's own hint (on for the display adapter)."""
+    device's own hint (on for the display adapter). ``map_bars``: shadow the device's
+    host-mappable BARs for QEMU to map, written back ``writeback_hz`` times a second
+    (False: they stay trapped, every access a message)."""
     host, _, port = address.rpartition(":")
     try:
         if native.enabled():
@@ -410,8 +452,11 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
     if coalesce is None:  # the device says whether its posted writes come in floods
         coalesce = description.coalesce
     function = RemoteFunction(conn, description, f"{address}/{device}",
-                              completion_timeout=completion_timeout, on_down=on_down, coalesce=coalesce)
+                              completion_timeout=completion_timeout, on_down=on_down, coalesce=coalesce,
+                              writeback_hz=writeback_hz, map_bars=map_bars)
     function.endpoint.start()
+    for shadow in function.shadows.values():
+        shadow.start()
     return function
 
 

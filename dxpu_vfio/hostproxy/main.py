@@ -63,7 +63,9 @@ def remote_device(settings: dict) -> RemoteFunction:
     settings: address "host:port", device, lease (the token: through --secrets-fd), and
     tls_dir (with tls_role, default "host") or plaintext=true; box_sha256 (the box's
     certificate must be this one); completion_timeout in seconds; coalesce (posted writes
-    into fewer link messages; default: what the device asks for).
+    into fewer link messages; default: what the device asks for); map_bars (default true:
+    host-mappable BARs are shadowed for QEMU to map) and writeback_hz (their write-back
+    rate, default 60; hostproxy/shadow.py).
     """
     try:
         plaintext = bool(settings.get("plaintext", False))
@@ -76,6 +78,8 @@ def remote_device(settings: dict) -> RemoteFunction:
                                       coalesce=settings.get("coalesce"),
                                       spin_us=float(settings.get("spin_us", 0.0)),
                                       box_sha256=settings.get("box_sha256"),
+                                      writeback_hz=float(settings.get("writeback_hz", 60.0)),
+                                      map_bars=bool(settings.get("map_bars", True)),
                                       on_down=lambda reason: logging.getLogger("dxpu.hostproxy").warning(
                                           "link down: %s", reason))
             except RemoteAttachError as exc:

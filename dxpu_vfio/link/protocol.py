@@ -16,7 +16,7 @@ import hmac
 import json
 import secrets
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dxpu_vfio.vfio_user.protocol import ProtocolError
 
@@ -117,17 +117,20 @@ class DeviceDescription:
     irqs: dict[str, int]
     coalesce: bool = False  # the device's posted writes come in floods: combine them
     dma_windows: bool = False  # the box wants QEMU's DMA windows (DMA_MAP/DMA_UNMAP): an external server
+    mappable: list[int] = field(default_factory=list)  # host-mappable BARs: the host shadows them (hostproxy/shadow.py)
 
     def pack(self) -> bytes:
         return json.dumps({"model": self.model, "regions": self.regions, "irqs": self.irqs,
-                           "coalesce": self.coalesce, "dma_windows": self.dma_windows}).encode()
+                           "coalesce": self.coalesce, "dma_windows": self.dma_windows,
+                           "mappable": self.mappable}).encode()
 
     @classmethod
     def unpack(cls, payload: bytes | memoryview) -> "DeviceDescription":
         try:
             data = json.loads(bytes(payload))
             return cls(data["model"], [tuple(r) for r in data["regions"]], dict(data["irqs"]),
-                       bool(data.get("coalesce", False)), bool(data.get("dma_windows", False)))
+                       bool(data.get("coalesce", False)), bool(data.get("dma_windows", False)),
+                       data.get("mappable", []))  # checked by the host (hostproxy/description.py)
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"bad device description: {exc}") from exc
 

@@ -18,6 +18,7 @@ other half of a same-run comparison (``scripts/bench_remote.py --streams``).
 
 from __future__ import annotations
 
+import array
 import importlib.util
 import os
 import socket
@@ -117,11 +118,30 @@ class NativeConnection:
     # --- a Connection's face --------------------------------------------------------
     def send(self, data: bytes, fds: list[int] | None = None) -> None:
         if fds:
-            raise ProtocolError("descriptors cannot travel on the link")
+            if self.family != socket.AF_UNIX:
+                raise ProtocolError("descriptors cannot travel on the link")
+            self._send_with_fds(data, fds)
+            return
         try:
             self.stream.send(data)
         except (self._closed_exc, TimeoutError) as exc:
             raise ConnectionClosed(str(exc)) from exc
+
+    def _send_with_fds(self, data: bytes, fds: list[int]) -> None:
+        """A reply that carries descriptors (GET_REGION_INFO of a mappable region): the C
+        stream sends bytes alone, so this goes out with ``sendmsg`` on its socket. Its sends
+        complete before they return, so nothing of the stream's is left to pass; the only
+        caller is the session thread while QEMU waits for this very reply."""
+        sock = socket.socket(fileno=os.dup(self.stream.fileno()))
+        try:
+            sock.settimeout(5.0)
+            sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            if sent < len(data):
+                sock.sendall(data[sent:])
+        except OSError as exc:
+            raise ConnectionClosed(str(exc)) from exc
+        finally:
+            sock.close()
 
     def send_message(self, msg_id: int, command: int, flags: int, payload: bytes | tuple = b"") -> None:
         try:

@@ -53,7 +53,8 @@ ACCEPT_RETRY = 0.1  # seconds to wait after an accept() error (e.g. EMFILE) befo
 def describe(model: str, device: PciFunction) -> DeviceDescription:
     return DeviceDescription(model, [(r.index, r.size, r.readable, r.writable) for r in device.regions()],
                              device.irq_counts(), device.coalesce_posted,
-                             dma_windows=getattr(device, "wants_dma_windows", False))
+                             dma_windows=getattr(device, "wants_dma_windows", False),
+                             mappable=[r.index for r in device.regions() if getattr(r, "mappable", False)])
 
 
 def refusal(msg_id: int, command: int, err: int, why: str) -> bytes:

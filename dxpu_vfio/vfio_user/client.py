@@ -149,6 +149,16 @@ class VfioUserClient:
 
     def request(self, command: int, payload: bytes = b"", fds: list[int] | None = None,
                 no_reply: bool = False) -> memoryview | None:
+        """Send a request and return its reply's payload (descriptors with it are closed)."""
+        reply = self.request_message(command, payload, fds, no_reply)
+        if reply is None:
+            return None
+        reply.close_fds()
+        return reply.payload
+
+    def request_message(self, command: int, payload: bytes = b"", fds: list[int] | None = None,
+                        no_reply: bool = False) -> Message | None:
+        """Send a request and return its whole reply, descriptors included (the caller's)."""
         msg_id = next(self._ids) & 0xFFFF
         waiter: tuple[threading.Event, list] = (threading.Event(), [])
         with self._lock:
@@ -170,8 +180,9 @@ class VfioUserClient:
             raise ClientError("server closed the connection", errno.ECONNRESET)
         reply: Message = waiter[1][0]
         if reply.header.is_error:
+            reply.close_fds()
             raise ClientError(f"command {command}: {os.strerror(reply.header.error)}", reply.header.error)
-        return reply.payload
+        return reply
 
     # --- the protocol ----------------------------------------------------------------
     def negotiate(self, caps: dict | None = None) -> dict:
@@ -202,6 +213,27 @@ class VfioUserClient:
                              p.REGION_INFO.pack(p.REGION_INFO.size, 0, index, 0, 0, 0))
         _argsz, flags, _index, _cap, size, _offset = p.REGION_INFO.unpack_from(reply)
         return size, flags
+
+    def region_mapping(self, index: int) -> tuple[int, int, int, list[tuple[int, int]] | None, int | None]:
+        """(size, flags, fd offset, sparse-mmap areas or None, fd or None) of region
+        ``index``, asked the way QEMU asks: 32 bytes first, again with the ``argsz`` the
+        server says it needs. The fd is the caller's to close."""
+        argsz = p.REGION_INFO.size
+        for _ in range(2):
+            reply = self.request_message(p.Command.DEVICE_GET_REGION_INFO,
+                                         p.REGION_INFO.pack(argsz, 0, index, 0, 0, 0))
+            if len(reply.payload) > argsz:
+                reply.close_fds()
+                raise ClientError(f"region info of {len(reply.payload)} bytes for argsz {argsz}", errno.E2BIG)
+            needed, flags, _index, _cap, size, offset = p.REGION_INFO.unpack_from(reply.payload)
+            fd = reply.fds.pop() if reply.fds else None
+            reply.close_fds()
+            if needed <= argsz:
+                return size, flags, offset, p.unpack_sparse_areas(reply.payload), fd
+            if fd is not None:
+                os.close(fd)  # as QEMU: the descriptor of the short answer is dropped
+            argsz = needed
+        raise ClientError(f"region {index}: the server wants ever more argsz", errno.EPROTO)
 
     def irq_info(self, index: int) -> tuple[int, int]:
         """(count, flags) of irq ``index``."""

@@ -203,6 +203,11 @@ REGION_INFO = struct.Struct("<IIIIQQ")  # argsz, flags, index, cap_offset, size,
 REGION_FLAG_READ = 1 << 0
 REGION_FLAG_WRITE = 1 << 1
 REGION_FLAG_MMAP = 1 << 2
+REGION_FLAG_CAPS = 1 << 3
+REGION_INFO_CAP_SPARSE_MMAP = 1  # capability id (version 1): the parts of a region that may be mapped
+CAP_HEADER = struct.Struct("<HHI")  # id, version, next (offset from the start of the info; 0: last)
+SPARSE_HEADER = struct.Struct("<II")  # nr_areas, reserved
+SPARSE_AREA = struct.Struct("<QQ")  # offset, size
 
 IRQ_INFO = struct.Struct("<IIII")  # argsz, flags, index, count
 IRQ_INFO_EVENTFD = 1 << 0
@@ -228,8 +233,41 @@ def unpack_index(payload: bytes | memoryview, what: str) -> int:
     return struct.unpack_from("<I", payload, 8)[0]
 
 
-def region_info_reply(index: int, size: int, flags: int) -> bytes:
-    return REGION_INFO.pack(REGION_INFO.size, flags, index, 0, size, 0)
+def region_info_reply(index: int, size: int, flags: int, *, offset: int = 0,
+                      areas: list[tuple[int, int]] | None = None, argsz: int = REGION_INFO.size) -> bytes:
+    """GET_REGION_INFO's reply. ``offset``: where the region starts in the file descriptor
+    sent with a mappable region's reply; ``areas``: the (offset, size) parts that may be
+    mapped, when not the whole region (a VFIO_REGION_INFO_CAP_SPARSE_MMAP capability).
+
+    ``argsz`` is the client's: QEMU first asks with 32 bytes and takes no longer reply
+    ("reply larger than recv buffer"), so a reply whose capability does not fit says how
+    much it needs in ``argsz`` and carries no capability; QEMU asks again with that much."""
+    if areas is None:
+        return REGION_INFO.pack(REGION_INFO.size, flags, index, 0, size, offset)
+    cap = (CAP_HEADER.pack(REGION_INFO_CAP_SPARSE_MMAP, 1, 0) + SPARSE_HEADER.pack(len(areas), 0)
+           + b"".join(SPARSE_AREA.pack(o, n) for o, n in areas))
+    needed = REGION_INFO.size + len(cap)
+    if argsz < needed:
+        return REGION_INFO.pack(needed, flags, index, 0, size, offset)
+    return REGION_INFO.pack(needed, flags | REGION_FLAG_CAPS, index, REGION_INFO.size, size, offset) + cap
+
+
+def unpack_sparse_areas(reply: bytes | memoryview) -> list[tuple[int, int]] | None:
+    """The sparse-mmap areas of a GET_REGION_INFO reply (None: no such capability)."""
+    _need(reply, REGION_INFO.size, "GET_REGION_INFO reply")
+    argsz, flags, _index, cap_offset, _size, _offset = REGION_INFO.unpack_from(reply)
+    seen = set()
+    while flags & REGION_FLAG_CAPS and cap_offset and cap_offset not in seen:
+        seen.add(cap_offset)
+        _need(reply, cap_offset + CAP_HEADER.size + SPARSE_HEADER.size, "region capability")
+        cap_id, _version, following = CAP_HEADER.unpack_from(reply, cap_offset)
+        if cap_id == REGION_INFO_CAP_SPARSE_MMAP:
+            count, _ = SPARSE_HEADER.unpack_from(reply, cap_offset + CAP_HEADER.size)
+            start = cap_offset + CAP_HEADER.size + SPARSE_HEADER.size
+            _need(reply, start + count * SPARSE_AREA.size, "sparse mmap areas")
+            return [SPARSE_AREA.unpack_from(reply, start + i * SPARSE_AREA.size) for i in range(count)]
+        cap_offset = following
+    return None
 
 
 def irq_info_reply(index: int, count: int, flags: int) -> bytes:

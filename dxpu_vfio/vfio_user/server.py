@@ -43,6 +43,7 @@ import logging
 import os
 import select
 import socket
+import struct
 import sys
 import threading
 import time
@@ -136,6 +137,16 @@ class ServerOptions:
     # refuse windows without a descriptor, like a server that needs fd-mapped guest memory
     # (tests: such a server cannot work behind a box)
     dma_needs_fd: bool = False
+    # offer host-mappable BARs as mappable (False: every access of them is a message, as before)
+    map_regions: bool = True
+
+
+@dataclass
+class Reply:
+    """A handler's reply payload with descriptors to send along (the caller keeps them)."""
+
+    payload: bytes
+    fds: list[int]
 
 
 IRQ_INDEX = {"intx": p.IRQ_INTX, "msi": p.IRQ_MSI, "msix": p.IRQ_MSIX, "err": p.IRQ_ERR, "req": p.IRQ_REQ}
@@ -176,6 +187,7 @@ class _Session:
                                        daemon=True)
         self.version_seen = False
         self.windows_told = False  # the device was told of a DMA window (dma_mapped)
+        self.mapped_regions: set[int] = set()  # regions offered to QEMU as mappable (with their memfd)
         self.forwarder = None  # the native Forwarder that served this session, if one did (its counters)
         self._event_poll: select.poll | None = None  # QEMU's socket + the device's event source
         self._events_fd = 0
@@ -326,6 +338,7 @@ class _Session:
         hdr = msg.header
         started = time.perf_counter_ns()
         out: bytes | None = None
+        reply_fds: list[int] = []  # sent with the reply (a mappable region's memory); we keep them open
         error = False
         try:
             handler = self.server.handlers.get(hdr.command)
@@ -337,6 +350,8 @@ class _Session:
                 raise p.ProtocolError(f"{_name(hdr.command)} carries {len(msg.fds)} descriptors; it takes "
                                       f"{FDS_ALLOWED.get(hdr.command, 0)}")
             reply = handler(self, msg)
+            if isinstance(reply, Reply):
+                reply, reply_fds = reply.payload, reply.fds
             if not hdr.no_reply:
                 out = p.message(hdr.msg_id, hdr.command, reply or b"", reply=True)
         except (p.ProtocolError, ValueError, DmaError, OSError, OverflowError, RecursionError) as exc:
@@ -355,7 +370,7 @@ class _Session:
             msg.close_fds()
         self.server.record(hdr.command, time.perf_counter_ns() - started, error)
         if out is not None:
-            self.conn.send(out)
+            self.conn.send(out, reply_fds if not error else None)
 
     def _add_posted(self, msg: Message) -> None:
         started = time.perf_counter_ns()
@@ -512,13 +527,26 @@ def _device_info(s: _Session, msg: Message) -> bytes:
     return p.device_info_reply()
 
 
-def _region_info(s: _Session, msg: Message) -> bytes:
+def _region_info(s: _Session, msg: Message) -> bytes | Reply:
+    """A region's size and rights; a mappable one (a host-mappable BAR whose memory the
+    device shows: ``bar_memory(index)``) also gets VFIO_REGION_INFO_FLAG_MMAP, its memfd
+    with the reply, and the sparse-mmap capability when the memory says only some
+    ``areas`` may be mapped. QEMU then maps it into the guest and sends no more
+    accesses for it (and sends every MMIO write of the device non-posted from then on)."""
     index = p.unpack_index(msg.payload, "GET_REGION_INFO")
+    argsz = struct.unpack_from("<I", msg.payload)[0]
     if index >= p.NUM_REGIONS:
         raise p.ProtocolError(f"region {index} does not exist")
-    region = s.server.device.regions()[index]
+    device = s.server.device
+    region = device.regions()[index]
     flags = (p.REGION_FLAG_READ if region.readable else 0) | (p.REGION_FLAG_WRITE if region.writable else 0)
-    return p.region_info_reply(index, region.size, flags)
+    memory = device.bar_memory(index) if region.mappable and s.server.options.map_regions else None
+    if memory is None or memory.fd < 0:
+        return p.region_info_reply(index, region.size, flags)
+    areas = getattr(memory, "areas", None)  # None: the whole region may be mapped
+    reply = p.region_info_reply(index, region.size, flags | p.REGION_FLAG_MMAP, areas=areas, argsz=argsz)
+    s.mapped_regions.add(index)
+    return Reply(reply, [memory.fd])
 
 
 IRQ_FLAGS = {p.IRQ_INTX: p.IRQ_INFO_EVENTFD | p.IRQ_INFO_MASKABLE | p.IRQ_INFO_AUTOMASKED,
