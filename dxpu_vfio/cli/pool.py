@@ -90,7 +90,8 @@ def cmd_manager_serve(args: argparse.Namespace) -> int:
     setup_logging(args, args.log_level)
     from dxpu_vfio.pool.etcd_store import endpoints_from
     serve(args.db, heartbeat=args.heartbeat, dead_after=args.dead_after, metrics_address=args.metrics,
-          store=args.store, etcd_endpoints=endpoints_from(args.etcd_endpoints), etcd_tls_dir=args.etcd_tls_dir)
+          store=args.store, etcd_endpoints=endpoints_from(args.etcd_endpoints), etcd_tls_dir=args.etcd_tls_dir,
+          host=args.host)
     return 0
 
 
@@ -103,6 +104,32 @@ def cmd_manager_reconcile(args: argparse.Namespace) -> int:
     result = _client(args).post("/v1/reconcile")
     emit(args, result, lambda r: "\n".join(f"{a['action']}: {a.get('device') or a.get('qdev_id')} "
                                            f"in {a['vm']} ({a['why']})" for a in r) or "nothing to reconcile")
+    return 0
+
+
+def cmd_host_ls(args: argparse.Namespace) -> int:
+    def text(r: list) -> str:
+        return table([{**h, "agent": "alive" if h["alive"] else "none", "state": "fenced" if h["fenced"] else "-"}
+                      for h in r], ["name", "agent", "state", "leases", "holder", "agent_pid"])
+    emit(args, _client(args).get("/v1/hosts"), text)
+    return 0
+
+
+def cmd_host_fence(args: argparse.Namespace) -> int:
+    result = _client(args).post("/v1/hosts/fence", host=args.host)
+
+    def text(r: dict) -> str:
+        lines = [f"host {r['host']} fenced: it gets no device until dxpu host unfence {r['host']}"]
+        lines += [f"  took {x['device']} (lease {x['lease']}, VM {x['vm']}, fence {x['fence']}): token {x['token']}"
+                  for x in r["leases"]] or ["  it held no lease"]
+        return "\n".join(lines)
+    emit(args, result, text)
+    return 0
+
+
+def cmd_host_unfence(args: argparse.Namespace) -> int:
+    result = _client(args).post("/v1/hosts/unfence", host=args.host)
+    emit(args, result, lambda r: f"host {r['host']} is no longer fenced")
     return 0
 
 
@@ -139,6 +166,18 @@ def register(sub: Subparsers) -> None:
     p = _with_db(command(box, "rm", cmd_box_rm, "remove a box that lends no device"))
     p.add_argument("name")
 
+    host = group(sub, "host", "hosts of the pool: their agents, fencing")
+    _with_db(command(host, "ls", cmd_host_ls, "hosts, whether their agent is alive, whether they are fenced"))
+    p = _with_db(command(host, "fence", cmd_host_fence,
+                         "fence a dead host: take its leases, revoke its tokens at the boxes, cut its links",
+                         description="Fence HOST: the pool gives it no device, takes every lease it holds "
+                                     "(its devices go back to the pool), and revokes their tokens at the boxes, "
+                                     "which cuts the host's live links and refuses its old tokens. Its VMs lose "
+                                     "those devices. Use it for a host whose agent died, once you accept that."))
+    p.add_argument("host", help="the host's name in the pool (dxpu host ls)")
+    p = _with_db(command(host, "unfence", cmd_host_unfence, "let a fenced host get devices again"))
+    p.add_argument("host")
+
     manager = group(sub, "manager", "the pool manager service")
     p = _with_db(command(manager, "serve", cmd_manager_serve, "run the manager: local API, heartbeats, reconciliation"))
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between box probes")
@@ -150,6 +189,7 @@ def register(sub: Subparsers) -> None:
                    help="etcd client URLs for --store etcd (default $DXPU_ETCD_ENDPOINTS)")
     p.add_argument("--etcd-tls-dir", default=None, metavar="DIR",
                    help="ca.pem + host.pem/host.key for etcd over https with client certificates")
+    p.add_argument("--host", default=None, help="this host's name in the pool (default $DXPU_HOST or the hostname)")
     p.add_argument("--log-level", default="WARNING")
     _with_db(command(manager, "metrics", cmd_manager_metrics, "print the Prometheus metrics"))
     _with_db(command(manager, "reconcile", cmd_manager_reconcile,

@@ -9,6 +9,11 @@ left half done, by asking the VMs what they really have.
 
 Host proxies are processes of their own (``dxpu_vfio.hostproxy`` in forward mode)
 that outlive the manager; the store records their pids, and they are ended by pid.
+
+Every manager serves one host (``host``, default the machine's name): its leases carry
+that name, and reconcile and heal touch only those, so managers of several hosts can
+share one pool (etcd) without releasing each other's devices. A host whose manager or
+agent died keeps its leases until an admin fences it (:meth:`Manager.fence_host`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -54,6 +60,11 @@ class AttachError(DxpuError):
     """An attach failed; everything it had done was undone."""
 
 
+def default_host() -> str:
+    """This host's name in the pool: $DXPU_HOST, else the machine's name."""
+    return os.environ.get("DXPU_HOST") or socket.gethostname()
+
+
 def stats_path(socket_path: str | Path) -> Path:
     return Path(socket_path).with_suffix(".stats.json")
 
@@ -82,8 +93,10 @@ class Manager:
 
     def __init__(self, store: PoolStore, *, open_vm: Callable[[str], VmTarget] = open_target,
                  dead_after: float = 3.0, unplug_timeout: float = 15.0,
-                 reconcile_unplug_timeout: float = 5.0, heal_interval: float = 10.0) -> None:
+                 reconcile_unplug_timeout: float = 5.0, heal_interval: float = 10.0,
+                 host: str | None = None) -> None:
         self.store = store
+        self.host = host or default_host()
         self.open_vm = open_vm
         self.dead_after = dead_after
         self.unplug_timeout = unplug_timeout
@@ -219,7 +232,7 @@ class Manager:
         actions = []
         confirmed: bool | None = None  # did the box answer a probe made after a dead link was seen?
         for lease in self.store.leases():
-            if lease.box != box["name"] or lease.state != LeaseState.ATTACHED:
+            if lease.box != box["name"] or lease.state != LeaseState.ATTACHED or not self._ours(lease):
                 continue
             if time.monotonic() - self._healed.get(lease.id, -1e9) < self.heal_interval:
                 continue
@@ -274,7 +287,7 @@ class Manager:
             if not target.alive():
                 raise AttachError(f"VM {vm} is not running", hint="start it first")
             leases = self.store.allocate(target.key, device_class=device_class, count=count, box=box,
-                                         device=device, policy=policy, owner_pid=os.getpid())
+                                         device=device, policy=policy, owner_pid=os.getpid(), host=self.host)
             done: list[tuple[Lease, bool]] = []  # (lease, plugged)
             try:
                 for lease in leases:
@@ -301,7 +314,8 @@ class Manager:
         its command line, and presents it to no box but the one registered (pinned by its
         certificate)."""
         dev = self.store.device(lease.device)
-        token = grant_token(dev["address"], dev["tls_dir"], dev["name"], lease.id, timeout=min(timeout, 5.0))
+        token = grant_token(dev["address"], dev["tls_dir"], dev["name"], lease.id, timeout=min(timeout, 5.0),
+                            fence=lease.fence, holder=lease.host)
         settings = {"address": dev["address"], "device": dev["name"]}
         settings.update({"tls_dir": dev["tls_dir"], "tls_role": TLS_ROLE} if dev["tls_dir"] else {"plaintext": True})
         if dev["tls_dir"] and dev.get("cert_sha256"):
@@ -350,6 +364,10 @@ class Manager:
             key = target_key(vm)
             with self._vm_lock(key):
                 leases = self.store.leases(key) if all_devices else [self.store.lease_for(key, device)]
+                foreign = sorted({lease.host for lease in leases if not self._ours(lease)})
+                if foreign:  # not gone: it runs on another host, which this manager cannot see
+                    raise StoreError(f"{vm} is a VM of host {', '.join(foreign)}, not of {self.host}",
+                                     hint=f"detach it there, or if that host is dead: dxpu host fence {foreign[0]}")
                 return [self._release(lease, f"VM gone: {exc.message}") for lease in leases]
         with target, self._vm_lock(target.key):
             leases = self.store.leases(target.key) if all_devices else [self.store.lease_for(target.key, device)]
@@ -379,9 +397,47 @@ class Manager:
         the token anyway."""
         try:
             dev = self.store.device(lease.device)
-            revoke_token(dev["address"], dev["tls_dir"], dev["name"], lease.id, timeout=self.probe_timeout())
+            revoke_token(dev["address"], dev["tls_dir"], dev["name"], lease.id, timeout=self.probe_timeout(),
+                         fence=lease.fence)
         except DxpuError as exc:
             log.warning("could not revoke the token of lease %s at its box: %s", lease.id, exc.message)
+
+    def _ours(self, lease: Lease) -> bool:
+        """A lease of this manager's host (or of a pool from before hosts)."""
+        return lease.host is None or lease.host == self.host
+
+    # --- fencing -------------------------------------------------------------------
+    def fence_host(self, host: str) -> dict:
+        """Fence ``host``: the store marks it fenced (no device for it, its agent's lease
+        void) and takes its leases from it in one step; then each lease's token is revoked
+        at its box with the lease's fencing token, which takes the host's live link down
+        and makes the box refuse any later GRANT or HELLO of that lease. The host's VMs and
+        proxies are not touched (the host may be unreachable): what they hold is dead.
+
+        A box that does not answer now is reported: it restarted (and forgot the token)
+        or is down; when it comes back it knows no token of the fenced host either."""
+        taken = self.store.fence_host(host)
+        freed = []
+        for lease in taken:
+            try:
+                dev = self.store.device(lease.device)
+                revoked = revoke_token(dev["address"], dev["tls_dir"], dev["name"], lease.id,
+                                       timeout=self.probe_timeout(), fence=lease.fence)
+                at_box = "revoked" if revoked else "no grant at the box"
+            except DxpuError as exc:
+                at_box = f"box did not answer: {exc.message}"
+                log.warning("fencing %s: could not revoke lease %s at its box: %s", host, lease.id, exc.message)
+            freed.append({"lease": lease.id, "device": lease.device, "vm": lease.vm, "fence": lease.fence,
+                          "token": at_box})
+        log.warning("fenced host %s: %d lease(s) taken from it", host, len(freed))
+        return {"host": host, "fenced": True, "leases": freed}
+
+    def unfence_host(self, host: str) -> dict:
+        self.store.unfence_host(host)
+        return {"host": host, "fenced": False}
+
+    def hosts(self) -> list[dict]:
+        return self.store.hosts()
 
     # --- reconciliation ----------------------------------------------------------
     def reconcile(self) -> list[dict]:
@@ -397,7 +453,8 @@ class Manager:
         actions = []
         by_vm: dict[str, list[Lease]] = defaultdict(list)
         for lease in self.store.leases():
-            by_vm[lease.vm].append(lease)
+            if self._ours(lease):  # another host's VMs are its own business (or its fence's)
+                by_vm[lease.vm].append(lease)
         for vm_key, leases in by_vm.items():
             try:
                 target = self.open_vm(vm_key)
@@ -459,7 +516,7 @@ class Manager:
 
     # --- reports -----------------------------------------------------------------
     def _proxy_stats(self, lease: Lease) -> dict | None:
-        if not proxy_alive(lease):
+        if not self._ours(lease) or not proxy_alive(lease):
             return None
         return request_json(lease.proxy_pid, stats_path(lease.socket), timeout=2.0)
 
@@ -468,7 +525,8 @@ class Manager:
         out = {"lease": lease.id, "device": lease.device, "class": dev["class"], "vendor": dev["vendor"],
                "model": dev["model"], "capacity": dev["capacity"], "vm": lease.vm, "state": lease.state,
                "qdev_id": lease.qdev_id, "port": lease.port, "proxy_pid": lease.proxy_pid,
-               "proxy_alive": proxy_alive(lease)}
+               "proxy_alive": proxy_alive(lease) if self._ours(lease) else None, "host": lease.host,
+               "fence": lease.fence}
         if present is not None:
             out["in_vm"] = lease.qdev_id in present
         return out
