@@ -31,7 +31,7 @@ def _devices_text(devices: list[dict]) -> str:
 
 def cmd_attach(args: argparse.Namespace) -> int:
     result = _client(args).post("/v1/attach", vm=args.vm, **{"class": args.device_class}, count=args.count,
-                                box=args.box, device=args.device, policy=args.policy)
+                                box=args.box, device=args.device, policy=args.policy, host=args.host)
     emit(args, result, lambda r: f"attached to {args.vm}:\n{_devices_text(r)}")
     return 0
 
@@ -40,7 +40,7 @@ def cmd_detach(args: argparse.Namespace) -> int:
     if not args.device and not args.all:
         raise DxpuError("name a device to detach (lease id, BOX/DEVICE or device name), or pass --all",
                         hint=f"dxpu status {args.vm} lists its devices")
-    result = _client(args).post("/v1/detach", vm=args.vm, device=args.device, all=args.all or None)
+    result = _client(args).post("/v1/detach", vm=args.vm, device=args.device, all=args.all or None, host=args.host)
     emit(args, result, lambda r: "\n".join(
         f"detached {x['device']} (lease {x['lease']}) from {args.vm}" if x["why"] == "detached" else
         f"released {x['device']} (lease {x['lease']}): {x['why']}" for x in r) or f"{args.vm} held no devices")
@@ -133,6 +133,29 @@ def cmd_host_unfence(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_agent_serve(args: argparse.Namespace) -> int:
+    """Until SIGTERM/SIGINT, or until the host is fenced (exit 3: it must not plug anything)."""
+    import signal
+    from dxpu_vfio.pool.agent import HostAgent
+    from dxpu_vfio.pool.etcd_store import endpoints_from
+    from dxpu_vfio.pool.manager import default_host
+    from dxpu_vfio.pool.service import ManagerPaths, open_store
+    setup_logging(args, args.log_level)
+    store = open_store(args.store, db=ManagerPaths.for_db(args.db).db, endpoints=endpoints_from(args.etcd_endpoints),
+                       tls_dir=args.etcd_tls_dir)
+    agent = HostAgent(store, args.host or default_host(), ttl=args.ttl).start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: agent._stop.set())
+    try:
+        agent.wait()
+    finally:
+        agent.stop()
+        store.close()
+    if agent.lost:
+        raise DxpuError(agent.lost, hint=f"dxpu host ls; once its VMs are gone: dxpu host unfence {agent.host}")
+    return 0
+
+
 def _with_db(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--db", default=None, help="pool database (default: $DXPU_POOL_DB or /var/lib/dxpu/pool.db)")
     return p
@@ -148,11 +171,13 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--device", help="this device (BOX/DEVICE, or a device name)")
     p.add_argument("--policy", choices=["pack", "spread"], default="pack",
                    help="pack: fill boxes already lending first; spread: across boxes")
+    p.add_argument("--host", help="the VM runs on this host of the pool: its agent plugs the device")
 
     p = _with_db(command(sub, "detach", cmd_detach, "unplug devices from a VM and return them to the pool"))
     p.add_argument("vm", help=vm_help)
     p.add_argument("device", nargs="?", help="lease id, BOX/DEVICE or device name")
     p.add_argument("--all", action="store_true", help="every device the VM holds")
+    p.add_argument("--host", help="the VM runs on this host of the pool: its agent unplugs the device")
 
     _with_db(command(sub, "ls", cmd_ls, "boxes, devices and leases of the pool"))
     p = _with_db(command(sub, "status", cmd_status, "the devices a VM holds and whether they work"))
@@ -177,6 +202,16 @@ def register(sub: Subparsers) -> None:
     p.add_argument("host", help="the host's name in the pool (dxpu host ls)")
     p = _with_db(command(host, "unfence", cmd_host_unfence, "let a fenced host get devices again"))
     p.add_argument("host")
+
+    agent = group(sub, "agent", "the host agent: plugs the pool's devices into this host's VMs")
+    p = _with_db(command(agent, "serve", cmd_agent_serve,
+                         "run this host's agent: hold the host lease, serve lease records for this host"))
+    p.add_argument("--host", default=None, help="this host's name in the pool (default $DXPU_HOST or the hostname)")
+    p.add_argument("--ttl", type=float, default=10.0, help="seconds the host lease lives without a keepalive")
+    p.add_argument("--store", choices=["sqlite", "etcd"], default=os.environ.get("DXPU_POOL_STORE") or "sqlite")
+    p.add_argument("--etcd-endpoints", default=None, metavar="URL,URL")
+    p.add_argument("--etcd-tls-dir", default=None, metavar="DIR")
+    p.add_argument("--log-level", default="WARNING")
 
     manager = group(sub, "manager", "the pool manager service")
     p = _with_db(command(manager, "serve", cmd_manager_serve, "run the manager: local API, heartbeats, reconciliation"))

@@ -282,7 +282,13 @@ class Manager:
 
     # --- attach / detach ---------------------------------------------------------
     def attach(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
-               device: str | None = None, policy: str = "pack", timeout: float = 30.0) -> list[dict]:
+               device: str | None = None, policy: str = "pack", timeout: float = 30.0,
+               host: str | None = None) -> list[dict]:
+        """Plug free devices into ``vm``. With ``host`` (another host than this manager's),
+        the VM is one of that host's and its agent does the plug (:mod:`dxpu_vfio.pool.agent`)."""
+        if host is not None and host != self.host:
+            return self._attach_via_agent(host, vm, timeout, device_class=device_class, count=count, box=box,
+                                          device=device, policy=policy)
         with self.open_vm(vm) as target, self._vm_lock(target.key):
             if not target.alive():
                 raise AttachError(f"VM {vm} is not running", hint="start it first")
@@ -307,6 +313,41 @@ class Manager:
                                       hint=exc.hint, logs=exc.logs) from exc
                 raise
             return [self._describe(lease) for lease in leases]
+
+    def _attach_via_agent(self, host: str, vm: str, timeout: float, **allocation: object) -> list[dict]:
+        """Leases for ``host``'s VM with ``request = attach``; wait for its agent's answer.
+        All or nothing: if one fails (or the agent does not answer in time) the others are
+        handed back to the agent to detach and the failed ones deleted."""
+        from dxpu_vfio.pool.agent import ATTACH, DETACH, wait_for_agent
+        key = target_key(vm)
+        agents = {h["name"]: h for h in self.store.hosts()}
+        if not (agents.get(host) or {}).get("alive"):
+            raise AttachError(f"host {host} has no live agent: nothing would plug the device into {vm}",
+                              hint=f"start it there: dxpu agent serve --host {host} (dxpu host ls shows the hosts)")
+        leases = self.store.allocate(key, owner_pid=os.getpid(), host=host, **allocation)  # type: ignore[arg-type]
+        for lease in leases:
+            self.store.update_lease(lease.id, request=ATTACH)
+        ids = [lease.id for lease in leases]
+        done = wait_for_agent(self.store, ids, lambda lease: lease is None or lease.error is not None
+                              or lease.state == LeaseState.ATTACHED, timeout + 5.0)
+        failed = {i: lease for i, lease in done.items() if lease is None or lease.state != LeaseState.ATTACHED}
+        if not failed:
+            return [self._describe(lease) for lease in done.values() if lease is not None]
+        for lease_id, lease in done.items():
+            if lease is None:
+                continue
+            if lease.state == LeaseState.ATTACHED:
+                self.store.update_lease(lease_id, request=DETACH)
+            elif lease.error is not None:
+                self.store.delete_lease(lease_id)
+        why = "; ".join(f"{lease.device}: {lease.error}" for lease in failed.values() if lease and lease.error) \
+            or f"the agent of {host} did not answer within {timeout + 5.0:.0f} s"
+        if any(lease is not None and lease.error is None for lease in failed.values()):
+            for lease_id, lease in failed.items():  # not answered: take the request back
+                if lease is not None and lease.error is None:
+                    self.store.update_lease(lease_id, request=DETACH)
+        raise AttachError(f"attach to {vm} on host {host} failed and was rolled back: {why}",
+                          hint=f"its agent's log on {host} has the details")
 
     def _plug(self, target: VmTarget, lease: Lease, timeout: float) -> None:
         """Start the lease's host proxy and plug it. The box grants a fresh token for this
@@ -354,10 +395,13 @@ class Manager:
         self.store.delete_lease(lease.id)
 
     def detach(self, vm: str, device: str | None = None, *, all_devices: bool = False,
-               timeout: float | None = None) -> list[dict]:
-        """Unplug one device (lease id, device id or name) or all of the VM's, and free them."""
+               timeout: float | None = None, host: str | None = None) -> list[dict]:
+        """Unplug one device (lease id, device id or name) or all of the VM's, and free them;
+        with ``host`` (not this manager's), by asking that host's agent."""
         if device is None and not all_devices:
             raise StoreError("name a device to detach, or pass --all", hint="dxpu status VM lists its devices")
+        if host is not None and host != self.host:
+            return self._detach_via_agent(host, vm, device, timeout or self.unplug_timeout)
         try:
             target = self.open_vm(vm)
         except VmGone as exc:  # what a VM that is gone held is free again
@@ -372,6 +416,22 @@ class Manager:
         with target, self._vm_lock(target.key):
             leases = self.store.leases(target.key) if all_devices else [self.store.lease_for(target.key, device)]
             return [self._detach_one(target, lease, timeout or self.unplug_timeout) for lease in leases]
+
+    def _detach_via_agent(self, host: str, vm: str, device: str | None, timeout: float) -> list[dict]:
+        from dxpu_vfio.pool.agent import DETACH, wait_for_agent
+        key = target_key(vm)
+        leases = self.store.leases(key) if device is None else [self.store.lease_for(key, device)]
+        for lease in leases:
+            self.store.update_lease(lease.id, request=DETACH, error=None)
+        done = wait_for_agent(self.store, [lease.id for lease in leases],
+                              lambda lease: lease is None or lease.error is not None, timeout + 5.0)
+        stuck = [lease for lease in done.values() if lease is not None]
+        if stuck:
+            raise StoreError(f"the agent of {host} did not detach " + ", ".join(
+                f"{lease.device} ({lease.error or 'no answer'})" for lease in stuck),
+                hint=f"try again; if {host} is dead: dxpu host fence {host}")
+        return [{"lease": lease.id, "device": lease.device, "vm": lease.vm, "state": "freed", "why": "detached",
+                 "host": host, "counters": None} for lease in leases]
 
     def _detach_one(self, target: VmTarget, lease: Lease, timeout: float) -> dict:
         """Unplug (UnplugTimeout leaves the lease 'detaching' and the device served: detach

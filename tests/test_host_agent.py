@@ -1,0 +1,180 @@
+"""The host agent (issue 15, item 3), without a VM: ``attach --host H`` on one manager
+results in the agent of H doing the plug, on SQLite and on a real etcd member.
+
+Real: the box (in this process, mutual TLS), the GRANT with the lease's fencing token,
+the host proxy process the agent starts and its link to the box. FAKE, on purpose: the
+VM. :class:`FakeVm` answers QMP (``qom-list``, ``query-pci``, ``device_add``,
+``device_del``) from a table instead of booting a guest, so this tests the state machine
+across manager, store and agent and what reaches the box, not what a guest sees (the
+QMP path itself is covered by tests/test_pool.py with a real guest)."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from dxpu_vfio.link.transport import make_certs
+from dxpu_vfio.pool.agent import HostAgent
+from dxpu_vfio.pool.etcd_store import EtcdStore
+from dxpu_vfio.pool.manager import AttachError, Manager, proxy_alive
+from dxpu_vfio.pool.states import LeaseState
+from dxpu_vfio.pool.store import Store
+from dxpu_vfio.pool.storage import StoreError
+from dxpu_vfio.remoteproxy.config import BoxConfig, BoxDevice
+from dxpu_vfio.remoteproxy.proxy import RemoteProxy
+from dxpu_vfio.testing import eventually
+from dxpu_vfio.vmm.errors import VmGone
+from dxpu_vfio.vmm.qmp import QmpError
+from dxpu_vfio.vmm.targets import VmTarget
+
+BOX = f"abox{os.getpid()}"
+SMALL = {"memory_size": 1 << 20}
+
+
+class FakeVm(VmTarget):
+    """A fake QEMU (see the module docstring): two root ports, devices in a dict."""
+
+    def __init__(self, key: str, sockets: Path) -> None:
+        self.key = self.name = key
+        self.sockets = sockets
+        self.devices: dict[str, tuple[str, str]] = {}  # qdev id -> (root port, socket)
+        self.refuse: str | None = None  # device_add answers this error
+
+    def execute(self, command, arguments=None, timeout=30):
+        if command == "qom-list":
+            return ([{"name": p, "type": "child<pcie-root-port>"} for p in ("rp1", "rp2")]
+                    + [{"name": d, "type": "child<vfio-user-pci>"} for d in self.devices])
+        if command == "query-pci":
+            ports = [{"bus": 0, "slot": i, "qdev_id": p, "class_info": {"class": 0x0604},
+                      "pci_bridge": {"bus": {"number": i}, "devices": [
+                          {"qdev_id": d, "class_info": {"class": 0x00FF}} for d, (port, _) in self.devices.items()
+                          if port == p]}} for i, p in enumerate(("rp1", "rp2"), 1)]
+            return [{"bus": 0, "devices": ports}]
+        if command == "device_add":
+            if self.refuse:
+                raise QmpError(self.refuse, command=command, arguments=arguments)
+            assert Path(arguments["socket"]["path"]).exists(), "device_add before the host proxy listens"
+            self.devices[arguments["id"]] = (arguments["bus"], arguments["socket"]["path"])
+            return {}
+        raise AssertionError(f"unexpected QMP command {command}")
+
+    def alive(self):
+        return True
+
+    def unplug(self, device_id, timeout, *, request=True):
+        self.devices.pop(device_id, None)
+
+    def socket_dir(self):
+        return self.sockets
+
+    def close(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("agent") / "certs"
+    make_certs(d, ["host", BOX])
+    return d
+
+
+@pytest.fixture
+def box(certs):
+    proxy = RemoteProxy(BoxConfig(BOX, "127.0.0.1", 0, [BoxDevice("td0", "testdev", settings=SMALL),
+                                                        BoxDevice("td1", "testdev", settings=SMALL)],
+                                  tls_dir=certs)).start()
+    proxy.address = f"127.0.0.1:{proxy.port}"
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def stores(request, tmp_path):
+    """The central manager's handle on the pool and host h1's agent's."""
+    if request.param == "sqlite":
+        handles = [Store(tmp_path / "pool.db"), Store(tmp_path / "pool.db")]
+    else:
+        cluster, prefix = request.getfixturevalue("etcd"), request.getfixturevalue("etcd_prefix")
+        handles = [EtcdStore(cluster.endpoints, path=tmp_path / f"s{i}.db", prefix=prefix) for i in (1, 2)]
+    yield handles
+    for handle in handles:
+        handle.close()
+
+
+@pytest.fixture
+def world(stores, box, certs, tmp_path):
+    """A central manager (host "central", which has no VMs), host h1's agent and its fake VM."""
+    central_store, agent_store = stores
+    vm = FakeVm("qmp:" + str((tmp_path / "vm1.qmp").resolve()), tmp_path)
+
+    def nowhere(name):
+        raise VmGone(f"{name} is not a VM of this host")
+
+    def h1_vms(name):
+        assert name == vm.key
+        return vm
+    central = Manager(central_store, open_vm=nowhere, host="central")
+    central.register_box(None, box.address, str(certs))
+    agent = HostAgent(agent_store, "h1", open_vm=h1_vms, ttl=2.0, poll=0.05, plug_timeout=10.0).start()
+    yield central, agent, vm
+    agent.stop()
+    for lease in agent_store.leases():  # what a failed test left: end its host proxies
+        from dxpu_vfio.pool.manager import stop_proxy
+        stop_proxy(lease)
+
+
+def test_attach_on_one_manager_is_plugged_by_the_hosts_agent_and_detached_by_it(world, box):
+    central, agent, vm = world
+    [attached] = central.attach(str(Path(vm.key[4:])), device="td0", host="h1", timeout=10.0)
+    assert attached["state"] == LeaseState.ATTACHED and attached["host"] == "h1" and attached["port"] == "rp1"
+    assert vm.devices == {attached["qdev_id"]: ("rp1", vm.devices[attached["qdev_id"]][1])}
+    [lease] = central.store.leases()
+    assert lease.request is None and lease.error is None and proxy_alive(lease)  # the agent's host proxy runs
+    assert box.slots["td0"].in_use()  # and proved the token granted with the lease's fence
+    assert box.grants.current("td0").fence == lease.fence and box.grants.current("td0").holder == "h1"
+
+    [freed] = central.detach(vm.key, all_devices=True, host="h1", timeout=10.0)
+    assert freed["device"] == f"{BOX}/td0" and freed["state"] == "freed"
+    assert vm.devices == {} and central.store.leases() == []
+    eventually(lambda: not proxy_alive(lease), what="the agent ended the host proxy")
+    assert box.grants.current("td0") is None  # the agent revoked the token
+    eventually(lambda: not box.slots["td0"].in_use(), what="the box's link released")
+
+
+def test_a_plug_the_agent_cannot_do_is_rolled_back_and_reported(world, box):
+    central, agent, vm = world
+    vm.refuse = "Bus 'rp1' does not support hotplugging"
+    with pytest.raises(AttachError, match="on host h1 failed and was rolled back: .*td0: QEMU refused") as err:
+        central.attach(vm.key, device="td0", host="h1", timeout=10.0)
+    assert "does not support hotplugging" in err.value.message
+    assert central.store.leases() == [] and vm.devices == {}
+    assert box.grants.current("td0") is None
+    eventually(lambda: not box.slots["td0"].in_use(), what="the failed attach's host proxy gone")
+    vm.refuse = None
+    [again] = central.attach(vm.key, device="td0", host="h1", timeout=10.0)
+    assert again["state"] == LeaseState.ATTACHED
+
+
+def test_a_dead_agent_keeps_its_devices_until_its_host_is_fenced(world, box):
+    central, agent, vm = world
+    with pytest.raises(AttachError, match="host h9 has no live agent") as err:
+        central.attach(vm.key, device="td0", host="h9")
+    assert "dxpu agent serve --host h9" in err.value.hint
+    [attached] = central.attach(vm.key, device="td0", host="h1", timeout=10.0)
+    [lease] = central.store.leases()
+    agent._stop.set()  # the agent dies: no keepalive, no serving (its host proxy, like its VM, runs on)
+    for thread in agent._threads:
+        thread.join()
+    eventually(lambda: not next(h for h in central.hosts() if h["name"] == "h1")["alive"], timeout=6,
+               what="h1's host lease run out")
+    assert central.reconcile() == [] and [x.id for x in central.store.leases()] == [lease.id]
+    assert box.slots["td0"].in_use() and proxy_alive(lease)  # the VM still has its device
+
+    fenced = central.fence_host("h1")
+    assert [x["lease"] for x in fenced["leases"]] == [attached["lease"]]
+    eventually(lambda: not box.slots["td0"].in_use(), what="the fenced host's link cut by the box")
+    with pytest.raises(StoreError, match="host h1 is fenced"):
+        HostAgent(central.store, "h1").start()  # a restarted agent of h1 serves nothing
+    agent.lost = "fenced"  # (nothing to give back at stop)
+    from dxpu_vfio.pool.manager import stop_proxy
+    stop_proxy(lease)  # what an admin does on h1 when it comes back
