@@ -178,3 +178,50 @@ def test_a_dead_agent_keeps_its_devices_until_its_host_is_fenced(world, box):
     agent.lost = "fenced"  # (nothing to give back at stop)
     from dxpu_vfio.pool.manager import stop_proxy
     stop_proxy(lease)  # what an admin does on h1 when it comes back
+
+
+def test_dry_runs_print_the_plan_and_change_nothing(stores, box, certs, tmp_path):
+    """--dry-run of attach, detach and reconcile (issue 15, item 5), on the same fake VM."""
+    import json
+
+    from dxpu_vfio.cli.pool import _plan_text
+    store = stores[0]
+    vm = FakeVm("qmp:" + str((tmp_path / "vm1.qmp").resolve()), tmp_path)
+    manager = Manager(store, open_vm=lambda name: vm, host="h1")
+    manager.register_box(None, box.address, str(certs))
+
+    plan = manager.attach(vm.key, count=2, dry_run=True)
+    json.dumps(plan)  # what --json prints
+    steps = plan["steps"]
+    assert steps[0]["do"] == "store" and f"{BOX}/td0, {BOX}/td1" in steps[0]["what"]
+    txn = steps[0]["transaction"]
+    if store.kind == "etcd":  # the allocation's one transaction: compare the claims absent, then create them
+        assert any(c.startswith("absent(") and c.endswith(f"claims/{BOX}/td0)") for c in txn["compare"])
+        assert any(o.startswith(f"put {store.prefix}claims/{BOX}/td1 = ") for o in txn["success"])
+    else:
+        assert txn[0] == "BEGIN IMMEDIATE" and any("INSERT INTO leases" in t and "td1" in t for t in txn)
+    grants = [s for s in steps if s.get("what") == "GRANT"]
+    assert [g["request"]["device"] for g in grants] == ["td0", "td1"]
+    adds = [s for s in steps if s.get("execute") == "device_add"]
+    assert [a["arguments"]["bus"] for a in adds] == ["rp1", "rp2"]
+    assert 'qmp: {"execute": "device_add"' in _plan_text(plan)
+    assert store.leases() == [] and vm.devices == {} and box.grants.current("td0") is None  # nothing done
+
+    with pytest.raises(StoreError, match="asked for 3 device"):  # refused as the real attach would be
+        manager.attach(vm.key, count=3, dry_run=True)
+
+    [attached] = manager.attach(vm.key, device="td0", timeout=10.0)
+    plan = manager.detach(vm.key, all_devices=True, dry_run=True)
+    kinds = [(s["do"], s.get("execute") or s.get("what", "").split(" ")[0]) for s in plan["steps"]]
+    assert kinds == [("store", "lease"), ("qmp", "device_del"), ("proxy", "end"), ("box", "REVOKE"),
+                     ("store", "delete")]
+    assert plan["steps"][3]["request"]["fence"] == store.leases()[0].fence
+    assert vm.devices and box.grants.current("td0") is not None and box.slots["td0"].in_use()
+
+    vm.devices.clear()  # the device left the VM behind the pool's back
+    [would] = manager.reconcile(dry_run=True)
+    assert would["action"] == "would release" and would["why"] == "device no longer in the VM"
+    assert [s["do"] for s in would["plan"]] == ["store", "proxy", "box", "store"]
+    assert [lease.id for lease in store.leases()] == [attached["lease"]]
+    [done] = manager.reconcile()
+    assert done["action"] == "released" and store.leases() == []

@@ -29,10 +29,34 @@ def _devices_text(devices: list[dict]) -> str:
                  ["lease", "device", "class", "vendor", "model", "capacity", "state", "qdev_id", "port"])
 
 
+def _step_text(step: dict) -> str:
+    """One step of a --dry-run plan, on one line (or a few, for a transaction)."""
+    import json
+    if step["do"] == "qmp":
+        return f"qmp: {json.dumps({'execute': step['execute'], 'arguments': step['arguments']})}"
+    text = f"{step['do']}: {step.get('what', '')}"
+    if "request" in step:
+        text += f" {step['box']} {json.dumps(step['request'])}"
+    if "command" in step:
+        text += "\n    " + " ".join(step["command"])
+    txn = step.get("transaction")
+    if isinstance(txn, dict):
+        text += "".join(f"\n    if {c}" for c in txn["compare"]) + "".join(f"\n    then {o}" for o in txn["success"])
+    elif txn:
+        text += "".join(f"\n    {statement}" for statement in txn)
+    return text
+
+
+def _plan_text(plan: dict) -> str:
+    return (f"dry run (nothing done): for {plan['vm']} on host {plan['host']}:\n"
+            + "\n".join(f"{i}. {_step_text(step)}" for i, step in enumerate(plan["steps"], 1)))
+
+
 def cmd_attach(args: argparse.Namespace) -> int:
     result = _client(args).post("/v1/attach", vm=args.vm, **{"class": args.device_class}, count=args.count,
-                                box=args.box, device=args.device, policy=args.policy, host=args.host)
-    emit(args, result, lambda r: f"attached to {args.vm}:\n{_devices_text(r)}")
+                                box=args.box, device=args.device, policy=args.policy, host=args.host,
+                                dry_run=args.dry_run or None)
+    emit(args, result, _plan_text if args.dry_run else lambda r: f"attached to {args.vm}:\n{_devices_text(r)}")
     return 0
 
 
@@ -40,7 +64,11 @@ def cmd_detach(args: argparse.Namespace) -> int:
     if not args.device and not args.all:
         raise DxpuError("name a device to detach (lease id, BOX/DEVICE or device name), or pass --all",
                         hint=f"dxpu status {args.vm} lists its devices")
-    result = _client(args).post("/v1/detach", vm=args.vm, device=args.device, all=args.all or None, host=args.host)
+    result = _client(args).post("/v1/detach", vm=args.vm, device=args.device, all=args.all or None, host=args.host,
+                                dry_run=args.dry_run or None)
+    if args.dry_run:
+        emit(args, result, _plan_text)
+        return 0
     emit(args, result, lambda r: "\n".join(
         f"detached {x['device']} (lease {x['lease']}) from {args.vm}" if x["why"] == "detached" else
         f"released {x['device']} (lease {x['lease']}): {x['why']}" for x in r) or f"{args.vm} held no devices")
@@ -101,9 +129,11 @@ def cmd_manager_metrics(args: argparse.Namespace) -> int:
 
 
 def cmd_manager_reconcile(args: argparse.Namespace) -> int:
-    result = _client(args).post("/v1/reconcile")
-    emit(args, result, lambda r: "\n".join(f"{a['action']}: {a.get('device') or a.get('qdev_id')} "
-                                           f"in {a['vm']} ({a['why']})" for a in r) or "nothing to reconcile")
+    result = _client(args).post("/v1/reconcile", dry_run=args.dry_run or None)
+    emit(args, result, lambda r: ("dry run (nothing done):\n" if args.dry_run else "") + ("\n".join(
+        f"{a['action']}: {a.get('device') or a.get('qdev_id')} in {a['vm']} ({a['why']})"
+        + "".join(f"\n  {i}. {_step_text(step)}" for i, step in enumerate(a.get("plan", []), 1))
+        for a in r) or "nothing to reconcile"))
     return 0
 
 
@@ -172,12 +202,15 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--policy", choices=["pack", "spread"], default="pack",
                    help="pack: fill boxes already lending first; spread: across boxes")
     p.add_argument("--host", help="the VM runs on this host of the pool: its agent plugs the device")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (store transaction, box requests, QMP commands) and do nothing")
 
     p = _with_db(command(sub, "detach", cmd_detach, "unplug devices from a VM and return them to the pool"))
     p.add_argument("vm", help=vm_help)
     p.add_argument("device", nargs="?", help="lease id, BOX/DEVICE or device name")
     p.add_argument("--all", action="store_true", help="every device the VM holds")
     p.add_argument("--host", help="the VM runs on this host of the pool: its agent unplugs the device")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and do nothing")
 
     _with_db(command(sub, "ls", cmd_ls, "boxes, devices and leases of the pool"))
     p = _with_db(command(sub, "status", cmd_status, "the devices a VM holds and whether they work"))
@@ -227,5 +260,6 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--host", default=None, help="this host's name in the pool (default $DXPU_HOST or the hostname)")
     p.add_argument("--log-level", default="WARNING")
     _with_db(command(manager, "metrics", cmd_manager_metrics, "print the Prometheus metrics"))
-    _with_db(command(manager, "reconcile", cmd_manager_reconcile,
-                     "make the store agree with what the VMs have, now"))
+    p = _with_db(command(manager, "reconcile", cmd_manager_reconcile,
+                         "make the store agree with what the VMs have, now"))
+    p.add_argument("--dry-run", action="store_true", help="print what it would do, and the steps, and do nothing")

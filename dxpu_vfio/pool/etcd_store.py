@@ -666,9 +666,28 @@ class EtcdStore:
         raise StoreError(f"allocation for {vm} lost {ATTEMPTS} races in a row to other allocators",
                          hint="the pool is very busy; try again")
 
-    def _try_allocate(self, vm: str, picks: list[str], owner_pid: int | None, host: str | None = None,
-                      holder: str | None = None) -> list[Lease] | None:
-        """One transaction for all ``picks``; None (and a refreshed view) if any was taken."""
+    def plan_allocate(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
+                      device: str | None = None, policy: str = "pack", owner_pid: int | None = None,
+                      host: str | None = None) -> dict:
+        """What :meth:`allocate` would send now: the devices it would choose (from a fresh
+        read) and its transaction, keys in clear; nothing is written. Lease ids are
+        examples, and the fencing token is the revision the transaction would create."""
+        check_allocation(policy, count)
+        if host is not None and self._read((self.k("fenced", host), False))[0]:
+            raise host_fenced(host)
+        with self._lock:
+            self._resync()
+            if box is not None and box not in self._boxes:
+                raise no_such_box(box, sorted(self._boxes))
+            picks, free = self._choose(count, device_class, box, device, policy, shuffle=False)
+            if len(picks) < count:
+                raise no_free_device(count, free, device_class, box, device)
+            leases, compare, success, _, _ = self._allocation_txn(vm, picks, owner_pid, host, None)
+        return {"leases": leases, "transaction": {"compare": [_show(c) for c in compare],
+                                                  "success": [_show(op) for op in success]}}
+
+    def _allocation_txn(self, vm: str, picks: list[str], owner_pid: int | None, host: str | None,
+                        holder: str | None) -> tuple[list[Lease], list[dict], list[dict], list[dict], list[str]]:
         now = time.time()
         leases = []
         for device_id in picks:
@@ -687,6 +706,12 @@ class EtcdStore:
             claim, lease_key = self.k("claims", lease.device), self.k("leases", lease.id)
             compare += [c_absent(claim), c_absent(lease_key)]
             success += [op_put(claim, lease.id), op_put(lease_key, _lease_record(lease))]
+        return leases, compare, success, failure, boxes
+
+    def _try_allocate(self, vm: str, picks: list[str], owner_pid: int | None, host: str | None = None,
+                      holder: str | None = None) -> list[Lease] | None:
+        """One transaction for all ``picks``; None (and a refreshed view) if any was taken."""
+        leases, compare, success, failure, boxes = self._allocation_txn(vm, picks, owner_pid, host, holder)
         result = self.etcd.txn(compare, success, failure)
         revision = int(result["header"]["revision"])
         if not result.get("succeeded"):
@@ -824,6 +849,28 @@ class EtcdStore:
         result = self.etcd.txn([c_absent(key)], [], [op_delete(key)])
         if result.get("succeeded"):
             raise StoreError(f"host {host} is not fenced", hint="dxpu host ls shows the hosts")
+
+
+def _show(item: dict) -> str:
+    """A compare or an operation of a transaction, as text (keys and values decoded)."""
+    if "request_put" in item:
+        put = item["request_put"]
+        return f"put {_unb64(put['key'])} = {_unb64(put['value'])}"
+    if "request_delete_range" in item:
+        return f"delete {_unb64(item['request_delete_range']['key'])}"
+    key = _unb64(item["key"]) + ("*" if "range_end" in item else "")
+    if item["target"] == "MOD":
+        return f"mod_revision({key}) == {item['mod_revision']}"
+    if item["target"] == "VERSION":
+        return f"absent({key})" if item["version"] == 0 else f"version({key}) == {item['version']}"
+    return f"value({key}) == {_unb64(item['value'])}"
+
+
+def show_lease_delete(prefix: str, lease: Lease) -> dict:
+    """The transaction :meth:`EtcdStore.delete_lease` sends, as text."""
+    return {"compare": [f"mod_revision({prefix}leases/{lease.id}) == (as read)",
+                        f"value({prefix}claims/{lease.device}) == \"{lease.id}\""],
+            "success": [f"delete {prefix}leases/{lease.id}", f"delete {prefix}claims/{lease.device}"]}
 
 
 def _lease_record(lease: Lease) -> dict:

@@ -283,9 +283,14 @@ class Manager:
     # --- attach / detach ---------------------------------------------------------
     def attach(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
                device: str | None = None, policy: str = "pack", timeout: float = 30.0,
-               host: str | None = None) -> list[dict]:
+               host: str | None = None, dry_run: bool = False) -> list[dict] | dict:
         """Plug free devices into ``vm``. With ``host`` (another host than this manager's),
-        the VM is one of that host's and its agent does the plug (:mod:`dxpu_vfio.pool.agent`)."""
+        the VM is one of that host's and its agent does the plug (:mod:`dxpu_vfio.pool.agent`).
+        ``dry_run``: the plan instead (:mod:`dxpu_vfio.pool.plan`)."""
+        if dry_run:
+            from dxpu_vfio.pool import plan
+            return plan.attach(self, vm, host=host, device_class=device_class, count=count, box=box, device=device,
+                               policy=policy)
         if host is not None and host != self.host:
             return self._attach_via_agent(host, vm, timeout, device_class=device_class, count=count, box=box,
                                           device=device, policy=policy)
@@ -395,11 +400,14 @@ class Manager:
         self.store.delete_lease(lease.id)
 
     def detach(self, vm: str, device: str | None = None, *, all_devices: bool = False,
-               timeout: float | None = None, host: str | None = None) -> list[dict]:
+               timeout: float | None = None, host: str | None = None, dry_run: bool = False) -> list[dict] | dict:
         """Unplug one device (lease id, device id or name) or all of the VM's, and free them;
-        with ``host`` (not this manager's), by asking that host's agent."""
+        with ``host`` (not this manager's), by asking that host's agent. ``dry_run``: the plan."""
         if device is None and not all_devices:
             raise StoreError("name a device to detach, or pass --all", hint="dxpu status VM lists its devices")
+        if dry_run:
+            from dxpu_vfio.pool import plan
+            return plan.detach(self, vm, device, all_devices=all_devices, host=host)
         if host is not None and host != self.host:
             return self._detach_via_agent(host, vm, device, timeout or self.unplug_timeout)
         try:
@@ -500,8 +508,9 @@ class Manager:
         return self.store.hosts()
 
     # --- reconciliation ----------------------------------------------------------
-    def reconcile(self) -> list[dict]:
-        """Make the store and the VMs agree, after a crash or at start.
+    def reconcile(self, dry_run: bool = False) -> list[dict]:
+        """Make the store and the VMs agree, after a crash or at start. ``dry_run``: the
+        same decisions, each with the ``plan`` of steps it would take, and nothing done.
 
         - ``attaching`` leases whose manager is gone are rolled back (unplug if QEMU has
           the device, end the proxy, delete the lease);
@@ -521,19 +530,24 @@ class Manager:
             except VmGone as exc:
                 with self._vm_lock(vm_key):
                     for lease in leases:  # the VM is gone: so is its device
-                        self._release(lease, f"VM gone: {exc.message}")
-                        actions.append({"lease": lease.id, "device": lease.device, "vm": vm_key,
-                                        "action": "released", "why": f"VM gone: {exc.message}"})
+                        action = {"lease": lease.id, "device": lease.device, "vm": vm_key,
+                                  "action": "released", "why": f"VM gone: {exc.message}"}
+                        if dry_run:
+                            from dxpu_vfio.pool.plan import release_steps
+                            action.update(action="would release", plan=release_steps(self, lease, unplug=False))
+                        else:
+                            self._release(lease, f"VM gone: {exc.message}")
+                        actions.append(action)
                 continue
             except DxpuError as exc:  # e.g. libvirtd down: the VM may well run; touch nothing
                 actions += [{"lease": lease.id, "device": lease.device, "vm": vm_key, "action": "skipped",
                              "why": f"VM unreachable: {exc.message}"} for lease in leases]
                 continue
             with target, self._vm_lock(target.key):
-                actions += self._reconcile_vm(target, leases)
+                actions += self._reconcile_vm(target, leases, dry_run)
         return actions
 
-    def _reconcile_vm(self, target: VmTarget, leases: list[Lease]) -> list[dict]:
+    def _reconcile_vm(self, target: VmTarget, leases: list[Lease], dry_run: bool = False) -> list[dict]:
         actions = []
         alive = target.alive()
         present = set(plugged_devices(target, QDEV_PREFIX)) if alive else set()
@@ -552,6 +566,11 @@ class Manager:
                 why = "host proxy died"
             if why is None:
                 continue
+            if dry_run:
+                from dxpu_vfio.pool.plan import release_steps
+                actions.append({"lease": lease.id, "device": lease.device, "vm": lease.vm, "action": "would release",
+                                "why": why, "plan": release_steps(self, lease, unplug=lease.qdev_id in present)})
+                continue
             self.store.update_lease(lease.id, state=LeaseState.DETACHING, owner_pid=os.getpid())
             if lease.qdev_id in present:
                 try:
@@ -565,6 +584,11 @@ class Manager:
                             "action": "released", "why": why})
         known = {lease.qdev_id for lease in leases}
         for qdev_id in sorted(present - known):
+            if dry_run:
+                actions.append({"qdev_id": qdev_id, "vm": target.key, "action": "would unplug",
+                                "why": "plugged by the pool but no lease",
+                                "plan": [{"do": "qmp", "execute": "device_del", "arguments": {"id": qdev_id}}]})
+                continue
             try:
                 target.unplug(qdev_id, self.reconcile_unplug_timeout)
                 actions.append({"qdev_id": qdev_id, "vm": target.key, "action": "unplugged",

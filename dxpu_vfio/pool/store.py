@@ -422,3 +422,24 @@ class Store:
             if db.execute("UPDATE hosts SET fenced_at = NULL WHERE name = ? AND fenced_at IS NOT NULL",
                           (host,)).rowcount != 1:
                 raise StoreError(f"host {host} is not fenced", hint="dxpu host ls shows the hosts")
+
+    def plan_allocate(self, vm: str, **allocation: object) -> dict:
+        """What :meth:`allocate` would do now, done on a copy of the database in memory
+        (so the choice is exactly the allocator's); nothing here changes. Lease ids and
+        fencing tokens in the answer are examples: nothing is reserved."""
+        with self._lock:
+            copy = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+            self._db.backup(copy)
+        dry = Store.__new__(Store)
+        dry.path, dry._db, dry._lock = self.path, copy, threading.RLock()
+        copy.row_factory = sqlite3.Row
+        try:
+            leases = dry.allocate(vm, **allocation)  # type: ignore[arg-type]
+        finally:
+            copy.close()
+        sql = ["BEGIN IMMEDIATE"]
+        for lease in leases:
+            sql += ["UPDATE counters SET value = value + 1 WHERE name = 'fence'",
+                    f"INSERT INTO leases (id, device, vm, state, host, fence) VALUES ('{lease.id}', '{lease.device}', "
+                    f"'{vm}', 'attaching', {repr(lease.host) if lease.host else 'NULL'}, {lease.fence})"]
+        return {"leases": leases, "transaction": sql + ["COMMIT"]}
