@@ -69,7 +69,7 @@ def host_attaches(store, box, certs, vm: str, host: str):
 
 def test_a_dead_host_keeps_its_device_until_fenced_then_the_box_refuses_it(stores, box, certs):
     s1, s2 = stores
-    m1, m2 = Manager(s1, open_vm=gone, host="h1"), Manager(s2, open_vm=gone, host="h2")
+    m2 = Manager(s2, open_vm=gone, host="h2")
     m2.register_box(None, box.address, str(certs))
     holder = s1.host_register("h1", ttl=1, agent_pid=os.getpid())
     old, old_token, link = host_attaches(s1, box, certs, "qmp:/run/h1/vm1.qmp", "h1")
