@@ -155,6 +155,24 @@ def test_a_plug_the_agent_cannot_do_is_rolled_back_and_reported(world, box):
     assert again["state"] == LeaseState.ATTACHED
 
 
+def test_an_agent_restarted_half_way_through_a_plug_clears_what_its_predecessor_left(world, box, stores):
+    central, agent, vm = world
+    agent._stop.set()  # the agent is down while the request comes
+    for thread in agent._threads:
+        thread.join()
+    [lease] = central.store.allocate(vm.key, device="td0", host="h1", owner_pid=os.getpid())
+    vm.devices[lease.qdev_id] = ("rp1", "/nonexistent.sock")  # the device_add a killed agent got to
+    central.store.update_lease(lease.id, request="attach", owner_pid=999999999)
+    [done] = HostAgent(stores[1], "h1", open_vm=lambda name: vm, plug_timeout=10.0).serve_once()
+    assert done["action"] == "attached" and done["port"] == "rp1"
+    [now] = central.store.leases()
+    assert now.state == LeaseState.ATTACHED and proxy_alive(now)
+    assert list(vm.devices) == [lease.qdev_id] and vm.devices[lease.qdev_id][1] == now.socket
+    assert box.slots["td0"].in_use()
+    from dxpu_vfio.pool.manager import stop_proxy
+    stop_proxy(now)
+
+
 def test_a_dead_agent_keeps_its_devices_until_its_host_is_fenced(world, box):
     central, agent, vm = world
     with pytest.raises(AttachError, match="host h9 has no live agent") as err:

@@ -124,6 +124,7 @@ class HostAgent:
             with self.manager.open_vm(lease.vm) as target, self.manager._vm_lock(target.key):
                 if not target.alive():
                     raise DxpuError(f"VM {lease.vm} is not running on host {self.host}", hint="start it first")
+                self._clear_leftovers(target, lease)
                 try:
                     self.manager._plug(target, lease, self.plug_timeout)
                     plugged = True
@@ -142,6 +143,18 @@ class HostAgent:
         self.store.update_lease(lease.id, state=LeaseState.ATTACHED, request=None)
         log.warning("attached %s to %s on %s", lease.device, lease.vm, lease.port)
         return {"lease": lease.id, "action": "attached", "port": lease.port}
+
+    def _clear_leftovers(self, target: VmTarget, lease: Lease) -> None:
+        """What an agent that died half way through this plug left (its proxy, its device in
+        the VM): gone before the plug starts again. A fresh lease has neither."""
+        if lease.proxy_pid or lease.socket:
+            log.warning("lease %s: ending the host proxy an earlier agent left", lease.id)
+            stop_proxy(lease)
+            lease.proxy_pid = lease.socket = None
+        if device_present(target, lease.qdev_id):
+            log.warning("lease %s: unplugging %s, which an earlier agent left in %s", lease.id, lease.qdev_id,
+                        lease.vm)
+            target.unplug(lease.qdev_id, self.manager.unplug_timeout)
 
     def _detach(self, lease: Lease) -> dict:
         try:
