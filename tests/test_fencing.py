@@ -61,7 +61,7 @@ def host_attaches(store, box, certs, vm: str, host: str):
     """What a host's attach does at the box: a lease for it, a token granted with the
     lease's fencing token, and the host proxy's link admitted with that token."""
     [lease] = store.allocate(vm, device="td0", host=host)
-    token = grant_token(box.address, str(certs), "td0", lease.id, fence=lease.fence, holder=host)
+    token = grant_token(box.address, str(certs), "td0", lease.id, fence=lease.fence, holder=host, pool=store.pool_id)
     link = connect_remote(box.address, "td0", token, TlsFiles.in_dir(certs, "host"))
     assert int.from_bytes(link.region_read(vp.REGION_CONFIG, 0, 4), "little") == 0x10F01B36
     return lease, token, link
@@ -93,14 +93,14 @@ def test_a_dead_host_keeps_its_device_until_fenced_then_the_box_refuses_it(store
     with pytest.raises(RemoteAttachError, match="lease token refused"):
         connect_remote(box.address, "td0", old_token, TlsFiles.in_dir(certs, "host"))  # HELLO with the old token
     with pytest.raises(BoxUnreachable, match="fencing token is stale"):  # h1's manager, still running, re-grants
-        grant_token(box.address, str(certs), "td0", old.id, fence=old.fence, holder="h1")
+        grant_token(box.address, str(certs), "td0", old.id, fence=old.fence, holder="h1", pool=s1.pool_id)
     with pytest.raises(StoreError, match="host h1 is fenced"):
         s1.allocate("qmp:/run/h1/vm1.qmp", device="td0", host="h1")
 
     new, _, link2 = host_attaches(s2, box, certs, "qmp:/run/h2/vm2.qmp", "h2")  # the device goes to h2
-    assert new.fence > old.fence
+    assert new.fence > old.fence and s1.pool_id == s2.pool_id
     with pytest.raises(BoxUnreachable, match="fencing token is stale"):
-        grant_token(box.address, str(certs), "td0", old.id, fence=old.fence, holder="h1")
+        grant_token(box.address, str(certs), "td0", old.id, fence=old.fence, holder="h1", pool=s1.pool_id)
     assert link2.endpoint.up
     link2.close()
     assert box.refused["lease"] == 1
@@ -120,3 +120,5 @@ def test_a_newer_lease_of_the_device_cuts_the_link_of_the_one_before(box, certs)
         grant_token(box.address, str(certs), "td0", "lease1", fence=10, holder="h1")
     with pytest.raises(BoxUnreachable, match="stale"):  # once fenced, a grant must carry a fence
         grant_token(box.address, str(certs), "td0", "lease3")
+    # a pool made afresh (its fences start low again) is another scope: not locked out
+    grant_token(box.address, str(certs), "td0", "lease4", fence=1, holder="h1", pool="another-pool")

@@ -131,7 +131,8 @@ def test_attach_on_one_manager_is_plugged_by_the_hosts_agent_and_detached_by_it(
     [lease] = central.store.leases()
     assert lease.request is None and lease.error is None and proxy_alive(lease)  # the agent's host proxy runs
     assert box.slots["td0"].in_use()  # and proved the token granted with the lease's fence
-    assert box.grants.current("td0").fence == lease.fence and box.grants.current("td0").holder == "h1"
+    grant = box.grants.current("td0")
+    assert (grant.fence, grant.holder, grant.pool) == (lease.fence, "h1", central.store.pool_id)
 
     [freed] = central.detach(vm.key, all_devices=True, host="h1", timeout=10.0)
     assert freed["device"] == f"{BOX}/td0" and freed["state"] == "freed"

@@ -66,7 +66,7 @@ def test_the_agent_plugs_into_a_real_guest_and_fencing_cuts_its_link(tiny_vm, tm
         assert taken["token"] == "revoked"
         eventually(lambda: not box.slots["td0"].in_use(), what="the box cut the fenced host's link")
         assert tiny_vm.run(read).stdout.strip() == "0xffffffff"  # master abort: the device is gone for it
-        assert box.grants.current("td0") is None and box.grants.floor("td0") > taken["fence"]  # no old grant again
+        assert box.grants.current("td0") is None and box.grants.floor("td0", store.pool_id) > taken["fence"]  # no old grant again
         assert store.leases() == [] and any(d["available"] for d in store.devices())
     finally:
         agent.lost = agent.lost or "test over"

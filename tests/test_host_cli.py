@@ -68,8 +68,10 @@ def test_an_agent_killed_keeps_its_device_until_dxpu_host_fence_then_its_link_is
     # h1 held td0: its lease (as its agent writes it) and its host proxy's link to the box
     store = Store(db)
     [lease] = store.allocate("qmp:/run/h1/vm1.qmp", device="td0", host="h1")
+    pool_id = store.pool_id
     store.close()
-    token = grant_token(f"127.0.0.1:{box.port}", str(certs), "td0", lease.id, fence=lease.fence, holder="h1")
+    token = grant_token(f"127.0.0.1:{box.port}", str(certs), "td0", lease.id, fence=lease.fence, holder="h1",
+                        pool=pool_id)
     link = connect_remote(f"127.0.0.1:{box.port}", "td0", token, TlsFiles.in_dir(certs, "host"))
 
     agents[0].send_signal(signal.SIGKILL)

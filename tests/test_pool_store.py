@@ -168,6 +168,7 @@ def test_every_new_lease_gets_a_larger_fencing_token(store):
     store.delete_lease(first.id)
     [second] = store.allocate("vm2", device="a/d0", host="h2")
     assert second.fence > first.fence  # the box refuses the first lease's token once it saw the second
+    assert len(store.pool_id) == 32  # the scope fences compare in (tests/test_fencing.py: one per pool)
     [listed] = store.leases("vm2")
     assert (listed.fence, listed.host) == (second.fence, "h2")
     store.update_lease(second.id, state=LeaseState.ATTACHED, request="attach", error=None)

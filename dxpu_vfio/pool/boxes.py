@@ -83,13 +83,14 @@ def _ask(conn: Connection, command: int, request: dict, address: str, what: str)
 
 
 def grant_token(address: str, tls_dir: str | None, device: str, lease: str, timeout: float = 5.0, *,
-                fence: int | None = None, holder: str | None = None) -> str:
+                fence: int | None = None, holder: str | None = None, pool: str | None = None) -> str:
     """A fresh token from the box for ``device``, named after ``lease``; it replaces any
     token the device had (and takes that lease's link down). With ``fence`` (the lease's
-    fencing token) the box refuses it if a newer lease already had the device."""
+    fencing token, comparable within ``pool``) the box refuses it if a newer lease of that
+    pool already had the device."""
     request: dict = {"device": device, "lease": lease}
     if fence is not None:
-        request.update(fence=fence, holder=holder)
+        request.update(fence=fence, holder=holder, pool=pool)
     answer = _admin(address, tls_dir, LinkCommand.GRANT, request, timeout, "grant")
     token = answer.get("token")
     if not isinstance(token, str) or len(token) < 32:
@@ -98,12 +99,12 @@ def grant_token(address: str, tls_dir: str | None, device: str, lease: str, time
 
 
 def revoke_token(address: str, tls_dir: str | None, device: str, lease: str, timeout: float = 2.0, *,
-                 fence: int | None = None) -> bool:
+                 fence: int | None = None, pool: str | None = None) -> bool:
     """End ``lease``'s token for ``device`` (and a link it admitted); False if it had none.
     With ``fence``, the box takes no GRANT at or below that fencing token again."""
     request: dict = {"device": device, "lease": lease}
     if fence is not None:
-        request["fence"] = fence
+        request.update(fence=fence, pool=pool)
     return bool(_admin(address, tls_dir, LinkCommand.REVOKE, request, timeout, "revoke").get("revoked"))
 
 

@@ -3,6 +3,7 @@
 Key layout (every key under a versioned prefix, ``/dxpu/v1/``; values are JSON)::
 
     /dxpu/v1/schema                 "1"
+    /dxpu/v1/pool_id                random, made with the pool: fencing tokens compare only within one pool
     /dxpu/v1/boxes/<box>            address, tls_dir, state, registered_at, last_error, cert_sha256
     /dxpu/v1/seen/<box>             last heartbeat answer (unix time): heartbeats write only this
     /dxpu/v1/inventory/<box>        the box's devices, one value: [{name, class, vendor, model, capacity}]
@@ -289,6 +290,16 @@ class EtcdStore:
             if found > SCHEMA_VERSION:
                 raise StoreError(f"the pool in etcd ({self.prefix}) has schema version {found}; this dxpu knows "
                                  f"up to {SCHEMA_VERSION}", hint="upgrade dxpu-vfio on this host")
+
+    @property
+    def pool_id(self) -> str:
+        """Made with the pool (the first handle to ask writes it): fencing tokens compare
+        only within one pool."""
+        if getattr(self, "_pool_id", None) is None:
+            key = self.k("pool_id")
+            self.etcd.txn([c_absent(key)], [op_put(key, secrets.token_hex(16))])
+            [[(_, self._pool_id, _)]] = [kvs(self.etcd.range(key))]
+        return self._pool_id
 
     @property
     def schema_version(self) -> int:

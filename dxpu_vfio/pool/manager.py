@@ -361,7 +361,7 @@ class Manager:
         certificate)."""
         dev = self.store.device(lease.device)
         token = grant_token(dev["address"], dev["tls_dir"], dev["name"], lease.id, timeout=min(timeout, 5.0),
-                            fence=lease.fence, holder=lease.host)
+                            fence=lease.fence, holder=lease.host, pool=self._pool_id(lease))
         settings = {"address": dev["address"], "device": dev["name"]}
         settings.update({"tls_dir": dev["tls_dir"], "tls_role": TLS_ROLE} if dev["tls_dir"] else {"plaintext": True})
         if dev["tls_dir"] and dev.get("cert_sha256"):
@@ -466,9 +466,12 @@ class Manager:
         try:
             dev = self.store.device(lease.device)
             revoke_token(dev["address"], dev["tls_dir"], dev["name"], lease.id, timeout=self.probe_timeout(),
-                         fence=lease.fence)
+                         fence=lease.fence, pool=self._pool_id(lease))
         except DxpuError as exc:
             log.warning("could not revoke the token of lease %s at its box: %s", lease.id, exc.message)
+
+    def _pool_id(self, lease: Lease) -> str | None:
+        return self.store.pool_id if lease.fence is not None else None
 
     def _ours(self, lease: Lease) -> bool:
         """A lease of this manager's host (or of a pool from before hosts)."""
@@ -490,7 +493,7 @@ class Manager:
             try:
                 dev = self.store.device(lease.device)
                 revoked = revoke_token(dev["address"], dev["tls_dir"], dev["name"], lease.id,
-                                       timeout=self.probe_timeout(), fence=lease.fence)
+                                       timeout=self.probe_timeout(), fence=lease.fence, pool=self._pool_id(lease))
                 at_box = "revoked" if revoked else "no grant at the box"
             except DxpuError as exc:
                 at_box = f"box did not answer: {exc.message}"

@@ -48,7 +48,8 @@ def _delete(manager: "Manager", lease: Lease) -> dict:
 def _revoke(manager: "Manager", lease: Lease) -> dict:
     dev = manager.store.device(lease.device)
     return {"do": "box", "what": "REVOKE", "box": dev["address"],
-            "request": {"device": dev["name"], "lease": lease.id, "fence": lease.fence}}
+            "request": {"device": dev["name"], "lease": lease.id, "fence": lease.fence,
+                        "pool": manager.store.pool_id}}
 
 
 def _stop(lease: Lease) -> list[dict]:
@@ -88,7 +89,8 @@ def attach(manager: "Manager", vm: str, *, host: str | None = None, **allocation
             settings.update({"tls_dir": dev["tls_dir"], "tls_role": TLS_ROLE} if dev["tls_dir"] else {"plaintext": True})
             steps += [
                 {"do": "box", "what": "GRANT", "box": dev["address"],
-                 "request": {"device": dev["name"], "lease": lease.id, "fence": lease.fence, "holder": host}},
+                 "request": {"device": dev["name"], "lease": lease.id, "fence": lease.fence, "holder": host,
+                             "pool": manager.store.pool_id}},
                 {"do": "proxy", "what": "start the host proxy (the token goes by pipe)",
                  "command": [sys.executable, "-m", "dxpu_vfio.hostproxy", "--model", "remote",
                              "--socket", str(socket_path)]

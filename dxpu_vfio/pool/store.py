@@ -110,6 +110,8 @@ MIGRATIONS: list[str] = [
     );
     CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
     INSERT INTO counters (name, value) VALUES ('fence', 0);
+    CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+    INSERT INTO meta (name, value) VALUES ('pool_id', lower(hex(randomblob(16))));
     """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -177,6 +179,11 @@ class Store:
     @property
     def schema_version(self) -> int:
         return self._db.execute("PRAGMA user_version").fetchone()[0]
+
+    @property
+    def pool_id(self) -> str:
+        """Made with the database: fencing tokens compare only within one pool."""
+        return self._query("SELECT value FROM meta WHERE name = 'pool_id'")[0][0]
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
