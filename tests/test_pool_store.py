@@ -163,6 +163,46 @@ def test_lease_and_box_states_are_the_enums_and_the_strings_shown(store):
         assert_states_checked(store.path, lease.id)
 
 
+def test_every_new_lease_gets_a_larger_fencing_token(store):
+    [first] = store.allocate("vm1", device="a/d0", host="h1")
+    store.delete_lease(first.id)
+    [second] = store.allocate("vm2", device="a/d0", host="h2")
+    assert second.fence > first.fence  # the box refuses the first lease's token once it saw the second
+    assert len(store.pool_id) == 32  # the scope fences compare in (tests/test_fencing.py: one per pool)
+    [listed] = store.leases("vm2")
+    assert (listed.fence, listed.host) == (second.fence, "h2")
+    store.update_lease(second.id, state=LeaseState.ATTACHED, request="attach", error=None)
+    [listed] = store.leases("vm2")
+    assert (listed.fence, listed.state, listed.request) == (second.fence, LeaseState.ATTACHED, "attach")
+
+
+def test_a_fenced_host_loses_its_leases_and_gets_no_device_until_unfenced(store):
+    holder = store.host_register("h1", ttl=30, agent_pid=os.getpid())
+    assert store.host_keepalive("h1", holder)
+    held = store.allocate("vm1", count=2, host="h1")
+    assert all(lease.holder == holder for lease in held)
+    other = store.allocate("vm2", host="h2")
+    [h1] = [h for h in store.hosts() if h["name"] == "h1"]
+    assert h1["alive"] and not h1["fenced"] and h1["leases"] == 2
+    taken = store.fence_host("h1")
+    assert sorted(lease.id for lease in taken) == sorted(lease.id for lease in held)
+    assert [lease.id for lease in store.leases()] == [other[0].id]  # h2 keeps its device
+    assert not store.host_keepalive("h1", holder)  # its agent's heartbeat is void
+    [h1] = [h for h in store.hosts() if h["name"] == "h1"]
+    assert h1["fenced"] and not h1["alive"] and h1["leases"] == 0
+    with pytest.raises(StoreError, match="host h1 is fenced") as err:
+        store.allocate("vm1", host="h1")
+    assert "dxpu host unfence h1" in err.value.hint
+    with pytest.raises(StoreError, match="fenced"):
+        store.host_register("h1", ttl=30, agent_pid=os.getpid())
+    assert {lease.device for lease in store.allocate("vm3", count=2, host="h3")} == {
+        lease.device for lease in held}  # its devices went back to the pool
+    store.unfence_host("h1")
+    with pytest.raises(StoreError, match="not fenced"):
+        store.unfence_host("h1")
+    store.allocate("vm1", host="h1")
+
+
 def test_metrics_are_valid_prometheus_text(store):
     from prometheus_client.parser import text_string_to_metric_families
     [lease] = store.allocate("vm1", device="b/n0")
@@ -210,10 +250,13 @@ def test_migrates_a_version_1_database_keeping_its_leases(tmp_path):
     db.commit()
     db.close()
     s = Store(path)
-    assert s.schema_version == store_mod.SCHEMA_VERSION == 4
+    assert s.schema_version == store_mod.SCHEMA_VERSION == 5
     assert s.boxes()[0]["lent"] == 1
+    [old] = s.leases("vm1")
+    assert (old.host, old.fence) == (None, None)  # a lease from before hosts and fencing
     assert {s.device(f"a/d{i}")["token"] for i in range(2)} == {""}  # static tokens an old version kept: gone
-    assert [lease.device for lease in s.allocate("vm2")] == ["a/d1"]
+    [new] = s.allocate("vm2")
+    assert new.device == "a/d1" and new.fence == 1
     with pytest.raises(NoFreeDevice):
         s.allocate("vm3")
     s.close()

@@ -75,26 +75,37 @@ def _ask(conn: Connection, command: int, request: dict, address: str, what: str)
     if reply.header.is_error:
         reasons = {errno.ENODEV: "no such device", errno.EACCES: "lease token refused",
                    errno.EPERM: "this host's certificate is not one of the box's managers",
-                   errno.ENOTSUP: "not a display device", errno.EINVAL: "the display's mode cannot be shown"}
+                   errno.ENOTSUP: "not a display device", errno.EINVAL: "the display's mode cannot be shown",
+                   errno.ESTALE: "the lease's fencing token is stale (the lease was fenced or the device moved)"}
         raise BoxUnreachable(f"box {address} refused the {what} request: "
                              f"{reasons.get(reply.header.error, reply.header.error)}")
     return bytes(reply.payload)
 
 
-def grant_token(address: str, tls_dir: str | None, device: str, lease: str, timeout: float = 5.0) -> str:
+def grant_token(address: str, tls_dir: str | None, device: str, lease: str, timeout: float = 5.0, *,
+                fence: int | None = None, holder: str | None = None, pool: str | None = None) -> str:
     """A fresh token from the box for ``device``, named after ``lease``; it replaces any
-    token the device had."""
-    answer = _admin(address, tls_dir, LinkCommand.GRANT, {"device": device, "lease": lease}, timeout, "grant")
+    token the device had (and takes that lease's link down). With ``fence`` (the lease's
+    fencing token, comparable within ``pool``) the box refuses it if a newer lease of that
+    pool already had the device."""
+    request: dict = {"device": device, "lease": lease}
+    if fence is not None:
+        request.update(fence=fence, holder=holder, pool=pool)
+    answer = _admin(address, tls_dir, LinkCommand.GRANT, request, timeout, "grant")
     token = answer.get("token")
     if not isinstance(token, str) or len(token) < 32:
         raise BoxUnreachable(f"box {address} answered GRANT without a token")
     return token
 
 
-def revoke_token(address: str, tls_dir: str | None, device: str, lease: str, timeout: float = 2.0) -> bool:
-    """End ``lease``'s token for ``device`` (and a link it admitted); False if it had none."""
-    return bool(_admin(address, tls_dir, LinkCommand.REVOKE, {"device": device, "lease": lease}, timeout,
-                       "revoke").get("revoked"))
+def revoke_token(address: str, tls_dir: str | None, device: str, lease: str, timeout: float = 2.0, *,
+                 fence: int | None = None, pool: str | None = None) -> bool:
+    """End ``lease``'s token for ``device`` (and a link it admitted); False if it had none.
+    With ``fence``, the box takes no GRANT at or below that fencing token again."""
+    request: dict = {"device": device, "lease": lease}
+    if fence is not None:
+        request.update(fence=fence, pool=pool)
+    return bool(_admin(address, tls_dir, LinkCommand.REVOKE, request, timeout, "revoke").get("revoked"))
 
 
 def _admin(address: str, tls_dir: str | None, command: int, request: dict, timeout: float, what: str) -> dict:

@@ -3,12 +3,19 @@
 Key layout (every key under a versioned prefix, ``/dxpu/v1/``; values are JSON)::
 
     /dxpu/v1/schema                 "1"
+    /dxpu/v1/pool_id                random, made with the pool: fencing tokens compare only within one pool
     /dxpu/v1/boxes/<box>            address, tls_dir, state, registered_at, last_error, cert_sha256
     /dxpu/v1/seen/<box>             last heartbeat answer (unix time): heartbeats write only this
     /dxpu/v1/inventory/<box>        the box's devices, one value: [{name, class, vendor, model, capacity}]
     /dxpu/v1/claims/<box>/<dev>     lease id; the key exists exactly while the device is leased
     /dxpu/v1/leases/<lease>         the lease (device, vm, state, port, socket, pids, times)
-    /dxpu/v1/hosts/<host>           reserved for host agents (not written yet)
+    /dxpu/v1/hosts/<host>           the host's agent: holder (its etcd lease id), pid, start time;
+                                    put under that etcd lease, so it goes when the agent stops renewing
+    /dxpu/v1/fenced/<host>          time the host was fenced: no allocation for it while the key exists
+
+A lease's fencing token is the revision that created its record (etcd revisions only grow,
+so a later lease of a device always has a larger one); its holder is the host agent's etcd
+lease id at allocation, which is the host key's lease.
 
 Allocation of N devices is one transaction: it compares, for every device it takes,
 that the claim key does not exist, and for every box it takes from, that the box record
@@ -52,8 +59,8 @@ from etcd3gw.client import Etcd3Client
 
 from dxpu_vfio.pool.states import BoxState, LeaseState
 from dxpu_vfio.pool.storage import (
-    QDEV_PREFIX, Lease, StoreError, box_busy, check_allocation, check_lease_fields, no_free_device, no_such_box,
-    no_such_device, pick_lease)
+    QDEV_PREFIX, Lease, StoreError, box_busy, check_allocation, check_lease_fields, host_fenced, host_view,
+    no_free_device, no_such_box, no_such_device, pick_lease)
 
 PREFIX = "/dxpu/v1/"
 SCHEMA_VERSION = 1
@@ -207,8 +214,11 @@ def c_value(key: str, value: str) -> dict:
     return {"key": _b64(key), "target": "VALUE", "result": "EQUAL", "value": _b64(json.dumps(value))}
 
 
-def op_put(key: str, value: object) -> dict:
-    return {"request_put": {"key": _b64(key), "value": _b64(json.dumps(value, separators=(",", ":")))}}
+def op_put(key: str, value: object, lease: str | None = None) -> dict:
+    put = {"key": _b64(key), "value": _b64(json.dumps(value, separators=(",", ":")))}
+    if lease is not None:
+        put["lease"] = lease
+    return {"request_put": put}
 
 
 def op_delete(key: str) -> dict:
@@ -225,12 +235,12 @@ def op_range(key: str, prefix: bool = False, since: int = 0) -> dict:
     return {"request_range": body}
 
 
-def kvs(response: dict) -> list[tuple[str, Any, int]]:
-    """(key, JSON value, mod_revision) of a range response."""
+def kvs(response: dict, revision: str = "mod_revision") -> list[tuple[str, Any, int]]:
+    """(key, JSON value, mod_revision -- or create_revision) of a range response."""
     out = []
     for kv in response.get("kvs", []):
         raw = base64.b64decode(kv.get("value", "")).decode()
-        out.append((_unb64(kv["key"]), json.loads(raw) if raw else None, int(kv.get("mod_revision", 0))))
+        out.append((_unb64(kv["key"]), json.loads(raw) if raw else None, int(kv.get(revision, 0))))
     return out
 
 
@@ -282,6 +292,16 @@ class EtcdStore:
                                  f"up to {SCHEMA_VERSION}", hint="upgrade dxpu-vfio on this host")
 
     @property
+    def pool_id(self) -> str:
+        """Made with the pool (the first handle to ask writes it): fencing tokens compare
+        only within one pool."""
+        if getattr(self, "_pool_id", None) is None:
+            key = self.k("pool_id")
+            self.etcd.txn([c_absent(key)], [op_put(key, secrets.token_hex(16))])
+            [[(_, self._pool_id, _)]] = [kvs(self.etcd.range(key))]
+        return self._pool_id
+
+    @property
     def schema_version(self) -> int:
         [[(_, value, _)]] = [kvs(self.etcd.range(self.k("schema")))]
         return int(value)
@@ -295,7 +315,8 @@ class EtcdStore:
         """Several keys or prefixes ((key, is_prefix), ...) read at one revision."""
         return ranges(self.etcd.txn([], [op_range(key, prefix) for key, prefix in keys]))
 
-    def _snapshot(self, *prefixes: str, page: int = 2000) -> tuple[list[list[tuple[str, Any, int]]], int]:
+    def _snapshot(self, *prefixes: str, page: int = 2000, revision_of: str = "mod_revision"
+                  ) -> tuple[list[list[tuple[str, Any, int]]], int]:
         """Whole prefixes at one revision, in pages (a big pool exceeds one gRPC message)."""
         revision, out = 0, []
         for prefix in prefixes:
@@ -304,7 +325,7 @@ class EtcdStore:
             while True:
                 response = self.etcd.range(prefix, prefix=True, revision=revision, limit=page, start=start)
                 revision = revision or int(response["header"]["revision"])
-                items += kvs(response)
+                items += kvs(response, revision_of)
                 if not response.get("more"):
                     break
                 start = items[-1][0] + "\0"
@@ -613,10 +634,18 @@ class EtcdStore:
         return picks, len(picks)
 
     def allocate(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
-                 device: str | None = None, policy: str = "pack", owner_pid: int | None = None) -> list[Lease]:
+                 device: str | None = None, policy: str = "pack", owner_pid: int | None = None,
+                 host: str | None = None) -> list[Lease]:
         """Pick ``count`` free devices and create ``attaching`` leases for them in one etcd
-        transaction: all of them or none (:class:`NoFreeDevice`)."""
+        transaction: all of them or none (:class:`NoFreeDevice`). For a ``host`` the
+        transaction also compares that the host is not fenced."""
         check_allocation(policy, count)
+        holder = None
+        if host is not None:
+            [fenced, agent] = self._read((self.k("fenced", host), False), (self.k("hosts", host), False))
+            if fenced:
+                raise host_fenced(host)
+            holder = agent[0][1].get("holder") if agent else None
         with self._lock:
             fresh = False
             if time.monotonic() - self._synced_at > self.resync_interval:
@@ -638,7 +667,7 @@ class EtcdStore:
                         fresh = True
                         continue
                     raise no_free_device(count, free, device_class, box, device)
-                leases = self._try_allocate(vm, picks, owner_pid)
+                leases = self._try_allocate(vm, picks, owner_pid, host, holder)
                 if leases is not None:
                     return leases
                 conflicts += 1
@@ -648,16 +677,38 @@ class EtcdStore:
         raise StoreError(f"allocation for {vm} lost {ATTEMPTS} races in a row to other allocators",
                          hint="the pool is very busy; try again")
 
-    def _try_allocate(self, vm: str, picks: list[str], owner_pid: int | None) -> list[Lease] | None:
-        """One transaction for all ``picks``; None (and a refreshed view) if any was taken."""
+    def plan_allocate(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
+                      device: str | None = None, policy: str = "pack", owner_pid: int | None = None,
+                      host: str | None = None) -> dict:
+        """What :meth:`allocate` would send now: the devices it would choose (from a fresh
+        read) and its transaction, keys in clear; nothing is written. Lease ids are
+        examples, and the fencing token is the revision the transaction would create."""
+        check_allocation(policy, count)
+        if host is not None and self._read((self.k("fenced", host), False))[0]:
+            raise host_fenced(host)
+        with self._lock:
+            self._resync()
+            if box is not None and box not in self._boxes:
+                raise no_such_box(box, sorted(self._boxes))
+            picks, free = self._choose(count, device_class, box, device, policy, shuffle=False)
+            if len(picks) < count:
+                raise no_free_device(count, free, device_class, box, device)
+            leases, compare, success, _, _ = self._allocation_txn(vm, picks, owner_pid, host, None)
+        return {"leases": leases, "transaction": {"compare": [_show(c) for c in compare],
+                                                  "success": [_show(op) for op in success]}}
+
+    def _allocation_txn(self, vm: str, picks: list[str], owner_pid: int | None, host: str | None,
+                        holder: str | None) -> tuple[list[Lease], list[dict], list[dict], list[dict], list[str]]:
         now = time.time()
         leases = []
         for device_id in picks:
             lease_id = secrets.token_hex(4)
             leases.append(Lease(lease_id, device_id, vm, LeaseState.ATTACHING, QDEV_PREFIX + lease_id,
-                                owner_pid=owner_pid, created_at=now, updated_at=now))
+                                owner_pid=owner_pid, created_at=now, updated_at=now, host=host, holder=holder))
         boxes = sorted({device_id.split("/", 1)[0] for device_id in picks})
         compare, success, failure = [], [], []
+        if host is not None:
+            compare.append(c_absent(self.k("fenced", host)))
         for name in boxes:
             box_key, _, inv_key, claims = self._box_keys(name)
             compare += [c_mod(box_key, self._boxes[name][1]), c_mod(inv_key, self._inventory[name][1])]
@@ -666,6 +717,12 @@ class EtcdStore:
             claim, lease_key = self.k("claims", lease.device), self.k("leases", lease.id)
             compare += [c_absent(claim), c_absent(lease_key)]
             success += [op_put(claim, lease.id), op_put(lease_key, _lease_record(lease))]
+        return leases, compare, success, failure, boxes
+
+    def _try_allocate(self, vm: str, picks: list[str], owner_pid: int | None, host: str | None = None,
+                      holder: str | None = None) -> list[Lease] | None:
+        """One transaction for all ``picks``; None (and a refreshed view) if any was taken."""
+        leases, compare, success, failure, boxes = self._allocation_txn(vm, picks, owner_pid, host, holder)
         result = self.etcd.txn(compare, success, failure)
         revision = int(result["header"]["revision"])
         if not result.get("succeeded"):
@@ -674,9 +731,14 @@ class EtcdStore:
                 self._learn_box(name, found[3 * i:3 * i + 3])
             if not all(self._claims.get(lease.box, {}).get(lease.device.split("/", 1)[1]) == lease.id
                        for lease in leases):
+                if host is not None and self._read((self.k("fenced", host), False))[0]:
+                    raise host_fenced(host)
                 return None
             # a retried send of a transaction that had been applied: they are ours
+            [found_lease] = [kvs(self.etcd.range(self.k("leases", leases[0].id)), "create_revision")]
+            revision = found_lease[0][2] if found_lease else revision
         for lease in leases:
+            lease.fence = revision
             self._claims.setdefault(lease.box, {})[lease.device.split("/", 1)[1]] = lease.id
             self._index(lease.box)
             self._mine[lease.id] = (_lease_record(lease), revision)
@@ -736,8 +798,8 @@ class EtcdStore:
         raise StoreError(f"lease {lease_id} changed under every delete attempt", hint="try again")
 
     def leases(self, vm: str | None = None) -> list[Lease]:
-        [found], _ = self._snapshot(self.k("leases") + "/")
-        leases = [Lease(**record) for _, record, _ in found]
+        [found], _ = self._snapshot(self.k("leases") + "/", revision_of="create_revision")
+        leases = [Lease(**{**record, "fence": created}) for _, record, created in found]
         if vm:
             return sorted((lease for lease in leases if lease.vm == vm), key=lambda lease: (lease.created_at, lease.id))
         return sorted(leases, key=lambda lease: (lease.vm, lease.created_at, lease.id))
@@ -746,8 +808,84 @@ class EtcdStore:
         """A VM's lease by lease id, QEMU id, device id (box/dev) or device name."""
         return pick_lease(self.leases(vm), vm, name)
 
+    # --- hosts ------------------------------------------------------------------
+    def host_register(self, host: str, ttl: float, agent_pid: int) -> str:
+        """A host agent starts: an etcd lease of ``ttl`` s (its holder id) and the host key
+        under it, unless the host is fenced."""
+        granted = self.etcd.call("/lease/grant", {"TTL": max(1, int(round(ttl)))})
+        holder = str(granted["ID"])
+        record = {"holder": holder, "agent_pid": agent_pid, "started_at": time.time()}
+        result = self.etcd.txn([c_absent(self.k("fenced", host))], [op_put(self.k("hosts", host), record, holder)])
+        if not result.get("succeeded"):
+            self.etcd.call("/lease/revoke", {"ID": holder})
+            raise host_fenced(host)
+        return holder
+
+    def host_keepalive(self, host: str, holder: str) -> bool:
+        """Renew the agent's etcd lease; False once it expired or was revoked (fenced)."""
+        answer = self.etcd.call("/lease/keepalive", {"ID": holder})
+        return int((answer.get("result") or answer).get("TTL") or 0) > 0
+
+    def host_release(self, host: str, holder: str) -> None:
+        self.etcd.call("/lease/revoke", {"ID": holder})
+
+    def hosts(self) -> list[dict]:
+        (agents, fenced, leases), _ = self._snapshot(*(self.k(p) + "/" for p in ("hosts", "fenced", "leases")))
+        cut = len(self.prefix)
+        agents_by = {key[cut:].split("/", 1)[1]: value for key, value, _ in agents}
+        fenced_by = {key[cut:].split("/", 1)[1]: value for key, value, _ in fenced}
+        held = Counter(record.get("host") for _, record, _ in leases if record.get("host"))
+        now = time.time()
+        return [host_view(name, agents_by.get(name), fenced_by.get(name), held.get(name, 0), now)
+                for name in sorted(set(agents_by) | set(fenced_by) | set(held))]
+
+    def fence_host(self, host: str) -> list[Lease]:
+        """Mark ``host`` fenced (from now on no allocation for it: they compare the fenced
+        key), end its agent's etcd lease, and take its leases from it; returns them."""
+        host_key = self.k("hosts", host)
+        [agent] = self._read((host_key, False))
+        self.etcd.txn([], [op_put(self.k("fenced", host), time.time())])
+        if agent and agent[0][1].get("holder"):
+            try:
+                self.etcd.call("/lease/revoke", {"ID": agent[0][1]["holder"]})
+            except StoreError:
+                pass  # expired already
+        taken = [lease for lease in self.leases() if lease.host == host]
+        for lease in taken:
+            self.delete_lease(lease.id)
+        return taken
+
+    def unfence_host(self, host: str) -> None:
+        key = self.k("fenced", host)
+        result = self.etcd.txn([c_absent(key)], [], [op_delete(key)])
+        if result.get("succeeded"):
+            raise StoreError(f"host {host} is not fenced", hint="dxpu host ls shows the hosts")
+
+
+def _show(item: dict) -> str:
+    """A compare or an operation of a transaction, as text (keys and values decoded)."""
+    if "request_put" in item:
+        put = item["request_put"]
+        return f"put {_unb64(put['key'])} = {_unb64(put['value'])}"
+    if "request_delete_range" in item:
+        return f"delete {_unb64(item['request_delete_range']['key'])}"
+    key = _unb64(item["key"]) + ("*" if "range_end" in item else "")
+    if item["target"] == "MOD":
+        return f"mod_revision({key}) == {item['mod_revision']}"
+    if item["target"] == "VERSION":
+        return f"absent({key})" if item["version"] == 0 else f"version({key}) == {item['version']}"
+    return f"value({key}) == {_unb64(item['value'])}"
+
+
+def show_lease_delete(prefix: str, lease: Lease) -> dict:
+    """The transaction :meth:`EtcdStore.delete_lease` sends, as text."""
+    return {"compare": [f"mod_revision({prefix}leases/{lease.id}) == (as read)",
+                        f"value({prefix}claims/{lease.device}) == \"{lease.id}\""],
+            "success": [f"delete {prefix}leases/{lease.id}", f"delete {prefix}claims/{lease.device}"]}
+
 
 def _lease_record(lease: Lease) -> dict:
     return {"id": lease.id, "device": lease.device, "vm": lease.vm, "state": str(lease.state),
             "qdev_id": lease.qdev_id, "port": lease.port, "socket": lease.socket, "proxy_pid": lease.proxy_pid,
-            "owner_pid": lease.owner_pid, "created_at": lease.created_at, "updated_at": lease.updated_at}
+            "owner_pid": lease.owner_pid, "created_at": lease.created_at, "updated_at": lease.updated_at,
+            "host": lease.host, "holder": lease.holder, "request": lease.request, "error": lease.error}

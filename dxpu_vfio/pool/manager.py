@@ -9,6 +9,11 @@ left half done, by asking the VMs what they really have.
 
 Host proxies are processes of their own (``dxpu_vfio.hostproxy`` in forward mode)
 that outlive the manager; the store records their pids, and they are ended by pid.
+
+Every manager serves one host (``host``, default the machine's name): its leases carry
+that name, and reconcile and heal touch only those, so managers of several hosts can
+share one pool (etcd) without releasing each other's devices. A host whose manager or
+agent died keeps its leases until an admin fences it (:meth:`Manager.fence_host`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -54,6 +60,11 @@ class AttachError(DxpuError):
     """An attach failed; everything it had done was undone."""
 
 
+def default_host() -> str:
+    """This host's name in the pool: $DXPU_HOST, else the machine's name."""
+    return os.environ.get("DXPU_HOST") or socket.gethostname()
+
+
 def stats_path(socket_path: str | Path) -> Path:
     return Path(socket_path).with_suffix(".stats.json")
 
@@ -82,8 +93,10 @@ class Manager:
 
     def __init__(self, store: PoolStore, *, open_vm: Callable[[str], VmTarget] = open_target,
                  dead_after: float = 3.0, unplug_timeout: float = 15.0,
-                 reconcile_unplug_timeout: float = 5.0, heal_interval: float = 10.0) -> None:
+                 reconcile_unplug_timeout: float = 5.0, heal_interval: float = 10.0,
+                 host: str | None = None) -> None:
         self.store = store
+        self.host = host or default_host()
         self.open_vm = open_vm
         self.dead_after = dead_after
         self.unplug_timeout = unplug_timeout
@@ -219,7 +232,7 @@ class Manager:
         actions = []
         confirmed: bool | None = None  # did the box answer a probe made after a dead link was seen?
         for lease in self.store.leases():
-            if lease.box != box["name"] or lease.state != LeaseState.ATTACHED:
+            if lease.box != box["name"] or lease.state != LeaseState.ATTACHED or not self._ours(lease):
                 continue
             if time.monotonic() - self._healed.get(lease.id, -1e9) < self.heal_interval:
                 continue
@@ -269,12 +282,23 @@ class Manager:
 
     # --- attach / detach ---------------------------------------------------------
     def attach(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
-               device: str | None = None, policy: str = "pack", timeout: float = 30.0) -> list[dict]:
+               device: str | None = None, policy: str = "pack", timeout: float = 30.0,
+               host: str | None = None, dry_run: bool = False) -> list[dict] | dict:
+        """Plug free devices into ``vm``. With ``host`` (another host than this manager's),
+        the VM is one of that host's and its agent does the plug (:mod:`dxpu_vfio.pool.agent`).
+        ``dry_run``: the plan instead (:mod:`dxpu_vfio.pool.plan`)."""
+        if dry_run:
+            from dxpu_vfio.pool import plan
+            return plan.attach(self, vm, host=host, device_class=device_class, count=count, box=box, device=device,
+                               policy=policy)
+        if host is not None and host != self.host:
+            return self._attach_via_agent(host, vm, timeout, device_class=device_class, count=count, box=box,
+                                          device=device, policy=policy)
         with self.open_vm(vm) as target, self._vm_lock(target.key):
             if not target.alive():
                 raise AttachError(f"VM {vm} is not running", hint="start it first")
             leases = self.store.allocate(target.key, device_class=device_class, count=count, box=box,
-                                         device=device, policy=policy, owner_pid=os.getpid())
+                                         device=device, policy=policy, owner_pid=os.getpid(), host=self.host)
             done: list[tuple[Lease, bool]] = []  # (lease, plugged)
             try:
                 for lease in leases:
@@ -295,13 +319,49 @@ class Manager:
                 raise
             return [self._describe(lease) for lease in leases]
 
+    def _attach_via_agent(self, host: str, vm: str, timeout: float, **allocation: object) -> list[dict]:
+        """Leases for ``host``'s VM with ``request = attach``; wait for its agent's answer.
+        All or nothing: if one fails (or the agent does not answer in time) the others are
+        handed back to the agent to detach and the failed ones deleted."""
+        from dxpu_vfio.pool.agent import ATTACH, DETACH, wait_for_agent
+        key = target_key(vm)
+        agents = {h["name"]: h for h in self.store.hosts()}
+        if not (agents.get(host) or {}).get("alive"):
+            raise AttachError(f"host {host} has no live agent: nothing would plug the device into {vm}",
+                              hint=f"start it there: dxpu agent serve --host {host} (dxpu host ls shows the hosts)")
+        leases = self.store.allocate(key, owner_pid=os.getpid(), host=host, **allocation)  # type: ignore[arg-type]
+        for lease in leases:
+            self.store.update_lease(lease.id, request=ATTACH)
+        ids = [lease.id for lease in leases]
+        done = wait_for_agent(self.store, ids, lambda lease: lease is None or lease.error is not None
+                              or lease.state == LeaseState.ATTACHED, timeout + 5.0)
+        failed = {i: lease for i, lease in done.items() if lease is None or lease.state != LeaseState.ATTACHED}
+        if not failed:
+            return [self._describe(lease) for lease in done.values() if lease is not None]
+        for lease_id, lease in done.items():
+            if lease is None:
+                continue
+            if lease.state == LeaseState.ATTACHED:
+                self.store.update_lease(lease_id, request=DETACH)
+            elif lease.error is not None:
+                self.store.delete_lease(lease_id)
+        why = "; ".join(f"{lease.device}: {lease.error}" for lease in failed.values() if lease and lease.error) \
+            or f"the agent of {host} did not answer within {timeout + 5.0:.0f} s"
+        if any(lease is not None and lease.error is None for lease in failed.values()):
+            for lease_id, lease in failed.items():  # not answered: take the request back
+                if lease is not None and lease.error is None:
+                    self.store.update_lease(lease_id, request=DETACH)
+        raise AttachError(f"attach to {vm} on host {host} failed and was rolled back: {why}",
+                          hint=f"its agent's log on {host} has the details")
+
     def _plug(self, target: VmTarget, lease: Lease, timeout: float) -> None:
         """Start the lease's host proxy and plug it. The box grants a fresh token for this
         lease (replacing any token the device had); the proxy gets it through a pipe, not
         its command line, and presents it to no box but the one registered (pinned by its
         certificate)."""
         dev = self.store.device(lease.device)
-        token = grant_token(dev["address"], dev["tls_dir"], dev["name"], lease.id, timeout=min(timeout, 5.0))
+        token = grant_token(dev["address"], dev["tls_dir"], dev["name"], lease.id, timeout=min(timeout, 5.0),
+                            fence=lease.fence, holder=lease.host, pool=self._pool_id(lease))
         settings = {"address": dev["address"], "device": dev["name"]}
         settings.update({"tls_dir": dev["tls_dir"], "tls_role": TLS_ROLE} if dev["tls_dir"] else {"plaintext": True})
         if dev["tls_dir"] and dev.get("cert_sha256"):
@@ -340,20 +400,46 @@ class Manager:
         self.store.delete_lease(lease.id)
 
     def detach(self, vm: str, device: str | None = None, *, all_devices: bool = False,
-               timeout: float | None = None) -> list[dict]:
-        """Unplug one device (lease id, device id or name) or all of the VM's, and free them."""
+               timeout: float | None = None, host: str | None = None, dry_run: bool = False) -> list[dict] | dict:
+        """Unplug one device (lease id, device id or name) or all of the VM's, and free them;
+        with ``host`` (not this manager's), by asking that host's agent. ``dry_run``: the plan."""
         if device is None and not all_devices:
             raise StoreError("name a device to detach, or pass --all", hint="dxpu status VM lists its devices")
+        if dry_run:
+            from dxpu_vfio.pool import plan
+            return plan.detach(self, vm, device, all_devices=all_devices, host=host)
+        if host is not None and host != self.host:
+            return self._detach_via_agent(host, vm, device, timeout or self.unplug_timeout)
         try:
             target = self.open_vm(vm)
         except VmGone as exc:  # what a VM that is gone held is free again
             key = target_key(vm)
             with self._vm_lock(key):
                 leases = self.store.leases(key) if all_devices else [self.store.lease_for(key, device)]
+                foreign = sorted({lease.host for lease in leases if not self._ours(lease)})
+                if foreign:  # not gone: it runs on another host, which this manager cannot see
+                    raise StoreError(f"{vm} is a VM of host {', '.join(foreign)}, not of {self.host}",
+                                     hint=f"detach it there, or if that host is dead: dxpu host fence {foreign[0]}")
                 return [self._release(lease, f"VM gone: {exc.message}") for lease in leases]
         with target, self._vm_lock(target.key):
             leases = self.store.leases(target.key) if all_devices else [self.store.lease_for(target.key, device)]
             return [self._detach_one(target, lease, timeout or self.unplug_timeout) for lease in leases]
+
+    def _detach_via_agent(self, host: str, vm: str, device: str | None, timeout: float) -> list[dict]:
+        from dxpu_vfio.pool.agent import DETACH, wait_for_agent
+        key = target_key(vm)
+        leases = self.store.leases(key) if device is None else [self.store.lease_for(key, device)]
+        for lease in leases:
+            self.store.update_lease(lease.id, request=DETACH, error=None)
+        done = wait_for_agent(self.store, [lease.id for lease in leases],
+                              lambda lease: lease is None or lease.error is not None, timeout + 5.0)
+        stuck = [lease for lease in done.values() if lease is not None]
+        if stuck:
+            raise StoreError(f"the agent of {host} did not detach " + ", ".join(
+                f"{lease.device} ({lease.error or 'no answer'})" for lease in stuck),
+                hint=f"try again; if {host} is dead: dxpu host fence {host}")
+        return [{"lease": lease.id, "device": lease.device, "vm": lease.vm, "state": "freed", "why": "detached",
+                 "host": host, "counters": None} for lease in leases]
 
     def _detach_one(self, target: VmTarget, lease: Lease, timeout: float) -> dict:
         """Unplug (UnplugTimeout leaves the lease 'detaching' and the device served: detach
@@ -379,13 +465,55 @@ class Manager:
         the token anyway."""
         try:
             dev = self.store.device(lease.device)
-            revoke_token(dev["address"], dev["tls_dir"], dev["name"], lease.id, timeout=self.probe_timeout())
+            revoke_token(dev["address"], dev["tls_dir"], dev["name"], lease.id, timeout=self.probe_timeout(),
+                         fence=lease.fence, pool=self._pool_id(lease))
         except DxpuError as exc:
             log.warning("could not revoke the token of lease %s at its box: %s", lease.id, exc.message)
 
+    def _pool_id(self, lease: Lease) -> str | None:
+        return self.store.pool_id if lease.fence is not None else None
+
+    def _ours(self, lease: Lease) -> bool:
+        """A lease of this manager's host (or of a pool from before hosts)."""
+        return lease.host is None or lease.host == self.host
+
+    # --- fencing -------------------------------------------------------------------
+    def fence_host(self, host: str) -> dict:
+        """Fence ``host``: the store marks it fenced (no device for it, its agent's lease
+        void) and takes its leases from it in one step; then each lease's token is revoked
+        at its box with the lease's fencing token, which takes the host's live link down
+        and makes the box refuse any later GRANT or HELLO of that lease. The host's VMs and
+        proxies are not touched (the host may be unreachable): what they hold is dead.
+
+        A box that does not answer now is reported: it restarted (and forgot the token)
+        or is down; when it comes back it knows no token of the fenced host either."""
+        taken = self.store.fence_host(host)
+        freed = []
+        for lease in taken:
+            try:
+                dev = self.store.device(lease.device)
+                revoked = revoke_token(dev["address"], dev["tls_dir"], dev["name"], lease.id,
+                                       timeout=self.probe_timeout(), fence=lease.fence, pool=self._pool_id(lease))
+                at_box = "revoked" if revoked else "no grant at the box"
+            except DxpuError as exc:
+                at_box = f"box did not answer: {exc.message}"
+                log.warning("fencing %s: could not revoke lease %s at its box: %s", host, lease.id, exc.message)
+            freed.append({"lease": lease.id, "device": lease.device, "vm": lease.vm, "fence": lease.fence,
+                          "token": at_box})
+        log.warning("fenced host %s: %d lease(s) taken from it", host, len(freed))
+        return {"host": host, "fenced": True, "leases": freed}
+
+    def unfence_host(self, host: str) -> dict:
+        self.store.unfence_host(host)
+        return {"host": host, "fenced": False}
+
+    def hosts(self) -> list[dict]:
+        return self.store.hosts()
+
     # --- reconciliation ----------------------------------------------------------
-    def reconcile(self) -> list[dict]:
-        """Make the store and the VMs agree, after a crash or at start.
+    def reconcile(self, dry_run: bool = False) -> list[dict]:
+        """Make the store and the VMs agree, after a crash or at start. ``dry_run``: the
+        same decisions, each with the ``plan`` of steps it would take, and nothing done.
 
         - ``attaching`` leases whose manager is gone are rolled back (unplug if QEMU has
           the device, end the proxy, delete the lease);
@@ -397,26 +525,32 @@ class Manager:
         actions = []
         by_vm: dict[str, list[Lease]] = defaultdict(list)
         for lease in self.store.leases():
-            by_vm[lease.vm].append(lease)
+            if self._ours(lease):  # another host's VMs are its own business (or its fence's)
+                by_vm[lease.vm].append(lease)
         for vm_key, leases in by_vm.items():
             try:
                 target = self.open_vm(vm_key)
             except VmGone as exc:
                 with self._vm_lock(vm_key):
                     for lease in leases:  # the VM is gone: so is its device
-                        self._release(lease, f"VM gone: {exc.message}")
-                        actions.append({"lease": lease.id, "device": lease.device, "vm": vm_key,
-                                        "action": "released", "why": f"VM gone: {exc.message}"})
+                        action = {"lease": lease.id, "device": lease.device, "vm": vm_key,
+                                  "action": "released", "why": f"VM gone: {exc.message}"}
+                        if dry_run:
+                            from dxpu_vfio.pool.plan import release_steps
+                            action.update(action="would release", plan=release_steps(self, lease, unplug=False))
+                        else:
+                            self._release(lease, f"VM gone: {exc.message}")
+                        actions.append(action)
                 continue
             except DxpuError as exc:  # e.g. libvirtd down: the VM may well run; touch nothing
                 actions += [{"lease": lease.id, "device": lease.device, "vm": vm_key, "action": "skipped",
                              "why": f"VM unreachable: {exc.message}"} for lease in leases]
                 continue
             with target, self._vm_lock(target.key):
-                actions += self._reconcile_vm(target, leases)
+                actions += self._reconcile_vm(target, leases, dry_run)
         return actions
 
-    def _reconcile_vm(self, target: VmTarget, leases: list[Lease]) -> list[dict]:
+    def _reconcile_vm(self, target: VmTarget, leases: list[Lease], dry_run: bool = False) -> list[dict]:
         actions = []
         alive = target.alive()
         present = set(plugged_devices(target, QDEV_PREFIX)) if alive else set()
@@ -435,6 +569,11 @@ class Manager:
                 why = "host proxy died"
             if why is None:
                 continue
+            if dry_run:
+                from dxpu_vfio.pool.plan import release_steps
+                actions.append({"lease": lease.id, "device": lease.device, "vm": lease.vm, "action": "would release",
+                                "why": why, "plan": release_steps(self, lease, unplug=lease.qdev_id in present)})
+                continue
             self.store.update_lease(lease.id, state=LeaseState.DETACHING, owner_pid=os.getpid())
             if lease.qdev_id in present:
                 try:
@@ -448,6 +587,11 @@ class Manager:
                             "action": "released", "why": why})
         known = {lease.qdev_id for lease in leases}
         for qdev_id in sorted(present - known):
+            if dry_run:
+                actions.append({"qdev_id": qdev_id, "vm": target.key, "action": "would unplug",
+                                "why": "plugged by the pool but no lease",
+                                "plan": [{"do": "qmp", "execute": "device_del", "arguments": {"id": qdev_id}}]})
+                continue
             try:
                 target.unplug(qdev_id, self.reconcile_unplug_timeout)
                 actions.append({"qdev_id": qdev_id, "vm": target.key, "action": "unplugged",
@@ -459,7 +603,7 @@ class Manager:
 
     # --- reports -----------------------------------------------------------------
     def _proxy_stats(self, lease: Lease) -> dict | None:
-        if not proxy_alive(lease):
+        if not self._ours(lease) or not proxy_alive(lease):
             return None
         return request_json(lease.proxy_pid, stats_path(lease.socket), timeout=2.0)
 
@@ -468,7 +612,8 @@ class Manager:
         out = {"lease": lease.id, "device": lease.device, "class": dev["class"], "vendor": dev["vendor"],
                "model": dev["model"], "capacity": dev["capacity"], "vm": lease.vm, "state": lease.state,
                "qdev_id": lease.qdev_id, "port": lease.port, "proxy_pid": lease.proxy_pid,
-               "proxy_alive": proxy_alive(lease)}
+               "proxy_alive": proxy_alive(lease) if self._ours(lease) else None, "host": lease.host,
+               "fence": lease.fence}
         if present is not None:
             out["in_vm"] = lease.qdev_id in present
         return out

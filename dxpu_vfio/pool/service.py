@@ -190,12 +190,18 @@ class _Api(DeadlineHandler, BaseHTTPRequestHandler):
             ("GET", "/v1/screenshot"): lambda: m.screenshot(s("device", True)),
             ("POST", "/v1/attach"): lambda: m.attach(s("vm", True), device_class=s("class"), count=count(args),
                                                       box=s("box"), device=s("device"),
-                                                      policy=s("policy", default="pack")),
+                                                      policy=s("policy", default="pack"), host=s("host"),
+                                                      dry_run=field(args, "dry_run", bool, default=False)),
             ("POST", "/v1/detach"): lambda: m.detach(s("vm", True), s("device"),
-                                                      all_devices=field(args, "all", bool, default=False)),
+                                                      all_devices=field(args, "all", bool, default=False),
+                                                      host=s("host"),
+                                                      dry_run=field(args, "dry_run", bool, default=False)),
             ("POST", "/v1/boxes"): lambda: m.register_box(s("name"), s("address", True), s("tls_dir")),
             ("POST", "/v1/boxes/remove"): lambda: (m.store.remove_box(s("name", True)) or {"removed": args["name"]}),
-            ("POST", "/v1/reconcile"): m.reconcile,
+            ("POST", "/v1/reconcile"): lambda: m.reconcile(dry_run=field(args, "dry_run", bool, default=False)),
+            ("GET", "/v1/hosts"): m.hosts,
+            ("POST", "/v1/hosts/fence"): lambda: m.fence_host(s("host", True)),
+            ("POST", "/v1/hosts/unfence"): lambda: m.unfence_host(s("host", True)),
         }
         route = routes.get((method, path))
         if route is None:
@@ -222,7 +228,7 @@ class _Api(DeadlineHandler, BaseHTTPRequestHandler):
 def serve(db: Path | None = None, *, heartbeat: float = 1.0, dead_after: float = 3.0,
           metrics_address: str | None = None, ready: threading.Event | None = None,
           stop: threading.Event | None = None, store: str = "sqlite", etcd_endpoints: list[str] | None = None,
-          etcd_tls_dir: str | None = None) -> None:
+          etcd_tls_dir: str | None = None, host: str | None = None) -> None:
     """Run the manager until SIGTERM/SIGINT (or ``stop``), on the SQLite file ``db`` or,
     with ``store="etcd"``, on the pool in etcd."""
     paths = ManagerPaths.for_db(db)
@@ -242,7 +248,7 @@ def serve(db: Path | None = None, *, heartbeat: float = 1.0, dead_after: float =
     except BaseException:
         lock.close()
         raise
-    manager = Manager(pool_store, dead_after=dead_after)
+    manager = Manager(pool_store, dead_after=dead_after, host=host)
     for action in manager.reconcile():
         log.warning("reconcile: %s", action)
     token = secrets.token_urlsafe(32)

@@ -41,6 +41,11 @@ class Lease:
     owner_pid: int | None = None
     created_at: float = 0.0
     updated_at: float = 0.0
+    host: str | None = None  # the host whose VM holds it (None: a lease of a single-host pool)
+    fence: int | None = None  # fencing token: larger for every new lease (docs/pool.md#fencing)
+    holder: str | None = None  # the host's agent lease (etcd lease id / heartbeat id) at allocation
+    request: str | None = None  # what the host agent is asked to do: "attach" or "detach"
+    error: str | None = None  # why the host agent could not do it
 
     def __post_init__(self) -> None:
         self.state = LeaseState(self.state)  # rows hold plain strings
@@ -50,7 +55,7 @@ class Lease:
         return self.device.split("/", 1)[0]
 
 
-LEASE_FIELDS = frozenset({"state", "port", "socket", "proxy_pid", "owner_pid"})  # what update_lease may change
+LEASE_FIELDS = frozenset({"state", "port", "socket", "proxy_pid", "owner_pid", "request", "error"})  # what update_lease may change
 
 
 def check_allocation(policy: str, count: int) -> None:
@@ -85,6 +90,20 @@ def box_busy(name: str, held: int) -> StoreError:
                       hint="detach them first (dxpu ls shows which VMs hold them)")
 
 
+def host_fenced(host: str) -> StoreError:
+    return StoreError(f"host {host} is fenced: the pool gives it no device",
+                      hint=f"once its old VMs are gone: dxpu host unfence {host}")
+
+
+def host_view(name: str, record: dict | None, fenced_at: float | None, leases: int, now: float) -> dict:
+    """What ``dxpu host ls`` shows of a host, from either store."""
+    record = record or {}
+    expires = record.get("expires_at")
+    return {"name": name, "alive": record.get("holder") is not None and (expires is None or expires > now),
+            "fenced": fenced_at is not None, "fenced_at": fenced_at, "holder": record.get("holder"),
+            "agent_pid": record.get("agent_pid"), "started_at": record.get("started_at"), "leases": leases}
+
+
 def no_such_device(device_id: str) -> StoreError:
     return StoreError(f"no device {device_id!r} in the pool", hint="dxpu ls lists the devices")
 
@@ -110,6 +129,8 @@ class PoolStore(Protocol):
 
     @property
     def schema_version(self) -> int: ...
+    @property
+    def pool_id(self) -> str: ...
     def close(self) -> None: ...
     def register_box(self, name: str, address: str, tls_dir: str | None, devices: list[dict],
                      cert_sha256: str | None = None) -> None: ...
@@ -120,8 +141,16 @@ class PoolStore(Protocol):
     def devices(self) -> list[dict]: ...
     def device(self, device_id: str) -> dict: ...
     def allocate(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
-                 device: str | None = None, policy: str = "pack", owner_pid: int | None = None) -> list[Lease]: ...
+                 device: str | None = None, policy: str = "pack", owner_pid: int | None = None,
+                 host: str | None = None) -> list[Lease]: ...
     def update_lease(self, lease_id: str, **fields: object) -> None: ...
     def delete_lease(self, lease_id: str) -> None: ...
     def leases(self, vm: str | None = None) -> list[Lease]: ...
     def lease_for(self, vm: str, name: str) -> Lease: ...
+    # hosts (docs/pool.md#host-agents-and-fencing)
+    def host_register(self, host: str, ttl: float, agent_pid: int) -> str: ...
+    def host_keepalive(self, host: str, holder: str) -> bool: ...
+    def host_release(self, host: str, holder: str) -> None: ...
+    def hosts(self) -> list[dict]: ...
+    def fence_host(self, host: str) -> list[Lease]: ...
+    def unfence_host(self, host: str) -> None: ...

@@ -30,7 +30,7 @@ from typing import Iterator
 from dxpu_vfio.pool.states import BoxState, LeaseState, sql_check
 from dxpu_vfio.pool.storage import (  # noqa: F401 - Lease, QDEV_PREFIX, POLICIES are imported from here too
     POLICIES, QDEV_PREFIX, Lease, NoFreeDevice, StoreError, box_busy, check_allocation, check_lease_fields,
-    no_free_device, no_such_box, no_such_device, pick_lease)
+    host_fenced, host_view, no_free_device, no_such_box, no_such_device, pick_lease)
 
 MIGRATIONS: list[str] = [
     # 1: boxes, devices, leases
@@ -91,6 +91,27 @@ MIGRATIONS: list[str] = [
     # forget those an older version copied here (the column stays, empty)
     """
     UPDATE devices SET token = '';
+    """,
+    # 5: hosts with agents (a heartbeat row each), fencing tokens, requests to host agents
+    """
+    ALTER TABLE leases ADD COLUMN host TEXT;
+    ALTER TABLE leases ADD COLUMN fence INTEGER;
+    ALTER TABLE leases ADD COLUMN holder TEXT;
+    ALTER TABLE leases ADD COLUMN request TEXT;
+    ALTER TABLE leases ADD COLUMN error TEXT;
+    CREATE INDEX leases_by_host ON leases(host);
+    CREATE TABLE hosts (
+        name TEXT PRIMARY KEY,
+        holder TEXT,                      -- the running agent's heartbeat id (NULL: none registered)
+        agent_pid INTEGER,
+        started_at REAL,
+        expires_at REAL,                  -- the agent is alive while its heartbeat keeps this ahead
+        fenced_at REAL                    -- set by dxpu host fence: the host gets no device
+    );
+    CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+    INSERT INTO counters (name, value) VALUES ('fence', 0);
+    CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+    INSERT INTO meta (name, value) VALUES ('pool_id', lower(hex(randomblob(16))));
     """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -158,6 +179,11 @@ class Store:
     @property
     def schema_version(self) -> int:
         return self._db.execute("PRAGMA user_version").fetchone()[0]
+
+    @property
+    def pool_id(self) -> str:
+        """Made with the database: fencing tokens compare only within one pool."""
+        return self._query("SELECT value FROM meta WHERE name = 'pool_id'")[0][0]
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -274,13 +300,21 @@ class Store:
 
     # --- leases -----------------------------------------------------------------
     def allocate(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
-                 device: str | None = None, policy: str = "pack", owner_pid: int | None = None) -> list[Lease]:
+                 device: str | None = None, policy: str = "pack", owner_pid: int | None = None,
+                 host: str | None = None) -> list[Lease]:
         """Pick ``count`` free devices and create ``attaching`` leases for them, atomically:
-        all of them or none (:class:`NoFreeDevice`)."""
+        all of them or none (:class:`NoFreeDevice`). Each lease gets the next fencing
+        token; a fenced ``host`` gets nothing."""
         check_allocation(policy, count)
         # pack: the box that already lends the most first (keeps other boxes whole);
         # spread: the box that lends the least first, so N devices come from N boxes.
         with self.transaction() as db:
+            holder = None
+            if host is not None:
+                row = db.execute("SELECT holder, fenced_at FROM hosts WHERE name = ?", (host,)).fetchone()
+                if row is not None and row["fenced_at"] is not None:
+                    raise host_fenced(host)
+                holder = row["holder"] if row is not None else None
             if box:
                 self._box_row(db, box)
             box_filter = " AND b.name = ?" if box else ""
@@ -308,11 +342,15 @@ class Store:
                 device_id = db.execute(f"SELECT d.id FROM devices d WHERE d.box = ? AND d.leased = 0{dev_filter} "
                                        "ORDER BY d.id LIMIT 1", [row[0]] + dev_args).fetchone()[0]
                 lease_id = secrets.token_hex(4)
+                fence = db.execute("UPDATE counters SET value = value + 1 WHERE name = 'fence' "
+                                   "RETURNING value").fetchone()[0]
                 lease = Lease(lease_id, device_id, vm, LeaseState.ATTACHING, QDEV_PREFIX + lease_id,
-                              owner_pid=owner_pid, created_at=now, updated_at=now)
-                db.execute("INSERT INTO leases (id, device, vm, state, qdev_id, owner_pid, created_at, updated_at) "
-                           "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                           (lease.id, device_id, vm, lease.state, lease.qdev_id, owner_pid, now, now))
+                              owner_pid=owner_pid, created_at=now, updated_at=now, host=host, fence=fence,
+                              holder=holder)
+                db.execute("INSERT INTO leases (id, device, vm, state, qdev_id, owner_pid, created_at, updated_at, "
+                           "host, fence, holder) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                           (lease.id, device_id, vm, lease.state, lease.qdev_id, owner_pid, now, now, host, fence,
+                            holder))
                 leases.append(lease)
             return leases
 
@@ -335,3 +373,80 @@ class Store:
     def lease_for(self, vm: str, name: str) -> Lease:
         """A VM's lease by lease id, QEMU id, device id (box/dev) or device name."""
         return pick_lease(self.leases(vm), vm, name)
+
+    # --- hosts ------------------------------------------------------------------
+    def host_register(self, host: str, ttl: float, agent_pid: int) -> str:
+        """A host agent starts: a new heartbeat id (its holder) alive for ``ttl`` s; a
+        fenced host is refused."""
+        holder = secrets.token_hex(8)
+        now = time.time()
+        with self.transaction() as db:
+            row = db.execute("SELECT fenced_at FROM hosts WHERE name = ?", (host,)).fetchone()
+            if row is not None and row["fenced_at"] is not None:
+                raise host_fenced(host)
+            db.execute("INSERT INTO hosts (name, holder, agent_pid, started_at, expires_at) VALUES (?, ?, ?, ?, ?) "
+                       "ON CONFLICT(name) DO UPDATE SET holder=excluded.holder, agent_pid=excluded.agent_pid, "
+                       "started_at=excluded.started_at, expires_at=excluded.expires_at",
+                       (host, holder, agent_pid, now, now + ttl))
+        self._ttl = ttl
+        return holder
+
+    def host_keepalive(self, host: str, holder: str) -> bool:
+        """Keep the agent's heartbeat alive; False once it expired, was replaced or fenced."""
+        with self.transaction() as db:
+            return db.execute("UPDATE hosts SET expires_at = ? WHERE name = ? AND holder = ? AND expires_at > ? "
+                              "AND fenced_at IS NULL", (time.time() + getattr(self, "_ttl", 10.0), host, holder,
+                                                        time.time())).rowcount == 1
+
+    def host_release(self, host: str, holder: str) -> None:
+        with self.transaction() as db:
+            db.execute("UPDATE hosts SET holder = NULL, expires_at = NULL WHERE name = ? AND holder = ?",
+                       (host, holder))
+
+    def hosts(self) -> list[dict]:
+        """Hosts with an agent record or a lease."""
+        records = {r["name"]: dict(r) for r in self._query("SELECT * FROM hosts")}
+        held = {r[0]: r[1] for r in self._query("SELECT host, COUNT(*) FROM leases WHERE host IS NOT NULL "
+                                                "GROUP BY host")}
+        now = time.time()
+        return [host_view(name, records.get(name), (records.get(name) or {}).get("fenced_at"), held.get(name, 0), now)
+                for name in sorted(set(records) | set(held))]
+
+    def fence_host(self, host: str) -> list[Lease]:
+        """Mark ``host`` fenced (its agent's heartbeat void, no allocation for it) and take
+        its leases from it, in one transaction; returns them (the caller revokes their
+        tokens at the boxes)."""
+        with self.transaction() as db:
+            db.execute("INSERT INTO hosts (name, fenced_at) VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET "
+                       "fenced_at = excluded.fenced_at, holder = NULL, expires_at = NULL", (host, time.time()))
+            leases = [Lease(**dict(r)) for r in db.execute("SELECT * FROM leases WHERE host = ? ORDER BY id",
+                                                           (host,))]
+            db.execute("DELETE FROM leases WHERE host = ?", (host,))
+        return leases
+
+    def unfence_host(self, host: str) -> None:
+        with self.transaction() as db:
+            if db.execute("UPDATE hosts SET fenced_at = NULL WHERE name = ? AND fenced_at IS NOT NULL",
+                          (host,)).rowcount != 1:
+                raise StoreError(f"host {host} is not fenced", hint="dxpu host ls shows the hosts")
+
+    def plan_allocate(self, vm: str, **allocation: object) -> dict:
+        """What :meth:`allocate` would do now, done on a copy of the database in memory
+        (so the choice is exactly the allocator's); nothing here changes. Lease ids and
+        fencing tokens in the answer are examples: nothing is reserved."""
+        with self._lock:
+            copy = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+            self._db.backup(copy)
+        dry = Store.__new__(Store)
+        dry.path, dry._db, dry._lock = self.path, copy, threading.RLock()
+        copy.row_factory = sqlite3.Row
+        try:
+            leases = dry.allocate(vm, **allocation)  # type: ignore[arg-type]
+        finally:
+            copy.close()
+        sql = ["BEGIN IMMEDIATE"]
+        for lease in leases:
+            sql += ["UPDATE counters SET value = value + 1 WHERE name = 'fence'",
+                    f"INSERT INTO leases (id, device, vm, state, host, fence) VALUES ('{lease.id}', '{lease.device}', "
+                    f"'{vm}', 'attaching', {repr(lease.host) if lease.host else 'NULL'}, {lease.fence})"]
+        return {"leases": leases, "transaction": sql + ["COMMIT"]}

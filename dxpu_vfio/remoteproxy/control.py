@@ -27,7 +27,7 @@ from dxpu_vfio.link.protocol import LINK_VERSION, LinkCommand
 from dxpu_vfio.link.transport import peer_certificate
 from dxpu_vfio.remoteproxy.config import EXTERNAL_MODEL, BoxDevice
 from dxpu_vfio.remoteproxy.faults import FaultError, FaultTable
-from dxpu_vfio.remoteproxy.grants import Grants
+from dxpu_vfio.remoteproxy.grants import Grants, StaleFence
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message
 
@@ -89,22 +89,37 @@ class ControlServices:
         return der is not None and hashlib.sha256(der).hexdigest() in self.managers
 
     def _serve_grant(self, conn: Connection, msg: Message) -> None:
-        """GRANT {device, lease} -> {token}; REVOKE {device, lease} -> {revoked}."""
+        """GRANT {device, lease[, fence, holder, pool]} -> {token}; REVOKE {device, lease[, fence, pool]}
+        -> {revoked}. A GRANT whose fence is stale is refused ESTALE; one that replaces
+        another lease's grant takes that lease's link down, as a REVOKE would."""
         try:
             req = json.loads(bytes(msg.payload))
             device, lease = req["device"], req["lease"]
+            fence, holder, pool = req.get("fence"), req.get("holder"), req.get("pool")
             if not isinstance(device, str) or not isinstance(lease, str) or not lease:
                 raise TypeError("device and lease must be strings")
-        except (ValueError, KeyError, TypeError, RecursionError):
+            if fence is not None and (not isinstance(fence, int) or isinstance(fence, bool) or fence < 0):
+                raise TypeError("fence must be a natural number")
+            if any(v is not None and not isinstance(v, str) for v in (holder, pool)):
+                raise TypeError("holder and pool must be strings")
+        except (ValueError, KeyError, TypeError, RecursionError, AttributeError):
             raise vp.ProtocolError("bad GRANT/REVOKE request") from None
         if device not in self.slots:
             conn.send(vp.error_reply(msg.header.msg_id, msg.header.command, errno.ENODEV))
             return
         if msg.header.command == LinkCommand.GRANT:
-            answer: dict = {"token": self.grants.grant(device, lease).token}
-            log.info("granted a token for %s to lease %s", device, lease)
+            try:
+                grant, before = self.grants.grant(device, lease, fence, holder, pool)
+            except StaleFence as exc:
+                log.warning("refused GRANT: %s (the lease was fenced or moved)", exc)
+                conn.send(vp.error_reply(msg.header.msg_id, msg.header.command, errno.ESTALE))
+                return
+            answer: dict = {"token": grant.token}
+            log.info("granted a token for %s to lease %s (fence %s, holder %s)", device, lease, fence, holder)
+            if before is not None and before.lease != lease and self.on_revoke is not None:
+                self.on_revoke(device, before.lease)  # the device moved: the old lease's link goes
         else:
-            answer = {"revoked": self.grants.revoke(device, lease)}
+            answer = {"revoked": self.grants.revoke(device, lease, fence, pool)}
             if self.on_revoke is not None:
                 self.on_revoke(device, lease)
         conn.send(vp.message(msg.header.msg_id, msg.header.command, json.dumps(answer).encode(), reply=True))

@@ -1,0 +1,246 @@
+"""The host agent (issue 15, item 3), without a VM: ``attach --host H`` on one manager
+results in the agent of H doing the plug, on SQLite and on a real etcd member.
+
+Real: the box (in this process, mutual TLS), the GRANT with the lease's fencing token,
+the host proxy process the agent starts and its link to the box. FAKE, on purpose: the
+VM. :class:`FakeVm` answers QMP (``qom-list``, ``query-pci``, ``device_add``,
+``device_del``) from a table instead of booting a guest, so this tests the state machine
+across manager, store and agent and what reaches the box, not what a guest sees (the
+QMP path itself is covered by tests/test_pool.py with a real guest)."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from dxpu_vfio.link.transport import make_certs
+from dxpu_vfio.pool.agent import HostAgent
+from dxpu_vfio.pool.etcd_store import EtcdStore
+from dxpu_vfio.pool.manager import AttachError, Manager, proxy_alive
+from dxpu_vfio.pool.states import LeaseState
+from dxpu_vfio.pool.store import Store
+from dxpu_vfio.pool.storage import StoreError
+from dxpu_vfio.remoteproxy.config import BoxConfig, BoxDevice
+from dxpu_vfio.remoteproxy.proxy import RemoteProxy
+from dxpu_vfio.testing import eventually
+from dxpu_vfio.vmm.errors import VmGone
+from dxpu_vfio.vmm.qmp import QmpError
+from dxpu_vfio.vmm.targets import VmTarget
+
+BOX = f"abox{os.getpid()}"
+SMALL = {"memory_size": 1 << 20}
+
+
+class FakeVm(VmTarget):
+    """A fake QEMU (see the module docstring): two root ports, devices in a dict."""
+
+    def __init__(self, key: str, sockets: Path) -> None:
+        self.key = self.name = key
+        self.sockets = sockets
+        self.devices: dict[str, tuple[str, str]] = {}  # qdev id -> (root port, socket)
+        self.refuse: str | None = None  # device_add answers this error
+
+    def execute(self, command, arguments=None, timeout=30):
+        if command == "qom-list":
+            return ([{"name": p, "type": "child<pcie-root-port>"} for p in ("rp1", "rp2")]
+                    + [{"name": d, "type": "child<vfio-user-pci>"} for d in self.devices])
+        if command == "query-pci":
+            ports = [{"bus": 0, "slot": i, "qdev_id": p, "class_info": {"class": 0x0604},
+                      "pci_bridge": {"bus": {"number": i}, "devices": [
+                          {"qdev_id": d, "class_info": {"class": 0x00FF}} for d, (port, _) in self.devices.items()
+                          if port == p]}} for i, p in enumerate(("rp1", "rp2"), 1)]
+            return [{"bus": 0, "devices": ports}]
+        if command == "device_add":
+            if self.refuse:
+                raise QmpError(self.refuse, command=command, arguments=arguments)
+            assert Path(arguments["socket"]["path"]).exists(), "device_add before the host proxy listens"
+            self.devices[arguments["id"]] = (arguments["bus"], arguments["socket"]["path"])
+            return {}
+        raise AssertionError(f"unexpected QMP command {command}")
+
+    def alive(self):
+        return True
+
+    def unplug(self, device_id, timeout, *, request=True):
+        self.devices.pop(device_id, None)
+
+    def socket_dir(self):
+        return self.sockets
+
+    def close(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("agent") / "certs"
+    make_certs(d, ["host", BOX])
+    return d
+
+
+@pytest.fixture
+def box(certs):
+    proxy = RemoteProxy(BoxConfig(BOX, "127.0.0.1", 0, [BoxDevice("td0", "testdev", settings=SMALL),
+                                                        BoxDevice("td1", "testdev", settings=SMALL)],
+                                  tls_dir=certs)).start()
+    proxy.address = f"127.0.0.1:{proxy.port}"
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def stores(request, tmp_path):
+    """The central manager's handle on the pool and host h1's agent's."""
+    if request.param == "sqlite":
+        handles = [Store(tmp_path / "pool.db"), Store(tmp_path / "pool.db")]
+    else:
+        cluster, prefix = request.getfixturevalue("etcd"), request.getfixturevalue("etcd_prefix")
+        handles = [EtcdStore(cluster.endpoints, path=tmp_path / f"s{i}.db", prefix=prefix) for i in (1, 2)]
+    yield handles
+    for handle in handles:
+        handle.close()
+
+
+@pytest.fixture
+def world(stores, box, certs, tmp_path):
+    """A central manager (host "central", which has no VMs), host h1's agent and its fake VM."""
+    central_store, agent_store = stores
+    vm = FakeVm("qmp:" + str((tmp_path / "vm1.qmp").resolve()), tmp_path)
+
+    def nowhere(name):
+        raise VmGone(f"{name} is not a VM of this host")
+
+    def h1_vms(name):
+        assert name == vm.key
+        return vm
+    central = Manager(central_store, open_vm=nowhere, host="central")
+    central.register_box(None, box.address, str(certs))
+    agent = HostAgent(agent_store, "h1", open_vm=h1_vms, ttl=2.0, poll=0.05, plug_timeout=10.0).start()
+    yield central, agent, vm
+    agent.stop()
+    for lease in agent_store.leases():  # what a failed test left: end its host proxies
+        from dxpu_vfio.pool.manager import stop_proxy
+        stop_proxy(lease)
+
+
+def test_attach_on_one_manager_is_plugged_by_the_hosts_agent_and_detached_by_it(world, box):
+    central, agent, vm = world
+    [attached] = central.attach(str(Path(vm.key[4:])), device="td0", host="h1", timeout=10.0)
+    assert attached["state"] == LeaseState.ATTACHED and attached["host"] == "h1" and attached["port"] == "rp1"
+    assert vm.devices == {attached["qdev_id"]: ("rp1", vm.devices[attached["qdev_id"]][1])}
+    [lease] = central.store.leases()
+    assert lease.request is None and lease.error is None and proxy_alive(lease)  # the agent's host proxy runs
+    assert box.slots["td0"].in_use()  # and proved the token granted with the lease's fence
+    grant = box.grants.current("td0")
+    assert (grant.fence, grant.holder, grant.pool) == (lease.fence, "h1", central.store.pool_id)
+
+    [freed] = central.detach(vm.key, all_devices=True, host="h1", timeout=10.0)
+    assert freed["device"] == f"{BOX}/td0" and freed["state"] == "freed"
+    assert vm.devices == {} and central.store.leases() == []
+    eventually(lambda: not proxy_alive(lease), what="the agent ended the host proxy")
+    assert box.grants.current("td0") is None  # the agent revoked the token
+    eventually(lambda: not box.slots["td0"].in_use(), what="the box's link released")
+
+
+def test_a_plug_the_agent_cannot_do_is_rolled_back_and_reported(world, box):
+    central, agent, vm = world
+    vm.refuse = "Bus 'rp1' does not support hotplugging"
+    with pytest.raises(AttachError, match="on host h1 failed and was rolled back: .*td0: QEMU refused") as err:
+        central.attach(vm.key, device="td0", host="h1", timeout=10.0)
+    assert "does not support hotplugging" in err.value.message
+    assert central.store.leases() == [] and vm.devices == {}
+    assert box.grants.current("td0") is None
+    eventually(lambda: not box.slots["td0"].in_use(), what="the failed attach's host proxy gone")
+    vm.refuse = None
+    [again] = central.attach(vm.key, device="td0", host="h1", timeout=10.0)
+    assert again["state"] == LeaseState.ATTACHED
+
+
+def test_an_agent_restarted_half_way_through_a_plug_clears_what_its_predecessor_left(world, box, stores):
+    central, agent, vm = world
+    agent._stop.set()  # the agent is down while the request comes
+    for thread in agent._threads:
+        thread.join()
+    [lease] = central.store.allocate(vm.key, device="td0", host="h1", owner_pid=os.getpid())
+    vm.devices[lease.qdev_id] = ("rp1", "/nonexistent.sock")  # the device_add a killed agent got to
+    central.store.update_lease(lease.id, request="attach", owner_pid=999999999)
+    [done] = HostAgent(stores[1], "h1", open_vm=lambda name: vm, plug_timeout=10.0).serve_once()
+    assert done["action"] == "attached" and done["port"] == "rp1"
+    [now] = central.store.leases()
+    assert now.state == LeaseState.ATTACHED and proxy_alive(now)
+    assert list(vm.devices) == [lease.qdev_id] and vm.devices[lease.qdev_id][1] == now.socket
+    assert box.slots["td0"].in_use()
+    from dxpu_vfio.pool.manager import stop_proxy
+    stop_proxy(now)
+
+
+def test_a_dead_agent_keeps_its_devices_until_its_host_is_fenced(world, box):
+    central, agent, vm = world
+    with pytest.raises(AttachError, match="host h9 has no live agent") as err:
+        central.attach(vm.key, device="td0", host="h9")
+    assert "dxpu agent serve --host h9" in err.value.hint
+    [attached] = central.attach(vm.key, device="td0", host="h1", timeout=10.0)
+    [lease] = central.store.leases()
+    agent._stop.set()  # the agent dies: no keepalive, no serving (its host proxy, like its VM, runs on)
+    for thread in agent._threads:
+        thread.join()
+    eventually(lambda: not next(h for h in central.hosts() if h["name"] == "h1")["alive"], timeout=6,
+               what="h1's host lease run out")
+    assert central.reconcile() == [] and [x.id for x in central.store.leases()] == [lease.id]
+    assert box.slots["td0"].in_use() and proxy_alive(lease)  # the VM still has its device
+
+    fenced = central.fence_host("h1")
+    assert [x["lease"] for x in fenced["leases"]] == [attached["lease"]]
+    eventually(lambda: not box.slots["td0"].in_use(), what="the fenced host's link cut by the box")
+    with pytest.raises(StoreError, match="host h1 is fenced"):
+        HostAgent(central.store, "h1").start()  # a restarted agent of h1 serves nothing
+    agent.lost = "fenced"  # (nothing to give back at stop)
+    from dxpu_vfio.pool.manager import stop_proxy
+    stop_proxy(lease)  # what an admin does on h1 when it comes back
+
+
+def test_dry_runs_print_the_plan_and_change_nothing(stores, box, certs, tmp_path):
+    """--dry-run of attach, detach and reconcile (issue 15, item 5), on the same fake VM."""
+    import json
+
+    from dxpu_vfio.cli.pool import _plan_text
+    store = stores[0]
+    vm = FakeVm("qmp:" + str((tmp_path / "vm1.qmp").resolve()), tmp_path)
+    manager = Manager(store, open_vm=lambda name: vm, host="h1")
+    manager.register_box(None, box.address, str(certs))
+
+    plan = manager.attach(vm.key, count=2, dry_run=True)
+    json.dumps(plan)  # what --json prints
+    steps = plan["steps"]
+    assert steps[0]["do"] == "store" and f"{BOX}/td0, {BOX}/td1" in steps[0]["what"]
+    txn = steps[0]["transaction"]
+    if store.kind == "etcd":  # the allocation's one transaction: compare the claims absent, then create them
+        assert any(c.startswith("absent(") and c.endswith(f"claims/{BOX}/td0)") for c in txn["compare"])
+        assert any(o.startswith(f"put {store.prefix}claims/{BOX}/td1 = ") for o in txn["success"])
+    else:
+        assert txn[0] == "BEGIN IMMEDIATE" and any("INSERT INTO leases" in t and "td1" in t for t in txn)
+    grants = [s for s in steps if s.get("what") == "GRANT"]
+    assert [g["request"]["device"] for g in grants] == ["td0", "td1"]
+    adds = [s for s in steps if s.get("execute") == "device_add"]
+    assert [a["arguments"]["bus"] for a in adds] == ["rp1", "rp2"]
+    assert 'qmp: {"execute": "device_add"' in _plan_text(plan)
+    assert store.leases() == [] and vm.devices == {} and box.grants.current("td0") is None  # nothing done
+
+    with pytest.raises(StoreError, match="asked for 3 device"):  # refused as the real attach would be
+        manager.attach(vm.key, count=3, dry_run=True)
+
+    [attached] = manager.attach(vm.key, device="td0", timeout=10.0)
+    plan = manager.detach(vm.key, all_devices=True, dry_run=True)
+    kinds = [(s["do"], s.get("execute") or s.get("what", "").split(" ")[0]) for s in plan["steps"]]
+    assert kinds == [("store", "lease"), ("qmp", "device_del"), ("proxy", "end"), ("box", "REVOKE"),
+                     ("store", "delete")]
+    assert plan["steps"][3]["request"]["fence"] == store.leases()[0].fence
+    assert vm.devices and box.grants.current("td0") is not None and box.slots["td0"].in_use()
+
+    vm.devices.clear()  # the device left the VM behind the pool's back
+    [would] = manager.reconcile(dry_run=True)
+    assert would["action"] == "would release" and would["why"] == "device no longer in the VM"
+    assert [s["do"] for s in would["plan"]] == ["store", "proxy", "box", "store"]
+    assert [lease.id for lease in store.leases()] == [attached["lease"]]
+    [done] = manager.reconcile()
+    assert done["action"] == "released" and store.leases() == []
