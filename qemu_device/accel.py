@@ -31,6 +31,7 @@ from .bars import BarSpec
 from .device import IrqConfig, PciFunction
 from .header import PciIdentity
 from .ports import DmaError
+from .registers import read_registers, write_registers
 from .sparse_memory import SparseMemory
 from .worker import DeviceWorker
 
@@ -274,24 +275,13 @@ class AccelDevice(PciFunction):
     def bar_read(self, index: int, offset: int, size: int) -> int | bytes:
         if index == VRAM_BAR:
             return self.vram.read(offset, size)
-        first, last = offset & ~3, (offset + size - 1) & ~3
-        words = b"".join(self._read_register(reg).to_bytes(4, "little")
-                         for reg in range(first, last + 4, 4))
-        return words[offset - first:offset - first + size]
+        return read_registers(self._read_register, offset, size)
 
     def bar_write(self, index: int, offset: int, data: bytes) -> None:
         if index == VRAM_BAR:
             self.vram.write(offset, data)
             return
-        end = offset + len(data)
-        for reg in range(offset & ~3, end, 4):
-            value = lanes = 0
-            for lane in range(4):
-                pos = reg + lane
-                if offset <= pos < end:
-                    value |= data[pos - offset] << (8 * lane)
-                    lanes |= 0xFF << (8 * lane)
-            self._write_register(reg, value, lanes)
+        write_registers(self._write_register, offset, data)
 
     # -- registers -------------------------------------------------------------------------
 
