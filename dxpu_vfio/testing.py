@@ -724,6 +724,23 @@ def etcd_prefix(request: pytest.FixtureRequest) -> str:
     return f"/dxpu-test/{next(_ids)}-{re.sub(r'[^A-Za-z0-9]+', '-', request.node.name)[:60]}/v1/"
 
 
+@pytest.fixture(params=["sqlite", "etcd"])
+def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[list]:
+    """Two handles on one pool, as two hosts (or a manager and a host agent) hold them:
+    one SQLite file opened twice, or two clients of the session's etcd under this test's
+    prefix. A test taking ``stores`` runs on both stores."""
+    from dxpu_vfio.pool.etcd_store import EtcdStore
+    from dxpu_vfio.pool.store import Store
+    if request.param == "sqlite":
+        handles = [Store(tmp_path / "pool.db"), Store(tmp_path / "pool.db")]
+    else:
+        cluster, prefix = request.getfixturevalue("etcd"), request.getfixturevalue("etcd_prefix")
+        handles = [EtcdStore(cluster.endpoints, path=tmp_path / f"h{i}.db", prefix=prefix) for i in (1, 2)]
+    yield handles
+    for handle in handles:
+        handle.close()
+
+
 @pytest.fixture
 def etcd3(tmp_path: Path) -> Iterator["EtcdCluster"]:
     """A three-member cluster of this test alone (tests kill members of it)."""

@@ -10,9 +10,7 @@ import pytest
 from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, connect_remote
 from dxpu_vfio.link.transport import TlsFiles, make_certs
 from dxpu_vfio.pool.boxes import BoxUnreachable, grant_token
-from dxpu_vfio.pool.etcd_store import EtcdStore
 from dxpu_vfio.pool.manager import Manager
-from dxpu_vfio.pool.store import Store
 from dxpu_vfio.pool.storage import NoFreeDevice, StoreError
 from dxpu_vfio.remoteproxy.config import BoxConfig, BoxDevice
 from dxpu_vfio.remoteproxy.proxy import RemoteProxy
@@ -38,19 +36,6 @@ def box(certs):
     proxy.address = f"127.0.0.1:{proxy.port}"
     yield proxy
     proxy.stop()
-
-
-@pytest.fixture(params=["sqlite", "etcd"])
-def stores(request, tmp_path):
-    """Two handles on one pool: host h1's and host h2's."""
-    if request.param == "sqlite":
-        handles = [Store(tmp_path / "pool.db"), Store(tmp_path / "pool.db")]
-    else:
-        cluster, prefix = request.getfixturevalue("etcd"), request.getfixturevalue("etcd_prefix")
-        handles = [EtcdStore(cluster.endpoints, path=tmp_path / f"h{i}.db", prefix=prefix) for i in (1, 2)]
-    yield handles
-    for handle in handles:
-        handle.close()
 
 
 def gone(vm):

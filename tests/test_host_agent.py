@@ -15,10 +15,8 @@ import pytest
 
 from dxpu_vfio.link.transport import make_certs
 from dxpu_vfio.pool.agent import HostAgent
-from dxpu_vfio.pool.etcd_store import EtcdStore
 from dxpu_vfio.pool.manager import AttachError, Manager, proxy_alive
 from dxpu_vfio.pool.states import LeaseState
-from dxpu_vfio.pool.store import Store
 from dxpu_vfio.pool.storage import StoreError
 from dxpu_vfio.remoteproxy.config import BoxConfig, BoxDevice
 from dxpu_vfio.remoteproxy.proxy import RemoteProxy
@@ -86,19 +84,6 @@ def box(certs):
     proxy.address = f"127.0.0.1:{proxy.port}"
     yield proxy
     proxy.stop()
-
-
-@pytest.fixture(params=["sqlite", "etcd"])
-def stores(request, tmp_path):
-    """The central manager's handle on the pool and host h1's agent's."""
-    if request.param == "sqlite":
-        handles = [Store(tmp_path / "pool.db"), Store(tmp_path / "pool.db")]
-    else:
-        cluster, prefix = request.getfixturevalue("etcd"), request.getfixturevalue("etcd_prefix")
-        handles = [EtcdStore(cluster.endpoints, path=tmp_path / f"s{i}.db", prefix=prefix) for i in (1, 2)]
-    yield handles
-    for handle in handles:
-        handle.close()
 
 
 @pytest.fixture
