@@ -3,6 +3,7 @@ the device gets a DmaError (what it handles), never a ProtocolError, and the lin
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 
@@ -22,7 +23,8 @@ class HostileHost:
     def __init__(self, sock: socket.socket) -> None:
         self.conn = Connection(sock)
         self.answer = lambda req: vp.DmaAccess(req.address, req.count, b"\xab" * req.count).pack()
-        threading.Thread(target=self._serve, daemon=True).start()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
 
     def _serve(self) -> None:
         try:
@@ -110,8 +112,8 @@ def test_a_request_behind_a_dma_completion_is_served_at_once():
 
 
 class BatchingHost(HostileHost):
-    """Answers DMA reads only when ``batch`` requests are waiting (or none came for 0.3 s),
-    and records the most it ever had unanswered: the box's window."""
+    """Answers DMA reads only when ``batch`` requests are waiting (or no more came for
+    0.3 s), and records the most it ever had unanswered: the box's window."""
 
     def __init__(self, sock: socket.socket, batch: int) -> None:
         self.batch, self.most_waiting = batch, 0
@@ -121,19 +123,18 @@ class BatchingHost(HostileHost):
         waiting: list = []
         try:
             while True:
-                try:
-                    msg = self.conn.receive(timeout=0.3) if waiting else self.conn.receive()
-                except Exception:  # noqa: BLE001 - the receive timeout: answer what waits
-                    msg = None
-                if msg is not None and msg.header.command == LinkCommand.DMA_READ and not msg.header.is_reply:
-                    waiting.append((msg.header.msg_id, vp.DmaAccess.unpack(msg.payload, with_data=False)))
-                    self.most_waiting = max(self.most_waiting, len(waiting))
-                if waiting and (msg is None or len(waiting) >= self.batch):
+                if waiting and (len(waiting) >= self.batch or not (
+                        self.conn.has_message() or select.select([self.conn.sock], [], [], 0.3)[0])):
                     for msg_id, req in waiting:
                         self.conn.send(vp.message(msg_id, LinkCommand.DMA_READ, self.answer(req), reply=True))
                     waiting = []
-        except (ConnectionClosed, vp.ProtocolError, OSError):
-            pass
+                    continue
+                msg = self.conn.receive()  # ConnectionClosed ends the thread when the box closes
+                if msg.header.command == LinkCommand.DMA_READ and not msg.header.is_reply:
+                    waiting.append((msg.header.msg_id, vp.DmaAccess.unpack(msg.payload, with_data=False)))
+                    self.most_waiting = max(self.most_waiting, len(waiting))
+        except (ConnectionClosed, vp.ProtocolError, OSError, ValueError):
+            pass  # closed (select on a closed socket: ValueError)
 
 
 @pytest.mark.parametrize("ranges, window", [
@@ -160,4 +161,6 @@ def test_a_scatter_list_is_read_with_a_window_of_pieces_in_flight(ranges, window
             assert data[:8] == (addr >> 12).to_bytes(8, "little")
     finally:
         endpoint.close()
+        host.thread.join(5)
         host.conn.close()
+    assert not host.thread.is_alive(), "the fake host's thread outlived the link"
