@@ -25,10 +25,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from typing import Callable
 
 from dxpu_vfio.errors import DxpuError
+from dxpu_vfio.pool.agent_requests import ATTACH, DETACH
 from dxpu_vfio.pool.manager import Manager, stop_proxy
 from dxpu_vfio.pool.states import LeaseState
 from dxpu_vfio.pool.storage import Lease, PoolStore
@@ -39,7 +39,6 @@ from dxpu_vfio.vmm.targets import VmTarget
 
 log = logging.getLogger("dxpu.agent")
 
-ATTACH, DETACH = "attach", "detach"
 
 
 class HostAgent:
@@ -166,15 +165,3 @@ class HostAgent:
             self.store.update_lease(lease.id, error=exc.message, request=None)
             return {"lease": lease.id, "action": "failed", "why": exc.message}
         return {"lease": lease.id, "action": "detached", "why": result["why"]}
-
-
-def wait_for_agent(store: PoolStore, lease_ids: list[str], until: Callable[[Lease | None], bool],
-                   timeout: float, poll: float = 0.1) -> dict[str, Lease | None]:
-    """The leases (None: deleted) once ``until`` holds for each, or at the timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        by_id = {lease.id: lease for lease in store.leases() if lease.id in lease_ids}
-        now = {lease_id: by_id.get(lease_id) for lease_id in lease_ids}
-        if all(until(lease) for lease in now.values()) or time.monotonic() >= deadline:
-            return now
-        time.sleep(poll)

@@ -32,6 +32,7 @@ from typing import Callable, Iterator
 from dxpu_vfio import registry
 from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.hostproxy.process import HostProxyProcess
+from dxpu_vfio.pool.agent_requests import ATTACH, DETACH, wait_for_agent
 from dxpu_vfio.pool.boxes import TLS_ROLE, BoxUnreachable, fetch_inventory, fetch_screenshot, grant_token, revoke_token
 from dxpu_vfio.pool.states import BoxState, LeaseState
 from dxpu_vfio.pool.storage import QDEV_PREFIX, Lease, PoolStore, StoreError
@@ -323,7 +324,6 @@ class Manager:
         """Leases for ``host``'s VM with ``request = attach``; wait for its agent's answer.
         All or nothing: if one fails (or the agent does not answer in time) the others are
         handed back to the agent to detach and the failed ones deleted."""
-        from dxpu_vfio.pool.agent import ATTACH, DETACH, wait_for_agent
         key = target_key(vm)
         agents = {h["name"]: h for h in self.store.hosts()}
         if not (agents.get(host) or {}).get("alive"):
@@ -426,7 +426,6 @@ class Manager:
             return [self._detach_one(target, lease, timeout or self.unplug_timeout) for lease in leases]
 
     def _detach_via_agent(self, host: str, vm: str, device: str | None, timeout: float) -> list[dict]:
-        from dxpu_vfio.pool.agent import DETACH, wait_for_agent
         key = target_key(vm)
         leases = self.store.leases(key) if device is None else [self.store.lease_for(key, device)]
         for lease in leases:
