@@ -16,7 +16,12 @@ pytestmark = pytest.mark.vm
 
 BOX, DEV = "nfbox", "nv0"
 IO_TIMEOUT = 2  # seconds (nvme_core.io_timeout, the guest's kernel command line)
-STALL_MS = 3 * IO_TIMEOUT * 1000  # past the abort (1 timeout) and the reset (2 timeouts)
+# The block layer fires a timeout up to 1 s late (round_jiffies_up), so the second timeout,
+# the one that resets, comes 2-3 timeouts' worth + 2 s after the I/O at most: 6 s here. A
+# stall of 3 timeouts raced it (CI once saw the stall end first: abort, no reset). The
+# stall must also end within the driver's wait for CSTS.RDY=0 after the reset (CAP.TO,
+# 5 s), which stays up while the held fetch is outstanding: 8 s fits both.
+STALL_MS = 4 * IO_TIMEOUT * 1000
 MiB = 1 << 20
 
 
