@@ -251,11 +251,36 @@ def tiny_vm(vm_factory: VmFactory) -> Vm:
     return vm_factory.booted("tiny", edu=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def _shared_full_factory(full_image: Image) -> Iterator[VmFactory]:
     factory = VmFactory("shared-full")
     yield factory
     factory.kill_all()
+
+
+def _pci_devices(vm: Vm) -> str:
+    """The guest's PCI functions, as the guest sees them (what a module must give back)."""
+    return vm.run("ls /sys/bus/pci/devices").stdout
+
+
+@pytest.fixture(scope="module")
+def _module_full_vm(_shared_full_factory: VmFactory) -> Iterator[Vm]:
+    """The session's full guest, handed to one module. A full boot costs ~40 s under TCG,
+    so modules share one guest; what one module leaves must not reach the next: a guest
+    that died, or that ends a module with other PCI functions than it was handed over
+    with (a device left plugged), is killed, and the next module boots a fresh one."""
+    factory = _shared_full_factory
+    vm = factory.vms[-1] if factory.vms else None
+    if vm is None or not vm.guest_alive():
+        vm = factory.booted("full", name=f"full{len(factory.vms)}", boot_timeout=240)
+    handed_over = _pci_devices(vm)
+    yield vm
+    try:
+        clean = vm.guest_alive() and _pci_devices(vm) == handed_over
+    except Exception:  # a guest that no longer answers is no guest to hand over
+        clean = False
+    if not clean:
+        vm.kill()
 
 
 @pytest.fixture(scope="module")
@@ -272,9 +297,12 @@ def _first_booted(request: pytest.FixtureRequest, factory: VmFactory, image: str
 
 
 @pytest.fixture
-def full_vm(request: pytest.FixtureRequest, _shared_full_factory: VmFactory) -> Vm:
-    """One booted full guest shared by the tests of a module (its boot takes ~30 s)."""
-    return _first_booted(request, _shared_full_factory, "full", boot_timeout=240)
+def full_vm(request: pytest.FixtureRequest, _shared_full_factory: VmFactory, _module_full_vm: Vm) -> Vm:
+    """One booted full guest shared by the tests of a session (see ``_module_full_vm``)."""
+    register(request, _shared_full_factory)
+    if not _module_full_vm.guest_alive():
+        pytest.fail(f"the shared guest died earlier; see {_module_full_vm.workdir}")
+    return _module_full_vm
 
 
 @pytest.fixture

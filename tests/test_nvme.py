@@ -162,8 +162,10 @@ def test_flushed_data_survives_a_remote_proxy_restart(vm_factory, served_lab):
     hotplug.detach(att)
 
 
-def test_remote_killed_during_io_gives_io_errors_not_a_hang(vm_factory, served_lab):
-    vm = vm_factory.booted("tiny")
+def test_remote_killed_during_io_gives_io_errors_not_a_hang(vm_factory, served_lab, tiny_image):
+    # A short nvme_core.io_timeout (default 30 s): the I/O in flight when the box dies never
+    # completes, and the driver's timeout is what starts its abort/reset path.
+    vm = vm_factory.booted("tiny", cmdline=f"{tiny_image.cmdline} nvme_core.io_timeout=4")
     settings = {**served_lab.remote_settings("box1", "nv0"), "completion_timeout": 0.5}
     att = hotplug.attach(vm, "remote", settings=settings, netns=served_lab.host_netns)
     ns1 = nvme_disk(vm, att.guest_bdf, 1)
