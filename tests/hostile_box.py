@@ -75,6 +75,7 @@ class DeviceBox(HostileBox):
         self.answer_read: Callable[[vp.RegionAccess], bytes] = \
             lambda req: vp.RegionAccess(req.region, req.offset, req.count, b"\x5a" * req.count).pack()
         self.link: Connection | None = None
+        self.features: list[str] = []  # what the host offered in its HELLO
         self.linked = threading.Event()
         self.dma_replies: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = iter(range(1, 1 << 15))
@@ -84,6 +85,7 @@ class DeviceBox(HostileBox):
         # HELLO, the challenge, HELLO with a proof (not checked: the host side is under test)
         reply(conn, first, challenge(secrets.token_hex(NONCE_BYTES)))
         proved = conn.receive()
+        self.features = json.loads(bytes(proved.payload)).get("features", [])
         reply(conn, proved, json.dumps(self.description).encode())
         self.link = conn
         self.linked.set()
@@ -92,7 +94,7 @@ class DeviceBox(HostileBox):
             msg = conn.receive()
             hdr = msg.header
             if hdr.is_reply:
-                if hdr.command == LinkCommand.DMA_READ:
+                if hdr.command in (LinkCommand.DMA_READ, LinkCommand.DMA_READV):
                     self.dma_replies.put(msg)
             elif hdr.command == LinkCommand.REGION_READ:
                 reply(conn, msg, self.answer_read(vp.RegionAccess.unpack(msg.payload, write=False)))
@@ -118,4 +120,10 @@ class DeviceBox(HostileBox):
         """The host's completion of a DMA read (an error one too)."""
         assert self.link is not None
         self.link.send(vp.message(next(self._ids), LinkCommand.DMA_READ, vp.DmaAccess(address, count).pack()))
+        return self.dma_replies.get(timeout=timeout)
+
+    def dma_readv(self, payload: bytes, timeout: float = 3.0) -> Message:
+        """The host's completion of a DMA_READV with this payload (right or wrong)."""
+        assert self.link is not None
+        self.link.send(vp.message(next(self._ids), LinkCommand.DMA_READV, payload))
         return self.dma_replies.get(timeout=timeout)

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from dxpu_vfio.link.endpoint import LinkEndpoint
-from dxpu_vfio.link.protocol import LinkCommand
+from dxpu_vfio.link.protocol import MAX_READV_RANGES, LinkCommand, unpack_readv
 from dxpu_vfio.remoteproxy.ports import LinkDmaPort
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
@@ -18,11 +18,14 @@ from qemu_device.ports import DmaError
 
 
 class HostileHost:
-    """The host end of the link: answers each DMA_READ with ``answer(request)``."""
+    """The host end of the link: answers each DMA_READ with ``answer(request)`` and each
+    DMA_READV with ``answer_v(ranges)`` (recording the scatter lists it was asked)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.conn = Connection(sock)
         self.answer = lambda req: vp.DmaAccess(req.address, req.count, b"\xab" * req.count).pack()
+        self.answer_v = lambda ranges: b"".join(page_marks(a, n) for a, n in ranges)
+        self.readv_asked: list[list[tuple[int, int]]] = []
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -35,8 +38,22 @@ class HostileHost:
                 elif msg.header.command == LinkCommand.DMA_READ and not msg.header.is_reply:
                     req = vp.DmaAccess.unpack(msg.payload, with_data=False)
                     self.conn.send(vp.message(msg.header.msg_id, msg.header.command, self.answer(req), reply=True))
+                elif msg.header.command == LinkCommand.DMA_READV and not msg.header.is_reply:
+                    ranges = unpack_readv(msg.payload)
+                    self.readv_asked.append(ranges)
+                    answer = self.answer_v(ranges)
+                    self.conn.send(vp.error_reply(msg.header.msg_id, msg.header.command, answer)
+                                   if isinstance(answer, int) else
+                                   vp.message(msg.header.msg_id, msg.header.command, answer, reply=True))
         except (ConnectionClosed, vp.ProtocolError, OSError):
             pass
+
+
+def page_marks(address: int, length: int) -> bytes:
+    """``length`` bytes that say where they came from: each 8-byte word is its own address."""
+    first = address & ~7
+    words = b"".join((first + 8 * i).to_bytes(8, "little") for i in range((address + length - first + 7) // 8))
+    return words[address - first:address - first + length]
 
 
 @pytest.fixture
@@ -164,3 +181,41 @@ def test_a_scatter_list_is_read_with_a_window_of_pieces_in_flight(ranges, window
         host.thread.join(5)
         host.conn.close()
     assert not host.thread.is_alive(), "the fake host's thread outlived the link"
+
+
+# --- DMA_READV: a host that offered it gets a scatter list as one request ------------------
+
+@pytest.fixture
+def readv_link(link):
+    _port, host, endpoint = link
+    return LinkDmaPort(endpoint, readv=True), host, endpoint
+
+
+@pytest.mark.parametrize("ranges, requests", [
+    ([(0x10000 + 8192 * i, 4096) for i in range(32)], 1),  # a 128 KiB Write's 32 scattered pages
+    ([(0x100000, 2 << 20)], 8),  # 2 MiB: 256 KiB per request, 4 in flight
+    ([(0x10000 + 8192 * i, 512) for i in range(MAX_READV_RANGES + 10)], 2),  # more ranges than one holds
+    ([(0x3003, 5), (0x8000, 0), (0x9001, 70000)], 1),  # odd sizes, an empty range
+])
+def test_a_scatter_list_goes_as_few_dma_readv_requests_and_lands_in_order(readv_link, ranges, requests):
+    port, host, endpoint = readv_link
+    got = port.read_many(ranges)
+    assert [bytes(d) for d in got] == [page_marks(a, n) for a, n in ranges]
+    assert port.requests == len(host.readv_asked) == requests
+    assert [r for asked in host.readv_asked for r in asked] == [
+        (a + pos, min(256 << 10, n - pos)) for a, n in ranges for pos in range(0, n, 256 << 10)]
+    assert endpoint.handed_over == 0
+
+
+@pytest.mark.parametrize("answer", [
+    lambda ranges: b"\0" * (sum(n for _, n in ranges) - 1),  # a byte short
+    lambda ranges: b"\0" * (sum(n for _, n in ranges) + 4096),  # a page too many
+    lambda ranges: 14,  # EFAULT: a range outside the host's windows
+])
+def test_a_wrong_dma_readv_completion_is_a_dma_error_and_the_link_serves_on(readv_link, answer):
+    port, host, endpoint = readv_link
+    host.answer_v = answer
+    with pytest.raises(DmaError):
+        port.read_many([(0x1000, 64), (0x5000, 4096)])
+    host.answer_v = lambda ranges: b"".join(page_marks(a, n) for a, n in ranges)
+    assert endpoint.up and port.read(0x1000, 16) == page_marks(0x1000, 16)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import errno
 import json
+import random
+import struct
 import threading
 import time
 
@@ -15,7 +17,7 @@ from fakes import map_guest_memory
 from hostile_box import TESTDEV, DeviceBox, HostileBox, reply
 
 from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, connect_remote
-from dxpu_vfio.link.protocol import LinkCommand
+from dxpu_vfio.link.protocol import FEATURE_DMA_READV, READV_HEAD, READV_RANGE, LinkCommand
 from dxpu_vfio.pool.boxes import MAX_SCREENSHOT, BoxUnreachable, fetch_inventory, fetch_screenshot
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.client import ClientError, VfioUserClient
@@ -231,3 +233,68 @@ def test_the_box_dma_is_refused_while_bus_master_enable_is_off(host):
     client.write(vp.REGION_CONFIG, 4, (6).to_bytes(2, "little"))
     client.reset()  # a reset turns it off, as on the device
     assert box.dma_read(GUEST, 8).header.is_error
+
+
+# --- DMA_READV: a box's scatter-list reads (link/protocol.py) ---------------------------------
+
+def readv(*ranges: tuple[int, int]) -> bytes:
+    return READV_HEAD.pack(len(ranges), 0) + b"".join(READV_RANGE.pack(a, n, 0) for a, n in ranges)
+
+
+def test_the_host_offers_dma_readv_and_answers_a_scatter_list_with_its_bytes_in_order(host):
+    box, device, server, client, ram = host
+    assert FEATURE_DMA_READV in box.features
+    ram[:] = bytes(range(256)) * (MEM // 256)
+    client.write(vp.REGION_CONFIG, 4, (6).to_bytes(2, "little"))
+    ranges = [(GUEST + 0x3000, 100), (GUEST, 4096), (GUEST + MEM - 1, 1), (GUEST + 0x10001, 8191)]
+    got = box.dma_readv(readv(*ranges))
+    assert not got.header.is_error
+    assert bytes(got.payload) == b"".join(ram[a - GUEST:a - GUEST + n] for a, n in ranges)
+    whole = box.dma_readv(readv(*[(GUEST + i * 4096, 4096) for i in range(256)]))  # the largest: 1 MiB
+    assert bytes(whole.payload) == bytes(ram)
+    assert server.snapshot()["dma"]["bytes_read"] >= sum(n for _, n in ranges) + MEM
+
+
+@pytest.mark.parametrize("case, payload", [
+    ("shorter than its head", b"\x01\x00"),
+    ("no ranges", READV_HEAD.pack(0, 0)),
+    ("more ranges than allowed", READV_HEAD.pack(257, 0) + READV_RANGE.pack(GUEST, 1, 0) * 257),
+    ("a count the payload disagrees with", READV_HEAD.pack(3, 0) + READV_RANGE.pack(GUEST, 8, 0) * 2),
+    ("an empty range", readv((GUEST, 8), (GUEST + 64, 0))),
+    ("a range that wraps", readv((GUEST, 8), ((1 << 64) - 4, 8))),
+    ("more than one reply holds", readv((GUEST, 8192), *[(GUEST, 4096)] * 255)),
+    ("a range outside the windows", readv((GUEST, 8), (GUEST + MEM, 8))),
+    ("a range past a window's end", readv((GUEST + MEM - 4, 8))),
+])
+def test_a_malformed_or_rogue_dma_readv_is_an_error_reply_and_the_link_serves_on(host, case, payload):
+    box, device, server, client, ram = host
+    ram[0:8] = b"intact!!"
+    client.write(vp.REGION_CONFIG, 4, (6).to_bytes(2, "little"))
+    got = box.dma_readv(payload)
+    assert got.header.is_error, f"{case}: answered with {len(got.payload)} bytes"
+    rogue = case.startswith("a range") and "wraps" not in case
+    assert got.header.error == (errno.EFAULT if rogue else errno.EINVAL), case
+    assert device.link_up and client.read(0, 0x08, 4) == b"\x5a" * 4
+    assert bytes(box.dma_readv(readv((GUEST, 8))).payload) == b"intact!!"
+
+
+def test_random_dma_readv_payloads_get_an_answer_each_and_the_link_serves_on(host):
+    """A small fuzz of the host's DMA_READV parser (forward.c and Python's): mutated scatter
+    lists, each answered (data of the right size, or an error), never a dead link."""
+    box, device, server, client, ram = host
+    client.write(vp.REGION_CONFIG, 4, (6).to_bytes(2, "little"))
+    rng = random.Random(13)
+    for _ in range(300):
+        ranges = [(GUEST + rng.randrange(MEM), rng.choice((1, 8, 4096, rng.randrange(1, 1 << 16))))
+                  for _ in range(rng.randint(1, 8))]
+        payload = bytearray(readv(*ranges))
+        for _ in range(rng.randint(0, 3)):
+            payload[rng.randrange(len(payload))] = rng.randrange(256)
+        if rng.random() < 0.2:
+            payload = payload[:rng.randrange(len(payload) + 1)]
+        got = box.dma_readv(bytes(payload))
+        if not got.header.is_error:
+            count = struct.unpack_from("<I", payload)[0]
+            asked = sum(struct.unpack_from("<I", payload, 8 + 16 * i + 8)[0] for i in range(count))
+            assert len(got.payload) == asked
+    assert device.link_up and client.read(0, 0x08, 4) == b"\x5a" * 4

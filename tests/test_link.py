@@ -343,6 +343,19 @@ def test_large_dma_copies_cross_the_link_intact(forwarded):
     assert device.stats()["dma_bytes_read"] == device.stats()["dma_bytes_written"] == 3 * len(data)
 
 
+def test_the_box_reads_by_scatter_list_from_a_host_that_offers_it(forwarded, box):
+    """The host's HELLO offers DMA_READV, so the box's device reads guest memory with it
+    (a 512 KiB copy: two requests of 256 KiB) and never falls back to DMA_READ."""
+    client, ram, device, down = forwarded
+    data = os.urandom(1 << 19)
+    ram[0:len(data)] = data
+    start_dma(client, GUEST, GUEST + (1 << 19), len(data))
+    assert wait_dma(client) == 2, down
+    assert ram[1 << 19:1 << 20] == data
+    requests = box.stats()["devices"]["td0"]["link"]["requests"]
+    assert set(requests) == {"DMA_READV"} and requests["DMA_READV"]["count"] == 2, requests
+
+
 def test_a_read_after_a_flood_of_posted_writes_waits_for_them_not_for_a_timeout(forwarded):
     """20,000 posted writes sent at once take the box longer than the completion timeout
     (0.5 s here) to apply; the host must not let them pile up in the box's socket ahead

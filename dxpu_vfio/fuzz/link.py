@@ -5,8 +5,9 @@ same stream), reached as a host proxy reaches it.
 A unit is, on the link a valid HELLO opened: region accesses at the edges, write batches,
 resets, SYNC, heartbeats, IRQ/DMA messages a host never sends, replies to nothing, HELLO
 again, headers with mutated flags, and now and then a framing breaker (after which the box
-must close the link and serve the next HELLO); the box's own DMA reads are answered, now
-and then wrongly. One unit in ten is a fresh connection whose first message is a mutated
+must close the link and serve the next HELLO); the box's own DMA reads (DMA_READ, or
+DMA_READV on the half of the links whose HELLO offered it) are answered, now and then
+wrongly. One unit in ten is a fresh connection whose first message is a mutated
 HELLO, INVENTORY or SCREENSHOT (or garbage).
 """
 
@@ -23,7 +24,8 @@ from dxpu_vfio.fuzz.child import ChildTarget
 from dxpu_vfio.fuzz.mutate import edge, mutate_bytes, mutate_json
 from dxpu_vfio.fuzz.peer import Gone, Hang, Peer
 from dxpu_vfio.fuzz.vfio_user import PROBE_ID, framing_breaker, header
-from dxpu_vfio.link.protocol import LINK_VERSION, Hello, LinkCommand, hello_proof, pack_irq, unpack_challenge
+from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, LINK_VERSION, Hello, LinkCommand, hello_proof, pack_irq,
+                                    unpack_challenge, unpack_readv)
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 from dxpu_vfio.vfio_user import protocol as p
 
@@ -74,15 +76,16 @@ class LinkTarget(ChildTarget):
         self._close()
         self.broken = False
         self.device = device
-        first = p.message(1, L.HELLO, Hello(device).pack())
+        features = (FEATURE_DMA_READV,) if self.answers.random() < 0.5 else ()  # both DMA read paths
+        first = p.message(1, L.HELLO, Hello(device, features=features).pack())
         while True:
             self.peer = Peer(self._connect(), self._answer)
             try:  # HELLO, the box's challenge, HELLO with the proof of the lease token
                 reply = self.peer.request(first, 1, deadline)
                 if not reply.is_error:
                     nonce = unpack_challenge(self.peer.reply_payload)
-                    second = p.message(2, L.HELLO, Hello(device, nonce, hello_proof(DEVICES[device], device,
-                                                                                     nonce)).pack())
+                    second = p.message(2, L.HELLO, Hello(device, nonce, hello_proof(DEVICES[device], device, nonce),
+                                                         features=features).pack())
                     if not self.peer.request(second, 2, deadline).is_error:
                         return [first, second]
             except (Gone, p.ProtocolError):
@@ -96,6 +99,8 @@ class LinkTarget(ChildTarget):
         """The box's DMA_READ: mostly the bytes asked for, now and then short, long, for
         another address, an error or nothing (the box's DMA timeout then)."""
         rng = self.answers
+        if hdr.command == L.DMA_READV:
+            return self._answer_readv(hdr, payload)
         if hdr.command != L.DMA_READ or len(payload) < 16:
             return p.error_reply(hdr.msg_id, hdr.command, 38)
         address, count = struct.unpack_from("<QQ", payload)
@@ -114,6 +119,24 @@ class LinkTarget(ChildTarget):
         if roll < 0.28:
             reply = reply[:rng.randrange(16)]
         return p.message(hdr.msg_id, hdr.command, reply, reply=True)
+
+    def _answer_readv(self, hdr: p.Header, payload: bytes) -> bytes | None:
+        """The box's DMA_READV (on a link whose HELLO offered it): its bytes, now and then a
+        few too few or too many, an error or nothing."""
+        rng = self.answers
+        try:
+            total = sum(n for _, n in unpack_readv(payload))
+        except p.ProtocolError:  # the box never sends a list the host must refuse
+            return p.error_reply(hdr.msg_id, hdr.command, 22)
+        roll = rng.random()
+        if roll < 0.03:
+            self.broken = True
+            return None
+        if roll < 0.1:
+            return p.error_reply(hdr.msg_id, hdr.command, rng.choice((5, 14, 22)))
+        if roll < 0.2:
+            total = max(0, total + rng.choice((-1, 1, -4096, 4096)))
+        return p.message(hdr.msg_id, hdr.command, bytes(total), reply=True)
 
     def probe(self, deadline: float) -> None:
         for _ in range(2):

@@ -33,8 +33,8 @@ from dxpu_vfio.hostproxy.coalescer import DEFAULT_COALESCE_DELAY, PostedCoalesce
 from dxpu_vfio.hostproxy.description import check_description
 from dxpu_vfio.hostproxy.shadow import DEFAULT_RATE_HZ, ShadowBar
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
-from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello, LinkCommand, hello_proof,
-                                    unpack_challenge, unpack_irq)
+from dxpu_vfio.link.protocol import (HOST_FEATURES, IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello,
+                                    LinkCommand, hello_proof, unpack_challenge, unpack_irq, unpack_readv)
 from dxpu_vfio.link.transport import TlsFiles, connect, connect_native, peer_certificate
 from dxpu_vfio.native import stream as native
 from dxpu_vfio.vfio_user import protocol as vp
@@ -88,6 +88,7 @@ class RemoteFunction:
         self._on_down = on_down
         self.endpoint = LinkEndpoint(conn, name, {
             LinkCommand.DMA_READ: self._dma_read,
+            LinkCommand.DMA_READV: self._dma_readv,
             LinkCommand.DMA_WRITE: self._dma_write,
             LinkCommand.IRQ: self._irq,
         }, heartbeat=heartbeat, dead_after=dead_after, on_down=self._link_down, waiters_serve=True)
@@ -378,6 +379,19 @@ class RemoteFunction:
         self.flush_posted()  # a completion never passes the posted writes before it
         return vp.DmaAccess(req.address, req.count, data).parts()
 
+    def _dma_readv(self, msg) -> bytes:
+        """A scatter list, answered with its bytes back to back; one range outside the
+        windows refuses the whole request (EFAULT), as a DMA_READ of it would."""
+        ranges = unpack_readv(msg.payload)
+        try:
+            data = [self.dma.read(address, length) for address, length in ranges]
+        except DmaError as exc:
+            self.counters["dma_refused"] += 1
+            raise LinkError(str(exc), errno.EFAULT) from exc
+        self.counters["dma_bytes_read"] += sum(n for _, n in ranges)
+        self.flush_posted()  # a completion never passes the posted writes before it
+        return b"".join(data)
+
     def _dma_write(self, msg) -> None:
         req = vp.DmaAccess.unpack(msg.payload, with_data=True)
         try:
@@ -463,7 +477,7 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
 def _hello(conn: Connection, device: str, token: str, box_sha256: str | None):
     """HELLO, the box's nonce, HELLO with the proof (docs/link-protocol.md): the box's
     last reply (an error, or the device description)."""
-    conn.send(vp.message(1, LinkCommand.HELLO, Hello(device).pack()))
+    conn.send(vp.message(1, LinkCommand.HELLO, Hello(device, features=HOST_FEATURES).pack()))
     reply = conn.receive()
     if reply.header.is_error:
         return reply
@@ -474,5 +488,5 @@ def _hello(conn: Connection, device: str, token: str, box_sha256: str | None):
             raise RemoteAttachError(f"the box presented another certificate (sha256 {(seen or 'none')[:16]}..., "
                                     f"registered {box_sha256[:16]}...): no proof sent", errno.EACCES)
     nonce = unpack_challenge(reply.payload)
-    conn.send(vp.message(2, LinkCommand.HELLO, Hello(device, nonce, hello_proof(token, device, nonce)).pack()))
+    conn.send(vp.message(2, LinkCommand.HELLO, Hello(device, nonce, hello_proof(token, device, nonce), features=HOST_FEATURES).pack()))
     return conn.receive()

@@ -18,7 +18,7 @@ import secrets
 import struct
 from dataclasses import dataclass, field
 
-from dxpu_vfio.vfio_user.protocol import ProtocolError
+from dxpu_vfio.vfio_user.protocol import MAX_DATA_XFER, ProtocolError
 
 LINK_VERSION = 2  # 2: HELLO is a challenge and a proof of the lease token, never the token
 
@@ -44,6 +44,8 @@ class LinkCommand(enum.IntEnum):
     GRANT = 0x107  # manager -> remote, instead of HELLO: a fresh lease token for one device (JSON)
     REVOKE = 0x108  # manager -> remote, instead of HELLO: that device's token is void (JSON)
     FAULT = 0x109  # manager -> remote, instead of HELLO: arm, clear or list test faults (JSON)
+    DMA_READV = 0x10A  # remote -> host, non-posted: a scatter list (pack_readv); reply: its bytes back to
+    # back. Only to a host whose HELLO offered FEATURE_DMA_READV.
 
 
 IRQ_MSG = struct.Struct("<III")  # kind, vector, level
@@ -51,6 +53,11 @@ IRQ_INTX, IRQ_MSI, IRQ_MSIX = 0, 1, 2
 
 
 NONCE_BYTES = 32
+
+# Optional features a host offers in its HELLO; the box uses one only if it was offered
+# (never probed), so either side may be older than the other.
+FEATURE_DMA_READV = "dma-readv"
+HOST_FEATURES = (FEATURE_DMA_READV,)
 
 
 @dataclass
@@ -62,19 +69,26 @@ class Hello:
     nonce: str = ""  # hex, as the box sent it
     proof: str = ""  # hex: hello_proof(token, device, nonce)
     version: int = LINK_VERSION
+    features: tuple[str, ...] = ()  # what the host can serve beyond the base protocol (HOST_FEATURES)
 
     def pack(self) -> bytes:
         body: dict = {"version": self.version, "device": self.device}
         if self.proof:
             body.update(nonce=self.nonce, proof=self.proof)
+        if self.features:
+            body["features"] = list(self.features)
         return json.dumps(body).encode()
 
     @classmethod
     def unpack(cls, payload: bytes | memoryview) -> "Hello":
         try:
             data = json.loads(bytes(payload))
+            features = data.get("features", [])
+            if not isinstance(features, list) or len(features) > 32:
+                raise ValueError("features must be a list of at most 32 names")
             return cls(device=str(data["device"]), nonce=str(data.get("nonce", "")),
-                       proof=str(data.get("proof", "")), version=int(data["version"]))
+                       proof=str(data.get("proof", "")), version=int(data["version"]),
+                       features=tuple(str(f)[:64] for f in features))
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise ProtocolError(f"bad HELLO: {exc!r}") from exc
 
@@ -146,3 +160,40 @@ def unpack_irq(payload: bytes | memoryview) -> tuple[int, int, bool]:
     if kind > IRQ_MSIX:
         raise ProtocolError(f"IRQ kind {kind}")
     return kind, vector, bool(level)
+
+
+# --- DMA_READV: one request for a whole scatter list -------------------------------------
+READV_HEAD = struct.Struct("<II")  # ranges, reserved (0)
+READV_RANGE = struct.Struct("<QII")  # address, length, reserved (0)
+MAX_READV_RANGES = 256  # a 1 MiB scatter list of 4 KiB pages fits
+MAX_READV_BYTES = MAX_DATA_XFER  # the reply (the data) stays one message the stream allows
+
+
+def pack_readv(ranges: list[tuple[int, int]]) -> bytes:
+    """A DMA_READV request: ``ranges`` of (guest address, length), read in order."""
+    if not 0 < len(ranges) <= MAX_READV_RANGES or sum(n for _, n in ranges) > MAX_READV_BYTES:
+        raise ValueError(f"a DMA_READV takes 1..{MAX_READV_RANGES} ranges of {MAX_READV_BYTES} bytes in all")
+    return READV_HEAD.pack(len(ranges), 0) + b"".join(READV_RANGE.pack(a, n, 0) for a, n in ranges)
+
+
+def unpack_readv(payload: bytes | memoryview) -> list[tuple[int, int]]:
+    """The ranges of a DMA_READV, checked before anything is read: the count agrees with
+    the payload's size, no range is empty or wraps the address space, and the total fits
+    one reply. (The host's windows check each range's address and rights afterwards.)"""
+    if len(payload) < READV_HEAD.size:
+        raise ProtocolError(f"DMA_READV of {len(payload)} bytes: shorter than its head")
+    count, _ = READV_HEAD.unpack_from(payload)
+    if not 0 < count <= MAX_READV_RANGES:
+        raise ProtocolError(f"DMA_READV of {count} ranges (1..{MAX_READV_RANGES})")
+    if len(payload) != READV_HEAD.size + count * READV_RANGE.size:
+        raise ProtocolError(f"DMA_READV of {count} ranges in {len(payload)} bytes")
+    ranges, total = [], 0
+    for i in range(count):
+        address, length, _ = READV_RANGE.unpack_from(payload, READV_HEAD.size + i * READV_RANGE.size)
+        if length == 0 or address + length > 1 << 64:
+            raise ProtocolError(f"DMA_READV range {i}: {length} bytes at {address:#x}")
+        total += length
+        ranges.append((address, length))
+    if total > MAX_READV_BYTES:
+        raise ProtocolError(f"DMA_READV of {total} bytes (at most {MAX_READV_BYTES})")
+    return ranges

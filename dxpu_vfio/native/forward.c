@@ -37,6 +37,10 @@
 #define CMD_IRQ 0x101
 #define CMD_HEARTBEAT 0x102
 #define CMD_SYNC 0x106
+#define CMD_DMA_READV 0x10A
+#define READV_HEAD 8   /* ranges (u32), reserved (u32) */
+#define READV_RANGE 16 /* address (u64), length (u32), reserved (u32) */
+#define MAX_READV_RANGES 256
 #define REGION_CONFIG 7
 /* Posted writes the box may have queued before the forwarder waits for it to catch up (a
  * SYNC): PCIe's posted-write credits. Without them a fast host fills the box's socket with
@@ -133,6 +137,60 @@ static const window_t *find_window(const Forwarder *f, uint64_t addr, uint64_t l
 
 enum { HANDLED = 0, TO_PYTHON = 1, BROKEN = -1 };
 
+/* A DMA_READV (link/protocol.py, unpack_readv): a scatter list answered with its bytes back
+ * to back in one completion. Checked whole before anything is read (the same checks as
+ * Python's, whose error replies serve what is malformed); one range outside the windows or
+ * their rights refuses the request (EFAULT), as a DMA_READ of it would. */
+static int dma_readv(Forwarder *f, const frame_header *hdr, const unsigned char *pl, size_t len, char *err,
+                     size_t errlen)
+{
+    if ((hdr->flags & FRAME_NO_REPLY) || len < READV_HEAD)
+        return TO_PYTHON;
+    uint32_t count = frame_le32(pl);
+    if (count == 0 || count > MAX_READV_RANGES || len != READV_HEAD + (size_t)count * READV_RANGE)
+        return TO_PYTHON;
+    const window_t *ws[MAX_READV_RANGES];
+    uint64_t total = 0;
+    int refused = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        const unsigned char *r = pl + READV_HEAD + (size_t)i * READV_RANGE;
+        uint64_t addr = le64(r), n = frame_le32(r + 8);
+        if (n == 0 || addr + n < addr)
+            return TO_PYTHON;
+        total += n;
+        if (total > MAX_DATA)
+            return TO_PYTHON;
+        ws[i] = find_window(f, addr, n, DMA_FLAG_READ);
+        if (ws[i] && ws[i]->kind == WINDOW_PYTHON)
+            return TO_PYTHON;
+        refused |= ws[i] == NULL;
+    }
+    size_t at = 0;
+    for (uint32_t i = 0; i < count && !refused; i++) {
+        const unsigned char *r = pl + READV_HEAD + (size_t)i * READV_RANGE;
+        uint64_t addr = le64(r), n = frame_le32(r + 8);
+        const window_t *w = ws[i];
+        ssize_t got = (ssize_t)n;
+        if (w->kind == WINDOW_MEMORY) {
+            memcpy(f->dma_buf + at, w->memory + w->offset + (addr - w->iova), n);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            got = pread(w->fd, f->dma_buf + at, n, (off_t)(w->offset + (addr - w->iova)));
+            Py_END_ALLOW_THREADS
+        }
+        refused |= got != (ssize_t)n; /* the file shrank */
+        at += n;
+    }
+    if (refused) {
+        f->dma_refused++;
+        return send_frame(f->link, hdr->msg_id, CMD_DMA_READV, FRAME_TYPE_REPLY | FRAME_ERROR, EFAULT, NULL, 0,
+                          NULL, 0, err, errlen) ? BROKEN : HANDLED;
+    }
+    f->dma_read_bytes += total;
+    return send_frame(f->link, hdr->msg_id, CMD_DMA_READV, FRAME_TYPE_REPLY, 0, f->dma_buf, total, NULL, 0,
+                      err, errlen) ? BROKEN : HANDLED;
+}
+
 /* Handle one message from the box in C if it is one of the hot ones. */
 static int box_message(Forwarder *f, const frame_header *hdr, const unsigned char *msg, char *err, size_t errlen)
 {
@@ -218,6 +276,8 @@ static int box_message(Forwarder *f, const frame_header *hdr, const unsigned cha
         return send_frame(f->link, hdr->msg_id, CMD_DMA_READ, FRAME_TYPE_REPLY, 0, f->dma_buf, 16 + count, NULL, 0,
                           err, errlen) ? BROKEN : HANDLED;
     }
+    case CMD_DMA_READV:
+        return dma_readv(f, hdr, pl, len, err, errlen);
     default:
         return TO_PYTHON;
     }

@@ -16,7 +16,8 @@ from __future__ import annotations
 import collections
 
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
-from dxpu_vfio.link.protocol import IRQ_INTX, IRQ_MSI, IRQ_MSIX, LinkCommand, pack_irq
+from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, MAX_READV_RANGES, LinkCommand, pack_irq,
+                                    pack_readv)
 from dxpu_vfio.remoteproxy.faults import FaultTable
 from dxpu_vfio.vfio_user import protocol as vp
 from qemu_device.ports import DmaError
@@ -26,6 +27,8 @@ CHUNK = vp.MAX_DATA_XFER
 READ_PIECE = 256 << 10  # a large DMA read goes as several pieces in flight at once
 READ_WINDOW_BYTES = 1 << 20  # in flight at most: a whole 128 KiB scatter list of 4 KiB pages
 READ_WINDOW_PIECES = 64  # is one round trip, and a large read keeps 4 pieces of 256 KiB going
+# With DMA_READV (a host that offers it), one request carries up to READ_PIECE of pieces:
+# a 128 KiB scatter list of 32 pages is one request and one completion, not 32 of each.
 
 
 def check_range(addr: int, length: int) -> None:
@@ -35,11 +38,18 @@ def check_range(addr: int, length: int) -> None:
         raise DmaError(f"DMA of {length} bytes at {addr:#x} runs past the 64-bit address space")
 
 
+def _size(request: list[tuple[int, int, int]]) -> int:
+    return sum(n for _, _, n in request)
+
+
 class LinkDmaPort:
     """The device's DMA port on the box."""
 
-    def __init__(self, endpoint: LinkEndpoint, faults: FaultTable | None = None, device: str = "") -> None:
+    def __init__(self, endpoint: LinkEndpoint, faults: FaultTable | None = None, device: str = "", *,
+                 readv: bool = False) -> None:
         self.endpoint = endpoint
+        self.readv = readv  # the host offered DMA_READV in its HELLO
+        self.requests = 0  # DMA read requests sent (one per piece, or per scatter list with readv)
         self.bytes_read = 0
         self.bytes_written = 0
         self.faults, self.device = faults, device  # armed faults (refuse-dma, stall dma-read) of this device
@@ -82,27 +92,65 @@ class LinkDmaPort:
     def _pipeline(self, ranges: list[tuple[int, int]], out: list[bytearray]) -> None:
         pieces = [(i, addr + pos, min(READ_PIECE, length - pos))
                   for i, (addr, length) in enumerate(ranges) for pos in range(0, length, READ_PIECE)]
-        pieces.reverse()  # popped from the end, in order
+        requests = self._group(pieces)
+        requests.reverse()  # popped from the end, in order
         in_flight: collections.deque = collections.deque()
         flight_bytes = 0
-        while pieces or in_flight:
+        while requests or in_flight:
             batch = []
-            while pieces and len(in_flight) + len(batch) < READ_WINDOW_PIECES and (
-                    not (in_flight or batch) or flight_bytes + pieces[-1][2] <= READ_WINDOW_BYTES):
-                batch.append(pieces.pop())
-                flight_bytes += batch[-1][2]
+            while requests and len(in_flight) + len(batch) < READ_WINDOW_PIECES and (
+                    not (in_flight or batch) or flight_bytes + _size(requests[-1]) <= READ_WINDOW_BYTES):
+                batch.append(requests.pop())
+                flight_bytes += _size(batch[-1])
             if batch:
-                sent = self.endpoint.send_requests(LinkCommand.DMA_READ,
-                                                   [vp.DmaAccess(a, n).pack() for _, a, n in batch])
+                if self.readv:
+                    sent = self.endpoint.send_requests(LinkCommand.DMA_READV,
+                                                       [pack_readv([(a, n) for _, a, n in req]) for req in batch])
+                else:
+                    sent = self.endpoint.send_requests(LinkCommand.DMA_READ,
+                                                       [vp.DmaAccess(a, n).pack() for [(_, a, n)] in batch])
+                self.requests += len(batch)
                 in_flight.extend(zip(batch, sent))
-            (i, a, n), pending = in_flight.popleft()
-            reply = vp.DmaAccess.unpack(self.endpoint.wait(pending, DMA_TIMEOUT), with_data=True)
-            flight_bytes -= n
-            if reply.address != a or len(reply.data) != n:
-                raise DmaError(f"host answered a DMA read of {n} bytes at {a:#x} with "
-                               f"{len(reply.data)} bytes at {reply.address:#x}")
+            request, pending = in_flight.popleft()
+            payload = self.endpoint.wait(pending, DMA_TIMEOUT)
+            flight_bytes -= _size(request)
+            if self.readv:
+                self._scatter(ranges, out, request, memoryview(payload))
+            else:
+                [(i, a, n)] = request
+                reply = vp.DmaAccess.unpack(payload, with_data=True)
+                if reply.address != a or len(reply.data) != n:
+                    raise DmaError(f"host answered a DMA read of {n} bytes at {a:#x} with "
+                                   f"{len(reply.data)} bytes at {reply.address:#x}")
+                pos = a - ranges[i][0]
+                out[i][pos:pos + n] = reply.data
+
+    def _group(self, pieces: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+        """The requests the pieces go in: one each (DMA_READ), or with DMA_READV as many
+        consecutive pieces as fit READ_PIECE bytes and MAX_READV_RANGES ranges."""
+        if not self.readv:
+            return [[piece] for piece in pieces]
+        requests: list[list[tuple[int, int, int]]] = []
+        for piece in pieces:
+            last = requests[-1] if requests else None
+            if last is None or len(last) == MAX_READV_RANGES or _size(last) + piece[2] > READ_PIECE:
+                requests.append([piece])
+            else:
+                last.append(piece)
+        return requests
+
+    @staticmethod
+    def _scatter(ranges: list[tuple[int, int]], out: list[bytearray], request: list[tuple[int, int, int]],
+                 data: memoryview) -> None:
+        """A DMA_READV completion into the buffers of its pieces: exactly their bytes."""
+        if len(data) != _size(request):
+            raise DmaError(f"host answered a DMA read of {_size(request)} bytes in {len(request)} ranges "
+                           f"with {len(data)} bytes")
+        at = 0
+        for i, a, n in request:
             pos = a - ranges[i][0]
-            out[i][pos:pos + n] = reply.data
+            out[i][pos:pos + n] = data[at:at + n]
+            at += n
 
     def write(self, addr: int, data: bytes) -> None:
         self.write_many([(addr, data)])

@@ -1,0 +1,74 @@
+"""The DMA_READV codec (link/protocol.py) and the HELLO's feature list: what a peer sends
+is checked whole before anything is read, and nothing but a ProtocolError comes out of
+bytes that are not a scatter list."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+
+from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, MAX_READV_BYTES, MAX_READV_RANGES, READV_HEAD, READV_RANGE,
+                                     Hello, pack_readv, unpack_readv)
+from dxpu_vfio.vfio_user.protocol import ProtocolError
+
+
+def test_a_scatter_list_round_trips():
+    ranges = [(0x1000, 4096), ((1 << 64) - 8, 8), (0, 1)]
+    assert unpack_readv(pack_readv(ranges)) == ranges
+    full = [(i << 12, 4096) for i in range(MAX_READV_RANGES)]
+    assert unpack_readv(pack_readv(full)) == full and sum(n for _, n in full) == MAX_READV_BYTES
+
+
+@pytest.mark.parametrize("ranges", [[], [(0, 4096)] * (MAX_READV_RANGES + 1), [(0, MAX_READV_BYTES + 1)]])
+def test_the_box_never_packs_a_scatter_list_the_host_must_refuse(ranges):
+    with pytest.raises(ValueError):
+        pack_readv(ranges)
+
+
+@pytest.mark.parametrize("payload, why", [
+    (b"", "shorter than its head"),
+    (READV_HEAD.pack(0, 0), "0 ranges"),
+    (READV_HEAD.pack(MAX_READV_RANGES + 1, 0) + READV_RANGE.pack(0, 1, 0) * (MAX_READV_RANGES + 1), "257 ranges"),
+    (READV_HEAD.pack(2, 0) + READV_RANGE.pack(0, 1, 0), "2 ranges in 24 bytes"),
+    (READV_HEAD.pack(1, 0) + READV_RANGE.pack(0, 1, 0) + b"\0", "1 ranges in 25 bytes"),
+    (READV_HEAD.pack(1, 0) + READV_RANGE.pack(0x1000, 0, 0), "range 0: 0 bytes"),
+    (READV_HEAD.pack(1, 0) + READV_RANGE.pack((1 << 64) - 4, 8, 0), "range 0: 8 bytes"),
+    (READV_HEAD.pack(2, 0) + READV_RANGE.pack(0, MAX_READV_BYTES, 0) + READV_RANGE.pack(0, 1, 0), "1048577 bytes"),
+])
+def test_a_malformed_scatter_list_is_refused_naming_what_is_wrong(payload, why):
+    with pytest.raises(ProtocolError, match=why):
+        unpack_readv(payload)
+
+
+def test_random_bytes_give_a_scatter_list_or_a_protocol_error_nothing_else():
+    rng = random.Random(7)
+    good = pack_readv([(0x1000 * i, 4096) for i in range(8)])
+    parsed = 0
+    for _ in range(20000):
+        payload = bytearray(good if rng.random() < 0.7 else rng.randbytes(rng.randrange(64)))
+        for _ in range(rng.randint(0, 4)):
+            if payload:
+                payload[rng.randrange(len(payload))] = rng.randrange(256)
+        if rng.random() < 0.2:
+            payload = payload[:rng.randrange(len(payload) + 1)]
+        try:
+            ranges = unpack_readv(bytes(payload))
+        except ProtocolError:
+            continue
+        parsed += 1
+        assert 0 < len(ranges) <= MAX_READV_RANGES and sum(n for _, n in ranges) <= MAX_READV_BYTES
+        assert all(n > 0 and a + n <= 1 << 64 for a, n in ranges)
+        assert len(payload) == 8 + 16 * struct.unpack_from("<I", payload)[0]
+    assert parsed > 1000  # the mutations kept enough lists whole to reach the range checks
+
+
+def test_the_hello_carries_the_host_features_and_an_older_hello_has_none():
+    hello = Hello("nv0", "ab" * 32, "cd" * 32, features=(FEATURE_DMA_READV,))
+    assert Hello.unpack(hello.pack()).features == (FEATURE_DMA_READV,)
+    assert Hello.unpack(b'{"version": 2, "device": "nv0"}').features == ()
+    for bad in (b'{"version": 2, "device": "nv0", "features": "dma-readv"}',
+                b'{"version": 2, "device": "nv0", "features": [' + b'"x",' * 40 + b'"x"]}'):
+        with pytest.raises(ProtocolError, match="features"):
+            Hello.unpack(bad)
