@@ -4,7 +4,10 @@ Key layout (every key under a versioned prefix, ``/dxpu/v1/``; values are JSON):
 
     /dxpu/v1/schema                 "1"
     /dxpu/v1/pool_id                random, made with the pool: fencing tokens compare only within one pool
-    /dxpu/v1/boxes/<box>            address, tls_dir, state, registered_at, last_error, cert_sha256
+    /dxpu/v1/alive/<box>            a box that announces itself: put under the box's etcd lease
+                                    (the remote proxy renews it); gone with the box, and then the box is down
+    /dxpu/v1/boxes/<box>            address, tls_dir, state, registered_at, last_error, cert_sha256,
+                                    generation (changes with the inventory; None: registered by hand)
     /dxpu/v1/seen/<box>             last heartbeat answer (unix time): heartbeats write only this
     /dxpu/v1/inventory/<box>        the box's devices, one value: [{name, class, vendor, model, capacity}]
     /dxpu/v1/claims/<box>/<dev>     lease id; the key exists exactly while the device is leased
@@ -19,7 +22,8 @@ lease id at allocation, which is the host key's lease.
 
 Allocation of N devices is one transaction: it compares, for every device it takes,
 that the claim key does not exist, and for every box it takes from, that the box record
-(still up) and its inventory (still lists the device) are the revisions it chose from;
+(still up) and its inventory (still lists the device) are the revisions it chose from
+(and, for a box that announces itself, that its ``alive`` key is the one it saw);
 then it creates the claims and the leases. All or nothing, and two allocators -- threads,
 processes or hosts -- never get the same device: at most one transaction creates a
 claim key. ``pack``/``spread`` choose the box as the SQLite allocator does, from a cache
@@ -268,6 +272,7 @@ class EtcdStore:
         self._boxes: dict[str, tuple[dict, int]] = {}
         self._inventory: dict[str, tuple[list[dict], int]] = {}
         self._claims: dict[str, dict[str, str]] = {}
+        self._alive: dict[str, int] = {}  # announcing box -> mod_revision of its alive key
         self._open: dict[int, set[str]] = {}  # lent -> the up boxes lending that many that are not full
         self._level: dict[str, int] = {}  # box -> its key in _open
         self._seen = 0  # revision of the last full read of the view
@@ -339,13 +344,19 @@ class EtcdStore:
     def register_box(self, name: str, address: str, tls_dir: str | None, devices: list[dict],
                      cert_sha256: str | None = None) -> None:
         """Add or refresh a box and its inventory; leased devices are kept as they are."""
+        self._put_box(name, address, tls_dir, devices, cert_sha256)
+
+    def _put_box(self, name: str, address: str, tls_dir: str | None, devices: list[dict], cert_sha256: str | None,
+                 generation: str | None = None, lease: str | None = None) -> None:
+        """Write a box's record and inventory (one transaction); with ``lease``, also its
+        ``alive`` key under that etcd lease (a box announcing itself)."""
         box_key, seen_key, inv_key, claims = self._box_keys(name)
         for _ in range(ATTEMPTS):
             [boxes, inventories, claimed] = self._read((box_key, False), (inv_key, False), (claims, True))
             now = time.time()
             record = {"address": address, "tls_dir": tls_dir, "state": str(BoxState.UP),
                       "registered_at": boxes[0][1]["registered_at"] if boxes else now,
-                      "last_error": None, "cert_sha256": cert_sha256}
+                      "last_error": None, "cert_sha256": cert_sha256, "generation": generation}
             held = {key.rsplit("/", 1)[1] for key, _, _ in claimed}
             fresh = [{"name": d["id"], "class": d["class"], "vendor": d["vendor"], "model": d["model"],
                       "capacity": int(d["capacity"])} for d in devices]
@@ -356,11 +367,37 @@ class EtcdStore:
             compare = [c_mod(box_key, boxes[0][2] if boxes else 0), c_mod(inv_key, inventories[0][2] if inventories
                                                                           else 0)]
             compare += [c_absent(claims + n) for n in dropped]
-            result = self.etcd.txn(compare, [op_put(box_key, record), op_put(seen_key, now),
-                                             op_put(inv_key, sorted(fresh + kept, key=lambda d: d["name"]))])
+            success = [op_put(box_key, record), op_put(seen_key, now),
+                       op_put(inv_key, sorted(fresh + kept, key=lambda d: d["name"]))]
+            if lease is not None:
+                success.append(op_put(self.k("alive", name), {"lease": lease, "since": now}, lease))
+            result = self.etcd.txn(compare, success)
             if result.get("succeeded"):
                 return
         raise StoreError(f"box {name} changed under every registration attempt", hint="try again")
+
+    # --- boxes that announce themselves (docs/pool.md#boxes-that-announce-themselves) ---
+    def grant_lease(self, ttl: float) -> str:
+        """A fresh etcd lease of ``ttl`` s (at least 1); its id."""
+        return str(self.etcd.call("/lease/grant", {"TTL": max(1, int(round(ttl)))})["ID"])
+
+    def keepalive(self, lease: str) -> bool:
+        """Renew an etcd lease; False once it expired or was revoked."""
+        answer = self.etcd.call("/lease/keepalive", {"ID": lease})
+        return int((answer.get("result") or answer).get("TTL") or 0) > 0
+
+    def revoke_lease(self, lease: str) -> None:
+        """End an etcd lease now (the keys under it go at once)."""
+        self.etcd.call("/lease/revoke", {"ID": lease})
+
+    def announce_box(self, name: str, address: str, tls_dir: str | None, devices: list[dict],
+                     cert_sha256: str | None, generation: str, lease: str) -> None:
+        """A box's remote proxy publishes itself: record (with the inventory's
+        ``generation``), inventory, and its ``alive`` key under ``lease`` (from
+        :meth:`grant_lease`, renewed by :meth:`keepalive`). When the lease ends the alive
+        key goes and the box is down: it lends nothing, and its leased devices show
+        ``box_state`` down, until it announces again."""
+        self._put_box(name, address, tls_dir, devices, cert_sha256, generation, lease)
 
     def remove_box(self, name: str) -> None:
         box_key, seen_key, inv_key, claims = self._box_keys(name)
@@ -371,7 +408,8 @@ class EtcdStore:
             if claimed:
                 raise box_busy(name, len(claimed))
             result = self.etcd.txn([c_mod(box_key, boxes[0][2]), c_absent(claims, prefix=True)],
-                                   [op_delete(box_key), op_delete(seen_key), op_delete(inv_key)])
+                                   [op_delete(box_key), op_delete(seen_key), op_delete(inv_key),
+                                    op_delete(self.k("alive", name))])
             if result.get("succeeded"):
                 return
         raise StoreError(f"box {name} changed under every removal attempt", hint="try again")
@@ -382,18 +420,21 @@ class EtcdStore:
                       for kv in self.etcd.range(prefix, prefix=True, keys_only=True).get("kvs", []))
 
     @staticmethod
-    def _box_dict(name: str, record: dict, seen: float | None, lent: int) -> dict:
+    def _box_dict(name: str, record: dict, seen: float | None, lent: int, alive: bool = False) -> dict:
+        state, error = _box_state(record, alive)
         return {"name": name, "address": record["address"], "tls_dir": record["tls_dir"],
-                "state": BoxState(record["state"]), "registered_at": record["registered_at"],
+                "state": state, "registered_at": record["registered_at"],
                 "last_seen": seen if seen is not None else record["registered_at"],
-                "last_error": record["last_error"], "lent": lent, "cert_sha256": record["cert_sha256"]}
+                "last_error": error, "lent": lent, "cert_sha256": record["cert_sha256"],
+                "generation": record.get("generation")}
 
     def box(self, name: str) -> dict:
         box_key, seen_key, _, claims = self._box_keys(name)
-        [boxes, seen, claimed] = self._read((box_key, False), (seen_key, False), (claims, True))
+        [boxes, seen, claimed, alive] = self._read((box_key, False), (seen_key, False), (claims, True),
+                                                   (self.k("alive", name), False))
         if not boxes:
             raise no_such_box(name, self._box_names())
-        return self._box_dict(name, boxes[0][1], seen[0][1] if seen else None, len(claimed))
+        return self._box_dict(name, boxes[0][1], seen[0][1] if seen else None, len(claimed), bool(alive))
 
     def mark_box(self, name: str, up: bool, error: str | None = None) -> BoxState:
         """Record a heartbeat result; returns the box's state before it. A heartbeat that
@@ -416,10 +457,11 @@ class EtcdStore:
                 return before
         raise StoreError(f"box {name} changed under every heartbeat attempt", hint="try again")
 
-    def _pool(self) -> tuple[dict, dict, dict, dict, dict]:
-        """Everything at one revision: boxes, seen, inventories, claims (device -> lease), leases."""
-        (boxes, seen, inventories, claims, leases), _ = self._snapshot(
-            *(self.k(p) + "/" for p in ("boxes", "seen", "inventory", "claims", "leases")))
+    def _pool(self) -> tuple[dict, dict, dict, dict, dict, set]:
+        """Everything at one revision: boxes, seen, inventories, claims (device -> lease),
+        leases, the boxes whose alive key exists."""
+        (boxes, seen, inventories, claims, leases, alive), _ = self._snapshot(
+            *(self.k(p) + "/" for p in ("boxes", "seen", "inventory", "claims", "leases", "alive")))
         cut = len(self.prefix)
 
         def tail(key: str) -> str:
@@ -427,22 +469,22 @@ class EtcdStore:
 
         return ({tail(k): v for k, v, _ in boxes}, {tail(k): v for k, v, _ in seen},
                 {tail(k): v for k, v, _ in inventories}, {tail(k): v for k, v, _ in claims},
-                {tail(k): v for k, v, _ in leases})
+                {tail(k): v for k, v, _ in leases}, {tail(k) for k, _, _ in alive})
 
     def boxes(self) -> list[dict]:
-        boxes, seen, inventories, claims, _ = self._pool()
+        boxes, seen, inventories, claims, _, alive = self._pool()
         lent = Counter(device.split("/", 1)[0] for device in claims)
-        return [{**self._box_dict(name, record, seen.get(name), lent[name]),
+        return [{**self._box_dict(name, record, seen.get(name), lent[name], name in alive),
                  "devices": len(inventories.get(name, [])), "leased": lent[name]}
                 for name, record in sorted(boxes.items())]
 
     def devices(self) -> list[dict]:
-        boxes, _, inventories, claims, leases = self._pool()
+        boxes, _, inventories, claims, leases, alive = self._pool()
         rows = []
         for box, inventory in inventories.items():
             if box not in boxes:
                 continue
-            state = BoxState(boxes[box]["state"])
+            state, _ = _box_state(boxes[box], box in alive)
             for d in inventory:
                 device_id = f"{box}/{d['name']}"
                 lease = claims.get(device_id)
@@ -455,19 +497,21 @@ class EtcdStore:
     def device(self, device_id: str) -> dict:
         box, _, name = device_id.partition("/")
         box_key, _, inv_key, claims = self._box_keys(box)
-        [boxes, inventories, claim] = self._read((box_key, False), (inv_key, False), (claims + name, False))
+        [boxes, inventories, claim, alive] = self._read((box_key, False), (inv_key, False), (claims + name, False),
+                                                        (self.k("alive", box), False))
         found = [d for d in (inventories[0][1] if inventories else []) if d["name"] == name]
         if not boxes or not found:
             raise no_such_device(device_id)
         return {"id": device_id, "box": box, **found[0], "leased": int(bool(claim)),
                 "address": boxes[0][1]["address"], "tls_dir": boxes[0][1]["tls_dir"],
-                "cert_sha256": boxes[0][1].get("cert_sha256")}
+                "cert_sha256": boxes[0][1].get("cert_sha256"), "box_state": _box_state(boxes[0][1], bool(alive))[0]}
 
     # --- allocation -------------------------------------------------------------------
     def _resync(self) -> None:
-        (boxes, inventories, claims), self._seen = self._snapshot(
-            *(self.k(p) + "/" for p in ("boxes", "inventory", "claims")))
+        (boxes, inventories, claims, alive), self._seen = self._snapshot(
+            *(self.k(p) + "/" for p in ("boxes", "inventory", "claims", "alive")))
         self._boxes = {k.rsplit("/", 1)[1]: (v, rev) for k, v, rev in boxes}
+        self._alive = {k.rsplit("/", 1)[1]: rev for k, _, rev in alive}
         self._inventory = {k.rsplit("/", 1)[1]: (v, rev) for k, v, rev in inventories}
         self._claims = {}
         cut = len(self.k("claims")) + 1
@@ -490,17 +534,22 @@ class EtcdStore:
                 del self._open[old]
         record, inventory = self._boxes.get(name), self._inventory.get(name)
         lent = len(self._claims.get(name, ()))
-        if record and inventory and record[0]["state"] == BoxState.UP and lent < len(inventory[0]):
+        if record and inventory and self._lends(name) and lent < len(inventory[0]):
             self._open.setdefault(lent, set()).add(name)
             self._level[name] = lent
 
+    def _lends(self, name: str) -> bool:
+        """Up in allocation's view: record up and, if it announces itself, alive."""
+        record = self._boxes.get(name)
+        return record is not None and _box_state(record[0], name in self._alive)[0] == BoxState.UP
+
     # --- the watch that keeps allocation's view fresh ------------------------------------
     def _start_watch(self, revision: int) -> None:
-        """Watch boxes/, claims/ and inventory/ (adjacent prefixes: one range) from
+        """Watch alive/, boxes/, claims/ and inventory/ (one range: alive/ to inventory/) from
         ``revision`` on; a watch that ends (its member died, a compaction) is started
         again at the next full read."""
         client = self.etcd.current
-        body = {"create_request": {"key": _b64(self.k("boxes") + "/"), "range_end": _b64(self.k("inventory") + "0"),
+        body = {"create_request": {"key": _b64(self.k("alive") + "/"), "range_end": _b64(self.k("inventory") + "0"),
                                    "start_revision": revision}}
         try:
             response = client.session.post(client.get_url("/watch"), data=json.dumps(body), stream=True,
@@ -544,6 +593,13 @@ class EtcdStore:
                 self._claims.setdefault(box, {})[name] = value
             self._index(box)
             return
+        if kind == "alive":
+            if deleted:
+                self._alive.pop(rest, None)
+            elif revision >= self._alive.get(rest, 0):
+                self._alive[rest] = revision
+            self._index(rest)
+            return
         cache = self._boxes if kind == "boxes" else self._inventory if kind == "inventory" else None
         if cache is None or revision < cache.get(rest, (None, 0))[1]:
             return  # older than what a transaction of ours already told us
@@ -566,8 +622,13 @@ class EtcdStore:
         response.close()
 
     def _learn_box(self, name: str, found: list[list[tuple[str, Any, int]]]) -> None:
-        """What a failed allocation's failure branch read about one box: record, inventory, claims."""
-        [boxes, inventories, claims] = found
+        """What a failed allocation's failure branch read about one box: record, inventory,
+        claims, alive key."""
+        [boxes, inventories, claims, alive] = found
+        if alive:
+            self._alive[name] = alive[0][2]
+        else:
+            self._alive.pop(name, None)
         for cache, items in ((self._boxes, boxes), (self._inventory, inventories)):
             if items:
                 cache[name] = (items[0][1], items[0][2])
@@ -592,8 +653,8 @@ class EtcdStore:
                           and (device is None or device in (d["name"], f"{name}/{d['name']}")))
 
         def up() -> list[str]:
-            return [name for name, (record, _) in self._boxes.items()
-                    if record["state"] == BoxState.UP and (box is None or name == box) and name in self._inventory]
+            return [name for name in self._boxes
+                    if self._lends(name) and (box is None or name == box) and name in self._inventory]
 
         sign = -1 if policy == "pack" else 1
 
@@ -712,7 +773,10 @@ class EtcdStore:
         for name in boxes:
             box_key, _, inv_key, claims = self._box_keys(name)
             compare += [c_mod(box_key, self._boxes[name][1]), c_mod(inv_key, self._inventory[name][1])]
-            failure += [op_range(box_key), op_range(inv_key), op_range(claims, prefix=True)]
+            if self._boxes[name][0].get("generation") is not None:  # announces itself: still alive
+                compare.append(c_mod(self.k("alive", name), self._alive[name]))
+            failure += [op_range(box_key), op_range(inv_key), op_range(claims, prefix=True),
+                        op_range(self.k("alive", name))]
         for lease in leases:
             claim, lease_key = self.k("claims", lease.device), self.k("leases", lease.id)
             compare += [c_absent(claim), c_absent(lease_key)]
@@ -728,7 +792,7 @@ class EtcdStore:
         if not result.get("succeeded"):
             found = ranges(result)
             for i, name in enumerate(boxes):
-                self._learn_box(name, found[3 * i:3 * i + 3])
+                self._learn_box(name, found[4 * i:4 * i + 4])
             if not all(self._claims.get(lease.box, {}).get(lease.device.split("/", 1)[1]) == lease.id
                        for lease in leases):
                 if host is not None and self._read((self.k("fenced", host), False))[0]:
@@ -860,6 +924,14 @@ class EtcdStore:
         result = self.etcd.txn([c_absent(key)], [], [op_delete(key)])
         if result.get("succeeded"):
             raise StoreError(f"host {host} is not fenced", hint="dxpu host ls shows the hosts")
+
+
+def _box_state(record: dict, alive: bool) -> tuple[BoxState, str | None]:
+    """A box's state and last error: its record's, except that a box announcing itself
+    (it has a ``generation``) whose alive key is gone is down."""
+    if record.get("generation") is not None and not alive and record["state"] == BoxState.UP:
+        return BoxState.DOWN, "its box lease expired: the remote proxy stopped announcing it (dead or cut off)"
+    return BoxState(record["state"]), record["last_error"]
 
 
 def _show(item: dict) -> str:
