@@ -49,7 +49,6 @@ import json
 import os
 import random
 import secrets
-import socket
 import threading
 import time
 from collections import Counter
@@ -61,6 +60,7 @@ import requests
 from etcd3gw import exceptions as etcd_exc
 from etcd3gw.client import Etcd3Client
 
+from dxpu_vfio.pool.etcd_watch import Watch, WatchCompacted, WatchFailed
 from dxpu_vfio.pool.states import BoxState, LeaseState
 from dxpu_vfio.pool.storage import (
     QDEV_PREFIX, Lease, StoreError, box_busy, check_allocation, check_lease_fields, host_fenced, host_view,
@@ -276,7 +276,7 @@ class EtcdStore:
         self._open: dict[int, set[str]] = {}  # lent -> the up boxes lending that many that are not full
         self._level: dict[str, int] = {}  # box -> its key in _open
         self._seen = 0  # revision of the last full read of the view
-        self._watch: requests.Response | None = None
+        self._watch: Watch | None = None
         self._synced_at = -1e9
         self._mine: dict[str, tuple[dict, int]] = {}  # leases this handle wrote: record, mod_revision
         self._contended_until = 0.0
@@ -548,34 +548,24 @@ class EtcdStore:
         """Watch alive/, boxes/, claims/ and inventory/ (one range: alive/ to inventory/) from
         ``revision`` on; a watch that ends (its member died, a compaction) is started
         again at the next full read."""
-        client = self.etcd.current
-        body = {"create_request": {"key": _b64(self.k("alive") + "/"), "range_end": _b64(self.k("inventory") + "0"),
-                                   "start_revision": revision}}
         try:
-            response = client.session.post(client.get_url("/watch"), data=json.dumps(body), stream=True,
-                                           timeout=(client.timeout, None))
-        except requests.RequestException:
+            watch = Watch(self.etcd, _b64(self.k("alive") + "/"), _b64(self.k("inventory") + "0"), revision)
+        except WatchFailed:
             return  # allocation works without it (conflicts refresh the view), and tries again later
-        self._watch = response
-        threading.Thread(target=self._watch_loop, args=(response,), name="etcd-watch", daemon=True).start()
+        self._watch = watch
+        threading.Thread(target=self._watch_loop, args=(watch,), name="etcd-watch", daemon=True).start()
 
-    def _watch_loop(self, response: requests.Response) -> None:
+    def _watch_loop(self, watch: Watch) -> None:
         try:
-            for line in response.iter_lines():
-                if not line:
-                    continue
-                result = json.loads(line).get("result") or {}
-                if result.get("canceled") or int(result.get("compact_revision") or 0):
-                    break
-                if result.get("events"):
-                    with self._lock:
-                        for event in result["events"]:
-                            self._apply(event)
-        except (requests.RequestException, OSError, ValueError, AttributeError):
-            pass  # the stream broke: closed by us, or its member went away
+            for events in watch:
+                with self._lock:
+                    for event in events:
+                        self._apply(event)
+        except WatchCompacted:
+            pass
         finally:
             with self._lock:
-                if self._watch is response:
+                if self._watch is watch:
                     self._watch = None
                     self._synced_at = -1e9  # the next allocation reads everything and watches again
 
@@ -610,16 +600,9 @@ class EtcdStore:
         self._index(rest)
 
     def _stop_watch(self) -> None:
-        response, self._watch = self._watch, None
-        if response is None:
-            return
-        try:  # as etcd3gw's Watcher.stop: shut the socket down under the reading thread
-            sock = socket.fromfd(response.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
-            sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-        except (OSError, AttributeError, ValueError):
-            pass
-        response.close()
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.close()
 
     def _learn_box(self, name: str, found: list[list[tuple[str, Any, int]]]) -> None:
         """What a failed allocation's failure branch read about one box: record, inventory,
@@ -868,6 +851,22 @@ class EtcdStore:
             return sorted((lease for lease in leases if lease.vm == vm), key=lambda lease: (lease.created_at, lease.id))
         return sorted(leases, key=lambda lease: (lease.vm, lease.created_at, lease.id))
 
+    def leases_at(self) -> tuple[list[Lease], int]:
+        """Every lease and the revision they were read at: a watch from just after it
+        (:meth:`watch_leases`) misses no change."""
+        [found], revision = self._snapshot(self.k("leases") + "/", revision_of="create_revision")
+        return [Lease(**{**record, "fence": created}) for _, record, created in found], revision
+
+    def lease(self, lease_id: str) -> Lease | None:
+        """One lease as it is now (None: deleted)."""
+        [found] = [kvs(self.etcd.range(self.k("leases", lease_id)), "create_revision")]
+        return Lease(**{**found[0][1], "fence": found[0][2]}) if found else None
+
+    def watch_leases(self, start_revision: int) -> "LeaseWatch":
+        """The changes of lease records from ``start_revision`` on (see :class:`LeaseWatch`)."""
+        prefix = self.k("leases") + "/"
+        return LeaseWatch(Watch(self.etcd, _b64(prefix), _prefix_end(prefix), start_revision), len(prefix))
+
     def lease_for(self, vm: str, name: str) -> Lease:
         """A VM's lease by lease id, QEMU id, device id (box/dev) or device name."""
         return pick_lease(self.leases(vm), vm, name)
@@ -924,6 +923,29 @@ class EtcdStore:
         result = self.etcd.txn([c_absent(key)], [], [op_delete(key)])
         if result.get("succeeded"):
             raise StoreError(f"host {host} is not fenced", hint="dxpu host ls shows the hosts")
+
+
+class LeaseWatch:
+    """Iterate for ``(revision, [(lease id, record or None if deleted), ...])``, in order;
+    ends when the stream does (:class:`WatchCompacted` if etcd compacted past the start).
+    :meth:`close` ends it from another thread."""
+
+    def __init__(self, watch: Watch, cut: int) -> None:
+        self.watch = watch
+        self.cut = cut
+
+    def __iter__(self) -> Iterator[tuple[int, list[tuple[str, dict | None]]]]:
+        for events in self.watch:
+            changed, revision = [], 0
+            for event in events:
+                kv = event["kv"]
+                revision = max(revision, int(kv.get("mod_revision", 0)))
+                raw = base64.b64decode(kv.get("value", "")).decode() if event.get("type") != "DELETE" else ""
+                changed.append((_unb64(kv["key"])[self.cut:], json.loads(raw) if raw else None))
+            yield revision, changed
+
+    def close(self) -> None:
+        self.watch.close()
 
 
 def _box_state(record: dict, alive: bool) -> tuple[BoxState, str | None]:
