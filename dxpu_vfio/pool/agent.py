@@ -69,7 +69,7 @@ class HostAgent:
         self.watched = hasattr(store, "watch_leases")  # etcd: a watch drives it; SQLite: polling
         self.actions: Counter[str] = Counter()  # requests acted on, by what brought them: watch, resync, poll
         self.revision = 0  # the watch delivered every change up to here (restarts just after it)
-        self._events: queue.SimpleQueue = queue.SimpleQueue()  # lease ids the watch saw change; RESYNC
+        self._events: queue.SimpleQueue = queue.SimpleQueue()  # (lease id, why), RESYNC, None (wake up)
         self._watch = None
         self._watch_held = threading.Event()  # set: the watch stays down (tests: a watch that broke)
         self.manager = Manager(store, open_vm=open_vm, host=host)
@@ -84,7 +84,7 @@ class HostAgent:
                     "driven by an etcd watch" if self.watched else f"polling every {self.poll} s")
         loops = [(self._keepalive_loop, "keepalive")]
         if self.watched:
-            self._full_read()  # before start() returns: what is asked from now on reaches the watch
+            self._full_read(queue_only=True)  # before start() returns: what is asked from now on reaches the watch
             loops += [(self._watch_loop, "watch"), (self._watched_loop, "serve")]
         else:
             loops.append((self._serve_loop, "serve"))
@@ -150,10 +150,16 @@ class HostAgent:
         return self._attach(lease) if lease.request == ATTACH else self._detach(lease)
 
     # --- driven by an etcd watch ------------------------------------------------------
-    def _full_read(self) -> list[dict]:
-        """Read every lease, act on what asks this host; the watch (re)starts after its revision."""
+    def _full_read(self, queue_only: bool = False) -> list[dict]:
+        """Read every lease, act on what asks this host (``queue_only``: hand it to the
+        serving thread); the watch (re)starts after the revision of this read."""
         leases, revision = self.store.leases_at()
         self.revision = max(self.revision, revision)
+        if queue_only:  # start(): the plugs run in the serving thread, with the keepalive running
+            for lease in leases:
+                if self._asks(lease):
+                    self._events.put((lease.id, "resync"))
+            return []
         return [self._act(lease, "resync") for lease in leases if self._asks(lease)]
 
     def _watched_loop(self) -> None:
@@ -171,8 +177,8 @@ class HostAgent:
                 if item is RESYNC:
                     next_full = time.monotonic() + self.resync
                     self._full_read()
-                elif self._asks(lease := self.store.lease(item)):
-                    self._act(lease, "watch")
+                elif self._asks(lease := self.store.lease(item[0])):
+                    self._act(lease, item[1])
             except DxpuError as exc:
                 log.warning("serving lease requests failed: %s", exc.message)
                 self._events.put(RESYNC)  # e.g. etcd away: read everything once it answers
@@ -201,7 +207,7 @@ class HostAgent:
                 for revision, changed in watch:
                     for lease_id, record in changed:
                         if record is not None and record.get("host") == self.host and record.get("request"):
-                            self._events.put(lease_id)
+                            self._events.put((lease_id, "watch"))
                     self.revision = max(self.revision, revision)  # only once its events are handed on
             except WatchCompacted as exc:
                 log.warning("%s: reading every lease again", exc)
