@@ -36,10 +36,13 @@ whole view is read again every ``resync_interval`` s (while the watch runs, ever
 ``WATCHED_RESYNC_FACTOR`` times that). Listings always read etcd afresh. Lease updates and deletes
 are one transaction each (compare the revision this handle last wrote, else read it).
 
-The client is ``etcd3gw`` (etcd's JSON gateway, plain HTTP(S)); this module adds
-failover over several endpoints, bounded retries while a leader is elected, and errors
-that name the endpoints. Its ``requests`` session ignores the environment
-(``REQUESTS_CA_BUNDLE`` would override the pool's CA).
+The client speaks etcd's JSON gateway (plain HTTP(S)): calls over ``http.client``
+keep-alive connections, one per thread (a third of the client CPU of a ``requests``
+session, which on a busy host is most of an allocation's latency), watches over
+``etcd3gw``'s ``requests`` session, which ignores the environment
+(``REQUESTS_CA_BUNDLE`` would override the pool's CA); the calls trust only the pool's CA
+too. This module adds failover over several endpoints, bounded retries while a leader is
+elected, and errors that name the endpoints.
 """
 
 from __future__ import annotations
