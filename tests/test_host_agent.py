@@ -266,3 +266,26 @@ def test_a_request_written_while_the_watch_was_down_is_acted_on_when_it_is_back(
     assert answers and answers[0][0]["state"] == "freed" and vm.devices == {}
     assert agent.actions == {"watch": 2}  # from the watch restarted at the saved revision, not a resync
     assert agent.revision > saved
+
+
+@pytest.mark.parametrize("stores", ["etcd"], indirect=True)
+def test_a_watch_that_cannot_resume_because_etcd_compacted_its_history_falls_back_to_a_full_read(world):
+    import threading
+    central, agent, vm = world
+    central.attach(vm.key, device="td0", host="h1", timeout=10.0)
+    agent.hold_watch()
+    answers = []
+    detach = threading.Thread(target=lambda: answers.append(central.detach(vm.key, all_devices=True, host="h1",
+                                                                           timeout=10.0)))
+    detach.start()
+    eventually(lambda: central.store.leases()[0].request == "detach", what="the detach request written")
+    from dxpu_vfio.pool.etcd_store import op_put
+    written = central.store.etcd.txn([], [op_put(central.store.k("unrelated"), 1)])  # a later revision to compact at
+    now = int(written["header"]["revision"])
+    assert agent.revision + 1 < now  # the watch would restart at a revision that compaction removes
+    central.store.etcd.call("/kv/compaction", {"revision": now, "physical": True})
+    agent.release_watch()
+    detach.join(timeout=15)
+    assert answers and answers[0][0]["state"] == "freed" and vm.devices == {}
+    assert agent.actions == {"watch": 1, "resync": 1}  # the detach was found by the full read
+    eventually(lambda: agent._watch is not None and agent.revision >= now, what="the watch running again")
