@@ -100,7 +100,7 @@ def world(stores, box, certs, tmp_path):
         return vm
     central = Manager(central_store, open_vm=nowhere, host="central")
     central.register_box(None, box.address, str(certs))
-    agent = HostAgent(agent_store, "h1", open_vm=h1_vms, ttl=2.0, poll=0.05, plug_timeout=10.0).start()
+    agent = HostAgent(agent_store, "h1", open_vm=h1_vms, ttl=2.0, poll=0.05, plug_timeout=10.0, resync=600).start()
     yield central, agent, vm
     agent.stop()
     for lease in agent_store.leases():  # what a failed test left: end its host proxies
@@ -229,3 +229,63 @@ def test_dry_runs_print_the_plan_and_change_nothing(stores, box, certs, tmp_path
     assert [lease.id for lease in store.leases()] == [attached["lease"]]
     [done] = manager.reconcile()
     assert done["action"] == "released" and store.leases() == []
+
+
+def test_requests_reach_the_agent_by_its_watch_on_etcd_and_by_polling_on_sqlite(world, stores):
+    central, agent, vm = world
+    [attached] = central.attach(vm.key, device="td0", host="h1", timeout=10.0)
+    central.detach(vm.key, all_devices=True, host="h1", timeout=10.0)
+    assert central.store.leases() == [] and vm.devices == {}
+    # each request acted on once, brought by what drives the agent on this store (the
+    # agent's own writes to the lease are seen by its watch too, and not acted on again)
+    assert agent.actions == ({"watch": 2} if central.store.kind == "etcd" else {"poll": 2})
+
+
+@pytest.mark.parametrize("stores", ["etcd"], indirect=True)
+def test_a_request_written_while_the_watch_was_down_is_acted_on_when_it_is_back(world):
+    """The agent restarts its watch just after the revision it had seen everything up to:
+    no event is lost, and no full read is needed to find it (the world's agent resyncs
+    only every 600 s)."""
+    import threading
+    central, agent, vm = world
+    [attached] = central.attach(vm.key, device="td0", host="h1", timeout=10.0)
+    assert agent.actions == {"watch": 1}
+    agent.hold_watch()
+    answers = []
+    detach = threading.Thread(target=lambda: answers.append(central.detach(vm.key, all_devices=True, host="h1",
+                                                                           timeout=10.0)))
+    detach.start()
+    eventually(lambda: central.store.leases()[0].request == "detach", what="the detach request written")
+    saved = agent.revision
+    assert saved < int(central.store.etcd.range(central.store.k("schema"))["header"]["revision"])
+    import time
+    time.sleep(0.5)  # nothing drives the agent now: no watch, no polling, no resync due
+    assert agent.actions == {"watch": 1} and len(central.store.leases()) == 1
+    agent.release_watch()
+    detach.join(timeout=15)
+    assert answers and answers[0][0]["state"] == "freed" and vm.devices == {}
+    assert agent.actions == {"watch": 2}  # from the watch restarted at the saved revision, not a resync
+    assert agent.revision > saved
+
+
+@pytest.mark.parametrize("stores", ["etcd"], indirect=True)
+def test_a_watch_that_cannot_resume_because_etcd_compacted_its_history_falls_back_to_a_full_read(world):
+    import threading
+    central, agent, vm = world
+    central.attach(vm.key, device="td0", host="h1", timeout=10.0)
+    agent.hold_watch()
+    answers = []
+    detach = threading.Thread(target=lambda: answers.append(central.detach(vm.key, all_devices=True, host="h1",
+                                                                           timeout=10.0)))
+    detach.start()
+    eventually(lambda: central.store.leases()[0].request == "detach", what="the detach request written")
+    from dxpu_vfio.pool.etcd_store import op_put
+    written = central.store.etcd.txn([], [op_put(central.store.k("unrelated"), 1)])  # a later revision to compact at
+    now = int(written["header"]["revision"])
+    assert agent.revision + 1 < now  # the watch would restart at a revision that compaction removes
+    central.store.etcd.call("/kv/compaction", {"revision": now, "physical": True})
+    agent.release_watch()
+    detach.join(timeout=15)
+    assert answers and answers[0][0]["state"] == "freed" and vm.devices == {}
+    assert agent.actions == {"watch": 1, "resync": 1}  # the detach was found by the full read
+    eventually(lambda: agent._watch is not None and agent.revision >= now, what="the watch running again")

@@ -147,7 +147,12 @@ def test_a_handle_learns_other_allocations_from_its_watch(etcd, etcd_prefix):
     mine.allocate("vm0")  # reads the view, starts the watch
     taken = [lease.device for lease in theirs.allocate("vm1", count=2)]
     assert taken == ["a/d1", "a/d2"]
-    assert wait_until(lambda: set(mine._claims.get("a", {})) == {"d0", "d1", "d2"}, 5.0), "the watch told nothing"
+
+    def view() -> set[str]:  # what the watch delivered, applied as the next allocation applies it
+        with mine._lock:
+            mine._drain()
+            return set(mine._claims.get("a", {}))
+    assert wait_until(lambda: view() == {"d0", "d1", "d2"}, 5.0), "the watch told nothing"
     assert [lease.device for lease in mine.allocate("vm0")] == ["a/d3"] and mine.conflicts == 0
     mine.close()
     theirs.close()

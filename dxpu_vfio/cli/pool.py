@@ -173,7 +173,7 @@ def cmd_agent_serve(args: argparse.Namespace) -> int:
     setup_logging(args, args.log_level)
     store = open_store(args.store, db=ManagerPaths.for_db(args.db).db, endpoints=endpoints_from(args.etcd_endpoints),
                        tls_dir=args.etcd_tls_dir)
-    agent = HostAgent(store, args.host or default_host(), ttl=args.ttl).start()
+    agent = HostAgent(store, args.host or default_host(), ttl=args.ttl, resync=args.resync).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent._stop.set())
     try:
@@ -241,6 +241,8 @@ def register(sub: Subparsers) -> None:
                          "run this host's agent: hold the host lease, serve lease records for this host"))
     p.add_argument("--host", default=None, help="this host's name in the pool (default $DXPU_HOST or the hostname)")
     p.add_argument("--ttl", type=float, default=10.0, help="seconds the host lease lives without a keepalive")
+    p.add_argument("--resync", type=float, default=30.0,
+                   help="etcd: seconds between full reads of the lease records (a watch drives the agent meanwhile)")
     p.add_argument("--store", choices=["sqlite", "etcd"], default=os.environ.get("DXPU_POOL_STORE") or "sqlite")
     p.add_argument("--etcd-endpoints", default=None, metavar="URL,URL")
     p.add_argument("--etcd-tls-dir", default=None, metavar="DIR")

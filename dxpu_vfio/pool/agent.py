@@ -16,19 +16,31 @@ when the agent stops renewing it), with SQLite a heartbeat row. A host whose age
 keeps its leases -- its VMs may still run and use their devices -- until an admin fences
 it (``dxpu host fence``); a fenced agent finds its heartbeat refused and stops serving.
 
-It follows its host's lease records by reading them every ``poll`` s (the same code on
-both stores); an etcd watch would only shorten the wait.
+How it learns of requests depends on the store. On etcd, a watch drives it: it reads
+every lease once (a full read, at revision R), acts on what is asked of its host, and
+watches the lease records from R + 1; every change the watch delivers for its host is
+read afresh and acted on (``actions["watch"]``). It keeps the revision up to which the
+watch delivered everything and restarts a broken watch just after it, so a request
+written while the watch was down is acted on when it is back; a compacted history, and
+every ``resync`` s anyway, cost a full read again (``actions["resync"]``). On SQLite it
+reads its host's lease records every ``poll`` s (``actions["poll"]``). Whatever drives
+it, one thread acts, on the lease as it is at that moment, so a request seen twice
+(watch and resync) is done once.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
+import time
+from collections import Counter
 from typing import Callable
 
 from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.pool.agent_requests import ATTACH, DETACH
+from dxpu_vfio.pool.etcd_watch import WatchCompacted, WatchFailed
 from dxpu_vfio.pool.manager import Manager, stop_proxy
 from dxpu_vfio.pool.states import LeaseState
 from dxpu_vfio.pool.storage import Lease, PoolStore
@@ -38,6 +50,7 @@ from dxpu_vfio.vmm.rootports import device_present
 from dxpu_vfio.vmm.targets import VmTarget
 
 log = logging.getLogger("dxpu.agent")
+RESYNC = object()  # the serving thread's cue for a full read
 
 
 
@@ -46,12 +59,19 @@ class HostAgent:
     :meth:`serve_once` from a test."""
 
     def __init__(self, store: PoolStore, host: str, *, open_vm: Callable[[str], VmTarget] = open_target,
-                 ttl: float = 10.0, poll: float = 0.2, plug_timeout: float = 30.0) -> None:
+                 ttl: float = 10.0, poll: float = 0.2, plug_timeout: float = 30.0, resync: float = 30.0) -> None:
         self.store = store
         self.host = host
         self.ttl = ttl
         self.poll = poll
+        self.resync = resync
         self.plug_timeout = plug_timeout
+        self.watched = hasattr(store, "watch_leases")  # etcd: a watch drives it; SQLite: polling
+        self.actions: Counter[str] = Counter()  # requests acted on, by what brought them: watch, resync, poll
+        self.revision = 0  # the watch delivered every change up to here (restarts just after it)
+        self._events: queue.SimpleQueue = queue.SimpleQueue()  # (lease id, why), RESYNC, None (wake up)
+        self._watch = None
+        self._watch_held = threading.Event()  # set: the watch stays down (tests: a watch that broke)
         self.manager = Manager(store, open_vm=open_vm, host=host)
         self.holder: str | None = None
         self.lost: str | None = None  # why the agent stopped serving (fenced, host lease lost)
@@ -60,8 +80,15 @@ class HostAgent:
 
     def start(self) -> "HostAgent":
         self.holder = self.store.host_register(self.host, self.ttl, os.getpid())
-        log.warning("agent of host %s serving (holder %s)", self.host, self.holder)
-        for target, name in ((self._keepalive_loop, "keepalive"), (self._serve_loop, "serve")):
+        log.warning("agent of host %s serving (holder %s, %s)", self.host, self.holder,
+                    "driven by an etcd watch" if self.watched else f"polling every {self.poll} s")
+        loops = [(self._keepalive_loop, "keepalive")]
+        if self.watched:
+            self._full_read(queue_only=True)  # before start() returns: what is asked from now on reaches the watch
+            loops += [(self._watch_loop, "watch"), (self._watched_loop, "serve")]
+        else:
+            loops.append((self._serve_loop, "serve"))
+        for target, name in loops:
             thread = threading.Thread(target=target, name=f"agent-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -70,6 +97,8 @@ class HostAgent:
     def stop(self) -> None:
         """Stop serving and give the host lease back (its leases stay: the VMs keep their devices)."""
         self._stop.set()
+        self._events.put(None)  # wakes the serving thread
+        self._close_watch()
         for thread in self._threads:
             thread.join(timeout=self.plug_timeout + 5)
         if self.holder is not None and self.lost is None:
@@ -93,6 +122,8 @@ class HostAgent:
                 self.lost = f"host {self.host} lost its host lease (fenced, or unheard for {self.ttl} s)"
                 log.error("%s: the agent stops serving; dxpu host ls shows why", self.lost)
                 self._stop.set()
+        self._events.put(None)  # however the agent was stopped: the serving thread wakes,
+        self._close_watch()  # and the watch thread's stream ends
 
     def _serve_loop(self) -> None:
         while not self._stop.is_set():
@@ -106,15 +137,98 @@ class HostAgent:
 
     def serve_once(self) -> list[dict]:
         """Do what this host's lease records ask for, now; what was done."""
-        done = []
-        for lease in self.store.leases():
-            if lease.host != self.host or lease.request is None or lease.error:
+        return [self._act(lease, "poll") for lease in self.store.leases() if self._asks(lease)]
+
+    def _asks(self, lease: Lease | None) -> bool:
+        """Does this lease record ask this host's agent for something now?"""
+        if lease is None or lease.host != self.host or lease.request is None or lease.error:
+            return False
+        return lease.request == DETACH or (lease.request == ATTACH and lease.state == LeaseState.ATTACHING)
+
+    def _act(self, lease: Lease, why: str) -> dict:
+        self.actions[why] += 1
+        return self._attach(lease) if lease.request == ATTACH else self._detach(lease)
+
+    # --- driven by an etcd watch ------------------------------------------------------
+    def _full_read(self, queue_only: bool = False) -> list[dict]:
+        """Read every lease, act on what asks this host (``queue_only``: hand it to the
+        serving thread); the watch (re)starts after the revision of this read."""
+        leases, revision = self.store.leases_at()
+        self.revision = max(self.revision, revision)
+        if queue_only:  # start(): the plugs run in the serving thread, with the keepalive running
+            for lease in leases:
+                if self._asks(lease):
+                    self._events.put((lease.id, "resync"))
+            return []
+        return [self._act(lease, "resync") for lease in leases if self._asks(lease)]
+
+    def _watched_loop(self) -> None:
+        """The one thread that acts: on each lease the watch saw change (read again, as it
+        is now), and on a full read every ``resync`` s or when the watch lost history."""
+        next_full = time.monotonic() + self.resync
+        while not self._stop.is_set():
+            try:
+                item = self._events.get(timeout=max(0.0, min(1.0, next_full - time.monotonic())))
+            except queue.Empty:
+                item = RESYNC if time.monotonic() >= next_full else None
+            if item is None:
                 continue
-            if lease.request == ATTACH and lease.state == LeaseState.ATTACHING:
-                done.append(self._attach(lease))
-            elif lease.request == DETACH:
-                done.append(self._detach(lease))
-        return done
+            try:
+                if item is RESYNC:
+                    next_full = time.monotonic() + self.resync
+                    self._full_read()
+                elif self._asks(lease := self.store.lease(item[0])):
+                    self._act(lease, item[1])
+            except DxpuError as exc:
+                log.warning("serving lease requests failed: %s", exc.message)
+                self._events.put(RESYNC)  # e.g. etcd away: read everything once it answers
+                self._stop.wait(self.poll)
+            except Exception:  # noqa: BLE001 - one bad round must not end the agent
+                log.exception("serving lease requests failed")
+
+    def _watch_loop(self) -> None:
+        """Keep a watch on the lease records open from just after :attr:`revision`; hand
+        the ids of this host's changed leases to the serving thread."""
+        while not self._stop.is_set():
+            if self._watch_held.is_set() or self.revision == 0:  # 0: history lost, a full read comes first
+                self._stop.wait(0.05)
+                continue
+            try:
+                watch = self.store.watch_leases(self.revision + 1)
+            except (WatchFailed, DxpuError) as exc:
+                log.warning("cannot watch the lease records (%s); trying again", exc)
+                self._stop.wait(min(1.0, self.ttl / 3))
+                continue
+            self._watch = watch
+            if self._stop.is_set() or self._watch_held.is_set():
+                self._close_watch()
+                continue
+            try:
+                for revision, changed in watch:
+                    for lease_id, record in changed:
+                        if record is not None and record.get("host") == self.host and record.get("request"):
+                            self._events.put((lease_id, "watch"))
+                    self.revision = max(self.revision, revision)  # only once its events are handed on
+            except WatchCompacted as exc:
+                log.warning("%s: reading every lease again", exc)
+                self.revision = 0
+                self._events.put(RESYNC)
+            self._close_watch()
+            self._stop.wait(0.1)  # a member went away: the next attempt fails over
+
+    def _close_watch(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.close()
+
+    def hold_watch(self) -> None:
+        """End the watch and keep it down (what a broken stream does; for tests)."""
+        self._watch_held.set()
+        self._close_watch()
+
+    def release_watch(self) -> None:
+        """Let the watch start again, just after the revision it had delivered up to."""
+        self._watch_held.clear()
 
     def _attach(self, lease: Lease) -> dict:
         self.store.update_lease(lease.id, owner_pid=os.getpid())  # this process plugs it now

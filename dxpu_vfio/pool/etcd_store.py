@@ -4,7 +4,10 @@ Key layout (every key under a versioned prefix, ``/dxpu/v1/``; values are JSON):
 
     /dxpu/v1/schema                 "1"
     /dxpu/v1/pool_id                random, made with the pool: fencing tokens compare only within one pool
-    /dxpu/v1/boxes/<box>            address, tls_dir, state, registered_at, last_error, cert_sha256
+    /dxpu/v1/alive/<box>            a box that announces itself: put under the box's etcd lease
+                                    (the remote proxy renews it); gone with the box, and then the box is down
+    /dxpu/v1/boxes/<box>            address, tls_dir, state, registered_at, last_error, cert_sha256,
+                                    generation (changes with the inventory; None: registered by hand)
     /dxpu/v1/seen/<box>             last heartbeat answer (unix time): heartbeats write only this
     /dxpu/v1/inventory/<box>        the box's devices, one value: [{name, class, vendor, model, capacity}]
     /dxpu/v1/claims/<box>/<dev>     lease id; the key exists exactly while the device is leased
@@ -19,7 +22,8 @@ lease id at allocation, which is the host key's lease.
 
 Allocation of N devices is one transaction: it compares, for every device it takes,
 that the claim key does not exist, and for every box it takes from, that the box record
-(still up) and its inventory (still lists the device) are the revisions it chose from;
+(still up) and its inventory (still lists the device) are the revisions it chose from
+(and, for a box that announces itself, that its ``alive`` key is the one it saw);
 then it creates the claims and the leases. All or nothing, and two allocators -- threads,
 processes or hosts -- never get the same device: at most one transaction creates a
 claim key. ``pack``/``spread`` choose the box as the SQLite allocator does, from a cache
@@ -28,35 +32,41 @@ again; for a while after a conflict it takes a random one of the first 256 free 
 the policy would take, so concurrent allocators stop racing for the same one. A watch
 (from the revision of the last full read, so no event is missed) keeps the view fresh;
 no match reads everything once more before it answers :class:`NoFreeDevice`, and the
-whole view is read again every ``resync_interval`` s. Listings always read etcd afresh. Lease updates and deletes
+whole view is read again every ``resync_interval`` s (while the watch runs, every
+``WATCHED_RESYNC_FACTOR`` times that). Listings always read etcd afresh. Lease updates and deletes
 are one transaction each (compare the revision this handle last wrote, else read it).
 
-The client is ``etcd3gw`` (etcd's JSON gateway, plain HTTP(S)); this module adds
-failover over several endpoints, bounded retries while a leader is elected, and errors
-that name the endpoints. Its ``requests`` session ignores the environment
-(``REQUESTS_CA_BUNDLE`` would override the pool's CA).
+The client speaks etcd's JSON gateway (plain HTTP(S)): calls over ``http.client``
+keep-alive connections, one per thread (a third of the client CPU of a ``requests``
+session, which on a busy host is most of an allocation's latency), watches over
+``etcd3gw``'s ``requests`` session, which ignores the environment
+(``REQUESTS_CA_BUNDLE`` would override the pool's CA); the calls trust only the pool's CA
+too. This module adds failover over several endpoints, bounded retries while a leader is
+elected, and errors that name the endpoints.
 """
 
 from __future__ import annotations
 
 import base64
 import heapq
+import http.client
 import json
 import os
 import random
 import secrets
 import socket
+import ssl
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 from urllib.parse import urlparse
 
 import requests
-from etcd3gw import exceptions as etcd_exc
 from etcd3gw.client import Etcd3Client
 
+from dxpu_vfio.pool.etcd_watch import Watch, WatchCompacted, WatchFailed
 from dxpu_vfio.pool.states import BoxState, LeaseState
 from dxpu_vfio.pool.storage import (
     QDEV_PREFIX, Lease, StoreError, box_busy, check_allocation, check_lease_fields, host_fenced, host_view,
@@ -64,10 +74,10 @@ from dxpu_vfio.pool.storage import (
 
 PREFIX = "/dxpu/v1/"
 SCHEMA_VERSION = 1
-RETRYABLE = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError, etcd_exc.InternalServerError)
 ATTEMPTS = 64  # allocation tries before it reports contention
 SHUFFLE_AMONG = 256  # under contention: a random one of the first this many free devices the policy would take
 CONTENDED_FOR = 2.0  # s after a lost race during which allocation keeps choosing by chance
+WATCHED_RESYNC_FACTOR = 10  # a full read of allocation's view this much rarer while its watch runs
 
 
 def _b64(text: str | bytes) -> str:
@@ -92,14 +102,101 @@ def endpoints_from(value: str | Iterable[str] | None) -> list[str]:
     return [e if "://" in e else f"http://{e}" for e in (i.strip() for i in items) if e]
 
 
-def _why(exc: Exception) -> str:
-    """The short reason in a requests error (whose text repeats the URL and the pool)."""
-    text = getattr(exc, "detail_text", None) or type(exc).__name__
-    for needle, short in (("Connection refused", "connection refused"), ("timed out", "timed out"),
-                          ("Name or service not known", "unknown host"), ("No route to host", "no route to host")):
-        if needle in text:
-            return short
+def _why(exc: BaseException) -> str:
+    """The short reason in a connection error."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return "timed out"
+    if isinstance(exc, socket.gaierror):
+        return "unknown host"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS: {exc.reason or exc}"
+    text = str(exc) or type(exc).__name__
+    if "No route to host" in text:
+        return "no route to host"
     return " ".join(text.split())[-160:]
+
+
+class _Retry(Exception):
+    """This endpoint cannot answer now (down, no leader, timed out): try another."""
+
+
+class _Endpoint:
+    """One member's JSON gateway over keep-alive HTTP(S) connections, one per thread.
+
+    Plain ``http.client`` rather than a ``requests`` session: a call costs about a third
+    of the client CPU (measured: 0.5 against 1.7 ms a transaction), which on a busy host
+    is most of an allocation's latency."""
+
+    def __init__(self, url: str, tls_dir: str | None, timeout: float) -> None:
+        parsed = urlparse(url)
+        self.url = url
+        self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 2379
+        self.https = parsed.scheme == "https"
+        self.tls_dir = tls_dir
+        self.timeout = timeout
+        self._context: ssl.SSLContext | None = None
+        self._local = threading.local()
+        self._opened: list[http.client.HTTPConnection] = []
+        self._opened_lock = threading.Lock()
+
+    def _tls(self) -> ssl.SSLContext:
+        """Only the pool's CA (not $REQUESTS_CA_BUNDLE or the system's) and our client certificate."""
+        if self._context is None:
+            try:
+                context = ssl.create_default_context(cafile=str(Path(self.tls_dir) / "ca.pem")) if self.tls_dir \
+                    else ssl.create_default_context()
+                if self.tls_dir:
+                    context.load_cert_chain(str(Path(self.tls_dir) / "host.pem"), str(Path(self.tls_dir) / "host.key"))
+            except (OSError, ssl.SSLError) as exc:
+                raise StoreError(f"cannot use the TLS files for etcd: {exc}",
+                                 hint="--etcd-tls-dir must hold ca.pem, host.pem and host.key") from exc
+            self._context = context
+        return self._context
+
+    def _connection(self) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = (http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout, context=self._tls())
+                    if self.https else http.client.HTTPConnection(self.host, self.port, timeout=self.timeout))
+            self._local.conn = conn
+            with self._opened_lock:
+                self._opened.append(conn)
+        return conn
+
+    def post(self, path: str, body: bytes) -> dict:
+        """The answer to one POST; :class:`_Retry` if the member cannot answer now."""
+        for fresh in (False, True):
+            reused = getattr(self._local, "conn", None) is not None
+            conn = self._connection()
+            try:
+                conn.request("POST", "/v3" + path, body=body, headers={"Content-Type": "application/json"})
+                response = conn.getresponse()
+                data = response.read()
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                self._local.conn = None
+                with self._opened_lock:
+                    if conn in self._opened:
+                        self._opened.remove(conn)
+                if reused and not fresh and not isinstance(exc, (socket.timeout, TimeoutError)):
+                    continue  # the member closed an idle connection: once more on a new one
+                raise _Retry(_why(exc)) from exc
+            if response.status in (408, 500, 503, 504):  # no leader yet, a member shutting down
+                raise _Retry(f"HTTP {response.status} {data.decode(errors='replace').strip()[:100]}")
+            if response.status != 200:
+                raise StoreError(f"etcd refused {path}: {data.decode(errors='replace').strip()[:300]}",
+                                 hint="nothing was changed")
+            return json.loads(data)
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        """Close every thread's connection (a later call opens a new one)."""
+        with self._opened_lock:
+            for conn in self._opened:
+                conn.close()
+            self._opened.clear()
 
 
 class EtcdUnavailable(StoreError):
@@ -119,7 +216,8 @@ class EtcdClient:
             raise StoreError("no etcd endpoints given", hint="pass --etcd-endpoints http://HOST:2379,...")
         self.endpoints = endpoints
         self.retry_for = retry_for
-        self._clients = [self._client(url, tls_dir, timeout) for url in endpoints]
+        self._clients = [self._client(url, tls_dir, timeout) for url in endpoints]  # for watches
+        self._posts = [_Endpoint(url, tls_dir, timeout) for url in endpoints]  # calls
         self._current = 0
 
     @staticmethod
@@ -136,21 +234,15 @@ class EtcdClient:
     def call(self, path: str, body: dict) -> dict:
         deadline = time.monotonic() + self.retry_for
         errors: dict[str, str] = {}
+        data = json.dumps(body, separators=(",", ":")).encode()
         while True:
-            for step in range(len(self._clients)):
-                index = (self._current + step) % len(self._clients)
-                client = self._clients[index]
+            for step in range(len(self._posts)):
+                index = (self._current + step) % len(self._posts)
                 try:
-                    result = client.post(client.get_url(path), data=json.dumps(body))
-                except RETRYABLE as exc:
-                    errors[self.endpoints[index]] = _why(exc)
+                    result = self._posts[index].post(path, data)
+                except _Retry as exc:
+                    errors[self.endpoints[index]] = str(exc)
                     continue
-                except etcd_exc.Etcd3Exception as exc:
-                    raise StoreError(f"etcd refused {path}: {(exc.detail_text or '').strip()[:300]}",
-                                     hint="nothing was changed") from exc
-                except OSError as exc:  # requests: a CA or certificate file it cannot read
-                    raise StoreError(f"cannot use the TLS files for etcd: {exc}",
-                                     hint="--etcd-tls-dir must hold ca.pem, host.pem and host.key") from exc
                 self._current = index
                 return result
             if time.monotonic() >= deadline:
@@ -194,6 +286,8 @@ class EtcdClient:
     def close(self) -> None:
         for client in self._clients:
             client.session.close()
+        for endpoint in self._posts:
+            endpoint.close()
 
 
 # --- transaction pieces ------------------------------------------------------------
@@ -268,10 +362,12 @@ class EtcdStore:
         self._boxes: dict[str, tuple[dict, int]] = {}
         self._inventory: dict[str, tuple[list[dict], int]] = {}
         self._claims: dict[str, dict[str, str]] = {}
+        self._alive: dict[str, int] = {}  # announcing box -> mod_revision of its alive key
         self._open: dict[int, set[str]] = {}  # lent -> the up boxes lending that many that are not full
         self._level: dict[str, int] = {}  # box -> its key in _open
         self._seen = 0  # revision of the last full read of the view
-        self._watch: requests.Response | None = None
+        self._watch: Watch | None = None
+        self._pending: deque[list[dict]] = deque()  # watch events not yet applied to the view
         self._synced_at = -1e9
         self._mine: dict[str, tuple[dict, int]] = {}  # leases this handle wrote: record, mod_revision
         self._contended_until = 0.0
@@ -339,13 +435,19 @@ class EtcdStore:
     def register_box(self, name: str, address: str, tls_dir: str | None, devices: list[dict],
                      cert_sha256: str | None = None) -> None:
         """Add or refresh a box and its inventory; leased devices are kept as they are."""
+        self._put_box(name, address, tls_dir, devices, cert_sha256)
+
+    def _put_box(self, name: str, address: str, tls_dir: str | None, devices: list[dict], cert_sha256: str | None,
+                 generation: str | None = None, lease: str | None = None) -> None:
+        """Write a box's record and inventory (one transaction); with ``lease``, also its
+        ``alive`` key under that etcd lease (a box announcing itself)."""
         box_key, seen_key, inv_key, claims = self._box_keys(name)
         for _ in range(ATTEMPTS):
             [boxes, inventories, claimed] = self._read((box_key, False), (inv_key, False), (claims, True))
             now = time.time()
             record = {"address": address, "tls_dir": tls_dir, "state": str(BoxState.UP),
                       "registered_at": boxes[0][1]["registered_at"] if boxes else now,
-                      "last_error": None, "cert_sha256": cert_sha256}
+                      "last_error": None, "cert_sha256": cert_sha256, "generation": generation}
             held = {key.rsplit("/", 1)[1] for key, _, _ in claimed}
             fresh = [{"name": d["id"], "class": d["class"], "vendor": d["vendor"], "model": d["model"],
                       "capacity": int(d["capacity"])} for d in devices]
@@ -356,11 +458,37 @@ class EtcdStore:
             compare = [c_mod(box_key, boxes[0][2] if boxes else 0), c_mod(inv_key, inventories[0][2] if inventories
                                                                           else 0)]
             compare += [c_absent(claims + n) for n in dropped]
-            result = self.etcd.txn(compare, [op_put(box_key, record), op_put(seen_key, now),
-                                             op_put(inv_key, sorted(fresh + kept, key=lambda d: d["name"]))])
+            success = [op_put(box_key, record), op_put(seen_key, now),
+                       op_put(inv_key, sorted(fresh + kept, key=lambda d: d["name"]))]
+            if lease is not None:
+                success.append(op_put(self.k("alive", name), {"lease": lease, "since": now}, lease))
+            result = self.etcd.txn(compare, success)
             if result.get("succeeded"):
                 return
         raise StoreError(f"box {name} changed under every registration attempt", hint="try again")
+
+    # --- boxes that announce themselves (docs/pool.md#boxes-that-announce-themselves) ---
+    def grant_lease(self, ttl: float) -> str:
+        """A fresh etcd lease of ``ttl`` s (at least 1); its id."""
+        return str(self.etcd.call("/lease/grant", {"TTL": max(1, int(round(ttl)))})["ID"])
+
+    def keepalive(self, lease: str) -> bool:
+        """Renew an etcd lease; False once it expired or was revoked."""
+        answer = self.etcd.call("/lease/keepalive", {"ID": lease})
+        return int((answer.get("result") or answer).get("TTL") or 0) > 0
+
+    def revoke_lease(self, lease: str) -> None:
+        """End an etcd lease now (the keys under it go at once)."""
+        self.etcd.call("/lease/revoke", {"ID": lease})
+
+    def announce_box(self, name: str, address: str, tls_dir: str | None, devices: list[dict],
+                     cert_sha256: str | None, generation: str, lease: str) -> None:
+        """A box's remote proxy publishes itself: record (with the inventory's
+        ``generation``), inventory, and its ``alive`` key under ``lease`` (from
+        :meth:`grant_lease`, renewed by :meth:`keepalive`). When the lease ends the alive
+        key goes and the box is down: it lends nothing, and its leased devices show
+        ``box_state`` down, until it announces again."""
+        self._put_box(name, address, tls_dir, devices, cert_sha256, generation, lease)
 
     def remove_box(self, name: str) -> None:
         box_key, seen_key, inv_key, claims = self._box_keys(name)
@@ -371,7 +499,8 @@ class EtcdStore:
             if claimed:
                 raise box_busy(name, len(claimed))
             result = self.etcd.txn([c_mod(box_key, boxes[0][2]), c_absent(claims, prefix=True)],
-                                   [op_delete(box_key), op_delete(seen_key), op_delete(inv_key)])
+                                   [op_delete(box_key), op_delete(seen_key), op_delete(inv_key),
+                                    op_delete(self.k("alive", name))])
             if result.get("succeeded"):
                 return
         raise StoreError(f"box {name} changed under every removal attempt", hint="try again")
@@ -382,18 +511,21 @@ class EtcdStore:
                       for kv in self.etcd.range(prefix, prefix=True, keys_only=True).get("kvs", []))
 
     @staticmethod
-    def _box_dict(name: str, record: dict, seen: float | None, lent: int) -> dict:
+    def _box_dict(name: str, record: dict, seen: float | None, lent: int, alive: bool = False) -> dict:
+        state, error = _box_state(record, alive)
         return {"name": name, "address": record["address"], "tls_dir": record["tls_dir"],
-                "state": BoxState(record["state"]), "registered_at": record["registered_at"],
+                "state": state, "registered_at": record["registered_at"],
                 "last_seen": seen if seen is not None else record["registered_at"],
-                "last_error": record["last_error"], "lent": lent, "cert_sha256": record["cert_sha256"]}
+                "last_error": error, "lent": lent, "cert_sha256": record["cert_sha256"],
+                "generation": record.get("generation")}
 
     def box(self, name: str) -> dict:
         box_key, seen_key, _, claims = self._box_keys(name)
-        [boxes, seen, claimed] = self._read((box_key, False), (seen_key, False), (claims, True))
+        [boxes, seen, claimed, alive] = self._read((box_key, False), (seen_key, False), (claims, True),
+                                                   (self.k("alive", name), False))
         if not boxes:
             raise no_such_box(name, self._box_names())
-        return self._box_dict(name, boxes[0][1], seen[0][1] if seen else None, len(claimed))
+        return self._box_dict(name, boxes[0][1], seen[0][1] if seen else None, len(claimed), bool(alive))
 
     def mark_box(self, name: str, up: bool, error: str | None = None) -> BoxState:
         """Record a heartbeat result; returns the box's state before it. A heartbeat that
@@ -416,10 +548,11 @@ class EtcdStore:
                 return before
         raise StoreError(f"box {name} changed under every heartbeat attempt", hint="try again")
 
-    def _pool(self) -> tuple[dict, dict, dict, dict, dict]:
-        """Everything at one revision: boxes, seen, inventories, claims (device -> lease), leases."""
-        (boxes, seen, inventories, claims, leases), _ = self._snapshot(
-            *(self.k(p) + "/" for p in ("boxes", "seen", "inventory", "claims", "leases")))
+    def _pool(self) -> tuple[dict, dict, dict, dict, dict, set]:
+        """Everything at one revision: boxes, seen, inventories, claims (device -> lease),
+        leases, the boxes whose alive key exists."""
+        (boxes, seen, inventories, claims, leases, alive), _ = self._snapshot(
+            *(self.k(p) + "/" for p in ("boxes", "seen", "inventory", "claims", "leases", "alive")))
         cut = len(self.prefix)
 
         def tail(key: str) -> str:
@@ -427,22 +560,22 @@ class EtcdStore:
 
         return ({tail(k): v for k, v, _ in boxes}, {tail(k): v for k, v, _ in seen},
                 {tail(k): v for k, v, _ in inventories}, {tail(k): v for k, v, _ in claims},
-                {tail(k): v for k, v, _ in leases})
+                {tail(k): v for k, v, _ in leases}, {tail(k) for k, _, _ in alive})
 
     def boxes(self) -> list[dict]:
-        boxes, seen, inventories, claims, _ = self._pool()
+        boxes, seen, inventories, claims, _, alive = self._pool()
         lent = Counter(device.split("/", 1)[0] for device in claims)
-        return [{**self._box_dict(name, record, seen.get(name), lent[name]),
+        return [{**self._box_dict(name, record, seen.get(name), lent[name], name in alive),
                  "devices": len(inventories.get(name, [])), "leased": lent[name]}
                 for name, record in sorted(boxes.items())]
 
     def devices(self) -> list[dict]:
-        boxes, _, inventories, claims, leases = self._pool()
+        boxes, _, inventories, claims, leases, alive = self._pool()
         rows = []
         for box, inventory in inventories.items():
             if box not in boxes:
                 continue
-            state = BoxState(boxes[box]["state"])
+            state, _ = _box_state(boxes[box], box in alive)
             for d in inventory:
                 device_id = f"{box}/{d['name']}"
                 lease = claims.get(device_id)
@@ -455,19 +588,21 @@ class EtcdStore:
     def device(self, device_id: str) -> dict:
         box, _, name = device_id.partition("/")
         box_key, _, inv_key, claims = self._box_keys(box)
-        [boxes, inventories, claim] = self._read((box_key, False), (inv_key, False), (claims + name, False))
+        [boxes, inventories, claim, alive] = self._read((box_key, False), (inv_key, False), (claims + name, False),
+                                                        (self.k("alive", box), False))
         found = [d for d in (inventories[0][1] if inventories else []) if d["name"] == name]
         if not boxes or not found:
             raise no_such_device(device_id)
         return {"id": device_id, "box": box, **found[0], "leased": int(bool(claim)),
                 "address": boxes[0][1]["address"], "tls_dir": boxes[0][1]["tls_dir"],
-                "cert_sha256": boxes[0][1].get("cert_sha256")}
+                "cert_sha256": boxes[0][1].get("cert_sha256"), "box_state": _box_state(boxes[0][1], bool(alive))[0]}
 
     # --- allocation -------------------------------------------------------------------
     def _resync(self) -> None:
-        (boxes, inventories, claims), self._seen = self._snapshot(
-            *(self.k(p) + "/" for p in ("boxes", "inventory", "claims")))
+        (boxes, inventories, claims, alive), self._seen = self._snapshot(
+            *(self.k(p) + "/" for p in ("boxes", "inventory", "claims", "alive")))
         self._boxes = {k.rsplit("/", 1)[1]: (v, rev) for k, v, rev in boxes}
+        self._alive = {k.rsplit("/", 1)[1]: rev for k, _, rev in alive}
         self._inventory = {k.rsplit("/", 1)[1]: (v, rev) for k, v, rev in inventories}
         self._claims = {}
         cut = len(self.k("claims")) + 1
@@ -490,43 +625,38 @@ class EtcdStore:
                 del self._open[old]
         record, inventory = self._boxes.get(name), self._inventory.get(name)
         lent = len(self._claims.get(name, ()))
-        if record and inventory and record[0]["state"] == BoxState.UP and lent < len(inventory[0]):
+        if record and inventory and self._lends(name) and lent < len(inventory[0]):
             self._open.setdefault(lent, set()).add(name)
             self._level[name] = lent
 
+    def _lends(self, name: str) -> bool:
+        """Up in allocation's view: record up and, if it announces itself, alive."""
+        record = self._boxes.get(name)
+        return record is not None and _box_state(record[0], name in self._alive)[0] == BoxState.UP
+
     # --- the watch that keeps allocation's view fresh ------------------------------------
     def _start_watch(self, revision: int) -> None:
-        """Watch boxes/, claims/ and inventory/ (adjacent prefixes: one range) from
+        """Watch alive/, boxes/, claims/ and inventory/ (one range: alive/ to inventory/) from
         ``revision`` on; a watch that ends (its member died, a compaction) is started
         again at the next full read."""
-        client = self.etcd.current
-        body = {"create_request": {"key": _b64(self.k("boxes") + "/"), "range_end": _b64(self.k("inventory") + "0"),
-                                   "start_revision": revision}}
         try:
-            response = client.session.post(client.get_url("/watch"), data=json.dumps(body), stream=True,
-                                           timeout=(client.timeout, None))
-        except requests.RequestException:
+            watch = Watch(self.etcd, _b64(self.k("alive") + "/"), _b64(self.k("inventory") + "0"), revision)
+        except WatchFailed:
             return  # allocation works without it (conflicts refresh the view), and tries again later
-        self._watch = response
-        threading.Thread(target=self._watch_loop, args=(response,), name="etcd-watch", daemon=True).start()
+        self._watch = watch
+        threading.Thread(target=self._watch_loop, args=(watch,), name="etcd-watch", daemon=True).start()
 
-    def _watch_loop(self, response: requests.Response) -> None:
+    def _watch_loop(self, watch: Watch) -> None:
+        """Hand the events on; the allocating thread applies them (:meth:`_drain`), so this
+        thread never waits for the view's lock, nor an allocation for it."""
         try:
-            for line in response.iter_lines():
-                if not line:
-                    continue
-                result = json.loads(line).get("result") or {}
-                if result.get("canceled") or int(result.get("compact_revision") or 0):
-                    break
-                if result.get("events"):
-                    with self._lock:
-                        for event in result["events"]:
-                            self._apply(event)
-        except (requests.RequestException, OSError, ValueError, AttributeError):
-            pass  # the stream broke: closed by us, or its member went away
+            for events in watch:
+                self._pending.append(events)
+        except WatchCompacted:
+            pass
         finally:
             with self._lock:
-                if self._watch is response:
+                if self._watch is watch:
                     self._watch = None
                     self._synced_at = -1e9  # the next allocation reads everything and watches again
 
@@ -544,6 +674,13 @@ class EtcdStore:
                 self._claims.setdefault(box, {})[name] = value
             self._index(box)
             return
+        if kind == "alive":
+            if deleted:
+                self._alive.pop(rest, None)
+            elif revision >= self._alive.get(rest, 0):
+                self._alive[rest] = revision
+            self._index(rest)
+            return
         cache = self._boxes if kind == "boxes" else self._inventory if kind == "inventory" else None
         if cache is None or revision < cache.get(rest, (None, 0))[1]:
             return  # older than what a transaction of ours already told us
@@ -553,21 +690,27 @@ class EtcdStore:
             cache[rest] = (value, revision)
         self._index(rest)
 
+    def _drain(self) -> None:
+        """Apply the watch's events that came since the last call (under the view's lock);
+        those a full read already covered are skipped."""
+        while self._pending:
+            for event in self._pending.popleft():
+                if int(event["kv"].get("mod_revision", 0)) > self._seen:
+                    self._apply(event)
+
     def _stop_watch(self) -> None:
-        response, self._watch = self._watch, None
-        if response is None:
-            return
-        try:  # as etcd3gw's Watcher.stop: shut the socket down under the reading thread
-            sock = socket.fromfd(response.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM)
-            sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-        except (OSError, AttributeError, ValueError):
-            pass
-        response.close()
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.close()
 
     def _learn_box(self, name: str, found: list[list[tuple[str, Any, int]]]) -> None:
-        """What a failed allocation's failure branch read about one box: record, inventory, claims."""
-        [boxes, inventories, claims] = found
+        """What a failed allocation's failure branch read about one box: record, inventory,
+        claims, alive key."""
+        [boxes, inventories, claims, alive] = found
+        if alive:
+            self._alive[name] = alive[0][2]
+        else:
+            self._alive.pop(name, None)
         for cache, items in ((self._boxes, boxes), (self._inventory, inventories)):
             if items:
                 cache[name] = (items[0][1], items[0][2])
@@ -592,8 +735,8 @@ class EtcdStore:
                           and (device is None or device in (d["name"], f"{name}/{d['name']}")))
 
         def up() -> list[str]:
-            return [name for name, (record, _) in self._boxes.items()
-                    if record["state"] == BoxState.UP and (box is None or name == box) and name in self._inventory]
+            return [name for name in self._boxes
+                    if self._lends(name) and (box is None or name == box) and name in self._inventory]
 
         sign = -1 if policy == "pack" else 1
 
@@ -648,11 +791,15 @@ class EtcdStore:
             holder = agent[0][1].get("holder") if agent else None
         with self._lock:
             fresh = False
-            if time.monotonic() - self._synced_at > self.resync_interval:
+            # with a live watch the view misses nothing (and a stale one costs a lost race,
+            # never a wrong answer): the full read, 10,000 keys in a big pool, comes rarely
+            interval = self.resync_interval * (1 if self._watch is None else WATCHED_RESYNC_FACTOR)
+            if time.monotonic() - self._synced_at > interval:
                 self._resync()
                 fresh = True
             conflicts = 0
             for _ in range(ATTEMPTS):
+                self._drain()
                 if box is not None and box not in self._boxes:
                     if not fresh:
                         self._resync()
@@ -688,6 +835,7 @@ class EtcdStore:
             raise host_fenced(host)
         with self._lock:
             self._resync()
+            self._drain()
             if box is not None and box not in self._boxes:
                 raise no_such_box(box, sorted(self._boxes))
             picks, free = self._choose(count, device_class, box, device, policy, shuffle=False)
@@ -712,7 +860,10 @@ class EtcdStore:
         for name in boxes:
             box_key, _, inv_key, claims = self._box_keys(name)
             compare += [c_mod(box_key, self._boxes[name][1]), c_mod(inv_key, self._inventory[name][1])]
-            failure += [op_range(box_key), op_range(inv_key), op_range(claims, prefix=True)]
+            if self._boxes[name][0].get("generation") is not None:  # announces itself: still alive
+                compare.append(c_mod(self.k("alive", name), self._alive[name]))
+            failure += [op_range(box_key), op_range(inv_key), op_range(claims, prefix=True),
+                        op_range(self.k("alive", name))]
         for lease in leases:
             claim, lease_key = self.k("claims", lease.device), self.k("leases", lease.id)
             compare += [c_absent(claim), c_absent(lease_key)]
@@ -728,7 +879,7 @@ class EtcdStore:
         if not result.get("succeeded"):
             found = ranges(result)
             for i, name in enumerate(boxes):
-                self._learn_box(name, found[3 * i:3 * i + 3])
+                self._learn_box(name, found[4 * i:4 * i + 4])
             if not all(self._claims.get(lease.box, {}).get(lease.device.split("/", 1)[1]) == lease.id
                        for lease in leases):
                 if host is not None and self._read((self.k("fenced", host), False))[0]:
@@ -804,6 +955,22 @@ class EtcdStore:
             return sorted((lease for lease in leases if lease.vm == vm), key=lambda lease: (lease.created_at, lease.id))
         return sorted(leases, key=lambda lease: (lease.vm, lease.created_at, lease.id))
 
+    def leases_at(self) -> tuple[list[Lease], int]:
+        """Every lease and the revision they were read at: a watch from just after it
+        (:meth:`watch_leases`) misses no change."""
+        [found], revision = self._snapshot(self.k("leases") + "/", revision_of="create_revision")
+        return [Lease(**{**record, "fence": created}) for _, record, created in found], revision
+
+    def lease(self, lease_id: str) -> Lease | None:
+        """One lease as it is now (None: deleted)."""
+        [found] = [kvs(self.etcd.range(self.k("leases", lease_id)), "create_revision")]
+        return Lease(**{**found[0][1], "fence": found[0][2]}) if found else None
+
+    def watch_leases(self, start_revision: int) -> "LeaseWatch":
+        """The changes of lease records from ``start_revision`` on (see :class:`LeaseWatch`)."""
+        prefix = self.k("leases") + "/"
+        return LeaseWatch(Watch(self.etcd, _b64(prefix), _prefix_end(prefix), start_revision), len(prefix))
+
     def lease_for(self, vm: str, name: str) -> Lease:
         """A VM's lease by lease id, QEMU id, device id (box/dev) or device name."""
         return pick_lease(self.leases(vm), vm, name)
@@ -860,6 +1027,37 @@ class EtcdStore:
         result = self.etcd.txn([c_absent(key)], [], [op_delete(key)])
         if result.get("succeeded"):
             raise StoreError(f"host {host} is not fenced", hint="dxpu host ls shows the hosts")
+
+
+class LeaseWatch:
+    """Iterate for ``(revision, [(lease id, record or None if deleted), ...])``, in order;
+    ends when the stream does (:class:`WatchCompacted` if etcd compacted past the start).
+    :meth:`close` ends it from another thread."""
+
+    def __init__(self, watch: Watch, cut: int) -> None:
+        self.watch = watch
+        self.cut = cut
+
+    def __iter__(self) -> Iterator[tuple[int, list[tuple[str, dict | None]]]]:
+        for events in self.watch:
+            changed, revision = [], 0
+            for event in events:
+                kv = event["kv"]
+                revision = max(revision, int(kv.get("mod_revision", 0)))
+                raw = base64.b64decode(kv.get("value", "")).decode() if event.get("type") != "DELETE" else ""
+                changed.append((_unb64(kv["key"])[self.cut:], json.loads(raw) if raw else None))
+            yield revision, changed
+
+    def close(self) -> None:
+        self.watch.close()
+
+
+def _box_state(record: dict, alive: bool) -> tuple[BoxState, str | None]:
+    """A box's state and last error: its record's, except that a box announcing itself
+    (it has a ``generation``) whose alive key is gone is down."""
+    if record.get("generation") is not None and not alive and record["state"] == BoxState.UP:
+        return BoxState.DOWN, "its box lease expired: the remote proxy stopped announcing it (dead or cut off)"
+    return BoxState(record["state"]), record["last_error"]
 
 
 def _show(item: dict) -> str:

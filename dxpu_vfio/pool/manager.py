@@ -143,14 +143,17 @@ class Manager:
         changes: list[dict] = []
         up = []
         for box, result in self._probe_all(boxes):
-            change = self._judge(box, result)
+            # a box that announces itself is up while its box lease lives (its remote proxy
+            # renews it); the probe only tells whether its attached devices need healing
+            change = None if box.get("generation") is not None else self._judge(box, result)
             if change is not None:
                 changes.append(change)
             if not isinstance(result, BoxUnreachable):
                 up.append(box["name"])
         by_name = {box["name"]: box for box in boxes}
         for name in up:
-            changes += self.heal(by_name[name])
+            if by_name[name]["state"] == BoxState.UP or by_name[name].get("generation") is None:
+                changes += self.heal(by_name[name])
         return changes
 
     def probe_timeout(self) -> float:
@@ -612,7 +615,7 @@ class Manager:
                "model": dev["model"], "capacity": dev["capacity"], "vm": lease.vm, "state": lease.state,
                "qdev_id": lease.qdev_id, "port": lease.port, "proxy_pid": lease.proxy_pid,
                "proxy_alive": proxy_alive(lease) if self._ours(lease) else None, "host": lease.host,
-               "fence": lease.fence}
+               "fence": lease.fence, "box_state": dev.get("box_state")}
         if present is not None:
             out["in_vm"] = lease.qdev_id in present
         return out

@@ -154,3 +154,25 @@ class PoolStore(Protocol):
     def hosts(self) -> list[dict]: ...
     def fence_host(self, host: str) -> list[Lease]: ...
     def unfence_host(self, host: str) -> None: ...
+
+
+class BoxAnnouncements(Protocol):
+    """What a store needs so that boxes announce themselves (docs/pool.md#boxes-that-announce-themselves):
+    a lease that lives while its holder renews it, and a box published under it. etcd has
+    it; a SQLite file cannot be reached from a box, so SQLite pools register boxes by hand
+    (``dxpu box add``)."""
+
+    def grant_lease(self, ttl: float) -> str: ...
+    def keepalive(self, lease: str) -> bool: ...
+    def revoke_lease(self, lease: str) -> None: ...
+    def announce_box(self, name: str, address: str, tls_dir: str | None, devices: list[dict],
+                     cert_sha256: str | None, generation: str, lease: str) -> None: ...
+
+
+def box_announcements(store: PoolStore) -> BoxAnnouncements:
+    """``store`` as a place boxes announce themselves in, or why it is not one."""
+    if not all(hasattr(store, name) for name in ("grant_lease", "keepalive", "revoke_lease", "announce_box")):
+        raise StoreError(f"a {store.kind} pool cannot take announcements from boxes",
+                         hint="use an etcd pool ([pool] store = \"etcd\" in BOX.toml), or register the box "
+                              "by hand: dxpu box add NAME HOST:PORT --tls-dir DIR")
+    return store  # type: ignore[return-value]

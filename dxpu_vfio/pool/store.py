@@ -292,11 +292,12 @@ class Store:
                  "available": r["lease"] is None and r["box_state"] == BoxState.UP} for r in rows]
 
     def device(self, device_id: str) -> dict:
-        rows = self._query("SELECT devices.*, boxes.address, boxes.tls_dir, boxes.cert_sha256 FROM devices "
+        rows = self._query("SELECT devices.*, boxes.address, boxes.tls_dir, boxes.cert_sha256, "
+                           "boxes.state AS box_state FROM devices "
                            "JOIN boxes ON boxes.name = devices.box WHERE devices.id = ?", (device_id,))
         if not rows:
             raise no_such_device(device_id)
-        return dict(rows[0])
+        return {**dict(rows[0]), "box_state": BoxState(rows[0]["box_state"])}
 
     # --- leases -----------------------------------------------------------------
     def allocate(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,

@@ -17,7 +17,18 @@ BOX.toml::
     lease = "static-token"       # optional: a token for use without a pool (never sent)
     settings = { socket = "/run/ext0.sock" }
 
-A pool manager gets a fresh token per lease from the box (GRANT,
+    [pool]                       # optional: announce the box in an etcd pool (no `dxpu box add`)
+    store = "etcd"
+    etcd_endpoints = "http://10.0.0.1:2379,http://10.0.0.2:2379"
+    etcd_tls_dir = "/etc/dxpu/etcd"  # optional: ca.pem, host.pem, host.key for etcd's https
+    prefix = "/dxpu/v1/"         # the pool's key prefix
+    ttl = 10                     # s: the box lease; a dead box is down after at most this
+    address = "198.18.0.2:7000"  # how hosts reach the box (default: listen and the bound port)
+    host_tls_dir = "/etc/dxpu/certs"  # where hosts keep the pool's CA and host certificate
+                                 # (default: this box's tls_dir; none for a plaintext box)
+
+With ``[pool]`` the remote proxy publishes its inventory under a box lease it renews
+(:mod:`dxpu_vfio.remoteproxy.announce`). A pool manager gets a fresh token per lease from the box (GRANT,
 :mod:`dxpu_vfio.remoteproxy.grants`); ``lease`` is only for host proxies started by hand.
 ``dead_after`` (default 3 s) and ``heartbeat`` (0.25 s) are the link's liveness rule on
 the box, as on the host: a host unheard for ``dead_after`` loses its device, and no send
@@ -42,6 +53,35 @@ class BoxDevice:
 
 
 @dataclass
+class PoolConfig:
+    """Where the box announces itself (``[pool]``)."""
+
+    etcd_endpoints: list[str]
+    store: str = "etcd"
+    etcd_tls_dir: str | None = None
+    prefix: str = "/dxpu/v1/"
+    ttl: float = 10.0
+    address: str | None = None
+    host_tls_dir: str | None = None
+
+    @classmethod
+    def parse(cls, raw: dict) -> "PoolConfig":
+        endpoints = raw.get("etcd_endpoints", [])
+        endpoints = endpoints.split(",") if isinstance(endpoints, str) else [str(e) for e in endpoints]
+        pool = cls([e.strip() for e in endpoints if e.strip()], str(raw.get("store", "etcd")),
+                   raw.get("etcd_tls_dir"), str(raw.get("prefix", "/dxpu/v1/")), float(raw.get("ttl", 10.0)),
+                   raw.get("address"), raw.get("host_tls_dir"))
+        if pool.store != "etcd":
+            raise ValueError(f"[pool] store = {pool.store!r}: only an etcd pool takes announcements from boxes "
+                             "(a SQLite pool registers boxes with dxpu box add)")
+        if not pool.etcd_endpoints:
+            raise ValueError("[pool] needs etcd_endpoints")
+        if pool.ttl < 1:
+            raise ValueError(f"[pool] ttl must be at least 1 s, not {pool.ttl}")
+        return pool
+
+
+@dataclass
 class BoxConfig:
     name: str
     listen: str
@@ -55,6 +95,7 @@ class BoxConfig:
     # are bounded by the same time, so a host that stops reading cannot hold the device longer
     dead_after: float = 3.0
     heartbeat: float = 0.25
+    pool: PoolConfig | None = None  # announce the box there
 
     @classmethod
     def load(cls, path: Path) -> "BoxConfig":
@@ -66,7 +107,8 @@ class BoxConfig:
             config = cls(raw["name"], raw.get("listen", "127.0.0.1"), int(raw.get("port", 7000)), devices,
                          Path(raw["tls_dir"]) if raw.get("tls_dir") else None, bool(raw.get("plaintext", False)),
                          float(raw.get("spin_us", 0.0)), [str(r) for r in raw.get("managers", ["host"])],
-                         float(raw.get("dead_after", 3.0)), float(raw.get("heartbeat", 0.25)))
+                         float(raw.get("dead_after", 3.0)), float(raw.get("heartbeat", 0.25)),
+                         PoolConfig.parse(raw["pool"]) if "pool" in raw else None)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: bad box config: {exc}") from exc
         if not 0 < config.heartbeat < config.dead_after:

@@ -2,7 +2,8 @@
 
     python -m dxpu_vfio.remoteproxy --config BOX.toml [--stats FILE]
 
-(also ``dxpu remote serve``). Counters go to ``--stats`` on SIGUSR1 and at exit;
+(also ``dxpu remote serve``). With ``[pool]`` in the config the box announces itself
+in that etcd pool (:mod:`dxpu_vfio.remoteproxy.announce`). Counters go to ``--stats`` on SIGUSR1 and at exit;
 display scanouts next to it on SIGUSR2 (:mod:`dxpu_vfio.daemon`). It prints one
 "serving" line once it listens: parents wait for it.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from dxpu_vfio.daemon import run_until_terminated
 from dxpu_vfio.errors import DxpuError
+from dxpu_vfio.remoteproxy.announce import announcer_for
 from dxpu_vfio.remoteproxy.config import BoxConfig
 from dxpu_vfio.remoteproxy.proxy import RemoteProxy
 
@@ -45,6 +47,11 @@ def serve(config_path: Path, stats_path: Path | None, *, as_json: bool = False) 
     "serving" line is a JSON object (``{"event": "serving", ...}``)."""
     config = load_config(config_path)
     proxy = RemoteProxy(config).start()
+    try:
+        announcer = announcer_for(config, proxy).start() if config.pool else None
+    except BaseException:
+        proxy.stop()
+        raise
     address = f"{config.listen}:{proxy.port}"
     security = "plaintext" if config.plaintext else "mutual TLS"
 
@@ -55,10 +62,18 @@ def serve(config_path: Path, stats_path: Path | None, *, as_json: bool = False) 
         else:
             print(f"remote proxy {config.name}: serving {config.device_list()} on {address} ({security})",
                   flush=True)
+    def snapshot() -> dict:
+        stats = proxy.snapshot()
+        if announcer is not None:
+            stats["announce"] = {"lease": announcer.lease, "generation": announcer.generation,
+                                 "published": announcer.published}
+        return stats
     try:
-        run_until_terminated("remote", config.name, stats_path, proxy.snapshot, screenshots=proxy.screenshots,
+        run_until_terminated("remote", config.name, stats_path, snapshot, screenshots=proxy.screenshots,
                              on_ready=announce, address=address)
     finally:
+        if announcer is not None:
+            announcer.stop()
         proxy.stop()
     return 0
 
