@@ -97,12 +97,15 @@ class Model:
         return self.bytes_moved / room if room > 0 else float("inf")
 
 
-def fit(workload: str, t_local_s: float, points: list[Point], bandwidth_Bps: float | None = None) -> Model:
+def fit(workload: str, t_local_s: float, points: list[Point], bandwidth_Bps: float | None = None,
+        k_prior: float | None = None) -> Model:
     """Least squares of T_i - bytes_i / bandwidth = T0 + k * N_i * rtt_i over the
     calibration points (no transfer term without ``bandwidth_Bps``).
 
-    With a single point (or points that share one x) only ``k`` can be fitted: the line
-    then goes through the local run time (T0 = T_local)."""
+    With a single point (or points that share one x) only one parameter can be fitted:
+    ``T0`` with ``k = k_prior`` where the caller knows k (the accelerator's counts include
+    every serialized wait: k = 1), else ``k`` with the line through the local run time
+    (T0 = T_local)."""
     if not points:
         raise ValueError("fitting needs at least one remote point")
     if t_local_s <= 0:
@@ -118,6 +121,8 @@ def fit(workload: str, t_local_s: float, points: list[Point], bandwidth_Bps: flo
              "compute_s": sum(p.compute_s for p in points) / len(points)}
     mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mean_x) ** 2 for x in xs)
+    if (len(points) < 2 or sxx == 0) and k_prior is not None:
+        return Model(workload, t_local_s, n, k_prior, t0_s=mean_y - k_prior * mean_x, **extra)
     if len(points) < 2 or sxx == 0:
         k = sum(x * (y - t_local_s) for x, y in zip(xs, ys)) / sum(x * x for x in xs)
         return Model(workload, t_local_s, n, k, **extra)

@@ -95,6 +95,13 @@ def test_the_10_percent_crossings_in_round_trip_and_bandwidth():
     assert Model("none", 0.1, 10, 1.0).bandwidth_for_overhead(0.10) == 0.0          # moves nothing: any link
 
 
+def test_one_calibration_point_with_a_known_k_fits_the_intercept():
+    [point] = accel_points(0.060, 1.0, 5, 1_000_000, 250e6, [300e-6])
+    model = fit("w", 0.050, [point], bandwidth_Bps=250e6, k_prior=1.0)
+    assert model.k == 1.0 and model.t0_s == pytest.approx(0.060)
+    assert model.predict(1e-3) == pytest.approx(0.060 + 5e-3 + 0.004)
+
+
 def test_fit_refuses_a_bandwidth_that_is_not_one():
     with pytest.raises(ValueError, match="bandwidth"):
         fit("w", 1.0, [Point(1e-4, 1.2, 10)], bandwidth_Bps=0.0)
