@@ -534,7 +534,7 @@ class AccelDevice(PciFunction):
             chunks = self.dma_read_many(group)
             self.counters["dma_ns"] += time.monotonic_ns() - started
             self.counters["copy_reads"] += 1
-            data = b"".join(chunks)
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)   # one piece: no copy
             self._vram_write(generation, dst + pos, data)
             self.counters["h2d_bytes"] += len(data)
 
