@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """AI workloads on the accelerator: local (the host proxy serves the model, no network)
 vs remote (the same model in a GPU box of the lab, over mutual TLS, no added delay),
-in the same run, both open at once and each workload run on one and then the other.
+in the same run, both open at once, each workload's passes alternating between the two
+(so both see the same load on a shared machine).
 
 The guest runtime drives the device from the host side (``dxpu_vfio.lab.accel_workloads``:
 our vfio-user client in QEMU's place, a memfd as guest RAM); no TCG guest is booted, so
@@ -18,7 +19,7 @@ Table on stdout, JSON in results/bench/accel.json (``results -> workload -> loca
 ``copy``, ``floor``, ``goals``). Goals: at 0 added delay MLP inference at batch 64 and the
 transformer block within 10% of local; copy bandwidth remote >= 50% of local.
 
-    .venv/bin/python scripts/bench_accel.py [--passes 7] [--workloads mlp-b1,...] [--copy-mib 64]
+    .venv/bin/python scripts/bench_accel.py [--passes 11] [--workloads mlp-b1,...] [--copy-mib 64]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dxpu_vfio.bench import table, write_json  # noqa: E402
 from dxpu_vfio.lab import floors, lab  # noqa: E402
 from dxpu_vfio.lab.accel_paths import BOX, served, topology  # noqa: E402
-from dxpu_vfio.lab.accel_workloads import WORKLOADS, copy_bandwidth, run_passes  # noqa: E402
+from dxpu_vfio.lab.accel_workloads import WORKLOADS, Passes, copy_bandwidth  # noqa: E402
 from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
 
 GOAL_WORKLOADS = ("mlp-b64", "transformer-s64", "transformer-s256")
@@ -60,7 +61,7 @@ def breakdown(run: dict, rtt_s: float) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--passes", type=int, default=7, help="timed passes per workload and path")
+    parser.add_argument("--passes", type=int, default=11, help="timed passes per workload and path")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--copy-mib", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="the device's BLAS threads (both paths)")
@@ -87,9 +88,13 @@ def main() -> int:
                   f"{client_rtt * 1e6:.1f} µs, local read {local_read * 1e6:.1f} µs)", flush=True)
             for name in names:
                 results[name] = {}
-                for kind, srv, acc in (("local", local, lacc), ("remote", remote, racc)):
-                    workload = WORKLOADS[name](acc.dev)
-                    run = run_passes(workload, args.passes, srv.counters)
+                paths = {kind: Passes(WORKLOADS[name](acc.dev), srv.counters)
+                         for kind, srv, acc in (("local", local, lacc), ("remote", remote, racc))}
+                for _ in range(args.passes):       # pass by pass, so both paths see the same load
+                    for runner in paths.values():
+                        runner.one()
+                for kind, runner in paths.items():
+                    run = runner.result()
                     run["breakdown"] = breakdown(run, rtt if kind == "remote" else 0.0)
                     results[name][kind] = run
                     print(f"  {kind:6} {name:16} {run['median_s'] * 1000:8.2f} ms  (error {run['max_abs_error']:.1e})",

@@ -309,35 +309,57 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
 }
 
 
+class Passes:
+    """Timed passes of one workload: ``one()`` runs a pass bracketed by two device
+    timestamps (so its wall time splits into the device's span and the launch), and
+    ``result()`` sums them up with the counters' deltas per pass. Separate from the loop
+    so a benchmark can interleave two paths pass by pass (both see the same load)."""
+
+    def __init__(self, workload: Workload, counters: Callable[[], dict] | None = None, warmup: int = 1) -> None:
+        self.workload, self.counters = workload, counters
+        self.s = workload.dev.stream()
+        for _ in range(warmup):
+            workload.push(self.s)
+            self.s.synchronize()
+        self.walls: list[float] = []
+        self.spans: list[float] = []
+        self.before = counters() if counters else None
+
+    def one(self) -> float:
+        s = self.s
+        started = time.perf_counter()
+        first = s.timestamp()
+        self.workload.push(s)
+        last = s.timestamp()
+        s.synchronize()
+        self.walls.append(time.perf_counter() - started)
+        self.spans.append((last.ns - first.ns) / 1e9)
+        return self.walls[-1]
+
+    def result(self) -> dict:
+        """The summary; checks the numerics (AssertionError if they are off)."""
+        after = self.counters() if self.counters else None
+        walls, spans, passes = self.walls, self.spans, len(self.walls)
+        error = self.workload.check()
+        out = {"workload": self.workload.name, "what": self.workload.what, "passes": passes,
+               "median_s": statistics.median(walls), "min_s": min(walls), "max_s": max(walls),
+               "mean_s": statistics.fmean(walls), "span_mean_s": statistics.fmean(spans), "max_abs_error": error}
+        if self.before is not None and after is not None:
+            out["per_pass"] = {k: (after[k] - self.before[k]) / passes for k in after
+                               if isinstance(after[k], (int, float)) and k in self.before}
+        return out
+
+
 def run_passes(workload: Workload, passes: int, counters: Callable[[], dict] | None = None,
                warmup: int = 1) -> dict:
     """Time ``passes`` passes (after ``warmup`` untimed ones); per pass the wall time and
     the device's span between two timestamps; with ``counters`` (a snapshot of both
     proxies' and the device's counters, :mod:`dxpu_vfio.lab.accel_paths`) their deltas
     per pass. Checks the numerics at the end (AssertionError if they are off)."""
-    s = workload.dev.stream()
-    for _ in range(warmup):
-        workload.push(s)
-        s.synchronize()
-    before = counters() if counters else None
-    walls, spans = [], []
+    runner = Passes(workload, counters, warmup)
     for _ in range(passes):
-        started = time.perf_counter()
-        first = s.timestamp()
-        workload.push(s)
-        last = s.timestamp()
-        s.synchronize()
-        walls.append(time.perf_counter() - started)
-        spans.append((last.ns - first.ns) / 1e9)
-    after = counters() if counters else None
-    error = workload.check()
-    out = {"workload": workload.name, "what": workload.what, "passes": passes,
-           "median_s": statistics.median(walls), "min_s": min(walls), "max_s": max(walls),
-           "mean_s": statistics.fmean(walls), "span_mean_s": statistics.fmean(spans), "max_abs_error": error}
-    if before is not None and after is not None:
-        out["per_pass"] = {k: (after[k] - before[k]) / passes for k in after
-                           if isinstance(after[k], (int, float)) and k in before}
-    return out
+        runner.one()
+    return runner.result()
 
 
 def copy_bandwidth(dev, size: int = 64 << 20, repeats: int = 3) -> dict:
