@@ -29,6 +29,9 @@ def test_short_accel_sweep_counts_fits_and_predicts(tmp_path):
     status_reads = zero["round_trips_per_launch"] - 2           # the host's one per 20 ms of waiting
     assert 0 <= status_reads <= zero["runtime_s"] / 0.02 + 1 and zero["round_trips"] >= 3
     assert zero["bytes_moved"] == 2 * 8 * 1024 * 4 and zero["compute_s"] > 0 and zero["max_abs_error"] < 1e-3
+    for point in (zero, far):                              # the local run beside it scales it
+        assert point["runtime_s"] == pytest.approx(point["runtime_raw_s"] * results["local_s"]["accel-mlp-b8"]
+                                                   / point["local_s"])
     model = w["model"]
     assert model["bandwidth_Bps"] > 1e6 and model["bytes_moved"] == zero["bytes_moved"] and model["k"] == 1.0
     assert len(w["held_out"]) == 1 and abs(w["held_out"][0]["error"]) < 1          # predicted, sanely
