@@ -4,7 +4,7 @@ vs remote (the same model in a GPU box of the lab, over mutual TLS, no added del
 in the same run, both open at once, each workload's passes alternating between the two
 (so both see the same load on a shared machine).
 
-The guest runtime drives the device from the host side (``dxpu_vfio.lab.accel_workloads``:
+The guest runtime drives the device from the host side (``dxpu_vfio.lab.accel_paths``:
 our vfio-user client in QEMU's place, a memfd as guest RAM); no TCG guest is booted, so
 the numbers are the device path's, without a guest CPU. Workloads (weights in VRAM, one
 pass = inputs in, kernels, outputs out, one doorbell): MLP inference at batch 1, 8, 64,

@@ -1,7 +1,7 @@
 """The accelerator served two ways in one lab, for the benchmark and the sweep: *local*
 (a host proxy process serves the model: no network) and *remote* (a host proxy in the
 lab's host namespace forwarding over mutual TLS to the device in a GPU box). Both are
-opened from the host side (:class:`~dxpu_vfio.lab.accel_workloads.HostSideAccel`), and
+opened from the host side (:class:`HostSideAccel`), and
 both give a flat snapshot of the counters the performance model needs: the device's
 (kernel, DMA and ring-fetch time, fetches, copy batches, bytes), the host proxy's (its
 waits on the link) and the box's (the device's DMA reads over the link).
@@ -9,7 +9,11 @@ waits on the link) and the box's (the device's DMA reads over the link).
 
 from __future__ import annotations
 
+import gc
+import mmap
+import os
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -17,12 +21,71 @@ from typing import Iterator
 from dxpu_vfio import registry
 from dxpu_vfio.hostproxy.process import HostProxyProcess
 from dxpu_vfio.lab import lab
-from dxpu_vfio.lab.accel_workloads import HostSideAccel
+from dxpu_vfio.lab.accel import load_runtime
+from dxpu_vfio.vfio_user import protocol as p
+from dxpu_vfio.vfio_user.client import VfioUserClient
 
+GUEST_BASE = 1 << 32        # where the memfd "guest RAM" sits in the device's DMA space
+GUEST_RAM = 320 << 20       # enough for the copy benchmark's 64 MiB buffers and staging
+rt = load_runtime()
 BOX, DEVICE = "box1", "acc0"
 VRAM = 1 << 30
 DEVICE_KEYS = ("kernel_ns", "dma_ns", "fetch_ns", "fetches", "doorbells", "entries", "copy_reads",
                "copy_writes", "h2d_bytes", "d2h_bytes")
+
+
+class _ClientMmio:
+    """BAR0 through the vfio-user client; writes posted, as QEMU sends MMIO writes."""
+
+    def __init__(self, client: VfioUserClient) -> None:
+        self.client, self.bdf = client, "host-side"
+
+    def read32(self, offset: int) -> int:
+        return self.client.read32(0, offset)
+
+    def write32(self, offset: int, value: int) -> None:
+        self.client.write32(0, offset, value, posted=True)
+
+
+class HostSideAccel:
+    """The runtime's ``Accel`` on a served device (a host proxy's vfio-user socket), with
+    a memfd DMA-mapped as guest RAM. A context manager: ``close`` ends the session."""
+
+    def __init__(self, socket_path: Path, ram_size: int = GUEST_RAM, timeout: float = 60.0) -> None:
+        self.client = VfioUserClient(socket_path)
+        self.client.negotiate()
+        fd = os.memfd_create("dxpu-guest-ram")
+        try:
+            os.ftruncate(fd, ram_size)
+            self.ram = mmap.mmap(fd, ram_size)
+            self.client.dma_map(GUEST_BASE, ram_size, fd=fd)
+        finally:
+            os.close(fd)
+        cmd = int.from_bytes(self.client.read(p.REGION_CONFIG, 4, 2), "little")
+        self.client.write(p.REGION_CONFIG, 4, (cmd | 6).to_bytes(2, "little"))   # memory + bus master
+        self.dev = rt.Accel(_ClientMmio(self.client), rt.MappedMemory(self.ram, GUEST_BASE), timeout=timeout)
+
+    def register_reads(self, count: int) -> float:
+        """Mean seconds per BAR0 read seen by this client (a link round trip when remote)."""
+        started = time.perf_counter()
+        for _ in range(count):
+            self.dev.mmio.read32(rt.REG_ID)
+        return (time.perf_counter() - started) / count
+
+    def close(self) -> None:
+        self.client.close()
+        self.dev = None
+        gc.collect()            # the runtime's buffers are views of the mapping
+        try:
+            self.ram.close()
+        except BufferError:     # a caller still holds one: unmapped when it goes
+            pass
+
+    def __enter__(self) -> "HostSideAccel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def topology(name: str, threads: int = 1) -> lab.Topology:

@@ -1,8 +1,9 @@
-"""AI workloads on the accelerator, driven from the host side: the guest runtime
-(``vm_images/tools/dxpu_accel.py``) through our vfio-user client in QEMU's place, a
-memfd as guest RAM (as ``tests/test_accel_runtime.py`` does), so a benchmark or a sweep
-needs no TCG guest: the device, the host proxy, the link and the box are the real ones,
-only the guest's CPU is not in the loop.
+"""AI workloads on the accelerator, for the guest runtime's ``Accel``
+(``vm_images/tools/dxpu_accel.py``) wherever it was opened: in a benchmark or a sweep it
+drives the device from the host side (:class:`dxpu_vfio.lab.accel_paths.HostSideAccel`:
+our vfio-user client in QEMU's place, a memfd as guest RAM, as
+``tests/test_accel_runtime.py`` does), so no TCG guest is needed: the device, the host
+proxy, the link and the box are the real ones, only the guest's CPU is not in the loop.
 
 Each workload keeps its weights in VRAM (uploaded once, as a served model does) and one
 *pass* is what a framework's step is: inputs copied in, the kernels, outputs copied
@@ -14,77 +15,12 @@ fence seen by the host). ``check()`` compares the device's results with numpy.
 
 from __future__ import annotations
 
-import gc
-import mmap
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
-
-from dxpu_vfio.lab.accel import load_runtime
-from dxpu_vfio.vfio_user import protocol as p
-from dxpu_vfio.vfio_user.client import VfioUserClient
-
-GUEST_BASE = 1 << 32        # where the memfd "guest RAM" sits in the device's DMA space
-GUEST_RAM = 320 << 20       # enough for the copy benchmark's 64 MiB buffers and staging
-rt = load_runtime()
-
-
-class _ClientMmio:
-    """BAR0 through the vfio-user client; writes posted, as QEMU sends MMIO writes."""
-
-    def __init__(self, client: VfioUserClient) -> None:
-        self.client, self.bdf = client, "host-side"
-
-    def read32(self, offset: int) -> int:
-        return self.client.read32(0, offset)
-
-    def write32(self, offset: int, value: int) -> None:
-        self.client.write32(0, offset, value, posted=True)
-
-
-class HostSideAccel:
-    """The runtime's ``Accel`` on a served device (a host proxy's vfio-user socket), with
-    a memfd DMA-mapped as guest RAM. A context manager: ``close`` ends the session."""
-
-    def __init__(self, socket_path: Path, ram_size: int = GUEST_RAM, timeout: float = 60.0) -> None:
-        self.client = VfioUserClient(socket_path)
-        self.client.negotiate()
-        fd = os.memfd_create("dxpu-guest-ram")
-        try:
-            os.ftruncate(fd, ram_size)
-            self.ram = mmap.mmap(fd, ram_size)
-            self.client.dma_map(GUEST_BASE, ram_size, fd=fd)
-        finally:
-            os.close(fd)
-        cmd = int.from_bytes(self.client.read(p.REGION_CONFIG, 4, 2), "little")
-        self.client.write(p.REGION_CONFIG, 4, (cmd | 6).to_bytes(2, "little"))   # memory + bus master
-        self.dev = rt.Accel(_ClientMmio(self.client), rt.MappedMemory(self.ram, GUEST_BASE), timeout=timeout)
-
-    def register_reads(self, count: int) -> float:
-        """Mean seconds per BAR0 read seen by this client (a link round trip when remote)."""
-        started = time.perf_counter()
-        for _ in range(count):
-            self.dev.mmio.read32(rt.REG_ID)
-        return (time.perf_counter() - started) / count
-
-    def close(self) -> None:
-        self.client.close()
-        self.dev = None
-        gc.collect()            # the runtime's buffers are views of the mapping
-        try:
-            self.ram.close()
-        except BufferError:     # a caller still holds one: unmapped when it goes
-            pass
-
-    def __enter__(self) -> "HostSideAccel":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _f32(array) -> np.ndarray:
