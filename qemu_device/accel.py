@@ -220,7 +220,8 @@ class AccelDevice(PciFunction):
         self._generation = 0
         self.counters = {"doorbells": 0, "fetches": 0, "entries": 0, "errors": 0,
                          "doorbells_ignored": 0, "h2d_bytes": 0, "d2h_bytes": 0,
-                         "kernel_ns": 0, "dma_ns": 0, "interrupts": 0}
+                         "kernel_ns": 0, "dma_ns": 0, "fetch_ns": 0, "copy_reads": 0, "copy_writes": 0,
+                         "interrupts": 0}
         self.opcode_counts: dict[int, int] = {}
         with self.lock:
             self.reset_registers()
@@ -419,7 +420,9 @@ class AccelDevice(PciFunction):
             try:
                 started = time.monotonic_ns()
                 raw = b"".join(self.dma_read_many(pieces))
-                self.counters["dma_ns"] += time.monotonic_ns() - started
+                spent = time.monotonic_ns() - started
+                self.counters["dma_ns"] += spent
+                self.counters["fetch_ns"] += spent
             except DmaError as exc:
                 log.debug("accel ring fetch fault: %s", exc)
                 with self.lock:
@@ -530,7 +533,8 @@ class AccelDevice(PciFunction):
             started = time.monotonic_ns()
             chunks = self.dma_read_many(group)
             self.counters["dma_ns"] += time.monotonic_ns() - started
-            data = b"".join(chunks)
+            self.counters["copy_reads"] += 1
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)   # one piece: no copy
             self._vram_write(generation, dst + pos, data)
             self.counters["h2d_bytes"] += len(data)
 
@@ -547,6 +551,7 @@ class AccelDevice(PciFunction):
             started = time.monotonic_ns()
             self.dma_write_many(out)
             self.counters["dma_ns"] += time.monotonic_ns() - started
+            self.counters["copy_writes"] += 1
             self.counters["d2h_bytes"] += at
 
     def _op_copy_d2d(self, entry: Entry, generation: int) -> None:

@@ -60,3 +60,48 @@ def test_fit_refuses_what_it_cannot_fit():
         fit("w", 1.0, [Point(1e-4, 1.2, 0)])
     with pytest.raises(ValueError, match="positive"):
         fit("w", 0.0, [Point(1e-4, 1.2, 10)])
+
+
+# -- accelerator workloads: compute, round trips per launch and per copy, transfer ---------
+
+def accel_points(t0: float, k: float, n: int, nbytes: int, bandwidth: float, rtts: list[float]) -> list[Point]:
+    """Remote runs of an accelerator workload: T = T0 + k * N * rtt + bytes / bandwidth."""
+    return [Point(rtt, t0 + k * n * rtt + nbytes / bandwidth, n, bytes_moved=nbytes, compute_s=0.03)
+            for rtt in rtts]
+
+
+def test_a_known_bandwidth_comes_off_before_the_fit_and_predicts_other_links():
+    # 3 launches x 2 round trips + 2 copies x 1: N = 8; 4 MB over a 400 MB/s link = 10 ms
+    points = accel_points(0.052, 1.0, 8, 4_000_000, 400e6, [150e-6, 600e-6, 1.2e-3])
+    model = fit("mlp", 0.050, points, bandwidth_Bps=400e6)
+    assert model.t0_s == pytest.approx(0.052) and model.k == pytest.approx(1.0)
+    assert model.bytes_moved == 4_000_000 and model.compute_s == pytest.approx(0.03)
+    assert model.compute_share == pytest.approx(0.6)
+    assert model.predict(2e-3) == pytest.approx(0.052 + 8 * 2e-3 + 0.010)          # a held-out delay
+    assert model.predict(0.0, bandwidth_Bps=4e9) == pytest.approx(0.052 + 0.001)   # a faster link
+    without = fit("mlp", 0.050, points)             # the transfer term left in the intercept
+    assert without.t0_s == pytest.approx(0.062) and without.predict(0.0, 4e9) == pytest.approx(0.062)
+
+
+def test_the_10_percent_crossings_in_round_trip_and_bandwidth():
+    model = Model("t", t_local_s=0.100, round_trips=10, k=1.0, t0_s=0.102, bandwidth_Bps=500e6, bytes_moved=1_000_000)
+    rtt10 = model.rtt_for_overhead(0.10)
+    assert rtt10 == pytest.approx((0.110 - 0.102 - 0.002) / 10)                    # 600 µs
+    assert model.overhead(rtt10) == pytest.approx(0.10)
+    bw10 = model.bandwidth_for_overhead(0.10, rtt_s=200e-6)
+    assert bw10 == pytest.approx(1_000_000 / (0.110 - 0.102 - 0.002))              # 166.7 MB/s
+    assert model.overhead(200e-6, bandwidth_Bps=bw10) == pytest.approx(0.10)
+    assert model.bandwidth_for_overhead(0.10, rtt_s=1e-3) == math.inf              # the round trips alone exceed it
+    assert Model("none", 0.1, 10, 1.0).bandwidth_for_overhead(0.10) == 0.0          # moves nothing: any link
+
+
+def test_one_calibration_point_with_a_known_k_fits_the_intercept():
+    [point] = accel_points(0.060, 1.0, 5, 1_000_000, 250e6, [300e-6])
+    model = fit("w", 0.050, [point], bandwidth_Bps=250e6, k_prior=1.0)
+    assert model.k == 1.0 and model.t0_s == pytest.approx(0.060)
+    assert model.predict(1e-3) == pytest.approx(0.060 + 5e-3 + 0.004)
+
+
+def test_fit_refuses_a_bandwidth_that_is_not_one():
+    with pytest.raises(ValueError, match="bandwidth"):
+        fit("w", 1.0, [Point(1e-4, 1.2, 10)], bandwidth_Bps=0.0)

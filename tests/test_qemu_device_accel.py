@@ -205,6 +205,9 @@ def test_large_copy_goes_in_batches(drv, monkeypatch):
     copy_batches = drv.ram.batches[1:]    # the first read_many fetched the ring
     assert len(copy_batches) == 5 and sum(n for b in copy_batches for _, n in b) == len(data)
     assert drv.dev.region_read(2, 0, len(data)) == data
+    stats = drv.dev.stats()               # what the performance model counts: one wait per batch
+    assert stats["copy_reads"] == 5 and stats["fetches"] == 1 and stats["copy_writes"] == 0
+    assert 0 < stats["fetch_ns"] < stats["dma_ns"]
 
 
 def test_vram_to_vram_and_fill(drv):

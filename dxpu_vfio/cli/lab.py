@@ -185,8 +185,10 @@ def cmd_lab_sweep(args: argparse.Namespace) -> int:
     from dxpu_vfio.lab.sweep import run_sweep
     from dxpu_vfio.procs import exit_on_sigterm
     exit_on_sigterm()  # the sweep's finally then removes its lab and disks on SIGTERM too
+    workloads = args.workloads.split(",") if args.workloads else None
     results = run_sweep([float(d) for d in args.delays.split(",")],
-                        [float(d) for d in args.calibration.split(",")], Path(args.out), log=progress(args))
+                        [float(d) for d in args.calibration.split(",")], Path(args.out), workloads=workloads,
+                        log=progress(args), passes=args.passes)
     emit(args, results, _sweep_text)
     return 0
 
@@ -197,12 +199,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _sweep_text(results: dict) -> str:
-    lines = ["", "workload      T_local   k      round trips  10% overhead at RTT   held-out errors"]
+    lines = ["", "workload                T_local   k      round trips  10% overhead at RTT   held-out errors"]
     for w, d in results["workloads"].items():
         m = d["model"]
         errs = ", ".join(f"{h['delay_us']:g}µs: {h['error'] * 100:+.1f}%" for h in d["held_out"])
-        lines.append(f"{w:12} {m['t_local_s'] * 1000:7.1f} ms {m['k']:5.2f} {m['round_trips']:12.0f}  "
+        lines.append(f"{w:22} {m['t_local_s'] * 1000:7.1f} ms {m['k']:5.2f} {m['round_trips']:12.0f}  "
                      f"{d['rtt_for_10pct_us']:10.1f} µs         {errs}")
+    accel = [(w, d) for w, d in results["workloads"].items() if "bandwidth_for_10pct_MBps" in d]
+    if accel:
+        lines += ["", "accelerator workload    compute share  overhead at the lab's floor  round trips/launch  "
+                  "/copy  10% crossed below link bandwidth (at the floor's RTT)"]
+        for w, d in accel:
+            lines.append(f"{w:22} {d['compute_share'] * 100:10.0f}%  {d['overhead_at_floor'] * 100:+20.1f}%  "
+                         f"{d['round_trips_per_launch']:18.2f}  {d['round_trips_per_copy']:5.2f}  "
+                         f"{d['bandwidth_for_10pct_MBps']:10.1f} MB/s")
     return "\n".join(lines)
 
 
@@ -272,6 +282,10 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--delays", default="0,100,250,500,1000", help="added one-way delays, µs")
     p.add_argument("--calibration", default="0,250,1000", help="delays the model is fitted on")
     p.add_argument("--out", default="results/sweep")
+    p.add_argument("--workloads", help="comma-separated: mmio-loop, dma-64k, dma-1m, nvme-read, nvme-write (the "
+                   "default: all five, in a guest) and the accelerator's accel-mlp-b1, accel-mlp-b8, accel-mlp-b64, "
+                   "accel-transformer-s64, accel-transformer-s256, accel-train-step (from the host side)")
+    p.add_argument("--passes", type=int, default=3, help="accel-*: timed passes per point (the median counts)")
 
     p = command(sub, "demo", cmd_demo, "the main demo on the embedded defaults")
     p.add_argument("--image", default="full", choices=["full"], help="the display needs the full image")

@@ -1,11 +1,25 @@
 """The host side of the guest's accel runtime (``vm_images/tools/dxpu_accel.py``): copy it
-into a guest and run its self-test there, reading back its ``key=value`` lines."""
+into a guest and run its self-test there, reading back its ``key=value`` lines; or load
+it here to drive a device from the host side (:mod:`dxpu_vfio.lab.accel_workloads`)."""
 
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 from dxpu_vfio.paths import VM_IMAGES_DIR
 
 GUEST_TOOL = VM_IMAGES_DIR / "tools" / "dxpu_accel.py"
+
+
+@functools.cache
+def load_runtime():
+    """The guest runtime as a module of this process, to drive a device from the host side
+    (through a vfio-user client in QEMU's place): the same code the guest runs."""
+    spec = importlib.util.spec_from_file_location("dxpu_accel", GUEST_TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def install(vm, path: str = "/tmp/dxpu_accel.py") -> str:

@@ -7,6 +7,11 @@ guest-visible run time, the serialized round trips both proxies counted, and the
 round-trip time measured at that delay (the host proxy's mean wait per register read).
 Output: ``<out>/sweep.json`` and one ``<out>/<workload>.png`` per workload plus
 ``<out>/overhead.png`` with all of them.
+
+The accelerator's AI workloads (``accel-*``, :mod:`dxpu_vfio.lab.accel_sweep`) run from
+the host side without a guest; their model has the transfer term, with the copy
+bandwidth over the link measured in the same sweep, and reports the link bandwidth at
+which the overhead crosses 10% too.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from pathlib import Path
 from typing import Callable
 
 from dxpu_vfio import registry
-from dxpu_vfio.lab import hotplug, lab
+from dxpu_vfio.errors import DxpuError
+from dxpu_vfio.lab import accel_sweep, hotplug, lab
 from dxpu_vfio.lab.guest_devices import nvme_disk
 from dxpu_vfio.perfmodel import Point, fit, prediction_error
 from dxpu_vfio.vms.runner import Vm, VmConfig
@@ -40,6 +46,10 @@ WORKLOADS: dict[str, tuple[str, str, str]] = {
                    "{n} x 128 KiB NVMe writes"),
 }
 DEFAULT_SIZES = {"mmio-loop": 2000, "dma-64k": 40, "dma-1m": 8, "nvme-read": 192, "nvme-write": 96}
+
+
+def known_workloads() -> list[str]:
+    return list(WORKLOADS) + accel_sweep.names()
 
 
 def _timed(vm: Vm, command: str, repeats: int = 1) -> float:
@@ -75,10 +85,67 @@ class _Counters:
 
 def run_sweep(delays_us: list[float], calibration_us: list[float], out: Path,
               sizes: dict[str, int] | None = None, workloads: list[str] | None = None,
-              log: Callable[[str], None] = print) -> dict:
+              log: Callable[[str], None] = print, passes: int = 3) -> dict:
+    """``workloads``: guest ones (WORKLOADS, default all) and/or ``accel-*`` ones;
+    ``passes``: timed passes per point of an accelerator workload (the median counts)."""
     sizes = {**DEFAULT_SIZES, **(sizes or {})}
-    names = workloads or list(WORKLOADS)
+    chosen = workloads or list(WORKLOADS)
+    unknown = [w for w in chosen if w not in known_workloads()]
+    if unknown:
+        raise DxpuError(f"unknown sweep workloads: {', '.join(unknown)}",
+                        hint=f"pick from: {', '.join(known_workloads())}")
+    names = [w for w in chosen if w in WORKLOADS]
+    accel = [w for w in chosen if w not in WORKLOADS]
     out.mkdir(parents=True, exist_ok=True)
+    local: dict[str, float] = {}
+    runs: dict[str, list[dict]] = {}
+    if names:
+        guest_local, guest_runs = _guest_runs(delays_us, names, sizes, log)
+        local.update(guest_local)
+        runs.update(guest_runs)
+    extra: dict = {}
+    if accel:
+        accel_local, accel_runs, extra = accel_sweep.run(delays_us, accel, passes, log)
+        local.update(accel_local)
+        runs.update(accel_runs)
+
+    results = {"delays_us": delays_us, "calibration_us": calibration_us, "sizes": sizes,
+               "local_s": local, "workloads": {}}
+    if accel:
+        results["accel"] = {"passes": passes, "copy_MBps": extra["copy_MBps"], "local": extra["local"]}
+    for w in chosen:
+        points = [Point(r["rtt_s"], r["runtime_s"], r["round_trips"], r["delay_us"], r.get("bytes_moved", 0),
+                        r.get("compute_s", 0.0)) for r in runs[w]]
+        calib = [p for p in points if p.delay_us in calibration_us]
+        held = [p for p in points if p.delay_us not in calibration_us]
+        bandwidth = accel_sweep.link_bandwidth(runs[w][0], extra["copy_MBps"]["remote"]) if w in accel else None
+        model = fit(w, local[w], calib, bandwidth_Bps=bandwidth, k_prior=1.0 if w in accel else None)
+        what = WORKLOADS[w][2].format(n=sizes[w]) if w in WORKLOADS else extra["what"][w]
+        entry = {
+            "what": what, "model": asdict(model), "runs": runs[w],
+            "held_out": [{"delay_us": p.delay_us, "rtt_us": p.rtt_s * 1e6, "measured_s": p.runtime_s,
+                          "predicted_s": model.predict(p.rtt_s), "error": prediction_error(model, p)} for p in held],
+            "rtt_for_10pct_us": model.rtt_for_overhead(0.10) * 1e6,
+        }
+        if w in accel:
+            floor_rtt = min(p.rtt_s for p in points)
+            first = runs[w][0]
+            entry.update({
+                "compute_share": extra["local"][w]["compute_s"] / local[w], "launches": first["launches"],
+                "copy_batches": first["copy_batches"], "round_trips_per_launch": first["round_trips_per_launch"],
+                "round_trips_per_copy": first["round_trips_per_copy"],
+                "overhead_at_floor": model.overhead(floor_rtt), "floor_rtt_us": floor_rtt * 1e6,
+                "bandwidth_for_10pct_MBps": model.bandwidth_for_overhead(0.10, floor_rtt) / 1e6,
+                "bandwidth_for_10pct_at_zero_rtt_MBps": model.bandwidth_for_overhead(0.10, 0.0) / 1e6})
+        results["workloads"][w] = entry
+    (out / "sweep.json").write_text(json.dumps(results, indent=1, default=str))
+    plot(results, out)
+    return results
+
+
+def _guest_runs(delays_us: list[float], names: list[str], sizes: dict[str, int],
+                log: Callable[[str], None]) -> tuple[dict[str, float], dict[str, list[dict]]]:
+    """The guest workloads: local once, then remote at each delay, in one tiny guest."""
     disks = Path(tempfile.mkdtemp(prefix="dxpu-sweep-"))
     nvme_settings = lambda tag: {"namespaces": [{"size": 64 * MiB, "path": str(disks / f"{tag}.img")}]}  # noqa: E731
     topology = lab.Topology(f"sw{os.getpid()}", [lab.BoxSpec("box1", [
@@ -140,23 +207,7 @@ def run_sweep(delays_us: list[float], calibration_us: list[float], out: Path,
     finally:
         lab.down(topology.name)  # safe where lab.up never finished
         shutil.rmtree(disks, ignore_errors=True)
-
-    results = {"delays_us": delays_us, "calibration_us": calibration_us, "sizes": sizes,
-               "local_s": local, "workloads": {}}
-    for w in names:
-        points = [Point(r["rtt_s"], r["runtime_s"], r["round_trips"], r["delay_us"]) for r in runs[w]]
-        calib = [p for p in points if p.delay_us in calibration_us]
-        held = [p for p in points if p.delay_us not in calibration_us]
-        model = fit(w, local[w], calib)
-        results["workloads"][w] = {
-            "what": WORKLOADS[w][2].format(n=sizes[w]), "model": asdict(model), "runs": runs[w],
-            "held_out": [{"delay_us": p.delay_us, "rtt_us": p.rtt_s * 1e6, "measured_s": p.runtime_s,
-                          "predicted_s": model.predict(p.rtt_s), "error": prediction_error(model, p)} for p in held],
-            "rtt_for_10pct_us": model.rtt_for_overhead(0.10) * 1e6,
-        }
-    (out / "sweep.json").write_text(json.dumps(results, indent=1, default=str))
-    plot(results, out)
-    return results
+    return local, runs
 
 
 def plot(results: dict, out: Path) -> list[Path]:

@@ -68,7 +68,10 @@ class LinkDmaPort:
         """Pipelined: up to READ_WINDOW_BYTES (and READ_WINDOW_PIECES) in flight across all
         ranges, each piece at most READ_PIECE, requests sent a windowful per call, so a
         scatter list costs about one round trip plus the transfer, not one per page. This
-        thread receives the completions itself (the background reader stands aside)."""
+        thread receives the completions itself (the background reader stands aside).
+        The ranges come back as the bytearrays they were assembled in (bytes-like; not
+        copied again: on an accelerator's 16 MiB copy batches that copy and its fresh
+        pages' faults were a tenth of the box's CPU per byte)."""
         for addr, length in ranges:
             check_range(addr, length)
         self._refused("dma-read")
@@ -87,7 +90,7 @@ class LinkDmaPort:
             stall = self.faults.take(self.device, "stall", "dma-read")
             if stall is not None:  # the completion came; the device gets it late
                 self.faults.hold(stall)
-        return [bytes(b) for b in out]
+        return out  # type: ignore[return-value]
 
     def _pipeline(self, ranges: list[tuple[int, int]], out: list[bytearray]) -> None:
         pieces = [(i, addr + pos, min(READ_PIECE, length - pos))

@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""AI workloads on the accelerator: local (the host proxy serves the model, no network)
+vs remote (the same model in a GPU box of the lab, over mutual TLS, no added delay),
+in the same run, both open at once, each workload's passes alternating between the two
+(so both see the same load on a shared machine).
+
+The guest runtime drives the device from the host side (``dxpu_vfio.lab.accel_paths``:
+our vfio-user client in QEMU's place, a memfd as guest RAM); no TCG guest is booted, so
+the numbers are the device path's, without a guest CPU. Workloads (weights in VRAM, one
+pass = inputs in, kernels, outputs out, one doorbell): MLP inference at batch 1, 8, 64,
+a transformer block forward at two sequence lengths, an MLP training step; each checked
+against numpy. Per workload: run time local and remote, and where the time goes, from the
+device's timestamps (span of a pass) and counters (kernel, copy and ring-fetch time) and
+both proxies' counters (serialized round trips, the link's round trip): launch + round
+trips, moving bytes, computing, the device's own dispatch. Then host <-> VRAM copy
+bandwidth, and the lab's floors (TLS ping-pong and bulk) of the same run.
+
+Table on stdout, JSON in results/bench/accel.json (``results -> workload -> local/remote``,
+``copy``, ``floor``, ``goals``). Goals: at 0 added delay MLP inference at batch 64 and the
+transformer block within 10% of local; copy bandwidth remote >= 50% of local.
+
+    .venv/bin/python scripts/bench_accel.py [--passes 11] [--workloads mlp-b1,...] [--copy-mib 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dxpu_vfio.bench import table, write_json  # noqa: E402
+from dxpu_vfio.lab import floors, lab  # noqa: E402
+from dxpu_vfio.lab.accel_paths import BOX, served, topology  # noqa: E402
+from dxpu_vfio.lab.accel_workloads import WORKLOADS, Passes, copy_bandwidth  # noqa: E402
+from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
+
+GOAL_WORKLOADS = ("mlp-b64", "transformer-s64", "transformer-s256")
+
+
+def breakdown(run: dict, rtt_s: float) -> dict:
+    """Where one pass's time goes (seconds): launch and round trips (doorbell to the first
+    entry, the last entry to the fence seen, plus one round trip per copy batch), moving
+    bytes (the copies' DMA time beyond their round trips), computing (the kernels), the
+    device's own dispatch (operand loads from VRAM, checks); and the serialized round
+    trips counted: the ring fetch and the doorbell/fence legs of each launch, one per copy
+    batch read (the host's status reads overlap with the device's work: apart)."""
+    per = run["per_pass"]
+    mean = run["mean_s"]
+    span = run["span_mean_s"]
+    compute = per["kernel_ns"] / 1e9
+    copies = (per["dma_ns"] - per["fetch_ns"]) / 1e9
+    copy_trips = per["copy_reads"] * rtt_s
+    waits = max(0.0, mean - span) + min(copies, copy_trips)
+    return {"round_trips_s": waits, "bytes_s": max(0.0, copies - copy_trips), "compute_s": compute,
+            "device_other_s": max(0.0, span - compute - copies),
+            "round_trips_counted": per["fetches"] + per["copy_reads"] + per["doorbells"],
+            "status_reads": per["host_reads"],
+            "launches": per["doorbells"], "copy_batches": per["copy_reads"] + per["copy_writes"],
+            "bytes": per["h2d_bytes"] + per["d2h_bytes"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--passes", type=int, default=11, help="timed passes per workload and path")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--copy-mib", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="the device's BLAS threads (both paths)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    names = args.workloads.split(",")
+    unknown = set(names) - set(WORKLOADS)
+    if unknown:
+        sys.exit(f"unknown workloads {sorted(unknown)}; known: {', '.join(WORKLOADS)}")
+    exit_on_sigterm()  # a SIGTERM still runs the finally below: no lab, no proxies left
+    topo = topology(f"ba{os.getpid() % 10000}", args.threads)
+    results: dict[str, dict] = {}
+    load = os.getloadavg()
+    try:
+        state = lab.up(topo)
+        floor = floors.measure_lab(state, BOX)
+        with served("local", None, args.threads) as (local, lacc), served("remote", state, args.threads) as (remote, racc):
+            before = remote.counters()
+            client_rtt = racc.register_reads(300)
+            after = remote.counters()
+            rtt = (after["host_read_wait_us"] - before["host_read_wait_us"]) / (after["host_reads"] - before["host_reads"]) / 1e6
+            local_read = lacc.register_reads(300)
+            print(f"  link round trip {rtt * 1e6:.1f} µs (host proxy's wait per read; client sees "
+                  f"{client_rtt * 1e6:.1f} µs, local read {local_read * 1e6:.1f} µs)", flush=True)
+            for name in names:
+                results[name] = {}
+                paths = {kind: Passes(WORKLOADS[name](acc.dev), srv.counters)
+                         for kind, srv, acc in (("local", local, lacc), ("remote", remote, racc))}
+                for _ in range(args.passes):       # pass by pass, so both paths see the same load
+                    for runner in paths.values():
+                        runner.one()
+                for kind, runner in paths.items():
+                    run = runner.result()
+                    run["breakdown"] = breakdown(run, rtt if kind == "remote" else 0.0)
+                    results[name][kind] = run
+                    print(f"  {kind:6} {name:16} {run['median_s'] * 1000:8.2f} ms  (error {run['max_abs_error']:.1e})",
+                          flush=True)
+            copy = {"bytes": args.copy_mib << 20}
+            for kind, acc in (("local", lacc), ("remote", racc)):
+                copy[kind] = copy_bandwidth(acc.dev, args.copy_mib << 20)
+                print(f"  {kind:6} copy {copy[kind]['h2d_MBps']:7.0f} MB/s to VRAM, {copy[kind]['d2h_MBps']:7.0f} "
+                      "MB/s back", flush=True)
+    finally:
+        lab.down(topo.name)  # safe where lab.up never finished
+    rows, split = [], []
+    for name, r in results.items():
+        lo, re = r["local"], r["remote"]
+        r["remote_vs_local"] = re["median_s"] / lo["median_s"]
+        rows.append([name, lo["median_s"] * 1000, re["median_s"] * 1000, r["remote_vs_local"],
+                     re["breakdown"]["round_trips_counted"], re["breakdown"]["bytes"] / 1e6])
+        for kind in ("local", "remote"):
+            b, mean = r[kind]["breakdown"], r[kind]["mean_s"]
+            split.append([f"{name} {kind}", mean * 1000, f"{100 * b['round_trips_s'] / mean:.0f}%",
+                          f"{100 * b['bytes_s'] / mean:.0f}%", f"{100 * b['compute_s'] / mean:.0f}%",
+                          f"{100 * b['device_other_s'] / mean:.0f}%"])
+    print()
+    print(table(["workload", "local ms", "remote ms", "remote/local", "round trips/pass", "MB moved/pass"], rows))
+    print("\nwhere a pass's time goes (mean pass; device timestamps and counters, both proxies' counters):")
+    print(table(["workload path", "ms", "launch + round trips", "moving bytes", "computing", "device dispatch"], split))
+    copy_ratio = {d: copy["remote"][f"{d}_MBps"] / copy["local"][f"{d}_MBps"] for d in ("h2d", "d2h")}
+    print("\n" + table(["copy", "local MB/s", "remote MB/s", "remote/local"],
+                       [[f"{d} {args.copy_mib} MiB", copy["local"][f"{d}_MBps"], copy["remote"][f"{d}_MBps"], copy_ratio[d]]
+                        for d in ("h2d", "d2h")]))
+    tls_bulk = min(floor["tls"]["bulk"]["to_box_MBps"], floor["tls"]["bulk"]["from_box_MBps"])
+    print(f"\nfloors (same run): TLS ping-pong {floor['tls']['ping_pong']['median_us']:.1f} µs, TLS bulk "
+          f"{floor['tls']['bulk']['to_box_MBps']:.0f}/{floor['tls']['bulk']['from_box_MBps']:.0f} MB/s; "
+          f"link round trip {rtt * 1e6:.1f} µs; load average before the run {load[0]:.2f}")
+    goals = {f"{w}_remote_vs_local": results[w]["remote_vs_local"] for w in GOAL_WORKLOADS if w in results}
+    goals.update({f"copy_{d}_remote_vs_local": v for d, v in copy_ratio.items()})
+    goals.update({f"copy_{d}_remote_vs_tls_bulk": copy["remote"][f"{d}_MBps"] / tls_bulk for d in ("h2d", "d2h")})
+    print("goals (want workloads <= 1.10, copies >= 0.50 of local): "
+          + ", ".join(f"{k} = {v:.2f}" for k, v in goals.items()))
+    path = write_json("accel", {"passes": args.passes, "threads": args.threads, "load_average": load,
+                                "link_rtt_s": rtt, "client_read_s": client_rtt, "local_read_s": local_read,
+                                "results": results, "copy": copy, "floor": floor, "goals": goals}, args.out)
+    print(f"\nJSON: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
