@@ -18,10 +18,8 @@ from pathlib import Path
 import pytest
 
 from dxpu_vfio.lab import fault_results, hotplug, lab
-from dxpu_vfio.lab.faults import in_netns
 from dxpu_vfio.lab.guest_devices import nvme_disk
 from dxpu_vfio.lab.impairment import Impairment
-from dxpu_vfio.pool.boxes import fetch_inventory
 from dxpu_vfio.testing import Serve, VmFactory, shared_vm
 
 pytestmark = pytest.mark.vm
@@ -343,13 +341,6 @@ def test_link_cut_removes_the_controller_vm_stays_up_reattach_brings_the_data_ba
 REMOVAL_GRACE = 1.0  # s between the box withdrawing the device and the control plane's device_del
 
 
-def box_lists(state, box: str, device: str) -> bool:
-    """Whether the box's INVENTORY (what a pool refreshing the box sees) lists ``device``."""
-    b = state.box(box)
-    inventory = in_netns(state.host_netns, lambda: fetch_inventory(b.endpoint, str(state.certs)))
-    return any(d["id"] == device for d in inventory["devices"])
-
-
 def test_surprise_removal_during_io_fails_the_io_vm_stays_up_reattach_brings_the_disk_back(
         vm, served_lab, lab_faults):
     """The box withdraws the disk while a writer runs, and the control plane's
@@ -379,7 +370,7 @@ def test_surprise_removal_during_io_fails_the_io_vm_stays_up_reattach_brings_the
         started = time.monotonic()
         faults.remove(grace=REMOVAL_GRACE, duration=120)  # returns once device_del is done (bounded)
         unplugged_s = round(time.monotonic() - started, 1)
-        listed = box_lists(served_lab, box, "nv0")
+        listed = faults.listed()
         ended = vm.run("i=0; while [ ! -e /tmp/rm.rc ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; "
                        "cat /tmp/rm.rc 2>/dev/null; tr '\\n' ' ' < /tmp/rm.err", timeout=60, check=False).stdout.split("\n")
         rc_line = ended[0].split()
@@ -402,7 +393,7 @@ def test_surprise_removal_during_io_fails_the_io_vm_stays_up_reattach_brings_the
         sums = vm.run(f"dd if=/dev/{ns} of=/tmp/ragain bs=128k count=32 iflag=direct 2>/dev/null; "
                       "md5sum /tmp/rkeep /tmp/ragain").stdout.split()
         record.update({"reattach_s": round(time.monotonic() - cleared, 1), "data_back_intact": sums[0] == sums[2],
-                       "box_lists_device_after": box_lists(served_lab, box, "nv0")})
+                       "box_lists_device_after": faults.listed()})
         record.update({
             "driver": ((f"no completion after the removal; the driver's remove at device_del ({REMOVAL_GRACE:g} s "
                         f"later, before its {IO_TIMEOUT} s I/O timeout) failed the I/O in flight"
