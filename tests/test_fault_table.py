@@ -21,7 +21,9 @@ def test_the_table_has_a_row_per_observation_in_order_and_the_loss_latencies(tmp
                {"name": "loss", "fault": "loss", "mode": "remote", "driver": "nothing", "application": "intact",
                 "recovery_s": 0, "io_timeout": 5, "runs": runs},
                {"name": "reset-local", "fault": "reset", "mode": "local", "driver": "reset", "application": "no error",
-                "recovery_s": 0.2, "io_timeout": 5}]
+                "recovery_s": 0.2, "io_timeout": 5},
+               {"name": "display-cut", "device": "display", "fault": "cut", "mode": "remote", "driver": "bound",
+                "application": "no error", "recovery_s": None, "facts": {"driver after": "bochs-drm"}}]
     for r in records:
         (results / f"{r['name']}.json").write_text(json.dumps(r))
     out = tmp_path / "faults.md"
@@ -30,8 +32,10 @@ def test_the_table_has_a_row_per_observation_in_order_and_the_loss_latencies(tmp
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ") and (" | local | " in line or " | remote | " in line)]
-    assert [r.split(" | ")[0] for r in rows] == ["| reset", "| loss", "| cut \\| link"]  # ORDER, a | escaped
-    assert "| 0.2 s |" in rows[0] and "none needed" in rows[1] and "| 3.1 s |" in rows[2]
+    assert [r.split(" | ")[0] for r in rows] == ["| reset", "| loss", "| cut \\| link", "| cut"]  # ORDER, | escaped
+    assert "| 0.2 s |" in rows[0] and "none needed" in rows[1] and "| 3.1 s |" in rows[2] and rows[3].endswith("| — |")
+    assert [r.split(" | ")[1] for r in rows] == ["nvme", "nvme", "nvme", "display"]  # nvme when a record names none
+    assert "- driver after: `bochs-drm`" in text  # a test's own facts
     assert "| random 1% | 2.0 ms | 250.0 ms | 1.2 ms | 210.0 ms | 1.04 % / 0.98 % | 9000 / 12000 | 0 | intact |" in text
     assert "nvme_core.io_timeout=5" in text
 

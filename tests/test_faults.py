@@ -13,6 +13,7 @@ from fakes import map_guest_memory
 from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, connect_remote
 from dxpu_vfio.lab.faults import FaultError, Faults
 from dxpu_vfio.link.transport import TlsFiles, make_certs
+from dxpu_vfio.pool.boxes import fetch_inventory
 from dxpu_vfio.remoteproxy.faults import FaultTable
 from dxpu_vfio.remoteproxy.faults import FaultError as BoxFaultError
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
@@ -206,7 +207,10 @@ def test_removed_device_refuses_links_until_the_fault_ends(forwarded, faults, bo
     tls = TlsFiles.in_dir(certs, "host")
     with pytest.raises(RemoteAttachError, match="surprise removal"):
         connect_remote(box.address, "td0", "lease-td0", tls)
+    assert [d["id"] for d in fetch_inventory(box.address, str(certs))["devices"]] == []  # gone from the bus:
+    assert not faults.listed()  # a pool refreshing the box no longer offers it
     faults.clear(fault["id"])
+    assert faults.listed()
     connect_remote(box.address, "td0", "lease-td0", tls).close()  # back in the box
 
 

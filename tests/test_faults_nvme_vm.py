@@ -2,13 +2,14 @@
 controller in a lab GPU box, hot-plugged into a tiny TCG guest booted with a short
 ``nvme_core.io_timeout``; the box holds the device's next DMA read (the fetch of the
 I/O's submission entry) longer than the driver waits. The driver must abort, reset the
-controller, retry, and the application must get its data back intact."""
+controller, retry, and the application must get its data back intact. What it saw is
+written for docs/faults.md (:mod:`dxpu_vfio.lab.fault_results`)."""
 
 import time
 
 import pytest
 
-from dxpu_vfio.lab import hotplug
+from dxpu_vfio.lab import fault_results, hotplug
 from dxpu_vfio.lab.guest_devices import nvme_disk
 from dxpu_vfio.testing import Serve, serve_topology
 
@@ -62,8 +63,20 @@ def test_an_io_stalled_past_the_timeout_is_aborted_reset_retried_and_its_data_in
         took = time.monotonic() - started
         dmesg = vm.run("dmesg").stdout
         print(f"stalled write: {took:.1f} s; guest kernel said:\n{dmesg}")
-        assert out.rc == 0, out.stdout + dmesg
         sums = out.stdout.split()
+        intact = out.rc == 0 and sums[-4] == sums[-2]
+        said = [line.split("] ", 1)[-1].strip() for line in dmesg.splitlines() if "nvme" in line.lower()]
+        fault_results.observe("stall-abort", {
+            "device": "nvme", "io_timeout": IO_TIMEOUT, "mode": "remote",
+            "fault": f"the completion of one write stalled {STALL_MS / 1000:g} s in the box (its command's "
+                     f"fetch held: stall dma-read), past the I/O timeout ({IO_TIMEOUT} s)",
+            "driver": "I/O timeout -> Abort of the command -> timeout again -> controller reset -> the command "
+                      "requeued and completed" if "abort" in dmesg.lower() and "reset" in dmesg.lower()
+                      else " / ".join(said[:4]) or "nothing",
+            "application": f"dd rc {out.rc} after {took:.1f} s (write, then read back): data "
+                           + ("intact" if intact else "DIFFERS or not read"),
+            "recovery_s": round(took, 1), "dmesg": said, "dmesg_of": "nvme lines"})
+        assert out.rc == 0, out.stdout + dmesg
         assert sums[-4] == sums[-2], "the data read back differs from the data written"
         assert took >= 2 * IO_TIMEOUT  # it did wait for the driver's timeouts
         assert "timeout" in dmesg and "abort" in dmesg.lower(), dmesg  # the driver's abort path ran

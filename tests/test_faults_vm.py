@@ -1,12 +1,16 @@
 """Faults on demand seen from a real guest: the test device of a lab's GPU box hot-plugged
 into a tiny TCG guest (host proxy in forward mode, mutual TLS over veth), with faults armed
 in the box through the ``lab_faults`` fixture. What the guest's tools read is asserted,
-and the box's counters."""
+and the box's counters; each test writes what it saw for docs/faults.md
+(:mod:`dxpu_vfio.lab.fault_results`). The test device has no kernel driver: the guest's
+``dxpu-mmio`` and ``dxpu-testdev`` drive it through sysfs."""
+
+import time
 
 import pytest
 
 from dxpu_vfio.errors import DxpuError
-from dxpu_vfio.lab import hotplug
+from dxpu_vfio.lab import fault_results, hotplug
 from dxpu_vfio.lab.hotplug import AttachmentState
 from dxpu_vfio.testing import Serve, serve_topology
 
@@ -74,6 +78,12 @@ def hits(faults) -> dict:
     return {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0)}
 
 
+def observe(name: str, fault: str, driver: str, application: str, recovery_s: float | None = 0, **facts) -> None:
+    fault_results.observe(f"testdev-{name}", {"device": "testdev", "mode": "remote", "fault": fault,
+                                              "driver": driver, "application": application,
+                                              "recovery_s": recovery_s, "facts": facts})
+
+
 def test_mmio_read_under_a_completer_abort_reads_all_ones_in_the_guest(vm, plugged, faults):
     assert mmio(vm, plugged, "0", "read", "0x00") == "0xd0c50001"
     faults.abort("mmio-read", count=1)
@@ -81,6 +91,8 @@ def test_mmio_read_under_a_completer_abort_reads_all_ones_in_the_guest(vm, plugg
     assert mmio(vm, plugged, "0", "read", "0x00") == "0xd0c50001"  # one read only; the link is up
     assert hits(faults) == {"abort:mmio-read": 1}
     assert plugged.server.stats()["device"]["error_completions"] == 1  # and the host proxy saw it
+    observe("abort", "completer abort on one MMIO read", "QEMU got an error completion from the host proxy "
+            "and gave the guest all-ones", "dxpu-mmio read 0xffffffff once, then the real value; the link stays up")
 
 
 def test_config_read_under_a_completer_abort_reads_all_ones_in_the_guest(vm, plugged, faults):
@@ -88,6 +100,8 @@ def test_config_read_under_a_completer_abort_reads_all_ones_in_the_guest(vm, plu
     faults.abort("config-read", count=1)
     assert mmio(vm, plugged, "cfg-read", "0x00") == "0xffffffff"
     assert mmio(vm, plugged, "cfg-read", "0x00") == "0x10f01b36"
+    observe("abort-config", "completer abort on one config-space read", "all-ones to the guest",
+            "config dword 0 read 0xffffffff once (as an absent device), then 0x10f01b36")
 
 
 def test_a_stalled_mmio_read_completes_after_the_stall_with_its_value(vm, plugged, faults):
@@ -97,6 +111,9 @@ def test_a_stalled_mmio_read_completes_after_the_stall_with_its_value(vm, plugge
     assert mmio(vm, plugged, "0", "read", "0x00") == "0xd0c50001"
     assert vm.run(f"dxpu-testdev {plugged.guest_bdf} scratch").stdout.startswith("scratch=ok")
     assert hits(faults)["stall:mmio-read"] == 2
+    observe("stall", "2 MMIO reads stalled 300 ms each (under the 1 s completion timeout)",
+            "the vCPU waited for each completion", f"each read took at least {int(timed['min_ns']) / 1e6:.0f} ms "
+            "and returned its value; nothing else went wrong", read_min_ms=round(int(timed["min_ns"]) / 1e6, 1))
 
 
 def test_dropped_posted_writes_are_not_seen_by_the_device(vm, plugged, faults):
@@ -108,6 +125,8 @@ def test_dropped_posted_writes_are_not_seen_by_the_device(vm, plugged, faults):
     mmio(vm, plugged, "0", "write", "0x08", "0x33333333")
     assert mmio(vm, plugged, "0", "read", "0x08") == "0x33333333"
     assert hits(faults)["drop-posted"] >= 1
+    observe("drop-posted", "posted writes dropped (until cleared)", "nothing: a posted write has no completion",
+            "a register write vanished (read back the old value); after the clear writes land again")
 
 
 def test_a_refused_dma_sets_the_test_device_error_status(vm, plugged, faults):
@@ -116,6 +135,9 @@ def test_a_refused_dma_sets_the_test_device_error_status(vm, plugged, faults):
     assert (failed["status"], failed["result"]) == ("3", "3")  # error: DMA fault
     assert kv(vm.run(f"dxpu-testdev {plugged.guest_bdf} dma-copy 4096").stdout)["match"] == "yes"
     assert hits(faults) == {"refuse-dma:dma-read": 1}
+    observe("refuse-dma", "one DMA read by the device refused (unsupported request)",
+            "the device set its error status (3: DMA fault)",
+            "dxpu-testdev dma-copy failed with status 3; the next copy matched")
 
 
 def test_surprise_removal_reads_all_ones_then_device_del_and_reattach(vm, state, plugged, faults):
@@ -126,15 +148,21 @@ def test_surprise_removal_reads_all_ones_then_device_del_and_reattach(vm, state,
         attach(vm, state)  # the box refuses the device while it is removed, and says why
     assert "surprise removal" in "".join(p.read_text() for p in refused.value.logs if p.exists())
     faults.clear()
+    cleared = time.monotonic()
     hotplug.detach(plugged)  # the control plane follows
     assert vm.run(f"test -e /sys/bus/pci/devices/{bdf}", check=False).rc != 0
     again = attach(vm, state)  # back in the box: a re-attach brings it back
     faults.attachment = again
     assert mmio(vm, again, "0", "read", "0x00") == "0xd0c50001"
+    recovery = round(time.monotonic() - cleared, 1)
     faults.remove(grace=0.5, duration=60)  # now with the control plane's device_del after 0.5 s
     assert again.state is AttachmentState.DETACHED
     assert vm.run(f"test -e /sys/bus/pci/devices/{again.guest_bdf}", check=False).rc != 0
     assert [e["event"] for e in faults.history if e["event"] == "device_del"] == ["device_del"]
+    observe("surprise-removal", "surprise removal (then device_del)", "reads all-ones (the host proxy's master "
+            "abort); device_del after the grace takes the PCI device away",
+            "dxpu-mmio read 0xffffffff; a re-attach is refused (ENXIO, 'surprise removal') while removed; "
+            "after the fault a re-attach reads the device again", recovery)
 
 
 def test_a_cut_link_reads_all_ones_the_vm_stays_up_and_a_reattach_recovers(vm, state, plugged, faults):
@@ -142,24 +170,33 @@ def test_a_cut_link_reads_all_ones_the_vm_stays_up_and_a_reattach_recovers(vm, s
     faults.cut()
     assert mmio(vm, plugged, "0", "read", "0x00") == "0xffffffff"
     assert plugged.server.stats()["device"]["master_aborts"] >= 1
+    started = time.monotonic()
     hotplug.detach(plugged)
     again = attach(vm, state)
     try:
         assert mmio(vm, again, "0", "read", "0x00") == "0xd0c50001"
         assert mmio(vm, again, "0", "read", "0x08") == "0x00000000"  # a new lease: the device was reset
+        recovery = round(time.monotonic() - started, 1)
     finally:
         hotplug.detach(again)
     assert hits(faults)["cut"] == 1
+    observe("link-cut", "link cut", "every read all-ones (master abort); the VM up",
+            "dxpu-mmio read 0xffffffff; after a re-attach the device answers, reset (its registers zero)", recovery)
 
 
 def test_a_frozen_box_past_the_completion_timeout_reads_all_ones_and_thaws_on_time(vm, state, plugged, faults):
     faults.freeze(seconds=3)
     assert mmio(vm, plugged, "0", "read", "0x00") == "0xffffffff"  # no completion within 1 s
     assert faults.wait_thawed() >= 2.9
+    started = time.monotonic()
     hotplug.detach(plugged)  # the link is down for good: recovery is a re-attach
     again = attach(vm, state)
     try:
         assert mmio(vm, again, "0", "read", "0x00") == "0xd0c50001"
+        recovery = round(time.monotonic() - started, 1)
     finally:
         hotplug.detach(again)
     assert hits(faults)["freeze"] == 1
+    observe("freeze", "box frozen 3 s (SIGSTOP), past the 1 s completion timeout",
+            "a read past the completion timeout: all-ones, the host proxy's link down for good",
+            "dxpu-mmio read 0xffffffff (no completion within 1 s); after the thaw a re-attach reads the device again", recovery)

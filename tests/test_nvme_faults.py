@@ -1,7 +1,8 @@
 """What Linux's nvme driver and the guest's user see when the fabric misbehaves (issue 17
 items 3 to 5): a controller reset from the guest during a checksummed write and read-back
-(local and from a box), 1 % random and 0.1 % bursty loss on the host<->box link, and a
-link cut beyond the driver's I/O timeout followed by a re-attach.
+(local and from a box), 1 % random and 0.1 % bursty loss on the host<->box link, a
+link cut beyond the driver's I/O timeout followed by a re-attach, and a surprise removal
+during writes followed by device_del and a re-attach.
 
 Each test writes what it observed to ``results/faults/<name>.json``;
 ``scripts/fault_table.py`` renders those into docs/faults.md. One tiny guest serves the
@@ -10,34 +11,25 @@ driver's timeout path within seconds."""
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 import pytest
 
-from dxpu_vfio.lab import hotplug, lab
+from dxpu_vfio.lab import fault_results, hotplug, lab
 from dxpu_vfio.lab.guest_devices import nvme_disk
 from dxpu_vfio.lab.impairment import Impairment
-from dxpu_vfio.testing import RESULTS_DIR, Serve, VmFactory, shared_vm
+from dxpu_vfio.testing import Serve, VmFactory, shared_vm
 
 pytestmark = pytest.mark.vm
 MiB = 1 << 20
 IO_TIMEOUT = 5  # s, nvme_core.io_timeout on the guest's command line (default 30)
-FAULTS_DIR = RESULTS_DIR / "faults"
 
 
 def observe(name: str, record: dict) -> Path:
     """Write one test's observations where scripts/fault_table.py reads them."""
-    FAULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = FAULTS_DIR / f"{name}.json"
-    path.write_text(json.dumps({"name": name, "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                "io_timeout": IO_TIMEOUT, "host_load": [round(x, 1) for x in os.getloadavg()],
-                                **record}, indent=1, default=str) + "\n")
-    print(f"\n{name}: " + json.dumps(record, default=str))
-    return path
+    return fault_results.observe(name, {"device": "nvme", "io_timeout": IO_TIMEOUT, **record})
 
 
 @pytest.fixture(scope="module")
@@ -341,4 +333,92 @@ def test_link_cut_removes_the_controller_vm_stays_up_reattach_brings_the_data_ba
         if not observed and len(record) > 2:
             observe("link-cut", record)  # what was seen before something failed
         if att is not None:
+            hotplug.detach(att, timeout=30)
+
+
+# --- surprise removal during I/O, then device_del and a re-attach ----------------------------------
+
+REMOVAL_GRACE = 1.0  # s between the box withdrawing the device and the control plane's device_del
+
+
+def test_surprise_removal_during_io_fails_the_io_vm_stays_up_reattach_brings_the_disk_back(
+        vm, served_lab, lab_faults):
+    """The box withdraws the disk while a writer runs, and the control plane's
+    ``device_del`` follows after REMOVAL_GRACE s: the writer's I/O, stuck since the link
+    went down, fails with an error (not a hang), the guest lets go of the device and the
+    VM answers; the box no longer lists the device. The fault over, a re-attach brings
+    the disk back with the data flushed before the removal."""
+    box = "box1"
+    settings = served_lab.remote_settings(box, "nv0")
+    att = hotplug.attach(vm, "remote", settings=settings, netns=served_lab.host_netns)
+    faults = lab_faults(served_lab, box, "nv0", attachment=att)
+    record: dict = {"fault": f"surprise removal during writes (the box withdraws the device; device_del "
+                             f"{REMOVAL_GRACE:g} s later)", "mode": "remote"}
+    observed = False
+    try:
+        bdf = att.guest_bdf
+        ns = nvme_disk(vm, bdf, 1)
+        vm.run(f"dd if=/dev/urandom of=/tmp/rkeep bs=128k count=32 2>/dev/null; "
+               f"dd if=/tmp/rkeep of=/dev/{ns} bs=128k oflag=direct 2>/dev/null; sync")  # flushed before
+        dmesg_nvme(vm)
+        vm.run(f"rm -f /tmp/rm.rc; (rc=0; i=0; while [ $i -lt 100000 ]; do dd if=/dev/zero of=/dev/{ns} bs=128k "
+               f"count=8 seek=64 oflag=direct 2>/tmp/rm.err || {{ rc=$?; break; }}; i=$((i+1)); done; "
+               "echo \"$rc $i $(cut -d' ' -f1 /proc/uptime)\" > /tmp/rm.rc) > /dev/null 2>&1 &")
+        time.sleep(1)
+        running = vm.run("[ -e /tmp/rm.rc ] && echo ended || echo running").stdout.strip()
+        t_removed = float(vm.run("cut -d' ' -f1 /proc/uptime").stdout)
+        started = time.monotonic()
+        faults.remove(grace=REMOVAL_GRACE, duration=120)  # returns once device_del is done (bounded)
+        unplugged_s = round(time.monotonic() - started, 1)
+        listed = faults.listed()
+        ended = vm.run("i=0; while [ ! -e /tmp/rm.rc ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; "
+                       "cat /tmp/rm.rc 2>/dev/null; tr '\\n' ' ' < /tmp/rm.err", timeout=60, check=False).stdout.split("\n")
+        rc_line = ended[0].split()
+        gone = vm.run(f"[ -e /sys/bus/pci/devices/{bdf} ] && echo pci-present || echo pci-gone; "
+                      f"[ -e /dev/{ns} ] && echo disk-present || echo disk-gone").stdout.split()
+        alive = vm.guest_alive() and vm.run("echo alive").stdout == "alive\n"
+        log = dmesg_nvme(vm)
+        hits = faults.list()["hits"].get("nv0", {})
+        record.update({
+            "writer_running_at_removal": running == "running", "unplugged_after_s": unplugged_s,
+            "writer_rc": int(rc_line[0]) if rc_line else None,
+            "writer_ios_before_error": int(rc_line[1]) if len(rc_line) > 1 else None,
+            "writer_error_after_s": round(float(rc_line[2]) - t_removed, 1) if len(rc_line) > 2 else None,
+            "writer_said": ended[1].strip() if len(ended) > 1 else "", "pci_after": gone[0], "disk_after": gone[1],
+            "vm_alive": alive, "box_lists_device_while_removed": listed, "box_fault_hits": hits, "dmesg": log})
+        faults.clear()
+        cleared = time.monotonic()
+        att = hotplug.attach(vm, "remote", settings=settings, netns=served_lab.host_netns)
+        ns = nvme_disk(vm, att.guest_bdf, 1)
+        sums = vm.run(f"dd if=/dev/{ns} of=/tmp/ragain bs=128k count=32 iflag=direct 2>/dev/null; "
+                      "md5sum /tmp/rkeep /tmp/ragain").stdout.split()
+        record.update({"reattach_s": round(time.monotonic() - cleared, 1), "data_back_intact": sums[0] == sums[2],
+                       "box_lists_device_after": faults.listed()})
+        record.update({
+            "driver": ((f"no completion after the removal; the driver's remove at device_del ({REMOVAL_GRACE:g} s "
+                        f"later, before its {IO_TIMEOUT} s I/O timeout) failed the I/O in flight"
+                        if (record["writer_error_after_s"] or IO_TIMEOUT) < IO_TIMEOUT else
+                        "no completion after the removal; the I/O failed only after the driver's I/O timeout")
+                       + f"; PCI device and disk node after: {record['pci_after']}, {record['disk_after']}; kernel: "
+                       + (" / ".join(sorted(set(log))[:4]) or "nothing")),
+            "application": (f"error (dd rc {record['writer_rc']}, {record['writer_said'][:60]!r}) "
+                            f"{record['writer_error_after_s']} s after the removal; VM up: {alive}; the box's "
+                            f"inventory {'still listed' if listed else 'no longer listed'} the disk; after re-attach "
+                            f"the data flushed before is {'intact' if record['data_back_intact'] else 'NOT intact'}"),
+            "recovery_s": record["reattach_s"]})
+        observe("surprise-removal", record)
+        observed = True
+        assert record["writer_running_at_removal"], "the writer had ended before the removal"
+        assert record["writer_rc"] not in (None, 0), f"the writer saw no error (or hung): {record}"
+        assert "Input/output error" in record["writer_said"], f"the writer's error was not EIO: {record}"
+        assert record["writer_error_after_s"] < 30, f"the writer's error took too long: {record}"
+        assert (record["pci_after"], record["disk_after"]) == ("pci-gone", "disk-gone"), record
+        assert alive, "the VM stopped answering"
+        assert not listed and record["box_lists_device_after"], "the box's INVENTORY did not follow the removal"
+        assert hits.get("remove", 0) >= 1, hits
+        assert record["data_back_intact"], "the data flushed before the removal did not come back"
+    finally:
+        if not observed and len(record) > 2:
+            observe("surprise-removal", record)  # what was seen before something failed
+        if att is not None and att.state is not hotplug.AttachmentState.DETACHED:
             hotplug.detach(att, timeout=30)

@@ -162,16 +162,18 @@ class Faults:
         return self.arm("cut", device=device)
 
     def remove(self, grace: float | None = 1.0, duration: float = DEFAULT_DURATION,
-               device: str | None = None) -> dict:
+               device: str | None = None, unplug_timeout: float = 30.0) -> dict:
         """Surprise removal: the box withdraws the device now (its link goes down, new links
         are refused for ``duration``); after ``grace`` seconds the control plane's
-        ``device_del`` follows (``hotplug.detach`` of ``attachment``; ``grace=None``: not at all)."""
+        ``device_del`` follows (``hotplug.detach`` of ``attachment``; ``grace=None``: not at all),
+        waiting at most ``unplug_timeout`` s for the guest to let go (the guest's pciehp
+        takes 5 s after the attention button, more in a loaded TCG guest)."""
         fault = self.arm("remove", device=device, duration=duration)
         if grace is not None and self.attachment is not None:
             time.sleep(grace)
             from dxpu_vfio.lab import hotplug
             self._note("device_del", grace=grace)
-            hotplug.detach(self.attachment)
+            hotplug.detach(self.attachment, timeout=unplug_timeout)
         return fault
 
     def clear(self, fault_id: int | None = None, device: str | None = None) -> list[dict]:
@@ -185,6 +187,14 @@ class Faults:
         if self.frozen_at is not None:
             return {"faults": [], "log": [], "hits": {}, "frozen": True}
         return self._ask({"op": "list"})
+
+    def listed(self, device: str | None = None) -> bool:
+        """Whether the box's INVENTORY (what a pool refreshing the box sees) lists the
+        device: a surprise removal takes it out until the fault ends."""
+        def ask() -> dict:
+            return boxes.fetch_inventory(self.address, self.tls_dir, self.timeout)
+        inventory = ask() if self.netns is None else in_netns(self.netns, ask)
+        return any(d["id"] == (device or self.device) for d in inventory["devices"])
 
     # --- freezing (done here: a stopped box cannot act) ----------------------------------
     def freeze(self, seconds: float | None = None) -> None:

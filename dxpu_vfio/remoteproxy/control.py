@@ -143,11 +143,15 @@ class ControlServices:
     def inventory(self) -> dict:
         """Every device, its identity, size and whether a link holds it; no token.
 
+        A device withdrawn by a surprise-removal fault is not listed until the fault
+        ends: a pool refreshing its inventory must not offer what is gone from the bus.
         Only peers with a certificate of the pool's CA get here (or anyone, on a box run
         with ``plaintext = true``).
         """
         devices = []
         for sid, slot in self.slots.items():
+            if self.faults is not None and self.faults.removed(sid) is not None:
+                continue
             device = slot.device
             with device.lock:
                 ids = int.from_bytes(device.region_read(vp.REGION_CONFIG, 0, 4), "little")

@@ -44,6 +44,10 @@ class GuestDied(VmError):
     """QEMU exited while we were waiting for the guest (the VM turns it into a better error)."""
 
 
+class ChannelBlocked(VmError):
+    """The guest channel takes no more bytes now (its agent not reading yet): not an answer."""
+
+
 class GuestChannel(Protocol):
     def open(self, timeout: float) -> None: ...
     def ping(self, timeout: float) -> bool: ...
@@ -107,6 +111,10 @@ class _LineSocket:
         assert self.sock is not None
         try:
             self.sock.sendall(data)
+        except socket.timeout as exc:  # QEMU does not drain it: no agent reads yet (a slow boot), or QEMU died
+            if not self.alive():
+                raise GuestDied(f"QEMU exited while writing to guest channel {self.path}") from exc
+            raise ChannelBlocked(f"guest channel {self.path} does not drain") from exc
         except OSError as exc:
             raise GuestDied(f"guest channel {self.path} closed: {exc}") from exc
 
@@ -215,8 +223,12 @@ class AgentChannel:
         """guest-sync-delimited: flushes stale replies, proves the agent is there."""
         token = next(self._ids)
         self._io.buffer = b""
-        self._io.send(b"\xff" + json.dumps({"execute": "guest-sync-delimited",
-                                            "arguments": {"id": token}}).encode() + b"\n")
+        try:  # the 0xff resets the agent's parser after a request cut short by a blocked send
+            self._io.send(b"\xff" + json.dumps({"execute": "guest-sync-delimited",
+                                                "arguments": {"id": token}}).encode() + b"\n")
+        except ChannelBlocked:  # a booting guest's agent is not reading yet: no answer this time
+            time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
+            return False
         while (line := self._io.readline(deadline)) is not None:
             line = line.split(b"\xff")[-1].strip()
             if line:
