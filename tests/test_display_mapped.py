@@ -1,5 +1,5 @@
-"""The display with its framebuffer BAR host-mapped (``mapped = true``), with the guest's
-own bochs DRM driver (full image), served locally and from a GPU box.
+"""The display with its framebuffer BAR host-mapped (``mapped = true``, the default), with
+the guest's own bochs DRM driver (full image), served locally and from a GPU box.
 
 Locally QEMU maps the model's memfd into the guest: stores reach the framebuffer with
 no message. From a box the host proxy keeps the shadow QEMU maps and writes what changed
@@ -20,7 +20,7 @@ BOX, DEVICE = "gpubox", "fbm"
 
 @pytest.fixture(scope="module")
 def served_specs():
-    return [Serve("display", DEVICE, BOX, settings={"mapped": True})]
+    return [Serve("display", DEVICE, BOX)]  # mapped: the default
 
 
 def region_writes(att) -> int:
