@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Framebuffer fill rate: our display adapter remote (framebuffer in a GPU box over the
 lab network, TLS) and local (served by the host proxy), trapped (``mapped = false``, each
-with and without posted-write coalescing) and mapped (the default: QEMU maps the
+with and without posted-write coalescing) and mapped (``mapped = true``: QEMU maps the
 framebuffer; from a box, the host proxy's shadow is written back), against QEMU's own bochs-display, all in
 the same full-image VM and all driven by the guest's own bochs DRM driver. For the
 mapped rows also the write-back traffic (MB/s over the fills) and the host proxy's CPU;
@@ -86,7 +86,8 @@ def main() -> int:
     args = parser.parse_args()
     topology = lab.Topology("bd", [lab.BoxSpec("gpubox", [{"id": "fb0", "model": "display",
                                                            "settings": {"mapped": False}},
-                                                          {"id": "fbm", "model": "display"}])])
+                                                          {"id": "fbm", "model": "display",
+                                                           "settings": {"mapped": True}}])])
     exit_on_sigterm()  # a SIGTERM still runs the finally below: the lab goes
     results: dict[str, dict] = {}
     try:
@@ -101,7 +102,7 @@ def main() -> int:
             trapped = {"mapped": False}
             cases = {"local": ("display", trapped), "local-uncoalesced": ("display", {**trapped, "coalesce": False}),
                      "remote": ("remote", remote), "remote-uncoalesced": ("remote", {**remote, "coalesce": False}),
-                     "local-mapped": ("display", {}),  # mapped: the default
+                     "local-mapped": ("display", {"mapped": True}),
                      "remote-mapped": ("remote", state.remote_settings("gpubox", "fbm"))}
             if args.skip_trapped:
                 cases = {k: v for k, v in cases.items() if k.endswith("mapped")}

@@ -1,4 +1,4 @@
-"""The display with its framebuffer BAR host-mapped (``mapped = true``, the default), with
+"""The display with its framebuffer BAR host-mapped (``mapped = true``), with
 the guest's own bochs DRM driver (full image), served locally and from a GPU box; from a box also an
 animation (never more than one write-back period behind) and two displays in one guest.
 
@@ -26,7 +26,7 @@ BOX, DEVICE = "gpubox", "fbm"
 
 @pytest.fixture(scope="module")
 def served_specs():
-    return [Serve("display", DEVICE, BOX)]  # mapped: the default
+    return [Serve("display", DEVICE, BOX, settings={"mapped": True})]
 
 
 def region_writes(att) -> int:
@@ -258,7 +258,7 @@ def test_two_displays_in_one_guest_each_show_only_what_was_drawn_on_them(full_vm
         plugged.append(remote := hotplug.attach(full_vm, **dev.attach_args()))
         remote_probe = DisplayProbe.of(remote, dev.lab, dev.box, dev.device)
         assert remote_probe.wait_mode()["xres"] == 1024  # plugged first: the console's fb0
-        plugged.append(local := hotplug.attach(full_vm, "display"))
+        plugged.append(local := hotplug.attach(full_vm, "display", settings={"mapped": True}))
         local_probe = DisplayProbe.of(local)
         kms = guest_kms.install(full_vm)
         full_vm.run(f"python3 {kms} --mode 1024x768 --pattern-file /tmp/pattern.raw", timeout=120)

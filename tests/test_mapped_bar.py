@@ -37,10 +37,10 @@ def set_mode(client, xres, yres):
 @pytest.mark.parametrize("native", [True, False], ids=["native-stream", "python-stream"])
 def test_framebuffer_is_offered_mappable_and_stores_reach_the_model(tmp_path, monkeypatch, native):
     """The stores never become messages: the server sees no REGION_WRITE for BAR0, and the
-    screenshot is the pattern, pixel for pixel. Mapped is the display's default."""
+    screenshot is the pattern, pixel for pixel."""
     if not native:
         monkeypatch.setenv("DXPU_FASTLINK", "0")
-    dev = DisplayAdapter()
+    dev = DisplayAdapter(mapped=True)
     srv = serve(tmp_path, dev)
     client = connect(srv)
     try:
@@ -65,7 +65,7 @@ def test_framebuffer_is_offered_mappable_and_stores_reach_the_model(tmp_path, mo
 
 
 def test_the_trapped_path_stays_an_option(tmp_path):
-    """mapped=False (mapped is the default), or a server that maps nothing: no MMAP flag, no fd."""
+    """mapped=False (the default), or a server that maps nothing: no MMAP flag, no fd."""
     for dev, options in ((DisplayAdapter(mapped=False), {}), (DisplayAdapter(mapped=True), {"map_regions": False})):
         srv = serve(tmp_path, dev, **options)
         client = connect(srv)
