@@ -2,10 +2,11 @@
 own ``bochs`` DRM driver binds to.
 
 BAR0 is the framebuffer (prefetchable; memory of whoever serves the device: on a GPU
-box, the box). With ``mapped=True`` it is declared host-mappable (written only by the
-CPU) and kept in a sealed memfd, which QEMU maps straight into the guest when the device
-is served locally, and a host proxy shadows and writes back when it is served from a box
-(docs/devices/display.md); BAR2 is 4 KiB of MMIO: an EDID blob at 0x000, the VBE DISPI registers at
+box, the box). With ``mapped=True`` (not yet the default: docs/devices/display.md) it is
+declared host-mappable (written only by the CPU) and kept in a sealed memfd, which QEMU maps straight into the guest when the
+device is served locally, and a host proxy shadows and writes back when it is served from
+a box (docs/devices/display.md); ``mapped=False`` is the trapped path (every store a
+message); BAR2 is 4 KiB of MMIO: an EDID blob at 0x000, the VBE DISPI registers at
 0x500 (16 bit each, index * 2) and QEMU's extended registers at 0x600 (size, byte order).
 Nothing else: no VGA, no legacy I/O ports. ``render_png()`` draws the current scanout.
 
@@ -63,7 +64,8 @@ class DisplayAdapter(PciFunction):
     """``vram_mib``: framebuffer size (16 MiB or more); ``coalesce``: ask whoever serves
     the device to combine posted writes (vfio-user write_multiple, link batches), since
     framebuffer fills are floods of them; ``mapped``: the framebuffer BAR is host-mappable
-    (a memfd the VMM maps; False: every store is a trapped access)."""
+    (a memfd the VMM maps: fills at memory speed; False: every store is a trapped access,
+    an order of magnitude slower, kept as an option and for its tests)."""
 
     def __init__(self, *, vram_mib: int = 16, coalesce: bool = True, mapped: bool = False) -> None:
         self.coalesce_posted = coalesce

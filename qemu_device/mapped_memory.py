@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import weakref
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -31,6 +32,8 @@ class MappedMemory:
         except BaseException:
             os.close(self.fd)
             raise
+        # a model nobody closes (a display made in a unit test) gives its descriptor back when collected
+        self._fd_closer = weakref.finalize(self, os.close, self.fd)
 
     def __len__(self) -> int:
         return self.size
@@ -42,5 +45,5 @@ class MappedMemory:
                 self.buf.close()
             except BufferError:  # a view of it is still alive: the mapping goes with it
                 pass
-            os.close(self.fd)
+            self._fd_closer()
             self.fd = -1

@@ -1,6 +1,7 @@
-"""The display adapter (bochs-display compatible) with the guest's own bochs DRM driver
-(full image, generic kernel), served locally and from a GPU box over the lab network
-with mutual TLS; and the model's own scanout rendering.
+"""The display adapter (bochs-display compatible) on its trapped path (``mapped = false``:
+every framebuffer store a message; the default, mapped, is test_display_mapped.py) with
+the guest's own bochs DRM driver (full image, generic kernel), served locally and from a
+GPU box over the lab network with mutual TLS; and the model's own scanout rendering.
 
 Every guest test runs twice, ``local`` (our vfio-user server runs the model) and
 ``remote`` (the model and its framebuffer live in a remote proxy in a GPU-box network
@@ -24,7 +25,7 @@ BOX, DEVICE = "gpubox", "fb0"
 
 @pytest.fixture(scope="module")
 def served_specs():
-    return [Serve("display", DEVICE, BOX)]
+    return [Serve("display", DEVICE, BOX, settings={"mapped": False})]  # the trapped path, asked for
 
 
 @pytest.fixture
@@ -70,6 +71,7 @@ def test_pattern_written_to_fb0_appears_pixel_exact(full_vm, plug):
     unbound from the framebuffer first so that its cursor does not blink into it."""
     att, probe = plug()
     probe.wait_mode()
+    assert not probe.state()["framebuffer_mapped"]  # the trapped path, as asked
     kms = guest_kms.install(full_vm)
     full_vm.run(f"python3 {kms} --mode 1024x768 --pattern-file /tmp/pattern.raw", timeout=120)
     guest_kms.bind_console(full_vm, False)

@@ -66,7 +66,7 @@ def test_framebuffer_is_offered_mappable_and_stores_reach_the_model(tmp_path, mo
 
 def test_the_trapped_path_stays_an_option(tmp_path):
     """mapped=False (the default), or a server that maps nothing: no MMAP flag, no fd."""
-    for dev, options in ((DisplayAdapter(), {}), (DisplayAdapter(mapped=True), {"map_regions": False})):
+    for dev, options in ((DisplayAdapter(mapped=False), {}), (DisplayAdapter(mapped=True), {"map_regions": False})):
         srv = serve(tmp_path, dev, **options)
         client = connect(srv)
         try:

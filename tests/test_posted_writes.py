@@ -81,7 +81,7 @@ def test_write_batch_decoding_never_trusts_a_count(payload):
 
 @pytest.fixture
 def local(tmp_path):
-    dev = DisplayAdapter()
+    dev = DisplayAdapter(mapped=False)  # the trapped path: every store a posted write
     server = VfioUserServer(dev, tmp_path / "d.sock", options=ServerOptions(advertise_write_multiple=True)).start()
     client = VfioUserClient(server.socket_path)
     yield client, dev, server
@@ -125,7 +125,7 @@ def certs(tmp_path_factory):
 def linked(tmp_path, certs):
     """A box (remote proxy threads) with a display, the host proxy's server in forward
     mode, and our client in QEMU's place with a memfd as guest memory."""
-    box = RemoteProxy(BoxConfig("box1", "127.0.0.1", 0, [BoxDevice("fb0", "display", "lease")], tls_dir=certs)).start()
+    box = RemoteProxy(BoxConfig("box1", "127.0.0.1", 0, [BoxDevice("fb0", "display", "lease", {"mapped": False})], tls_dir=certs)).start()
     made = []
 
     def make(coalesce=True, delay=10.0):  # a long timer: only the ordering rules flush

@@ -6,6 +6,8 @@ the remote proxy of its GPU box when served from the lab). Tests and benchmarks 
 from __future__ import annotations
 
 import io
+import mmap
+import os
 import signal
 import time
 from pathlib import Path
@@ -83,3 +85,20 @@ def png_pixels(png: bytes) -> tuple[int, int, bytes]:
     except UnidentifiedImageError as exc:
         raise ValueError(f"not a PNG ({len(png)} bytes)") from exc
     return rgb.width, rgb.height, rgb.tobytes()
+
+
+def host_shadow(pid: int, index: int = 0) -> mmap.mmap:
+    """A read-only mapping of the shadow that host proxy ``pid`` keeps of a box device's
+    mapped BAR ``index`` (``hostproxy/shadow.py``): the very memfd QEMU maps into the guest,
+    opened through /proc (root only), so it holds what the guest has drawn with no
+    write-back in between. Tests compare the box's screenshots with it."""
+    name = f"/memfd:dxpu-shadow-{index} "
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed while we looked
+            continue
+        if target.startswith(name):
+            with open(fd, "rb") as f:  # the memfd itself, not a copy; the mapping outlives the file
+                return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    raise LookupError(f"host proxy {pid} has no shadow of BAR {index}: is its device a box's mapped display?")

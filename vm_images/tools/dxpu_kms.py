@@ -8,11 +8,18 @@ the EDID), CREATE_DUMB + ADDFB, SETCRTC, MAP_DUMB + mmap (a write-combined mappi
 the buffer in VRAM), fill.
 
     python3 dxpu_kms.py --card /dev/dri/card0 --mode 800x600 [--hold SECONDS [--until FILE]] [--repeat N]
+                        [--animate SECONDS [--fps N] [--band LINES] [--start FILE]]
 
 prints one JSON line: the mode set, the fill time of each repeat (each fill ends with a
 read of the buffer, which on PCIe cannot pass the posted writes before it), and then
 holds the mode (the DRM master) until ``--hold`` runs out or the file ``--until``
 exists. When it exits, the kernel's fbdev client restores its own mode.
+
+``--animate``: after the fills, draw frames for that long, ``--fps`` a second: frame k
+(1, 2, ...) fills the first ``--band`` lines with the pixel value k (24 bits: R, G, B =
+k >> 16, k >> 8, k), so a screenshot's first pixel says which frame it shows; then a
+second JSON line, ``{"frames": n}`` (the last frame's counter), before the hold. With
+``--start``, the frames begin once that file exists (the host watches first).
 """
 
 from __future__ import annotations
@@ -79,6 +86,17 @@ def pattern_row(y: int, width: int) -> bytes:
                     for x in range(width))
 
 
+def animate(fb: mmap.mmap, pitch: int, band: int, seconds: float, fps: float) -> int:
+    """Frames 1, 2, ... each filling the first ``band`` lines with its counter, on a fixed
+    beat; returns the last frame's counter."""
+    k, start = 0, time.monotonic()
+    while time.monotonic() - start < seconds:
+        k += 1
+        fb[0:pitch * band] = struct.pack("<I", k & 0xFFFFFF) * (pitch * band // 4)
+        time.sleep(max(0.0, start + k / fps - time.monotonic()))
+    return k
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--card", default="/dev/dri/card0")
@@ -87,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--until", default=None, help="stop holding once this file exists")
     ap.add_argument("--repeat", type=int, default=1, help="fills to time")
     ap.add_argument("--pattern-file", default=None, help="only write the pattern for --mode (XRGB8888) to this file")
+    ap.add_argument("--animate", type=float, default=0.0, help="then draw counter frames for this many seconds")
+    ap.add_argument("--fps", type=float, default=100.0, help="frames a second while animating")
+    ap.add_argument("--band", type=int, default=16, help="lines each animation frame fills")
+    ap.add_argument("--start", default=None, help="animate once this file exists")
     args = ap.parse_args(argv)
     if args.pattern_file:
         w, h = (int(v) for v in args.mode.split("x"))
@@ -117,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     _ioctl(fd, 0xA2, CRTC, ctypes.addressof(conn_ids), 1, crtcs[0], fb_id, 0, 0, 0, 1, extra=mode)
     offset = _ioctl(fd, 0xB3, MAP_DUMB, handle, 0, 0)[2]
     fb = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
-    frame = b"".join(pattern_row(y, w).ljust(pitch, b"\0") for y in range(h))
+    # --repeat 0 (an animation only): no pattern, whose rows take seconds to build under TCG
+    frame = b"".join(pattern_row(y, w).ljust(pitch, b"\0") for y in range(h)) if args.repeat > 0 else b""
     view = memoryview(frame)
     fills = []
     for _ in range(args.repeat):
@@ -128,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         fills.append(time.perf_counter() - t0)
     print(json.dumps({"mode": names[pick], "modes": names, "pitch": pitch, "bytes": len(frame),
                       "fill_s": fills}), flush=True)
+    if args.animate > 0:
+        while args.start and not os.path.exists(args.start):
+            time.sleep(0.01)
+        print(json.dumps({"frames": animate(fb, pitch, min(args.band, h), args.animate, args.fps)}), flush=True)
     deadline = time.monotonic() + args.hold
     while time.monotonic() < deadline and not (args.until and os.path.exists(args.until)):
         time.sleep(0.1)
