@@ -255,6 +255,13 @@ def wait_probed(vm, bdf: str, timeout: int = 60) -> str:
     return bound_driver(vm, bdf)
 
 
+def detach_left(*attachments) -> None:
+    """Unplug what a fault test still has plugged (the module's guest is shared)."""
+    for a in attachments:
+        if a is not None and a.state is not hotplug.AttachmentState.DETACHED:
+            hotplug.detach(a)
+
+
 def plug_again(vm, dev, tries: int = 10):
     """Attach the box's display again; the box may hold the old link for a moment (EBUSY)."""
     for attempt in range(tries):
@@ -336,9 +343,7 @@ def test_faulted_register_reads_at_the_drivers_probe(full_vm, served_device, lab
             assert record["facts"]["driver after a re-plug"] == "bochs-drm", record
             assert record["facts"]["mode after a re-plug"] == "1024x768", record
     finally:
-        for a in (again, att):
-            if a is not None and a.state is not hotplug.AttachmentState.DETACHED:
-                hotplug.detach(a)
+        detach_left(again, att)
 
 
 @pytest.mark.vm
@@ -392,9 +397,7 @@ def test_a_cut_link_under_a_bound_display_goes_unnoticed_by_the_guest_and_a_repl
         assert box_took == 0, f"{box_took} bytes written after the cut reached the box"
         assert (mode["xres"], mode["yres"]) == (1024, 768)
     finally:
-        for a in (again, att):
-            if a is not None and a.state is not hotplug.AttachmentState.DETACHED:
-                hotplug.detach(a)
+        detach_left(again, att)
 
 
 @pytest.mark.vm
@@ -475,6 +478,4 @@ def test_surprise_removal_of_the_display_under_a_writer_then_device_del_and_a_re
         assert (mode["xres"], mode["yres"]) == (1024, 768)
     finally:
         full_vm.run("touch /tmp/fbw.stop", check=False)
-        for a in (again, att):
-            if a is not None and a.state is not hotplug.AttachmentState.DETACHED:
-                hotplug.detach(a)
+        detach_left(again, att)
