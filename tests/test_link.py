@@ -383,3 +383,25 @@ def test_a_stopped_box_during_a_posted_write_flood_still_gets_reads_answered_in_
         assert not device.link_up and down
     finally:
         box.signal(signal.SIGCONT)
+
+
+def test_dxpu_screenshot_asks_only_a_box_that_serves_the_device(tmp_path):
+    """Two labs may each run a box of the same name. `dxpu screenshot BOX/DEV` asked every
+    one of them and waited 30 s on each that never writes DEV's file (CI's two-display
+    test timed out so): now a box's registry entry lists its devices and displays, and a
+    device that is no display is answered at once."""
+    import subprocess
+    import sys
+    boxes = []
+    try:
+        for model, device in (("testdev", "td0"), ("display", "fbx")):
+            config = tmp_path / f"{device}.toml"
+            config.write_text(f'name = "twin{os.getpid()}"\nlisten = "127.0.0.1"\nport = {free_port()}\n'
+                              f'plaintext = true\n[[device]]\nid = "{device}"\nmodel = "{model}"\nlease = "l"\n')
+            boxes.append(RemoteProxyProcess(config).start())
+        proc = subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "screenshot", f"twin{os.getpid()}/td0",
+                               str(tmp_path / "shot.png")], capture_output=True, text=True, timeout=20)
+        assert proc.returncode == 1 and "is it a display device?" in proc.stderr, proc.stderr
+    finally:
+        for box in boxes:
+            box.stop()

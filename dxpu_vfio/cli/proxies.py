@@ -43,6 +43,13 @@ def cmd_screenshot(args: argparse.Namespace) -> int:
                 continue
             path = screenshot_path(Path(entry["stats"]))
         elif entry["kind"] == "remote" and entry["name"] == box and dev:
+            # boxes of one name in several labs: ask only one that serves the device (a box
+            # asked for another's never writes the file, and each ask waits 30 s)
+            if dev not in entry.get("devices", [dev]):
+                continue
+            if dev not in entry.get("displays", [dev]):
+                found = True
+                continue
             path = screenshot_path(Path(entry["stats"]), dev)
         else:
             continue

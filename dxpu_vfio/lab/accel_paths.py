@@ -22,6 +22,7 @@ from dxpu_vfio import registry
 from dxpu_vfio.hostproxy.process import HostProxyProcess
 from dxpu_vfio.lab import lab
 from dxpu_vfio.lab.accel import load_runtime
+from dxpu_vfio.link.endpoint import dma_read_requests
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import VfioUserClient
 
@@ -113,8 +114,7 @@ class Served:
             out["host_reads"], out["host_read_wait_us"] = reads["count"], reads["wait_us"]
             entry = next(e for e in registry.entries() if e["pid"] == self.box_pid)
             box = registry.collect(entry)["devices"][DEVICE]
-            dma = box["link"]["requests"].get("DMA_READ", {"count": 0, "wait_us": 0.0})
-            out["box_dma_read_msgs"], out["box_dma_wait_us"] = dma["count"], dma["wait_us"]
+            out["box_dma_read_msgs"], out["box_dma_wait_us"] = dma_read_requests(box["link"]["requests"])
             out["box_dma_write_msgs"] = box["link"]["posted"].get("DMA_WRITE", 0)
             device = box["device"]
         out.update({k: device.get(k, 0) for k in DEVICE_KEYS})

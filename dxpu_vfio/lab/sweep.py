@@ -29,6 +29,7 @@ from dxpu_vfio import registry
 from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.lab import accel_sweep, hotplug, lab
 from dxpu_vfio.lab.guest_devices import nvme_disk
+from dxpu_vfio.link.endpoint import dma_read_requests
 from dxpu_vfio.perfmodel import Point, fit, prediction_error
 from dxpu_vfio.vms.runner import Vm, VmConfig
 
@@ -79,7 +80,7 @@ class _Counters:
         if self.box_pid:
             entry = next(e for e in registry.entries() if e["pid"] == self.box_pid)
             dev = registry.collect(entry)["devices"][self.box_device]["link"]
-            box = dev["requests"].get("DMA_READ", {"count": 0})["count"] if dev else 0
+            box = dma_read_requests(dev["requests"])[0] if dev else 0
         return host + box, wait, reads
 
 

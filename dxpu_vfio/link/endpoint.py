@@ -84,6 +84,13 @@ def _cmd_name(command: int) -> str:
     return _NAMES.get(command) or str(command)
 
 
+def dma_read_requests(requests: dict) -> tuple[int, float]:
+    """(count, wait in µs) of the DMA reads in a link's ``requests`` counters: DMA_READ and
+    DMA_READV (one per scatter list), whichever the host's HELLO let the box use."""
+    entries = [requests.get(name, {}) for name in ("DMA_READ", "DMA_READV")]
+    return sum(e.get("count", 0) for e in entries), sum(e.get("wait_us", 0.0) for e in entries)
+
+
 @dataclass
 class Pending:
     """A request in flight. ``done`` once its completion is in ``reply`` (empty: the link

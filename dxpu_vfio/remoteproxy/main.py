@@ -69,8 +69,10 @@ def serve(config_path: Path, stats_path: Path | None, *, as_json: bool = False) 
                                  "published": announcer.published}
         return stats
     try:
+        slots = proxy.slots.values()  # in the registry entry: which box serves what (dxpu screenshot)
         run_until_terminated("remote", config.name, stats_path, snapshot, screenshots=proxy.screenshots,
-                             on_ready=announce, address=address)
+                             on_ready=announce, address=address, devices=[s.spec.id for s in slots],
+                             displays=[s.spec.id for s in slots if s.spec.model == "display"])
     finally:
         if announcer is not None:
             announcer.stop()
