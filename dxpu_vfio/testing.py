@@ -258,25 +258,29 @@ def _shared_full_factory(full_image: Image) -> Iterator[VmFactory]:
     factory.kill_all()
 
 
-def _pci_devices(vm: Vm) -> str:
-    """The guest's PCI functions, as the guest sees them (what a module must give back)."""
-    return vm.run("ls /sys/bus/pci/devices").stdout
+def _guest_devices(vm: Vm) -> str:
+    """The guest's PCI functions and the device nodes drivers made of them (framebuffers,
+    DRM cards, disks): what a module must give back. A framebuffer can outlive its card
+    (bochs-drm after a surprise removal, seen in test_display), and the next display would
+    then be /dev/fb1 where a test writes /dev/fb0."""
+    return vm.run("ls /sys/bus/pci/devices /sys/class/graphics /sys/class/drm /sys/block").stdout
 
 
 @pytest.fixture(scope="module")
 def _module_full_vm(_shared_full_factory: VmFactory) -> Iterator[Vm]:
     """The session's full guest, handed to one module. A full boot costs ~40 s under TCG,
     so modules share one guest; what one module leaves must not reach the next: a guest
-    that died, or that ends a module with other PCI functions than it was handed over
-    with (a device left plugged), is killed, and the next module boots a fresh one."""
+    that died, or that ends a module with other devices than it was handed over with (a
+    device left plugged, a framebuffer that outlived its card), is killed, and the next
+    module boots a fresh one."""
     factory = _shared_full_factory
     vm = factory.vms[-1] if factory.vms else None
     if vm is None or not vm.guest_alive():
         vm = factory.booted("full", name=f"full{len(factory.vms)}", boot_timeout=240)
-    handed_over = _pci_devices(vm)
+    handed_over = _guest_devices(vm)
     yield vm
     try:
-        clean = vm.guest_alive() and _pci_devices(vm) == handed_over
+        clean = vm.guest_alive() and _guest_devices(vm) == handed_over
     except Exception:  # a guest that no longer answers is no guest to hand over
         clean = False
     if not clean:
