@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from fakes import map_guest_memory
 
-from dxpu_vfio.lab.accel_workloads import TransformerBlock
+from dxpu_vfio.lab.accel_workloads import MlpTrainStep, TransformerBlock
 from dxpu_vfio.hostproxy.forwarder import connect_remote
 from dxpu_vfio.link.transport import TlsFiles, make_certs
 from dxpu_vfio.paths import VM_IMAGES_DIR
@@ -376,43 +376,15 @@ def test_a_transformer_block_forward_matches_numpy(local, seq):
 
 
 def test_an_mlp_training_step_matches_numpy(local):
-    """Forward, MSE loss gradient, backward (ReLU), SGD update of all four parameters.
-    The loss's 2/(batch*out) factor is folded into the learning rate."""
+    """Forward, MSE loss gradient, backward (ReLU), SGD update of all four parameters: the
+    benchmark's MlpTrainStep (dxpu_vfio/lab/accel_workloads.py), small; its check replays
+    the step in numpy and compares the parameters."""
     dev, _ = local
-    b, i, h, o, lr = 32, 48, 64, 8, 0.05
-    rng = np.random.default_rng(3)
-    params = {"w1": rng.standard_normal((i, h)) / np.sqrt(i), "b1": rng.standard_normal(h) * 0.1,
-              "w2": rng.standard_normal((h, o)) / np.sqrt(h), "b2": rng.standard_normal(o) * 0.1}
-    params = {k: v.astype(np.float32) for k, v in params.items()}
-    x, t = rng.standard_normal((b, i)).astype(np.float32), rng.standard_normal((b, o)).astype(np.float32)
-    m, s = OnDevice(dev), dev.stream()
-    for name, array in {**params, "x": x, "t": t}.items():
-        m.put(s, name, array)
-    for name, shape in (("z1", (b, h)), ("a1", (b, h)), ("y", (b, o)), ("dy", (b, o)), ("dw2", (h, o)),
-                        ("db2", (o,)), ("da1", (b, h)), ("dz1", (b, h)), ("dw1", (i, h)), ("db1", (h,))):
-        m.new(name, *shape)
-    p, step = m.ptr, -lr * 2 / (b * o)
-    s.gemm(p["z1"], p["x"], p["w1"], b, h, i)
-    s.bias_add(p["z1"], p["z1"], p["b1"], b, h)
-    s.relu(p["a1"], p["z1"], b * h)
-    s.gemm(p["y"], p["a1"], p["w2"], b, o, h)
-    s.bias_add(p["y"], p["y"], p["b2"], b, o)
-    s.axpy(p["dy"], p["y"], p["t"], b * o, -1.0)                 # dL/dy without its constant: y - t
-    s.gemm(p["dw2"], p["a1"], p["dy"], h, o, b, trans_a=True)    # a1^T dy
-    s.sum_rows(p["db2"], p["dy"], b, o)
-    s.gemm(p["da1"], p["dy"], p["w2"], b, h, o, trans_b=True)    # dy W2^T
-    s.relu_grad(p["dz1"], p["z1"], p["da1"], b * h)
-    s.gemm(p["dw1"], p["x"], p["dz1"], i, h, b, trans_a=True)    # x^T dz1
-    s.sum_rows(p["db1"], p["dz1"], b, h)
-    for name, size in (("w1", i * h), ("b1", h), ("w2", h * o), ("b2", o)):
-        s.axpy(p[name], p[name], p["d" + name], size, step)
+    step = MlpTrainStep(dev, batch=32, inputs=48, hidden=64, outputs=8)
+    s = dev.stream()
+    step.push(s)
     s.synchronize()
-
-    z1 = x @ params["w1"] + params["b1"]
-    a1 = np.maximum(z1, 0)
-    dy = a1 @ params["w2"] + params["b2"] - t
-    dz1 = np.where(z1 > 0, dy @ params["w2"].T, 0)
-    grads = {"w1": x.T @ dz1, "b1": dz1.sum(0), "w2": a1.T @ dy, "b2": dy.sum(0)}
-    for name in params:
-        np.testing.assert_allclose(m.get(name), params[name] + step * grads[name], rtol=1e-4, atol=1e-5)
-        assert not np.allclose(m.get(name), params[name])   # the step changed every parameter
+    step.check()
+    for name, before in step.start.items():
+        after = np.frombuffer(dev.memcpy_dtoh(step.p[name], before.nbytes), dtype=np.float32).reshape(before.shape)
+        assert not np.allclose(after, before), f"the step left {name} as it was"
