@@ -262,8 +262,10 @@ def _guest_devices(vm: Vm) -> str:
     """The guest's PCI functions and the device nodes drivers made of them (framebuffers,
     DRM cards, disks): what a module must give back. A framebuffer can outlive its card
     (bochs-drm after a surprise removal, seen in test_display), and the next display would
-    then be /dev/fb1 where a test writes /dev/fb0."""
-    return vm.run("ls /sys/bus/pci/devices /sys/class/graphics /sys/class/drm /sys/block").stdout
+    then be /dev/fb1 where a test writes /dev/fb0; a writer's dd once left a regular file
+    named /dev/fb0)."""
+    return vm.run("ls /sys/bus/pci/devices /sys/class/graphics /sys/class/drm /sys/block; "
+                  "stat -c '%n %F' /dev/fb* /dev/dri/* 2>/dev/null; true").stdout
 
 
 @pytest.fixture(scope="module")

@@ -132,12 +132,14 @@ FOOTER = """## What these runs do not show
   does, and what the pool manager's healing does). The 6.12 driver marks the controller
   `dead` and fails its disk's I/O; it does not unbind from the PCI device, so the unplug
   is what takes the old disk node away.
-- A surprise removal under a writer to `/dev/fb0` does not always end the same way: in
-  one run the fbdev node went with the card at `device_del` and the writer's `dd` failed
-  with `No such device` 5 s after the removal; in another (the row above, if it says
-  "kept writing") the node outlived the card and the writes went on succeeding into
-  fbdev's shadow buffer until the writer was told to stop. The test accepts either and
-  fails on a writer that hangs, a card that stays, or a display a re-plug does not bring back.
+- A surprise removal under a writer to `/dev/fb0`: in one run the fbdev node went with
+  the card at `device_del` and the writer's `dd` failed with `No such device` 5 s after
+  the removal. Runs that said "kept writing" into "fbdev's shadow" were the test's own
+  mistake: once the node was gone, `dd of=/dev/fb0` created a regular file of that name
+  and wrote into it. The writer now uses `conv=nocreat`, and the test fails if anything
+  but a character device is left at `/dev/fb0`. It accepts an error or a node that
+  really outlives the card, and fails on a writer that hangs, a card that stays, or a
+  display a re-plug does not bring back.
 - Each row is one run on a 2-core host shared with other work; times (plug, recovery)
   are TCG's and the load's as much as the fault's.
 """

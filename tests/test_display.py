@@ -407,7 +407,9 @@ def test_surprise_removal_of_the_display_under_a_writer_then_device_del_and_a_re
     """The box withdraws the display while a writer fills /dev/fb0; device_del follows
     after 1 s: bochs-drm lets go and the DRM card goes; the writer is not left hanging:
     it gets an error once /dev/fb0 goes, or, where the fbdev node outlives the card, its
-    writes still land in fbdev's shadow buffer and it ends when told; the VM answers, the
+    writes still land in fbdev's shadow buffer and it ends when told (dd with
+    conv=nocreat: an earlier version's dd made a regular file /dev/fb0 once the node went,
+    and "kept writing" into it, which then stood in the next display's way); the VM answers, the
     box no longer lists the display; the fault over, a re-plug brings the display back."""
     dev = served_device
     att = hotplug.attach(full_vm, **dev.attach_args())
@@ -417,7 +419,7 @@ def test_surprise_removal_of_the_display_under_a_writer_then_device_del_and_a_re
         faults = lab_faults(dev.lab, dev.box, dev.device, attachment=att)
         drm_lines(full_vm)
         full_vm.run("rm -f /tmp/fbw.rc /tmp/fbw.stop /tmp/fbw.i; (rc=0; i=0; while [ $i -lt 100000 ] && "
-                    "[ ! -e /tmp/fbw.stop ]; do dd if=/dev/zero of=/dev/fb0 bs=64k count=48 2>/tmp/fbw.err "
+                    "[ ! -e /tmp/fbw.stop ]; do dd if=/dev/zero of=/dev/fb0 bs=64k count=48 conv=nocreat 2>/tmp/fbw.err "
                     "|| { rc=$?; break; }; i=$((i+1)); echo $i > /tmp/fbw.i; done; "
                     "echo \"$rc $i $(cut -d' ' -f1 /proc/uptime)\" > /tmp/fbw.rc) > /dev/null 2>&1 &")
         time.sleep(1)
@@ -438,8 +440,8 @@ def test_surprise_removal_of_the_display_under_a_writer_then_device_del_and_a_re
         full_vm.run("touch /tmp/fbw.stop")
         told = by_itself if by_itself != ["none"] else full_vm.run(wait_rc.format(n=300), timeout=60).stdout.split()
         said = full_vm.run("tr '\\n' ' ' < /tmp/fbw.err", check=False).stdout.strip()
-        nodes = full_vm.run("for f in /dev/fb0 /dev/dri/card0; do [ -e $f ] && echo $f-present || echo $f-gone; "
-                            "done").stdout.split()
+        nodes = full_vm.run("for f in /dev/fb0 /dev/dri/card0; do [ -c $f ] && echo $f-present || "
+                            "{ [ -e $f ] && echo $f-not-a-device || echo $f-gone; }; done").stdout.split()
         alive = full_vm.guest_alive() and full_vm.run("echo alive").stdout == "alive\n"
         log = drm_lines(full_vm)
         faults.clear()
@@ -476,6 +478,7 @@ def test_surprise_removal_of_the_display_under_a_writer_then_device_del_and_a_re
         assert alive, "the VM stopped answering"
         assert not listed and facts["... and after the fault"], "the box's INVENTORY did not follow the removal"
         assert (mode["xres"], mode["yres"]) == (1024, 768)
+        assert nodes[0] != "/dev/fb0-not-a-device", nodes  # conv=nocreat: the writer made no file there
     finally:
         full_vm.run("touch /tmp/fbw.stop", check=False)
         detach_left(again, att)

@@ -125,7 +125,10 @@ def test_from_a_box_unplug_flushes_the_last_frame(full_vm, served_device):
 
 
 WRITEBACK_HZ = 10  # a slow beat, so that the period, not the margin, is what bounds the lag
-MARGIN_S = 0.15  # one flush (a 16 MiB scan, the send, the box applying it) on a loaded 2-core host
+# One flush (a 16 MiB scan, the send, the box applying it) and the screenshot's own ask, on
+# a shared 2-core host: 103-120 ms worst in four runs on one day, 260 ms in one at load 3
+# (2026-12-02); 300 ms still tells a write-back that keeps up from one that falls behind.
+MARGIN_S = 0.3
 
 
 class ShadowWatch:
