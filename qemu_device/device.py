@@ -98,6 +98,10 @@ class PciFunction:
     coalesce_posted = False  # posted writes go to memory (a framebuffer): they may be glued into runs
     event_source = None  # events on a descriptor of the device's own (only the host proxy's link has one)
     native_forward = None  # region accesses may be forwarded in C (only the host proxy's link, on the native stream)
+    wants_dma_windows = False  # told of QEMU's DMA windows (dma_mapped/dma_unmapped): a box's external server
+    renders_screen = False  # render_png gives the screen (a display)
+    attach_error: str | None = None  # why QEMU cannot have this device: its GET_INFO fails with it
+    gone: str | None = None  # why the device answers nothing any more (a box's external server that died)
 
     def __init__(self, identity: PciIdentity, bars: Sequence[BarSpec],
                  irq: IrqConfig = IrqConfig(), *, config_size: int = 4096,
@@ -139,6 +143,23 @@ class PciFunction:
 
     def posted_idle(self) -> None:
         """Whoever serves the device is about to wait for more traffic (a no-op for models)."""
+
+    def dma_mapped(self, address: int, size: int, flags: int) -> None:
+        """QEMU mapped a DMA window; called only where ``wants_dma_windows``."""
+
+    def dma_unmapped(self, address: int, size: int, flags: int) -> None:
+        """QEMU unmapped a DMA window (``DMA_UNMAP_ALL``: all); only where ``wants_dma_windows``."""
+
+    def render_png(self) -> bytes:
+        """The screen as a PNG; only where ``renders_screen``."""
+        raise NotImplementedError(f"{type(self).__name__} has no screen")
+
+    def stats(self) -> dict:
+        """What the device did, for its serving process's stats file."""
+        return {"suppressed_interrupts": self.suppressed_interrupts}
+
+    def close(self) -> None:
+        """The server stops for good: end the device's threads and free its memory."""
 
     def save_power_on_config(self) -> None:
         """Record config space as reset restores it.

@@ -161,6 +161,11 @@ class BadIrqs:
     event_source = None
     native_forward = None
     coalesce_posted = False
+    wants_dma_windows = False
+    attach_error = None
+
+    def close(self) -> None:
+        pass
 
     def irq_counts(self) -> dict:
         return {"msi": 1, "nmi": 1}

@@ -130,11 +130,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def snapshot() -> dict:
         return {"pid": os.getpid(), "server": server.snapshot(),
-                "device": device.stats() if hasattr(device, "stats") else
-                {"suppressed_interrupts": device.suppressed_interrupts}}
+                "device": device.stats()}
 
     def screenshots():
-        if hasattr(device, "render_png"):
+        if device.renders_screen:
             yield None, device.render_png()
 
     server.start()

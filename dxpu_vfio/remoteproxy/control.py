@@ -172,7 +172,7 @@ class ControlServices:
                 offset = int(req.get("offset", 0))
             except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested too deep
                 raise vp.ProtocolError("bad SCREENSHOT request") from None
-            err = (errno.ENODEV if slot is None else errno.ENOTSUP if not hasattr(slot.device, "render_png")
+            err = (errno.ENODEV if slot is None else errno.ENOTSUP if not slot.device.renders_screen
                    else None)
             if err is not None:
                 conn.send(vp.error_reply(msg.header.msg_id, msg.header.command, err))

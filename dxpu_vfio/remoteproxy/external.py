@@ -59,6 +59,7 @@ class ExternalFunction:
     coalesce_posted = False  # the features a served device declares (see qemu_device.device.PciFunction)
     event_source = None
     wants_dma_windows = True  # the host proxy passes QEMU's DMA windows on (link DMA_MAP/DMA_UNMAP)
+    renders_screen = False
 
     def __init__(self, socket: str | Path) -> None:
         self.socket = Path(socket)

@@ -54,8 +54,8 @@ ACCEPT_RETRY = 0.1  # seconds to wait after an accept() error (e.g. EMFILE) befo
 def describe(model: str, device: PciFunction) -> DeviceDescription:
     return DeviceDescription(model, [(r.index, r.size, r.readable, r.writable) for r in device.regions()],
                              device.irq_counts(), device.coalesce_posted,
-                             dma_windows=getattr(device, "wants_dma_windows", False),
-                             mappable=[r.index for r in device.regions() if getattr(r, "mappable", False)])
+                             dma_windows=device.wants_dma_windows,
+                             mappable=[r.index for r in device.regions() if r.mappable])
 
 
 def refusal(msg_id: int, command: int, err: int, why: str) -> bytes:
@@ -94,7 +94,7 @@ class Slot:
     def unusable(self) -> str | None:
         """Why this device cannot serve a new link (None: it can). An external server
         that went away is reconnected first: it may have been restarted."""
-        gone = getattr(self.device, "gone", None)
+        gone = self.device.gone
         if gone is None:
             return None
         try:
@@ -116,7 +116,7 @@ class Slot:
                 "dma_bytes_read": self.dma.bytes_read if self.dma else 0,
                 "dma_bytes_written": self.dma.bytes_written if self.dma else 0,
                 "irqs_sent": self.irq.sent if self.irq else 0,
-                "device": self.device.stats() if hasattr(self.device, "stats") else None}
+                "device": self.device.stats()}
 
 
 class RemoteProxy:
@@ -327,9 +327,8 @@ class RemoteProxy:
         with slot.device.lock:
             slot.device.attach(NullDmaPort(), NullIrqPort())
             slot.device.reset()
-            forget = getattr(slot.device, "unmap_all", None)  # QEMU's windows went with the link
-            if forget is not None:
-                forget()
+            if slot.device.wants_dma_windows:
+                slot.device.unmap_all()  # QEMU's windows went with the link
 
     def _handlers(self, slot: Slot) -> dict:
         device, faults, dev_id = slot.device, self.faults, slot.spec.id
@@ -340,7 +339,7 @@ class RemoteProxy:
                 with device.lock:
                     device.dma_map(req.address, req.size, req.flags)
             except OSError:
-                if getattr(device, "gone", None):  # it died on the window: down once the host has the refusal
+                if device.gone:  # it died on the window: down once the host has the refusal
                     endpoint = slot.endpoint
                     timer = threading.Timer(0.2, lambda: endpoint.mark_down(device.gone))
                     timer.daemon = True
@@ -386,7 +385,7 @@ class RemoteProxy:
             return b""
 
         windows = {LinkCommand.DMA_MAP: dma_map, LinkCommand.DMA_UNMAP: dma_unmap} \
-            if getattr(device, "wants_dma_windows", False) else {}
+            if device.wants_dma_windows else {}
         return {**windows, LinkCommand.REGION_READ: region_read, LinkCommand.REGION_WRITE: region_write,
                 LinkCommand.WRITE_BATCH: write_batch, LinkCommand.DEVICE_RESET: reset, LinkCommand.SYNC: sync}
 
@@ -430,7 +429,7 @@ class RemoteProxy:
     def screenshots(self):
         """Every display's scanout, for SIGUSR2 (:mod:`dxpu_vfio.daemon`)."""
         for dev_id, slot in self.slots.items():
-            if hasattr(slot.device, "render_png"):
+            if slot.device.renders_screen:
                 try:
                     yield dev_id, slot.device.render_png()
                 except ValueError as exc:  # an invalid mode (DisplayModeError): no file for this one
@@ -444,6 +443,4 @@ class RemoteProxy:
         for slot in self.slots.values():
             if slot.endpoint is not None:
                 slot.endpoint.close()
-            close = getattr(slot.device, "close", None)
-            if close:
-                close()
+            slot.device.close()

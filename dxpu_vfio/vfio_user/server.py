@@ -57,7 +57,6 @@ from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message
 from dxpu_vfio.vfio_user.dma import DmaTable
 from dxpu_vfio.vfio_user.irq import EventfdIrqs
 from dxpu_vfio.vfio_user.posted import WriteRuns
-from qemu_device.device import PciFunction
 from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
 
 log = logging.getLogger("dxpu.vfio_user.server")
@@ -84,6 +83,33 @@ class EventSource(Protocol):
         """The calling thread serves the events from now on (until :meth:`release`)."""
 
     def release(self) -> None: ...
+
+
+class VfioDevice(Protocol):
+    """What the server serves: a device model (:class:`qemu_device.device.PciFunction`)
+    or the host proxy's link to a box (:class:`dxpu_vfio.hostproxy.forwarder.RemoteFunction`).
+    Optional features are declared as attributes, never probed: the server reads
+    ``coalesce_posted``, ``event_source``, ``native_forward`` and ``wants_dma_windows``
+    and calls only what they enable."""
+
+    lock: threading.RLock
+    coalesce_posted: bool  # posted writes may be glued into runs (write_multiple is offered)
+    event_source: EventSource | None
+    native_forward: NativeForward | None
+    wants_dma_windows: bool  # dma_mapped/dma_unmapped are called
+    attach_error: str | None  # set: GET_INFO fails with it (QEMU ignores a refused DMA_MAP)
+
+    def regions(self) -> list: ...
+    def bar_memory(self, index: int): ...
+    def irq_counts(self) -> dict[str, int]: ...
+    def region_read(self, index: int, offset: int, size: int) -> bytes: ...
+    def region_write(self, index: int, offset: int, data: bytes, posted: bool = False) -> None: ...
+    def posted_idle(self) -> None: ...
+    def attach(self, dma, irq) -> None: ...
+    def reset(self) -> None: ...
+    def dma_mapped(self, address: int, size: int, flags: int) -> None: ...
+    def dma_unmapped(self, address: int, size: int, flags: int) -> None: ...
+    def close(self) -> None: ...
 
 
 class NativeForward(Protocol):
@@ -152,7 +178,7 @@ class Reply:
 IRQ_INDEX = {"intx": p.IRQ_INTX, "msi": p.IRQ_MSI, "msix": p.IRQ_MSIX, "err": p.IRQ_ERR, "req": p.IRQ_REQ}
 
 
-def irq_vector_counts(device: PciFunction) -> dict[int, int]:
+def irq_vector_counts(device: "VfioDevice") -> dict[int, int]:
     """The device's vector counts keyed by vfio-user IRQ index."""
     return {IRQ_INDEX[name]: count for name, count in device.irq_counts().items()}
 
@@ -495,10 +521,9 @@ def _dma_map(s: _Session, msg: Message) -> bytes:
                          "this server needs fd-mapped guest memory")
     fd = msg.fds.pop() if msg.fds else None
     s.dma.add(req.address, req.size, req.flags, fd, req.offset)
-    watcher = getattr(s.server.device, "dma_mapped", None)  # a device that passes windows on (forward mode)
-    if watcher is not None:
+    if s.server.device.wants_dma_windows:  # a device that passes windows on (a box's external server)
         try:
-            watcher(req.address, req.size, req.flags)
+            s.server.device.dma_mapped(req.address, req.size, req.flags)
         except BaseException:
             s.dma.remove(req.address, req.size)
             raise
@@ -512,16 +537,15 @@ def _dma_unmap(s: _Session, msg: Message) -> bytes:
         s.dma.clear()
     else:
         s.dma.remove(req.address, req.size)
-    watcher = getattr(s.server.device, "dma_unmapped", None)
-    if watcher is not None:
-        watcher(req.address, req.size, req.flags)
+    if s.server.device.wants_dma_windows:
+        s.server.device.dma_unmapped(req.address, req.size, req.flags)
     return req.pack()
 
 
 def _device_info(s: _Session, msg: Message) -> bytes:
     # QEMU only logs a refused DMA_MAP (it sends them before GET_INFO, without waiting):
     # a device that cannot work with QEMU's windows fails the attach here instead
-    refused = getattr(s.server.device, "attach_error", None)
+    refused = s.server.device.attach_error
     if refused:
         raise OSError(errno.EOPNOTSUPP, refused)
     return p.device_info_reply()
@@ -644,7 +668,7 @@ def _name(command: int) -> str:
 class VfioUserServer:
     """Serves ``device`` on ``socket_path`` until :meth:`stop`."""
 
-    def __init__(self, device: PciFunction, socket_path: Path, *, name: str = "dev",
+    def __init__(self, device: VfioDevice, socket_path: Path, *, name: str = "dev",
                  options: ServerOptions | None = None) -> None:
         self.device = device
         self.socket_path = Path(socket_path)
@@ -747,9 +771,7 @@ class VfioUserServer:
         if self._accept_thread is not None:
             self._accept_thread.join(timeout)
         self.socket_path.unlink(missing_ok=True)
-        close = getattr(self.device, "close", None)
-        if close:
-            close()
+        self.device.close()
 
     def _forwarded_counts(self, s: _Session | None) -> dict[str, int]:
         """QEMU's messages the native forwarder handled in C (not in ``commands``: their
