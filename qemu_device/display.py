@@ -2,7 +2,7 @@
 own ``bochs`` DRM driver binds to.
 
 BAR0 is the framebuffer (prefetchable; memory of whoever serves the device: on a GPU
-box, the box). With ``mapped=True`` (not yet the default: docs/devices/display.md) it is
+box, the box). With ``mapped=True`` (the default) it is
 declared host-mappable (written only by the CPU) and kept in a sealed memfd, which QEMU maps straight into the guest when the
 device is served locally, and a host proxy shadows and writes back when it is served from
 a box (docs/devices/display.md); ``mapped=False`` is the trapped path (every store a
@@ -67,7 +67,9 @@ class DisplayAdapter(PciFunction):
     (a memfd the VMM maps: fills at memory speed; False: every store is a trapped access,
     an order of magnitude slower, kept as an option and for its tests)."""
 
-    def __init__(self, *, vram_mib: int = 16, coalesce: bool = True, mapped: bool = False) -> None:
+    renders_screen = True
+
+    def __init__(self, *, vram_mib: int = 16, coalesce: bool = True, mapped: bool = True) -> None:
         self.coalesce_posted = coalesce
         if vram_mib < 16 or vram_mib & (vram_mib - 1):
             raise ValueError("vram_mib must be a power of two, 16 or more")

@@ -192,6 +192,37 @@ def test_unplug_flushes_the_last_frame(box, shadowed):
         again.close()
 
 
+def test_the_write_back_waits_for_the_box_without_holding_the_device(tmp_path, box):
+    """The periodic write-back of whole frames waits for the box to catch up (a SYNC after
+    each posted-bytes window) without the device's lock: the vfio-user session thread reads
+    the link for everyone and may be waiting for that lock (QEMU's register read), and the
+    SYNC's completion would then reach no one until its timeout took the link down (as
+    `dxpu demo` did while QEMU was still probing the display)."""
+    client, fb, device, server = plug(tmp_path, box, writeback_hz=60)
+    try:
+        rng = np.random.default_rng(7)
+        frames = [rng.integers(0, 256, FB, np.uint8).tobytes() for _ in range(2)]
+        for n in range(12):
+            fb[:] = frames[n % 2]  # every page changes: 16 MiB for the next flush, four windows
+            time.sleep(1 / 60)  # the periodic flush is under way
+            started = time.monotonic()
+            client.read(2, 0x500, 2)
+            assert device.link_up, f"frame {n}: {device.endpoint.down_reason}"
+            assert time.monotonic() - started < 0.9, f"frame {n}: a register read waited for the write-back"
+        assert box_pixels(box) == _rgb(frames[1])
+        assert device.shadows[0].counters["periodic"] > 0 and device.endpoint.timeouts == 0
+    finally:
+        fb.close()
+        client.close()
+        server.stop()
+
+
+def _rgb(frame: bytes) -> bytes:
+    """The box's rendering (RGB) of the W x H top-left of a BGRX frame."""
+    px = np.frombuffer(frame[:W * H * 4], np.uint8).reshape(-1, 4)
+    return px[:, [2, 1, 0]].tobytes()
+
+
 def test_snapshot_compare_finds_exactly_the_changed_pages():
     sent = []
     shadow = ShadowBar(0, FB, lambda runs: sent.extend((o, bytes(d)) for _, o, d in runs), threading.RLock(),

@@ -105,7 +105,8 @@ class RemoteFunction:
         # --- host-mapped BARs (hostproxy/shadow.py): the shadows QEMU maps, written back to the box
         self.shadows: dict[int, ShadowBar] = {
             index: ShadowBar(index, description.regions[index][1], self._post_shadow, self.lock,
-                             rate_hz=writeback_hz, name=name, live=lambda: self.endpoint.up)
+                             rate_hz=writeback_hz, name=name, live=lambda: self.endpoint.up,
+                             room=self._posted_room, catch_up=self._catch_up)
             for index in (description.mappable if map_bars else [])}
 
     @property
@@ -115,6 +116,13 @@ class RemoteFunction:
     @property
     def coalesce_posted(self) -> bool:  # the vfio-user server then offers write_multiple too
         return self.coalesce
+
+    renders_screen = False  # a box's display renders in the box (dxpu screenshot asks it)
+
+    @property
+    def wants_dma_windows(self) -> bool:
+        """The box's device maps QEMU's windows (an external vfio-user server there)."""
+        return self.description.dma_windows
 
     # --- the native forwarder (dxpu_vfio/native/forward.c) --------------------------------
     @property
@@ -284,7 +292,32 @@ class RemoteFunction:
                                 [(vp.REGION_RW.pack(offset, index, len(data)), data) for index, offset, data in pieces])
         self._posted_since_sync += len(pieces)
         self._posted_bytes_since_sync += sum(vp.REGION_RW.size + len(data) for _, _, data in pieces)
-        self._sync_if_behind()
+
+    def _posted_room(self) -> int:
+        """Bytes the box may still have queued before the host waits for it (0: wait now)."""
+        if self._posted_since_sync >= POSTED_WINDOW:
+            return 0
+        return max(0, POSTED_BYTES_WINDOW - self._posted_bytes_since_sync)
+
+    def _catch_up(self) -> Callable[[], None]:
+        """A SYNC sent now, in stream order (the caller holds the device's lock); the call
+        returned waits for its completion and may be made without the lock (shadow.py: the
+        periodic write-back must not hold it while the session thread reads the link)."""
+        try:
+            pending = self.endpoint.send_request(LinkCommand.SYNC, b"")
+        except LinkDown:
+            return lambda: None  # posted writes to a device that fell off the bus are dropped
+        before = self._posted_since_sync, self._posted_bytes_since_sync
+
+        def wait() -> None:
+            try:
+                self.endpoint.wait(pending, self.completion_timeout)
+            except (LinkDown, LinkError):
+                return  # down: nothing to wait for; an error completion still came after everything before it
+            with self.lock:  # what was posted after the SYNC is still in the window
+                self._posted_since_sync = max(0, self._posted_since_sync - before[0])
+                self._posted_bytes_since_sync = max(0, self._posted_bytes_since_sync - before[1])
+        return wait
 
     def _sync_if_behind(self) -> None:
         if self._posted_since_sync >= POSTED_WINDOW or self._posted_bytes_since_sync >= POSTED_BYTES_WINDOW:
@@ -313,7 +346,7 @@ class RemoteFunction:
                           f"DMA unmap {address:#x}+{size:#x}")
 
     def _tell_window(self, command: int, payload: bytes, what: str) -> None:
-        if not self.description.dma_windows or not self.endpoint.up:
+        if not self.endpoint.up:
             return  # a link that is down refuses every DMA anyway
         self.flush_posted()
         try:
@@ -365,6 +398,7 @@ class RemoteFunction:
         out = {**counters, "link": link, "attach_error": self.attach_error}
         if self.shadows:
             out["shadows"] = {str(i): shadow.stats() for i, shadow in self.shadows.items()}
+            out["writeback_bytes"] = sum(shadow.counters["bytes_sent"] for shadow in self.shadows.values())
         return out
 
     # --- the remote's requests (link reader thread, stream order) --------------------

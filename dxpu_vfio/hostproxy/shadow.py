@@ -45,16 +45,34 @@ DEFAULT_RATE_HZ = 60.0
 log = logging.getLogger("dxpu.hostproxy.shadow")
 
 Post = Callable[[list[tuple[int, int, memoryview]]], None]  # runs (region, offset, data), posted in order
+Room = Callable[[], int]  # bytes the box may still queue before the host waits for it (the posted window)
+CatchUp = Callable[[], Callable[[], None]]  # sends a SYNC in stream order; the call it returns waits for it
+
+
+def _unbounded() -> int:
+    return 1 << 62
+
+
+def _no_wait() -> Callable[[], None]:
+    return lambda: None
 
 
 class ShadowBar:
     """Region ``index`` of ``size`` bytes: ``memory`` is what QEMU maps; ``flush`` sends
     what changed through ``post`` (the device's posted writes, in stream order) under
-    ``lock`` (the device's: a flush never interleaves with a request on the stream)."""
+    ``lock`` (the device's: a flush never interleaves with a request on the stream).
+
+    **Waiting for the box.** Once ``room`` says the posted window is full, the box must catch
+    up (``catch_up``: a SYNC) before more is sent. An ordered flush waits for it under the
+    lock: its caller is the vfio-user session thread, which reads the link itself. The
+    periodic write-back waits with the lock let go: the session thread may be waiting for
+    the lock (a register read from QEMU) while it is the only reader of the link, and the
+    SYNC's completion would reach no one until its timeout took the link down."""
 
     def __init__(self, index: int, size: int, post: Post, lock: threading.RLock, *,
                  rate_hz: float = DEFAULT_RATE_HZ, name: str = "shadow",
-                 live: Callable[[], bool] = lambda: True) -> None:
+                 live: Callable[[], bool] = lambda: True, room: Room = _unbounded,
+                 catch_up: CatchUp = _no_wait) -> None:
         if size <= 0 or size % PAGE:
             raise ValueError(f"shadowed BAR of {size} bytes: whole pages only")
         self.index, self.size, self.rate_hz = index, size, float(rate_hz)
@@ -62,14 +80,20 @@ class ShadowBar:
         self._now = np.frombuffer(self.memory.buf, np.uint8)
         self.known = np.zeros(size, np.uint8)  # what the box has, as far as the host knows
         self._now64, self._known64 = self._now.view(np.uint64), self.known.view(np.uint64)
-        self.full = True  # nothing is known of the box's copy yet
+        self._stale = np.ones(size // PAGE, bool)  # pages sent whatever they compare (a new link: all)
         self._post, self._lock, self._live = post, lock, live  # live: the stream is up (else nothing to send)
+        self._room, self._catch_up = room, catch_up
         self.counters = {"flushes": 0, "flushes_sent": 0, "pages_sent": 0, "bytes_sent": 0, "scan_ns": 0,
-                         "scan_ns_max": 0, "periodic": 0, "ordered": 0}
+                         "scan_ns_max": 0, "periodic": 0, "ordered": 0, "catch_ups": 0}
         self.last_sent = 0.0  # monotonic time of the last flush that sent something
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._name = name
+
+    @property
+    def full(self) -> bool:
+        """Nothing of the box's copy is known yet: the next flush sends the whole BAR."""
+        return bool(self._stale.all())
 
     def start(self) -> None:
         """Start the periodic write-back (once the device's stream is up)."""
@@ -85,68 +109,104 @@ class ShadowBar:
         self.memory.buf[offset:offset + len(data)] = data
 
     def flush(self, why: str = "ordered") -> int:
-        """Send what changed since the last flush; returns the bytes sent."""
+        """Send everything that changed since the last flush, waiting for the box under the
+        lock where the window fills (see the class doc: for the session thread); returns
+        the bytes sent."""
         with self._lock:
-            if self.memory.fd < 0 or not self._live():
-                return 0  # closed, or the link is down: the guest keeps its shadow, the box gets nothing
-            started = time.perf_counter_ns()
-            runs = self._changed()
-            scan = time.perf_counter_ns() - started
-            c = self.counters
-            c["flushes"] += 1
-            c[why] += 1
-            c["scan_ns"] += scan
-            c["scan_ns_max"] = max(c["scan_ns_max"], scan)
-            if not runs:
-                return 0
-            pieces = []
-            for start, end in runs:
-                for pos in range(start, end, MAX_PIECE):
-                    stop = min(end, pos + MAX_PIECE)
-                    pieces.append((self.index, pos, memoryview(self.known[pos:stop]).cast("B")))
-            sent = sum(len(p[2]) for p in pieces)
-            # known now holds the new contents (copied in _changed): the pieces are views of it,
-            # so a guest store during the send is not torn into what the box is told it has;
-            # sent a few at a time, so the stream's posted-write window is checked between
-            for first in range(0, len(pieces), PIECES_A_SEND):
-                self._post(pieces[first:first + PIECES_A_SEND])
-            c["flushes_sent"] += 1
-            c["pages_sent"] += sent // PAGE
-            c["bytes_sent"] += sent
-            self.last_sent = time.monotonic()
+            sent, _more = self._flush_some(why, None)
             return sent
 
-    def _changed(self) -> list[tuple[int, int]]:
-        """Runs [start, end) of changed pages, with ``known`` updated to the shadow's contents."""
-        now, known = self._now, self.known
-        if self.full:
-            self.full = False
-            known[:] = now
-            return [(0, self.size)]
+    def _flush_periodic(self) -> int:
+        """The write-back's flush: a window's worth at a time under the lock, and the wait
+        for the box between windows with the lock let go."""
+        sent = 0
+        while True:
+            with self._lock:
+                room = self._room()
+                if room > 0:
+                    got, more = self._flush_some("periodic", room)
+                    sent += got
+                    if not more:
+                        return sent
+                if self.memory.fd < 0 or not self._live():
+                    return sent
+                self.counters["catch_ups"] += 1
+                wait = self._catch_up()  # sent under the lock: in stream order, after the pieces
+            wait()
+
+    def _flush_some(self, why: str, limit: int | None) -> tuple[int, bool]:
+        """Scan and post changed pages, about ``limit`` bytes at most (None: all, waiting
+        for the box where the window fills); (bytes sent, whether more may be left)."""
+        if self.memory.fd < 0 or not self._live():
+            return 0, False  # closed, or the link is down: the guest keeps its shadow, the box gets nothing
+        started = time.perf_counter_ns()
+        runs, more = self._changed(limit)
+        scan = time.perf_counter_ns() - started
+        c = self.counters
+        c["flushes"] += 1
+        c[why] += 1
+        c["scan_ns"] += scan
+        c["scan_ns_max"] = max(c["scan_ns_max"], scan)
+        if not runs:
+            return 0, more
+        pieces = []
+        for start, end in runs:
+            for pos in range(start, end, MAX_PIECE):
+                stop = min(end, pos + MAX_PIECE)
+                pieces.append((self.index, pos, memoryview(self.known[pos:stop]).cast("B")))
+        sent = sum(len(p[2]) for p in pieces)
+        # known now holds the new contents (copied in _changed): the pieces are views of it,
+        # so a guest store during the send is not torn into what the box is told it has;
+        # sent a few at a time, so the stream's posted-write window is checked between
+        for first in range(0, len(pieces), PIECES_A_SEND):
+            if limit is None and self._room() <= 0:
+                c["catch_ups"] += 1
+                self._catch_up()()
+            self._post(pieces[first:first + PIECES_A_SEND])
+        c["flushes_sent"] += 1
+        c["pages_sent"] += sent // PAGE
+        c["bytes_sent"] += sent
+        self.last_sent = time.monotonic()
+        return sent, more
+
+    def _changed(self, limit: int | None = None) -> tuple[list[tuple[int, int]], bool]:
+        """Runs [start, end) of changed (or stale) pages, with ``known`` updated to the
+        shadow's contents there; stops after the block where ``limit`` bytes were reached
+        (then True: blocks are left unscanned)."""
+        now, known, stale = self._now, self.known, self._stale
         runs: list[tuple[int, int]] = []
+        found = 0
         now64, known64 = self._now64, self._known64  # 8 bytes a compare: a third faster than bytes
         per_page = PAGE // 8
         for block in range(0, self.size, BLOCK):
+            if limit is not None and found >= limit:
+                return runs, True
             end = min(self.size, block + BLOCK)
             a, b = now64[block // 8:end // 8], known64[block // 8:end // 8]
-            if np.array_equal(a, b):
+            forced = stale[block // PAGE:end // PAGE]
+            any_forced = bool(forced.any())
+            if not any_forced and np.array_equal(a, b):
                 continue
             pages = (a.reshape(-1, per_page) != b.reshape(-1, per_page)).any(axis=1)
+            if any_forced:
+                pages |= forced
+                forced[:] = False
             # runs of changed pages in this block: where the mask steps up, and down
             edges = np.flatnonzero(np.diff(np.concatenate(([False], pages, [False])).astype(np.int8)))
             for first, last in zip(edges[0::2], edges[1::2]):
                 lo, hi = block + int(first) * PAGE, block + int(last) * PAGE
                 known[lo:hi] = now[lo:hi]
+                found += hi - lo
                 if runs and runs[-1][1] == lo:
                     runs[-1] = (runs[-1][0], hi)
                 else:
                     runs.append((lo, hi))
-        return runs
+        return runs, False
 
     def resend_all(self) -> None:
         """The box's copy is unknown (a new link): the next flush sends the whole BAR."""
         with self._lock:
-            self.full = True
+            self._stale[:] = True
 
     # --- the periodic write-back ---------------------------------------------------------
     def _run(self) -> None:
@@ -157,7 +217,7 @@ class ShadowBar:
             if self._stop.wait(max(0.0, due - time.monotonic())):
                 return
             try:
-                self.flush("periodic")
+                self._flush_periodic()
             except Exception:  # noqa: BLE001 - the write-back must outlive one failure
                 log.exception("shadow of region %d: write-back failed", self.index)
 

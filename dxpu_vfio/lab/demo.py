@@ -170,8 +170,10 @@ def run_demo(image: str = "full", accel: str = "tcg", as_json: bool = False) -> 
             out["status"] = status
             for dev in status["devices"]:
                 c = dev["counters"]
+                writeback = (f", {c['writeback_bytes']} B of framebuffer written back from its shadow"
+                             if "writeback_bytes" in c else "")
                 say(f"demo: host proxy of {dev['device']}: {c.get('reads', 0)} reads and {c.get('writes_posted', 0)} "
-                    f"posted writes ({c.get('posted_messages', c.get('writes_posted', 0))} link messages), "
+                    f"posted writes ({c.get('posted_messages', c.get('writes_posted', 0))} link messages){writeback}, "
                     f"DMA {c.get('dma_bytes_read', 0)} B out of and {c.get('dma_bytes_written', 0)} B into guest "
                     f"memory, {c.get('irqs', 0)} interrupts, link {'up' if dev['link_up'] else 'DOWN'}")
             started = time.monotonic()
