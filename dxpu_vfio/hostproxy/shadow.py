@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -136,51 +136,56 @@ class ShadowBar:
 
     def _flush_some(self, why: str, limit: int | None) -> tuple[int, bool]:
         """Scan and post changed pages, about ``limit`` bytes at most (None: all, waiting
-        for the box where the window fills); (bytes sent, whether more may be left)."""
+        for the box where the window fills); (bytes sent, whether more may be left).
+        Each 1 MiB block's changes are posted as soon as it is scanned: the box takes
+        them in while the host scans on (a whole-frame change reaches it ~a scan sooner)."""
         if self.memory.fd < 0 or not self._live():
             return 0, False  # closed, or the link is down: the guest keeps its shadow, the box gets nothing
-        started = time.perf_counter_ns()
-        runs, more = self._changed(limit)
-        scan = time.perf_counter_ns() - started
         c = self.counters
+        sent = scan = 0
+        blocks = self._changed_blocks(limit)
+        while True:
+            started = time.perf_counter_ns()
+            try:
+                runs = next(blocks)
+            except StopIteration as done:
+                more = bool(done.value)  # the scan stopped at the limit: blocks are left
+                scan += time.perf_counter_ns() - started
+                break
+            scan += time.perf_counter_ns() - started
+            # known now holds the new contents (copied by the scan): the pieces are views of
+            # it, so a guest store during the send is not torn into what the box is told it
+            # has; sent a few at a time, so the stream's posted-write window is checked between
+            pieces = [(self.index, pos, memoryview(self.known[pos:min(end, pos + MAX_PIECE)]).cast("B"))
+                      for start, end in runs for pos in range(start, end, MAX_PIECE)]
+            for first in range(0, len(pieces), PIECES_A_SEND):
+                if limit is None and self._room() <= 0:
+                    c["catch_ups"] += 1
+                    self._catch_up()()
+                self._post(pieces[first:first + PIECES_A_SEND])
+            sent += sum(end - start for start, end in runs)
         c["flushes"] += 1
         c[why] += 1
         c["scan_ns"] += scan
         c["scan_ns_max"] = max(c["scan_ns_max"], scan)
-        if not runs:
-            return 0, more
-        pieces = []
-        for start, end in runs:
-            for pos in range(start, end, MAX_PIECE):
-                stop = min(end, pos + MAX_PIECE)
-                pieces.append((self.index, pos, memoryview(self.known[pos:stop]).cast("B")))
-        sent = sum(len(p[2]) for p in pieces)
-        # known now holds the new contents (copied in _changed): the pieces are views of it,
-        # so a guest store during the send is not torn into what the box is told it has;
-        # sent a few at a time, so the stream's posted-write window is checked between
-        for first in range(0, len(pieces), PIECES_A_SEND):
-            if limit is None and self._room() <= 0:
-                c["catch_ups"] += 1
-                self._catch_up()()
-            self._post(pieces[first:first + PIECES_A_SEND])
-        c["flushes_sent"] += 1
-        c["pages_sent"] += sent // PAGE
-        c["bytes_sent"] += sent
-        self.last_sent = time.monotonic()
+        if sent:
+            c["flushes_sent"] += 1
+            c["pages_sent"] += sent // PAGE
+            c["bytes_sent"] += sent
+            self.last_sent = time.monotonic()
         return sent, more
 
-    def _changed(self, limit: int | None = None) -> tuple[list[tuple[int, int]], bool]:
-        """Runs [start, end) of changed (or stale) pages, with ``known`` updated to the
-        shadow's contents there; stops after the block where ``limit`` bytes were reached
-        (then True: blocks are left unscanned)."""
+    def _changed_blocks(self, limit: int | None = None) -> Iterator[list[tuple[int, int]]]:
+        """For each 1 MiB block with changed (or stale) pages, its runs [start, end) of
+        them, with ``known`` updated to the shadow's contents there; stops before the next
+        block once ``limit`` bytes were found, and then returns True (blocks are left)."""
         now, known, stale = self._now, self.known, self._stale
-        runs: list[tuple[int, int]] = []
         found = 0
         now64, known64 = self._now64, self._known64  # 8 bytes a compare: a third faster than bytes
         per_page = PAGE // 8
         for block in range(0, self.size, BLOCK):
             if limit is not None and found >= limit:
-                return runs, True
+                return True
             end = min(self.size, block + BLOCK)
             a, b = now64[block // 8:end // 8], known64[block // 8:end // 8]
             forced = stale[block // PAGE:end // PAGE]
@@ -193,15 +198,14 @@ class ShadowBar:
                 forced[:] = False
             # runs of changed pages in this block: where the mask steps up, and down
             edges = np.flatnonzero(np.diff(np.concatenate(([False], pages, [False])).astype(np.int8)))
+            runs = []
             for first, last in zip(edges[0::2], edges[1::2]):
                 lo, hi = block + int(first) * PAGE, block + int(last) * PAGE
                 known[lo:hi] = now[lo:hi]
                 found += hi - lo
-                if runs and runs[-1][1] == lo:
-                    runs[-1] = (runs[-1][0], hi)
-                else:
-                    runs.append((lo, hi))
-        return runs, False
+                runs.append((lo, hi))
+            yield runs
+        return False
 
     def resend_all(self) -> None:
         """The box's copy is unknown (a new link): the next flush sends the whole BAR."""
