@@ -90,6 +90,7 @@ extern unsigned int if_nametoindex(const char *name); /* <net/if.h> clashes with
 #define NE_TCX_INGRESS 46 /* enum bpf_attach_type, kernel 6.6+ (headers may be older) */
 #define INSN(c, d, s, o, i) ((struct bpf_insn){.code = (c), .dst_reg = (d), .src_reg = (s), .off = (o), .imm = (i)})
 
+#ifdef BPF_ATOMIC /* headers of 5.12+ (atomic adds, mmapable maps, links); older ones: routes only */
 static long sys_bpf(int cmd, union bpf_attr *attr) { return syscall(SYS_bpf, cmd, attr, sizeof *attr); }
 
 /* skb in r1. Entry dir of the map: if to_user, bpf_redirect(tun_ifindex) (egress of the TUN);
@@ -169,6 +170,13 @@ static int fast_setup(const char *up_if, const char *down_if, int tun_ifindex) {
     fast = f;
     return 0;
 }
+#else
+static int fast_setup(const char *up_if, const char *down_if, int tun_ifindex) {
+    (void)up_if, (void)down_if, (void)tun_ifindex;
+    fprintf(stderr, "fast path: built with kernel headers older than 5.12\n");
+    return -1;
+}
+#endif
 
 static uint64_t now_ns(void) {
     struct timespec ts;
