@@ -7,7 +7,9 @@ bulk transfer each way, :mod:`dxpu_vfio.lab.floors`):
 
 * floor at zero impairment: the direct veth; the lab link as it is by default (the
   kernel forwards in the link namespace, no emulator); the C emulator kept in the path
-  with nothing to do; the Python one likewise;
+  with nothing to do (its tc programs count the packets and let the kernel forward them);
+  the C emulator with every packet through its loop (the hop through user space any
+  delay costs: the floor under the delay rows); the Python one (all through its loop);
 * delay: asked vs achieved over a range, with and without jitter: the emulator's own
   held time (p50, p99, std) and what TCP saw (the round trip's growth over the
   emulator's floor measured right before each row, halved), with the emulator
@@ -19,6 +21,7 @@ It measures the emulator also where the kernel has netem (``netem=False``). Tabl
 stdout, JSON in results/bench/netem.json.
 
     .venv/bin/python scripts/bench_netem.py [--rounds 2] [--round-trips 3000] [--bulk-mib 128]
+        [--datagrams 20000] [--floor-only] [--no-python]
 """
 
 from __future__ import annotations
@@ -59,16 +62,21 @@ def measure(state: lab.LabState, address: str, round_trips: int, bulk: int) -> d
     return json.loads(out.stdout)
 
 
-def floor_rows(state: lab.LabState, rounds: int, round_trips: int, bulk: int, log) -> dict:
+def floor_rows(state: lab.LabState, rounds: int, round_trips: int, bulk: int, log, python: bool = True) -> dict:
     """Each path ``rounds`` times, interleaved (the machine is shared): medians of the rounds."""
     b = state.box("box1")
     paths = {"direct veth": (DIRECT_BOX, None), "lab link, kernel (default at zero)": (b.box_ip, None),
-             "lab link, C emulator at zero": (b.box_ip, "c"), "lab link, Python emulator at zero": (b.box_ip, "python")}
+             "lab link, C emulator at zero": (b.box_ip, "c"),
+             "lab link, C emulator, every packet through its loop": (b.box_ip, "c-loop"),
+             "lab link, Python emulator at zero": (b.box_ip, "python")}
+    if not python:
+        del paths["lab link, Python emulator at zero"]
     runs: dict[str, list[dict]] = {p: [] for p in paths}
     for r in range(rounds):
         for name, (address, engine) in paths.items():
             if engine:
-                lab.set_link(state, "box1", Impairment(), force_emulator=True, engine=engine, netem=False)
+                lab.set_link(state, "box1", Impairment(), force_emulator=True, engine=engine.removesuffix("-loop"),
+                             fast_path=not engine.endswith("-loop"), netem=False)
             runs[name].append(measure(state, address, round_trips, bulk))
             lab.set_link(state, "box1", Impairment(), netem=False)
             log(f"  round {r + 1} {name:36} rtt {runs[name][-1]['ping_pong']['median_us']:7.1f} µs  "
@@ -90,9 +98,11 @@ def delay_rows(state: lab.LabState, round_trips: int, log) -> list[dict]:
            [Impairment(delay_us=100, jitter_us=20), Impairment(delay_us=500, jitter_us=100),
             Impairment(delay_us=200, jitter_us=50, distribution="uniform")]
     for imp, realtime in ((i, rt) for i in asks for rt in (False, True)):
-        # the floor right before each row (the machine's load moves): ping-pong alone, no queue
-        lab.set_link(state, "box1", Impairment(), force_emulator=True, realtime=realtime, netem=False)
+        # the floor right before each row (the machine's load moves): ping-pong alone, no queue,
+        # every packet through the emulator's loop as with a delay; then a fresh emulator
+        lab.set_link(state, "box1", Impairment(), force_emulator=True, realtime=realtime, netem=False, fast_path=False)
         base = measure(state, b.box_ip, round_trips, 0)["ping_pong"]["median_us"]
+        lab.set_link(state, "box1", Impairment(), netem=False)
         lab.set_link(state, "box1", imp, realtime=realtime, netem=False)
         lab.reset_link_counters(state, "box1")
         rtt = measure(state, b.box_ip, round_trips, 0)["ping_pong"]["median_us"]
@@ -134,6 +144,8 @@ def main() -> int:
     parser.add_argument("--round-trips", type=int, default=3000)
     parser.add_argument("--bulk-mib", type=int, default=128)
     parser.add_argument("--datagrams", type=int, default=20000)
+    parser.add_argument("--no-python", action="store_true", help="leave the Python emulator's floor row out")
+    parser.add_argument("--floor-only", action="store_true", help="only the zero-impairment floor (no delay or loss rows)")
     args = parser.parse_args()
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     topology = lab.Topology(f"nb{os.getpid()}", [lab.BoxSpec("box1", [{"id": "td0", "model": "testdev"}])])
@@ -148,11 +160,13 @@ def main() -> int:
         if b"serving" not in server.stdout.readline():
             raise RuntimeError("floor server did not start")
         log("floor at zero impairment")
-        floor = floor_rows(state, args.rounds, args.round_trips, args.bulk_mib << 20, log)
-        log("delay")
-        delays = delay_rows(state, args.round_trips // 3, log)
-        log("loss")
-        losses = loss_rows(state, args.datagrams, log)
+        floor = floor_rows(state, args.rounds, args.round_trips, args.bulk_mib << 20, log, python=not args.no_python)
+        delays, losses = [], []
+        if not args.floor_only:
+            log("delay")
+            delays = delay_rows(state, args.round_trips // 3, log)
+            log("loss")
+            losses = loss_rows(state, args.datagrams, log)
     finally:
         terminate(server)
         lab.down(state.name)
@@ -164,19 +178,21 @@ def main() -> int:
                   f"{r['to_box_MBps']:.0f}", f"{r['from_box_MBps']:.0f}",
                   f"{min(r['to_box_MBps'] / direct['to_box_MBps'], r['from_box_MBps'] / direct['from_box_MBps']):.2f}"]
                  for name, r in floor.items()]))
-    print("\ndelay (one way, both directions): asked vs the emulator's held time and TCP's round trip growth / 2;"
-          "\nFIFO: the emulator ran SCHED_FIFO (lab.set_link(..., realtime=True))")
-    print(table(["asked µs", "jitter", "FIFO", "held p50", "held p99", "held std", "held err", "TCP one way", "TCP err"],
-                [[f"{r['asked']['delay_us']:g}", f"{r['asked']['jitter_us']:g} {r['asked']['distribution'] if r['asked']['jitter_us'] else ''}",
-                  "yes" if r["realtime"] else "no", r["held_p50_us"], r["held_p99_us"], r["held_std_us"], f"{r['held_error'] * 100:+.1f}%",
-                  r["tcp_one_way_us"], f"{r['tcp_error'] * 100:+.1f}%"] for r in delays]))
-    print("\nloss (numbered UDP datagrams, host -> box)")
-    print(table(["asked", "expected", "achieved", "emulator counted", "mean run", "expected run"],
-                [[f"random {r['asked']['loss'] * 100:g}%" if r["asked"]["loss"] else
-                  f"GE p {r['asked']['ge_p'] * 100:g}% r {r['asked']['ge_r'] * 100:g}% bad {r['asked']['ge_loss_bad'] * 100:g}%",
-                  f"{r['expected_loss'] * 100:.2f}%", f"{r['achieved_loss'] * 100:.2f}%", f"{r['emulator_loss'] * 100:.2f}%",
-                  f"{r['mean_loss_run']:.2f}", f"{r['expected_run']:.1f}" if r["expected_run"] else "-"] for r in losses]))
+    if delays:
+        print("\ndelay (one way, both directions): asked vs the emulator's held time and TCP's round trip growth / 2;"
+              "\nFIFO: the emulator ran SCHED_FIFO (lab.set_link(..., realtime=True))")
+        print(table(["asked µs", "jitter", "FIFO", "held p50", "held p99", "held std", "held err", "TCP one way", "TCP err"],
+                    [[f"{r['asked']['delay_us']:g}", f"{r['asked']['jitter_us']:g} {r['asked']['distribution'] if r['asked']['jitter_us'] else ''}",
+                      "yes" if r["realtime"] else "no", r["held_p50_us"], r["held_p99_us"], r["held_std_us"], f"{r['held_error'] * 100:+.1f}%",
+                      r["tcp_one_way_us"], f"{r['tcp_error'] * 100:+.1f}%"] for r in delays]))
+        print("\nloss (numbered UDP datagrams, host -> box)")
+        print(table(["asked", "expected", "achieved", "emulator counted", "mean run", "expected run"],
+                    [[f"random {r['asked']['loss'] * 100:g}%" if r["asked"]["loss"] else
+                      f"GE p {r['asked']['ge_p'] * 100:g}% r {r['asked']['ge_r'] * 100:g}% bad {r['asked']['ge_loss_bad'] * 100:g}%",
+                      f"{r['expected_loss'] * 100:.2f}%", f"{r['achieved_loss'] * 100:.2f}%", f"{r['emulator_loss'] * 100:.2f}%",
+                      f"{r['mean_loss_run']:.2f}", f"{r['expected_run']:.1f}" if r["expected_run"] else "-"] for r in losses]))
     kernel, emu = floor["lab link, kernel (default at zero)"], floor["lab link, C emulator at zero"]
+    loop = floor["lab link, C emulator, every packet through its loop"]
 
     def verdict(r: dict) -> str:
         added = r["rtt_median_us"] / direct["rtt_median_us"] - 1
@@ -188,13 +204,14 @@ def main() -> int:
                    and (jitter or not r["asked"]["jitter_us"]))
     print(f"\ngoals vs the direct veth: lab link at zero (default, kernel forwarding): {verdict(kernel)}")
     print(f"                          C emulator kept in the path at zero:           {verdict(emu)}")
-    for realtime, label in ((True, "SCHED_FIFO (the default)"), (False, "SCHED_OTHER")):
+    print(f"                          C emulator, every packet through its loop:     {verdict(loop)}")
+    for realtime, label in ((True, "SCHED_FIFO (the default)"), (False, "SCHED_OTHER")) if delays else ():
         held, tcp = worst("held_error", realtime), worst("tcp_error", realtime, jitter=False)
         print(f"delay from 50 µs up, {label}: held p50 within {held * 100:.1f}% of asked "
               f"({'meets' if held <= 0.1 else 'MISSES'} 10%), TCP-seen (no jitter, noisier) within {tcp * 100:.1f}%")
     load = os.getloadavg()
     print(f"load average at the end: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} (2 cores, shared)")
-    path = write_json("netem", {"floor": floor, "delay": delays, "loss": losses, "loadavg": load})
+    path = write_json("netem-floor" if args.floor_only else "netem", {"floor": floor, "delay": delays, "loss": losses, "loadavg": load})
     print(f"\nJSON: {path}")
     return 0
 

@@ -133,14 +133,33 @@ def test_change_at_run_time_keeps_an_established_connection(net):
                 proc.wait()
 
 
+def test_a_clean_direction_is_forwarded_by_the_kernel_and_counted(net):
+    """The C emulator's fast path: a direction that asks for nothing never reaches its
+    loop (a tc program counts it and the kernel forwards it), the other one does."""
+    b = lab.set_link(net, "box1", Impairment(), force_emulator=True, netem=False)
+    if not lab.link_report(net, "box1").get("fast_path"):
+        pytest.skip("no C compiler or no BPF here: every packet goes through the emulator's loop")
+    got = udp_probe.across(b.netns, b.box_ip, net.host_netns, 2000)
+    up = lab.link_report(net, "box1")["up"]
+    assert got["lost"] == 0 and up["kernel_packets"] == up["packets"] == up["sent"] >= 2000, up
+    assert up["held_samples"] == 0 and up["bytes"] >= 2000 * 28, up  # IP length, as the TUN counts it
+    lab.set_link(net, "box1", Impairment(delay_us=200), down=Impairment(), netem=False)  # the same emulator
+    lab.reset_link_counters(net, "box1")
+    ping_rtt_us(net)
+    report = lab.link_report(net, "box1")
+    assert report["up"]["kernel_packets"] == 0 and report["up"]["delay_us"]["p50"] == pytest.approx(200, rel=0.1)
+    assert report["down"]["packets"] >= 400 and report["down"]["kernel_packets"] == report["down"]["packets"]
+
+
 def test_an_emulator_that_died_is_replaced_by_the_next_change(net):
     b = lab.set_link(net, "box1", Impairment(delay_us=100))
     if b.delay_mode != "emulator":
         pytest.skip("netem here: no emulator")
     dead = b.emulator_pid
-    os.kill(dead, signal.SIGKILL)  # its TUN and routes go with it: the link is clean meanwhile
+    os.kill(dead, signal.SIGKILL)  # its TUN, routes and tc programs go with it: the link is clean meanwhile
     assert wait_until(lambda: f" {lab.EMU_TUN}:" not in subprocess.run(
         ["ip", "-n", b.link_netns, "-o", "link"], capture_output=True, text=True).stdout, 5)
+    assert udp_probe.across(b.netns, b.box_ip, net.host_netns, 500)["lost"] == 0
     b = lab.set_link(net, "box1", Impairment(delay_us=200))
     assert b.emulator_pid != dead and dead not in net.pids
     assert lab.link_report(net, "box1")["up"]["asked"]["delay_us"] == 200

@@ -1,9 +1,13 @@
 /* The lab's packet-level network emulator in C: the same as netemu.py (read its
  * docstring), for speed. Python's interpreter costs ~10 us a packet, which at zero
  * impairment doubled the link's round trip and held bulk transfers to a third; this loop
- * costs the two system calls.
+ * costs the two system calls. What neither loop can shed is the hop itself: a packet
+ * through user space wakes this process and switches to it and back (on the lab's 2-core
+ * VM ~18 us a crossing, profiled in docs/benchmarks.md), so with --up-if/--down-if a
+ * direction that asks for nothing does not come here at all (the kernel fast path below).
  *
- *   netemu --tun emu --up-dst 198.18.1.2 --down-dst 198.18.1.1 --config F --report F [--seed N]
+ *   netemu --tun emu --up-dst 198.18.1.2 --down-dst 198.18.1.1 --config F --report F
+ *          [--up-if toh --down-if tob] [--seed N]
  *
  * Config (re-read on SIGHUP): lines "up|down key=value ...", keys as in Impairment.
  * SIGUSR1 writes the report (JSON), SIGUSR2 zeroes the counters, SIGTERM sends what is
@@ -13,16 +17,20 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/if.h>
+#include <linux/bpf.h>
 #include <linux/if_tun.h>
 #include <math.h>
 #include <poll.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -59,10 +67,116 @@ static size_t nheap, capheap;
 static uint64_t seqno, other_dropped, rng_state = 0x9E3779B97F4A7C15ull;
 static int tun_fd, tso = -1;
 static long early_ns = 20000;
-static long spin_ns; /* after a packet, poll without sleeping this long (--spin-us; off: on 2 shared
-                      * cores spinning 30-100 us gained nothing and worsened the p99) */
+static long spin_ns; /* after a packet, poll without sleeping this long (--spin-us; off: on the 2-core
+                      * VM the spinner holds one core, the two ends then wake each other across
+                      * cores, ~26 us a wake-up there: 50 us of spinning took the round trip from
+                      * 2.1x to 4.6x the direct veth's) */
 static volatile sig_atomic_t want_reload, want_report, want_reset, stopping;
 static const char *config_path, *report_path;
+
+/* The kernel fast path (--up-if/--down-if): a tc program on each link veth's ingress
+ * (tcx, detached when this process ends) counts a direction's packets and lets the kernel
+ * forward them while that direction asks for nothing; else it redirects them into the TUN,
+ * to this loop. So at zero impairment a packet costs the link no wake-up of this process
+ * (two context switches, the floor of any hop through user space). */
+typedef struct {
+    uint64_t packets, bytes; /* counted in the kernel (atomic adds), this side only reads */
+    uint32_t to_user, tun_ifindex;
+} fast_t;
+static volatile fast_t *fast; /* the array map's two entries, mmapped; NULL: routes send all to the TUN */
+static uint64_t fast_base[2][2]; /* packets, bytes at the last reset */
+
+extern unsigned int if_nametoindex(const char *name); /* <net/if.h> clashes with <linux/if.h> */
+#define NE_TCX_INGRESS 46 /* enum bpf_attach_type, kernel 6.6+ (headers may be older) */
+#define INSN(c, d, s, o, i) ((struct bpf_insn){.code = (c), .dst_reg = (d), .src_reg = (s), .off = (o), .imm = (i)})
+
+#ifdef BPF_ATOMIC /* headers of 5.12+ (atomic adds, mmapable maps, links); older ones: routes only */
+static long sys_bpf(int cmd, union bpf_attr *attr) { return syscall(SYS_bpf, cmd, attr, sizeof *attr); }
+
+/* skb in r1. Entry dir of the map: if to_user, bpf_redirect(tun_ifindex) (egress of the TUN);
+ * else count it (skb->len less the Ethernet header, as the TUN sees it) and pass. */
+static int fast_prog(int map_fd, int dir) {
+    struct bpf_insn p[] = {
+        INSN(BPF_ALU64 | BPF_MOV | BPF_X, 6, 1, 0, 0),                 /* r6 = skb */
+        INSN(BPF_ST | BPF_MEM | BPF_W, 10, 0, -4, dir),                /* key */
+        INSN(BPF_ALU64 | BPF_MOV | BPF_X, 2, 10, 0, 0),
+        INSN(BPF_ALU64 | BPF_ADD | BPF_K, 2, 0, 0, -4),
+        INSN(BPF_LD | BPF_DW | BPF_IMM, 1, BPF_PSEUDO_MAP_FD, 0, map_fd), INSN(0, 0, 0, 0, 0),
+        INSN(BPF_JMP | BPF_CALL, 0, 0, 0, BPF_FUNC_map_lookup_elem),
+        INSN(BPF_JMP | BPF_JEQ | BPF_K, 0, 0, 7, 0),                   /* no entry: pass */
+        INSN(BPF_LDX | BPF_MEM | BPF_W, 1, 0, offsetof(fast_t, to_user), 0),
+        INSN(BPF_JMP | BPF_JNE | BPF_K, 1, 0, 7, 0),                   /* to the TUN */
+        INSN(BPF_ALU64 | BPF_MOV | BPF_K, 1, 0, 0, 1),
+        INSN(BPF_STX | BPF_ATOMIC | BPF_DW, 0, 1, offsetof(fast_t, packets), BPF_ADD),
+        INSN(BPF_LDX | BPF_MEM | BPF_W, 1, 6, offsetof(struct __sk_buff, len), 0),
+        INSN(BPF_ALU64 | BPF_ADD | BPF_K, 1, 0, 0, -14),
+        INSN(BPF_STX | BPF_ATOMIC | BPF_DW, 0, 1, offsetof(fast_t, bytes), BPF_ADD),
+        INSN(BPF_ALU64 | BPF_MOV | BPF_K, 0, 0, 0, 0),                 /* TC_ACT_OK */
+        INSN(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),
+        INSN(BPF_LDX | BPF_MEM | BPF_W, 1, 0, offsetof(fast_t, tun_ifindex), 0),
+        INSN(BPF_ALU64 | BPF_MOV | BPF_K, 2, 0, 0, 0),
+        INSN(BPF_JMP | BPF_CALL, 0, 0, 0, BPF_FUNC_redirect),
+        INSN(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),
+    };
+    static char log[8192];
+    union bpf_attr a = {0};
+    a.prog_type = BPF_PROG_TYPE_SCHED_CLS;
+    a.insns = (uint64_t)(uintptr_t)p;
+    a.insn_cnt = sizeof p / sizeof *p;
+    a.license = (uint64_t)(uintptr_t)"GPL";
+    a.log_buf = (uint64_t)(uintptr_t)log;
+    a.log_size = sizeof log;
+    a.log_level = 1;
+    int fd = sys_bpf(BPF_PROG_LOAD, &a);
+    if (fd < 0) fprintf(stderr, "fast path: BPF_PROG_LOAD: %s\n%s\n", strerror(errno), log);
+    return fd;
+}
+
+/* Load and attach both programs; 0 and the map mapped, or -1 (nothing left attached). */
+static int fast_setup(const char *up_if, const char *down_if, int tun_ifindex) {
+    union bpf_attr a = {0};
+    a.map_type = BPF_MAP_TYPE_ARRAY;
+    a.key_size = 4;
+    a.value_size = sizeof(fast_t);
+    a.max_entries = 2;
+    a.map_flags = BPF_F_MMAPABLE;
+    int map_fd = sys_bpf(BPF_MAP_CREATE, &a);
+    if (map_fd < 0) { fprintf(stderr, "fast path: BPF_MAP_CREATE: %s\n", strerror(errno)); return -1; }
+    void *m = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, map_fd, 0);
+    if (m == MAP_FAILED) { perror("fast path: mmap"); close(map_fd); return -1; }
+    fast_t *f = m;
+    const char *ifs[2] = {up_if, down_if};
+    int links[2] = {-1, -1};
+    for (int k = 0; k < 2; k++) {
+        f[k].to_user = 1;
+        f[k].tun_ifindex = (uint32_t)tun_ifindex;
+        int ifindex = (int)if_nametoindex(ifs[k]), prog = ifindex ? fast_prog(map_fd, k) : -1;
+        if (prog < 0) break;
+        union bpf_attr l = {0};
+        l.link_create.prog_fd = (uint32_t)prog;
+        l.link_create.target_ifindex = (uint32_t)ifindex;
+        l.link_create.attach_type = NE_TCX_INGRESS;
+        links[k] = sys_bpf(BPF_LINK_CREATE, &l); /* the link holds the program; gone when we exit */
+        if (links[k] < 0) fprintf(stderr, "fast path: tcx on %s: %s\n", ifs[k], strerror(errno));
+        close(prog);
+        if (links[k] < 0) break;
+    }
+    if (links[0] < 0 || links[1] < 0) {
+        for (int k = 0; k < 2; k++) if (links[k] >= 0) close(links[k]);
+        munmap(m, 4096);
+        close(map_fd);
+        return -1;
+    }
+    fast = f;
+    return 0;
+}
+#else
+static int fast_setup(const char *up_if, const char *down_if, int tun_ifindex) {
+    (void)up_if, (void)down_if, (void)tun_ifindex;
+    fprintf(stderr, "fast path: built with kernel headers older than 5.12\n");
+    return -1;
+}
+#endif
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -123,6 +237,8 @@ static void load_config(void) {
     }
     fclose(f);
     set_offload();
+    if (fast)
+        for (int k = 0; k < 2; k++) fast[k].to_user = !passthrough(&dirs[k].imp);
 }
 
 static int cmp_u32(const void *a, const void *b) {
@@ -130,7 +246,8 @@ static int cmp_u32(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-static void report_dir(FILE *f, dir_t *d) {
+static void report_dir(FILE *f, dir_t *d, int k) {
+    uint64_t kp = fast ? fast[k].packets - fast_base[k][0] : 0, kb = fast ? fast[k].bytes - fast_base[k][1] : 0;
     size_t n = d->nheld;
     uint32_t *s = malloc((n ? n : 1) * sizeof *s);
     memcpy(s, d->held, n * sizeof *s);
@@ -146,12 +263,12 @@ static void report_dir(FILE *f, dir_t *d) {
             "\"ge_p\": %g, \"ge_r\": %g, \"ge_loss_bad\": %g, \"ge_loss_good\": %g, \"reorder\": %g, \"duplicate\": %g, "
             "\"rate_bps\": %g}, \"packets\": %lu, \"bytes\": %lu, \"sent\": %lu, \"sent_bytes\": %lu, \"lost\": %lu, "
             "\"lost_random\": %lu, \"lost_burst\": %lu, \"loss_rate\": %g, \"duplicated\": %lu, \"reordered\": %lu, "
-            "\"held_samples\": %zu, \"delay_us\": {\"mean\": %g, \"std\": %g, \"p50\": %g, \"p90\": %g, \"p99\": %g, "
+            "\"kernel_packets\": %lu, \"held_samples\": %zu, \"delay_us\": {\"mean\": %g, \"std\": %g, \"p50\": %g, \"p90\": %g, \"p99\": %g, "
             "\"max\": %g}}",
             d->name, i->delay_us, i->jitter_us, i->uniform ? "uniform" : "normal", i->loss, i->ge_p, i->ge_r,
-            i->ge_loss_bad, i->ge_loss_good, i->reorder, i->duplicate, i->rate_bps, d->packets, d->bytes, d->sent,
-            d->sent_bytes, lost, d->lost_random, d->lost_burst, d->packets ? (double)lost / d->packets : 0.0,
-            d->duplicated, d->reordered, n, mean / 1000, n ? sqrt(var / n) / 1000 : 0.0, PCT(0.5), PCT(0.9),
+            i->ge_loss_bad, i->ge_loss_good, i->reorder, i->duplicate, i->rate_bps, d->packets + kp, d->bytes + kb,
+            d->sent + kp, d->sent_bytes + kb, lost, d->lost_random, d->lost_burst,
+            d->packets + kp ? (double)lost / (d->packets + kp) : 0.0, d->duplicated, d->reordered, kp, n, mean / 1000, n ? sqrt(var / n) / 1000 : 0.0, PCT(0.5), PCT(0.9),
             PCT(0.99), n ? s[n - 1] / 1000.0 : 0.0);
     free(s);
 }
@@ -161,11 +278,12 @@ static void write_report(void) {
     snprintf(tmp, sizeof tmp, "%s.tmp", report_path);
     FILE *f = fopen(tmp, "w");
     if (!f) return;
-    fprintf(f, "{\"pid\": %d, \"engine\": \"c\", \"tso\": %s, \"other_dropped\": %lu, \"held_now\": %zu, "
-            "\"wake_early_us\": %g, ", getpid(), tso ? "true" : "false", other_dropped, nheap, early_ns / 1000.0);
-    report_dir(f, &dirs[0]);
+    fprintf(f, "{\"pid\": %d, \"engine\": \"c\", \"fast_path\": %s, \"tso\": %s, \"other_dropped\": %lu, "
+            "\"held_now\": %zu, \"wake_early_us\": %g, ", getpid(), fast ? "true" : "false", tso ? "true" : "false",
+            other_dropped, nheap, early_ns / 1000.0);
+    report_dir(f, &dirs[0], 0);
     fputs(", ", f);
-    report_dir(f, &dirs[1]);
+    report_dir(f, &dirs[1], 1);
     fputs("}\n", f);
     fclose(f);
     rename(tmp, report_path);
@@ -177,6 +295,7 @@ static void reset(void) {
         d->packets = d->bytes = d->sent = d->sent_bytes = d->lost_random = d->lost_burst = 0;
         d->duplicated = d->reordered = 0;
         d->nheld = d->pos = 0;
+        if (fast) { fast_base[k][0] = fast[k].packets; fast_base[k][1] = fast[k].bytes; }
     }
     other_dropped = 0;
 }
@@ -277,18 +396,21 @@ static void on_signal(int sig) {
 }
 
 int main(int argc, char **argv) {
-    const char *tun = NULL, *up = NULL, *down = NULL;
+    const char *tun = NULL, *up = NULL, *down = NULL, *up_if = NULL, *down_if = NULL;
     for (int k = 1; k + 1 < argc; k += 2) {
         if (!strcmp(argv[k], "--tun")) tun = argv[k + 1];
         else if (!strcmp(argv[k], "--up-dst")) up = argv[k + 1];
         else if (!strcmp(argv[k], "--down-dst")) down = argv[k + 1];
+        else if (!strcmp(argv[k], "--up-if")) up_if = argv[k + 1];
+        else if (!strcmp(argv[k], "--down-if")) down_if = argv[k + 1];
         else if (!strcmp(argv[k], "--config")) config_path = argv[k + 1];
         else if (!strcmp(argv[k], "--report")) report_path = argv[k + 1];
         else if (!strcmp(argv[k], "--spin-us")) spin_ns = atol(argv[k + 1]) * 1000;
         else if (!strcmp(argv[k], "--seed")) rng_state ^= strtoull(argv[k + 1], NULL, 10) * 0x2545F4914F6CDD1Dull;
     }
     if (!tun || !up || !down || !config_path || !report_path) {
-        fprintf(stderr, "usage: netemu --tun NAME --up-dst IP --down-dst IP --config F --report F [--seed N]\n");
+        fprintf(stderr, "usage: netemu --tun NAME --up-dst IP --down-dst IP --config F --report F "
+                "[--up-if VETH --down-if VETH] [--seed N]\n");
         return 2;
     }
     prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0);
@@ -302,6 +424,8 @@ int main(int argc, char **argv) {
         dirs[k].imp = (imp_t){.ge_r = 1.0, .ge_loss_bad = 1.0};
     }
     in_addr_t up_dst = inet_addr(up), down_dst = inet_addr(down);
+    if (up_if && down_if && fast_setup(up_if, down_if, (int)if_nametoindex(tun)) < 0)
+        fprintf(stderr, "fast path: not attached, the lab routes every packet through the TUN\n");
     load_config();
     set_offload();
     sigset_t block, waitmask;
@@ -312,7 +436,7 @@ int main(int argc, char **argv) {
         sigaddset(&block, sigs[k]);
     }
     sigprocmask(SIG_BLOCK, &block, &waitmask); /* signals arrive only inside ppoll: no lost wake-up */
-    printf("emulator on %s: up to %s, down to %s (c)\n", tun, up, down);
+    printf("emulator on %s: up to %s, down to %s (c%s)\n", tun, up, down, fast ? ", kernel fast path" : "");
     fflush(stdout);
     static unsigned char buf[BUF];
     struct pollfd pfd = {.fd = tun_fd, .events = POLLIN};

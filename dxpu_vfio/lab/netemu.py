@@ -18,6 +18,9 @@ hands over wire-sized packets (each one may be lost on its own).
 
 This is the reference and the fallback: the lab runs the same loop in C (``netemu.c``,
 built with the host's gcc) where it can, as this one costs ~10 µs of interpreter a packet.
+The C one also has a kernel fast path (tc programs on the link's veths that let the kernel
+forward a direction that asks for nothing, see ``netemu.c``); this one takes every packet
+the routes send into its TUN.
 
 Control: the config file (``up key=value ...`` per direction, see
 :func:`~dxpu_vfio.lab.impairment.config_text`) is re-read on
@@ -130,7 +133,7 @@ class Direction:
                 "lost_random": self.lost_random, "lost_burst": self.lost_burst,
                 "loss_rate": lost / self.packets if self.packets else 0.0,
                 "duplicated": self.duplicated, "reordered": self.reordered,
-                "held_samples": len(held),
+                "kernel_packets": 0, "held_samples": len(held),
                 "delay_us": {"mean": mean, "std": std, "p50": percentile(held, 0.5), "p90": percentile(held, 0.9),
                              "p99": percentile(held, 0.99), "max": held[-1] / 1000 if held else 0.0}}
 
@@ -157,7 +160,8 @@ class Emulator:
             self.tso = tso
 
     def report(self) -> dict:
-        return {"pid": os.getpid(), "engine": "python", "tso": self.tso, "other_dropped": self.other, "held_now": len(self.heap),
+        return {"pid": os.getpid(), "engine": "python", "fast_path": False, "tso": self.tso, "other_dropped": self.other,
+                "held_now": len(self.heap),
                 "wake_early_us": self.early_ns / 1000,
                 "up": self.up.report(), "down": self.down.report()}
 
