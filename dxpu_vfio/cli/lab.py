@@ -24,6 +24,8 @@ def cmd_lab_up(args: argparse.Namespace) -> int:
     topology = lab.Topology.load(Path(args.topology) if args.topology else None)
     if args.name:  # else the topology's own name
         topology.name = args.name
+    if args.etcd is not None:
+        topology.etcd = args.etcd
     state = lab.up(topology)
     if not args.no_vm:
         from dxpu_vfio.vms.runner import Vm, VmConfig
@@ -224,6 +226,9 @@ def _lab_text(info: dict) -> str:
         lines.append(f"  box {b['name']:<8} netns {b['netns']:<14} {b['address']}  proxy pid {b['proxy_pid']} "
                      f"({'alive' if b['proxy_alive'] else 'DEAD'})  delay {b['delay_us']:.0f} µs ({b['delay_mode']})  "
                      f"devices: {', '.join(f'{k} ({v})' for k, v in b['devices'].items())}")
+    if info.get("etcd"):
+        lines.append("  etcd (from the host namespace; boxes use the host end of their link): " + ", ".join(
+            f"{m['endpoint']} pid {m['pid']} ({'alive' if m['alive'] else 'DEAD'})" for m in info["etcd"]))
     vm_file = Path(info["directory"]) / "vm.json"
     if vm_file.exists():
         vm = json.loads(vm_file.read_text())
@@ -247,6 +252,9 @@ def register(sub: Subparsers) -> None:
     p = parsers["up"]
     p.add_argument("--topology", help="LAB.toml (default: one box with one test device)")
     p.add_argument("--no-vm", action="store_true", help="boxes only")
+    p.add_argument("--etcd", type=int, choices=[0, 1, 3, 5], default=None,
+                   help="run an etcd cluster of this many members in the host namespace; the boxes announce "
+                        "themselves there (default: the topology's etcd, 0)")
     add_guest_options(p)
     p = parsers["link"]
     p.add_argument("box", help="the box whose link to show or change")

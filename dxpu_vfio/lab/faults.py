@@ -21,16 +21,15 @@ thaws a frozen box.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
 import threading
 import time
-from typing import Callable, TypeVar
 
 from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.lab.lab import LabState
+from dxpu_vfio.namespaces import in_netns
 from dxpu_vfio.link.protocol import LinkCommand
 from dxpu_vfio.pool import boxes
 from dxpu_vfio.remoteproxy import process as box_process
@@ -40,36 +39,10 @@ from dxpu_vfio.vfio_user.connection import ConnectionClosed
 
 log = logging.getLogger("dxpu.lab.faults")
 
-T = TypeVar("T")
-CLONE_NEWNET = 0x40000000
 
 
 class FaultError(DxpuError):
     """A fault could not be armed, cleared or listed."""
-
-
-def in_netns(ns: str, fn: Callable[[], T]) -> T:
-    """Run ``fn`` in a thread that entered network namespace ``ns`` (setns acts on the
-    calling thread only, and this thread ends with it): sockets it makes live there."""
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-            try:
-                if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), f"setns into {ns} failed")
-            finally:
-                os.close(fd)
-            out["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            out["error"] = exc
-    thread = threading.Thread(target=run, name=f"netns-{ns}", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
 
 
 class Faults:

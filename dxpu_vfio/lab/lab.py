@@ -72,6 +72,7 @@ class BoxSpec:
 class Topology:
     name: str
     boxes: list[BoxSpec]
+    etcd: int = 0  # members of an etcd cluster the lab runs (its boxes announce themselves there); 0: none
 
     @classmethod
     def parse(cls, text: str) -> "Topology":
@@ -83,7 +84,10 @@ class Topology:
         for b in boxes:
             if len(b.name) > 8 or not b.name.isalnum():
                 raise LabError(f"box name {b.name!r}: use up to 8 letters and digits")
-        return cls(raw.get("name", "lab"), boxes)
+        etcd = raw.get("etcd", 0)
+        if etcd not in (0, 1, 3, 5):
+            raise LabError(f"etcd = {etcd!r}: a cluster of 1, 3 or 5 members (0: none)")
+        return cls(raw.get("name", "lab"), boxes, etcd)
 
     @classmethod
     def load(cls, path: Path | None) -> "Topology":
@@ -137,12 +141,15 @@ class LabState:
     namespaces: list[str] = field(default_factory=list)
     boxes: list[BoxState] = field(default_factory=list)
     pids: list[int] = field(default_factory=list)
+    etcd_ports: list[int] = field(default_factory=list)  # client ports of the lab's etcd members (host namespace)
+    etcd_pids: list[int] = field(default_factory=list)
 
     def save(self) -> None:
         path = Path(self.directory) / "state.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"name": self.name, "directory": self.directory, "host_netns": self.host_netns,
                                    "namespaces": self.namespaces, "pids": self.pids,
+                                   "etcd_ports": self.etcd_ports, "etcd_pids": self.etcd_pids,
                                    "boxes": [b.__dict__ for b in self.boxes]}, indent=1))
         tmp.rename(path)
 
@@ -156,6 +163,16 @@ class LabState:
     @property
     def certs(self) -> Path:
         return Path(self.directory) / "certs"
+
+    @property
+    def etcd_endpoints(self) -> list[str]:
+        """The lab's etcd, as its host namespace reaches it (a host agent or manager there)."""
+        return [f"http://127.0.0.1:{port}" for port in self.etcd_ports]
+
+    def etcd_endpoints_from(self, box: str) -> list[str]:
+        """The lab's etcd, as box ``box`` reaches it: the host's end of its link."""
+        host_ip = self.box(box).host_ip
+        return [f"http://{host_ip}:{port}" for port in self.etcd_ports]
 
     def box(self, name: str) -> BoxState:
         for b in self.boxes:
@@ -257,6 +274,8 @@ def up(topology: Topology) -> LabState:
         state.save()
         netns.create(state.host_netns)
         make_certs(state.certs, ["host", *(b.name for b in topology.boxes)])
+        if topology.etcd:
+            _start_etcd(state, topology.etcd)
         use_netem = netem_available() if any(b.delay_us for b in topology.boxes) else False
         for i, spec in enumerate(topology.boxes, start=1):
             ns, link_ns = f"dx{name}-{spec.name}", f"dx{name}-{spec.name}-link"
@@ -268,7 +287,8 @@ def up(topology: Topology) -> LabState:
             devices = {d["id"]: {"model": d["model"], "lease": secrets.token_hex(16),
                                  "settings": d.get("settings", {})} for d in spec.devices}
             config = directory / f"{spec.name}.toml"
-            config.write_text(_box_toml(spec.name, box_ip, state.certs, devices))
+            pool = ([f"http://{host_ip}:{port}" for port in state.etcd_ports]) if topology.etcd else None
+            config.write_text(_box_toml(spec.name, box_ip, state.certs, devices, etcd=pool))
             box = BoxState(spec.name, ns, host_ip, box_ip, str(config), devices, link_netns=link_ns)
             state.boxes.append(box)
             proxy = RemoteProxyProcess(config, netns=ns)
@@ -299,13 +319,30 @@ def toml_value(value: object) -> str:
     raise LabError(f"cannot write {value!r} into a box config")
 
 
-def _box_toml(name: str, ip: str, certs: Path, devices: dict[str, dict]) -> str:
+def _box_toml(name: str, ip: str, certs: Path, devices: dict[str, dict], etcd: list[str] | None = None) -> str:
     lines = [f'name = "{name}"', f'listen = "{ip}"', f"port = {BOX_PORT}", f'tls_dir = "{certs}"']
     for dev_id, d in devices.items():
         lines += ["[[device]]", f'id = "{dev_id}"', f'model = "{d["model"]}"', f'lease = "{d["lease"]}"']
         if d["settings"]:
             lines.append(f"settings = {toml_value(d['settings'])}")
+    if etcd:  # the box announces itself in the lab's etcd pool (no dxpu box add)
+        lines += ["[pool]", 'store = "etcd"', f"etcd_endpoints = {toml_value(','.join(etcd))}", "ttl = 3"]
     return "\n".join(lines) + "\n"
+
+
+def _start_etcd(state: LabState, members: int) -> None:
+    """An etcd cluster in the host namespace, data under the lab's directory: each member's
+    pid is in the state before the next starts, so ``down`` ends them after a crash too."""
+    from dxpu_vfio.pool.etcd_cluster import EtcdCluster
+    _ip(state.host_netns, "link", "set", "lo", "up")  # the members' peer URLs are on 127.0.0.1
+    cluster = EtcdCluster(Path(state.directory) / "etcd", members, netns=state.host_netns, listen_all=True)
+    state.etcd_ports = [m.client_port for m in cluster.members]
+    for member in cluster.members:
+        cluster.start_member(member)
+        state.etcd_pids.append(member.pid)
+        state.pids.append(member.pid)
+        state.save()
+    cluster.wait_healthy()
 
 
 def restart_proxy(state: LabState, box: str) -> int:
@@ -492,6 +529,8 @@ def status(name: str) -> dict:
     existing = set(netns.listnetns())
     return {"name": name, "up": True, "directory": state.directory, "host_netns": state.host_netns,
             "namespaces": {ns: ns in existing for ns in state.namespaces},
+            "etcd": [{"endpoint": url, "pid": pid, "alive": alive(pid)}
+                     for url, pid in zip(state.etcd_endpoints, state.etcd_pids)],
             "boxes": [{"name": b.name, "netns": b.netns, "address": b.box_ip, "endpoint": b.endpoint,
                        "proxy_pid": b.proxy_pid, "proxy_alive": alive(b.proxy_pid),
                        "delay_us": b.delay_us, "delay_mode": b.delay_mode, "link_netns": b.link_netns,

@@ -1,7 +1,8 @@
-"""Local etcd members we start ourselves: for tests, benchmarks and (later) the lab.
+"""Local etcd members we start ourselves: for tests, benchmarks and the lab.
 
 Each member listens on 127.0.0.1 ports chosen free at start (2379/2380 may belong to
-someone else), keeps its data dir under the directory it is given (a fresh one costs
+someone else); a lab's members run in its host namespace and take clients on every
+address there (``netns``, ``listen_all``: its boxes reach them over their links), keeps its data dir under the directory it is given (a fresh one costs
 ~62 MB: the WAL is preallocated), runs with ``ETCD_*`` scrubbed from its environment
 (etcd reads every flag from such variables) and is ended by pid. Debian 12 ships etcd
 3.4, which has no ``--unsafe-no-fsync``; members fsync as in production.
@@ -92,10 +93,13 @@ class EtcdCluster:
     """``members`` etcd processes forming one cluster under ``directory``."""
 
     def __init__(self, directory: Path, members: int = 1, *, heartbeat_ms: int = 50, election_ms: int = 500,
-                 tls_dir: Path | None = None) -> None:
+                 tls_dir: Path | None = None, netns: str | None = None, listen_all: bool = False) -> None:
         """``tls_dir`` (from :func:`make_etcd_certs`): clients speak https and must present
-        a certificate of its CA (``--client-cert-auth``); peers stay on plain 127.0.0.1."""
+        a certificate of its CA (``--client-cert-auth``); peers stay on plain 127.0.0.1.
+        ``netns``: the members run in that network namespace (and are asked there);
+        ``listen_all``: they take clients on every address of it, not only 127.0.0.1."""
         self.directory = Path(directory)
+        self.netns, self.listen_all = netns, listen_all
         self.token = f"dxpu-{uuid.uuid4().hex[:12]}"
         self.tls_dir = tls_dir
         self.timing = ["--heartbeat-interval", str(heartbeat_ms), "--election-timeout", str(election_ms)]
@@ -109,8 +113,10 @@ class EtcdCluster:
 
     def _argv(self, member: EtcdMember, state: str) -> list[str]:
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
-        return [etcd_binary(), "--name", member.name, "--data-dir", str(member.data_dir),
-                "--listen-client-urls", member.client_url, "--advertise-client-urls", member.client_url,
+        listen = f"{member.scheme}://0.0.0.0:{member.client_port}" if self.listen_all else member.client_url
+        inside = ["ip", "netns", "exec", self.netns] if self.netns else []  # exec'd: the pid is etcd's
+        return [*inside, etcd_binary(), "--name", member.name, "--data-dir", str(member.data_dir),
+                "--listen-client-urls", listen, "--advertise-client-urls", member.client_url,
                 "--listen-peer-urls", member.peer_url, "--initial-advertise-peer-urls", member.peer_url,
                 "--initial-cluster", initial, "--initial-cluster-state", state,
                 "--initial-cluster-token", self.token, *self.timing, *self._tls_args()]
@@ -148,13 +154,20 @@ class EtcdCluster:
             client = EtcdClient([member.client_url], timeout=1.0, retry_for=0.0,
                                 tls_dir=str(self.tls_dir) if self.tls_dir else None)
             try:
-                if not wait_until(lambda: member.alive() and client.healthy(), timeout, interval=0.1):
+                if not wait_until(lambda: member.alive() and self._ask(client.healthy), timeout, interval=0.1):
                     tail = member.log_path.read_text(errors="replace")[-2000:] if member.log_path.exists() else ""
                     raise EtcdClusterError(f"etcd member {member.name} ({member.client_url}) is not healthy "
                                            f"after {timeout:.0f} s", hint=f"its log: {member.log_path}\n{tail}",
                                            logs=[member.log_path])
             finally:
                 client.close()
+
+    def _ask(self, call):
+        """``call`` (a client request) made where the members are: in their namespace."""
+        if self.netns is None:
+            return call()
+        from dxpu_vfio.namespaces import in_netns
+        return in_netns(self.netns, call)
 
     def leader(self) -> int:
         """Index of the member that leads now (asked of the first running member that answers)."""
@@ -163,7 +176,7 @@ class EtcdCluster:
             client = EtcdClient([member.client_url], timeout=1.0, retry_for=0.0,
                                 tls_dir=str(self.tls_dir) if self.tls_dir else None)
             try:
-                status = client.call("/maintenance/status", {})
+                status = self._ask(lambda: client.call("/maintenance/status", {}))
             except DxpuError:
                 continue
             finally:
