@@ -328,8 +328,9 @@ _FACTORY_NETNS = re.compile(r"^dx([a-z]{1,4}(\d+)x\d+)-")
 
 def topology_key(topology: lab.Topology) -> str:
     """What makes two topologies the same lab: their boxes (names, devices, settings,
-    delays), not their names."""
-    return json.dumps([dataclasses.asdict(b) for b in topology.boxes], sort_keys=True, default=str)
+    delays), its etcd and hosts, not their names."""
+    return json.dumps([[dataclasses.asdict(b) for b in topology.boxes], topology.etcd, topology.hosts],
+                      sort_keys=True, default=str)
 
 
 def _proc_state(pid: int | None) -> str | None:
@@ -381,7 +382,7 @@ class LabFactory:
 
     def up(self, topology: lab.Topology) -> lab.LabState:
         """A new lab with ``topology``'s boxes (``topology.name`` gives only the label)."""
-        named = lab.Topology(self._name(topology), copy.deepcopy(topology.boxes))
+        named = dataclasses.replace(topology, name=self._name(topology), boxes=copy.deepcopy(topology.boxes))
         self.names.append(named.name)  # before up: a lab that failed half way is also removed
         self._topologies[named.name] = named
         state = lab.up(named)

@@ -26,6 +26,8 @@ def cmd_lab_up(args: argparse.Namespace) -> int:
         topology.name = args.name
     if args.etcd is not None:
         topology.etcd = args.etcd
+    if args.hosts is not None:
+        topology.hosts = args.hosts
     state = lab.up(topology)
     if not args.no_vm:
         from dxpu_vfio.vms.runner import Vm, VmConfig
@@ -226,6 +228,8 @@ def _lab_text(info: dict) -> str:
         lines.append(f"  box {b['name']:<8} netns {b['netns']:<14} {b['address']}  proxy pid {b['proxy_pid']} "
                      f"({'alive' if b['proxy_alive'] else 'DEAD'})  delay {b['delay_us']:.0f} µs ({b['delay_mode']})  "
                      f"devices: {', '.join(f'{k} ({v})' for k, v in b['devices'].items())}")
+    if len(info.get("hosts", [])) > 1:
+        lines.append(f"  hosts: {', '.join(info['hosts'])} (2 and on reach the boxes through the first)")
     if info.get("etcd"):
         lines.append("  etcd (from the host namespace; boxes use the host end of their link): " + ", ".join(
             f"{m['endpoint']} pid {m['pid']} ({'alive' if m['alive'] else 'DEAD'})" for m in info["etcd"]))
@@ -255,6 +259,9 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--etcd", type=int, choices=[0, 1, 3, 5], default=None,
                    help="run an etcd cluster of this many members in the host namespace; the boxes announce "
                         "themselves there (default: the topology's etcd, 0)")
+    p.add_argument("--hosts", type=int, default=None, metavar="N",
+                   help="host namespaces (default: the topology's hosts, 1); hosts 2..N reach the boxes "
+                        "through the first, sharing each box's link")
     add_guest_options(p)
     p = parsers["link"]
     p.add_argument("box", help="the box whose link to show or change")

@@ -46,6 +46,7 @@ from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 
 BOX_PORT = 7000
 EMU_TUN = "emu"
+MAX_HOSTS = 8
 TO_HOST, TO_BOX = "toh", "tob"  # the link namespace's veths: egress toward the host, toward the box
 DEFAULT_TOPOLOGY = """
 name = "lab"
@@ -73,6 +74,7 @@ class Topology:
     name: str
     boxes: list[BoxSpec]
     etcd: int = 0  # members of an etcd cluster the lab runs (its boxes announce themselves there); 0: none
+    hosts: int = 1  # host namespaces: the first is the lab's host; the others reach the boxes through it
 
     @classmethod
     def parse(cls, text: str) -> "Topology":
@@ -84,10 +86,15 @@ class Topology:
         for b in boxes:
             if len(b.name) > 8 or not b.name.isalnum():
                 raise LabError(f"box name {b.name!r}: use up to 8 letters and digits")
+            if b.name.startswith("host") and b.name[4:].isdigit():
+                raise LabError(f"box name {b.name!r}: hostN names the lab's host namespaces")
         etcd = raw.get("etcd", 0)
         if etcd not in (0, 1, 3, 5):
             raise LabError(f"etcd = {etcd!r}: a cluster of 1, 3 or 5 members (0: none)")
-        return cls(raw.get("name", "lab"), boxes, etcd)
+        hosts = raw.get("hosts", 1)
+        if not isinstance(hosts, int) or not 1 <= hosts <= MAX_HOSTS:
+            raise LabError(f"hosts = {hosts!r}: 1 to {MAX_HOSTS} host namespaces")
+        return cls(raw.get("name", "lab"), boxes, etcd, hosts)
 
     @classmethod
     def load(cls, path: Path | None) -> "Topology":
@@ -143,6 +150,7 @@ class LabState:
     pids: list[int] = field(default_factory=list)
     etcd_ports: list[int] = field(default_factory=list)  # client ports of the lab's etcd members (host namespace)
     etcd_pids: list[int] = field(default_factory=list)
+    extra_hosts: list[str] = field(default_factory=list)  # namespaces of hosts 2, 3, ... (routed by the first)
 
     def save(self) -> None:
         path = Path(self.directory) / "state.json"
@@ -150,6 +158,7 @@ class LabState:
         tmp.write_text(json.dumps({"name": self.name, "directory": self.directory, "host_netns": self.host_netns,
                                    "namespaces": self.namespaces, "pids": self.pids,
                                    "etcd_ports": self.etcd_ports, "etcd_pids": self.etcd_pids,
+                                   "extra_hosts": self.extra_hosts,
                                    "boxes": [b.__dict__ for b in self.boxes]}, indent=1))
         tmp.rename(path)
 
@@ -168,6 +177,19 @@ class LabState:
     def etcd_endpoints(self) -> list[str]:
         """The lab's etcd, as its host namespace reaches it (a host agent or manager there)."""
         return [f"http://127.0.0.1:{port}" for port in self.etcd_ports]
+
+    @property
+    def hosts(self) -> list[str]:
+        """Every host namespace: the lab's host first, then hosts 2, 3, ..."""
+        return [self.host_netns, *self.extra_hosts]
+
+    def etcd_endpoints_of_host(self, netns: str) -> list[str]:
+        """The lab's etcd as host namespace ``netns`` reaches it (host 2 and on: the first
+        host's end of their uplink)."""
+        if netns == self.host_netns:
+            return self.etcd_endpoints
+        router = _host_subnet(self.extra_hosts.index(netns) + 2) + ".1"
+        return [f"http://{router}:{port}" for port in self.etcd_ports]
 
     def etcd_endpoints_from(self, box: str) -> list[str]:
         """The lab's etcd, as box ``box`` reaches it: the host's end of its link."""
@@ -274,6 +296,8 @@ def up(topology: Topology) -> LabState:
         state.save()
         netns.create(state.host_netns)
         make_certs(state.certs, ["host", *(b.name for b in topology.boxes)])
+        for number in range(2, topology.hosts + 1):
+            _add_host(state, number)
         if topology.etcd:
             _start_etcd(state, topology.etcd)
         use_netem = netem_available() if any(b.delay_us for b in topology.boxes) else False
@@ -328,6 +352,39 @@ def _box_toml(name: str, ip: str, certs: Path, devices: dict[str, dict], etcd: l
     if etcd:  # the box announces itself in the lab's etcd pool (no dxpu box add)
         lines += ["[pool]", 'store = "etcd"', f"etcd_endpoints = {toml_value(','.join(etcd))}", "ttl = 3"]
     return "\n".join(lines) + "\n"
+
+
+def _host_subnet(number: int) -> str:
+    """Host ``number`` (2, 3, ...) and the first host share ``198.18.<128 + number>.0/24``."""
+    return f"198.18.{128 + number}"
+
+
+def _add_host(state: LabState, number: int) -> None:
+    """Host namespace ``number`` (2, 3, ...), joined to the first host by a veth: the
+    first host routes it to every box and masquerades it as its own end of each link,
+    so boxes, links and their emulators see one host address per link (the hosts share
+    each box's wire, as hosts behind one top-of-rack switch share its uplink)."""
+    ns = f"{state.host_netns}{number}"
+    state.namespaces.append(ns)
+    state.extra_hosts.append(ns)
+    state.save()
+    netns.create(ns)
+    subnet, down_if = _host_subnet(number), f"host{number}"
+    with IPRoute(netns=ns) as ipr:
+        ipr.link("add", ifname="uplink", kind="veth", peer={"ifname": down_if, "net_ns_fd": state.host_netns})
+    _ip(ns, "addr", "add", f"{subnet}.2/24", "dev", "uplink")
+    _ip(state.host_netns, "addr", "add", f"{subnet}.1/24", "dev", down_if)
+    for n, ifname in ((ns, "uplink"), (ns, "lo"), (state.host_netns, down_if), (state.host_netns, "lo")):
+        _ip(n, "link", "set", ifname, "up")
+    _ip(ns, "route", "add", "default", "via", f"{subnet}.1")
+    _sysctl(state.host_netns, "net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0",
+            "net.ipv4.conf.default.rp_filter=0")
+    _nat = ["ip", "netns", "exec", state.host_netns, "iptables", "-t", "nat", "-A", "POSTROUTING", "-s",
+            f"{subnet}.0/24", "!", "-d", f"{subnet}.0/24", "-j", "MASQUERADE"]
+    proc = subprocess.run(_nat, capture_output=True, text=True)
+    if proc.returncode:
+        raise LabError(f"cannot masquerade host {number} in {state.host_netns}: {proc.stderr.strip()}",
+                       hint="the lab's extra hosts need iptables (nftables) with NAT: apt install iptables")
 
 
 def _start_etcd(state: LabState, members: int) -> None:
@@ -528,6 +585,7 @@ def status(name: str) -> dict:
 
     existing = set(netns.listnetns())
     return {"name": name, "up": True, "directory": state.directory, "host_netns": state.host_netns,
+            "hosts": state.hosts,
             "namespaces": {ns: ns in existing for ns in state.namespaces},
             "etcd": [{"endpoint": url, "pid": pid, "alive": alive(pid)}
                      for url, pid in zip(state.etcd_endpoints, state.etcd_pids)],
