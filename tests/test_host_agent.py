@@ -127,6 +127,30 @@ def test_attach_on_one_manager_is_plugged_by_the_hosts_agent_and_detached_by_it(
     eventually(lambda: not box.slots["td0"].in_use(), what="the box's link released")
 
 
+def test_the_agent_replugs_its_hosts_device_when_its_box_comes_back(world, box, certs):
+    """The box restarts under an attached device: the host proxy's link is down for good
+    (QEMU never reconnects a vfio-user device), so the host's agent re-plugs it, with a
+    new host proxy and a new grant, on the same lease, once the box answers again."""
+    central, agent, vm = world
+    [attached] = central.attach(str(Path(vm.key[4:])), device="td0", host="h1", timeout=10.0)
+    [before] = central.store.leases()
+    box.stop()
+    again = RemoteProxy(BoxConfig(BOX, "127.0.0.1", box.port, [BoxDevice("td0", "testdev", settings=SMALL),
+                                                              BoxDevice("td1", "testdev", settings=SMALL)],
+                                  tls_dir=certs)).start()
+    try:
+        eventually(lambda: agent.actions["heal"] > 0, timeout=20, what="the agent re-plugged the device",
+                   interval=0.1)
+        [after] = central.store.leases()
+        assert after.id == before.id and after.state == LeaseState.ATTACHED and after.proxy_pid != before.proxy_pid
+        assert proxy_alive(after) and not proxy_alive(before)
+        assert list(vm.devices) == [attached["qdev_id"]]  # unplugged and plugged again, same id
+        eventually(lambda: again.slots["td0"].in_use(), what="the new host proxy's link to the box")
+        assert again.grants.current("td0").fence == after.fence  # granted again with the lease's fence
+    finally:
+        again.stop()
+
+
 def test_a_plug_the_agent_cannot_do_is_rolled_back_and_reported(world, box):
     central, agent, vm = world
     vm.refuse = "Bus 'rp1' does not support hotplugging"

@@ -42,7 +42,7 @@ from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.pool.agent_requests import ATTACH, DETACH
 from dxpu_vfio.pool.etcd_watch import WatchCompacted, WatchFailed
 from dxpu_vfio.pool.manager import Manager, stop_proxy
-from dxpu_vfio.pool.states import LeaseState
+from dxpu_vfio.pool.states import BoxState, LeaseState
 from dxpu_vfio.pool.storage import Lease, PoolStore
 from dxpu_vfio.vmm.errors import VmGone
 from dxpu_vfio.vmm.naming import open_target
@@ -59,12 +59,15 @@ class HostAgent:
     :meth:`serve_once` from a test."""
 
     def __init__(self, store: PoolStore, host: str, *, open_vm: Callable[[str], VmTarget] = open_target,
-                 ttl: float = 10.0, poll: float = 0.2, plug_timeout: float = 30.0, resync: float = 30.0) -> None:
+                 ttl: float = 10.0, poll: float = 0.2, plug_timeout: float = 30.0, resync: float = 30.0,
+                 heal_every: float = 2.0) -> None:
         self.store = store
         self.host = host
         self.ttl = ttl
         self.poll = poll
         self.resync = resync
+        self.heal_every = heal_every  # s between looks at this host's attached devices (0: never)
+        self._next_heal = 0.0
         self.plug_timeout = plug_timeout
         self.watched = hasattr(store, "watch_leases")  # etcd: a watch drives it; SQLite: polling
         self.actions: Counter[str] = Counter()  # requests acted on, by what brought them: watch, resync, poll
@@ -129,6 +132,7 @@ class HostAgent:
         while not self._stop.is_set():
             try:
                 self.serve_once()
+                self._heal_if_due()
             except DxpuError as exc:
                 log.warning("serving lease requests failed: %s", exc.message)
             except Exception:  # noqa: BLE001 - one bad round must not end the agent
@@ -138,6 +142,28 @@ class HostAgent:
     def serve_once(self) -> list[dict]:
         """Do what this host's lease records ask for, now; what was done."""
         return [self._act(lease, "poll") for lease in self.store.leases() if self._asks(lease)]
+
+    def _heal_if_due(self) -> list[dict]:
+        """Every ``heal_every`` s, in the serving thread (the one that acts): re-plug this
+        host's attached devices whose host proxy lost its link while their box is up
+        again (a box that restarted or came back: QEMU never reconnects a vfio-user
+        device), as a manager heals its own host's (:meth:`Manager.heal`, which does it)."""
+        if not self.heal_every or time.monotonic() < self._next_heal:
+            return []
+        self._next_heal = time.monotonic() + self.heal_every
+        actions: list[dict] = []
+        try:
+            mine = {lease.box for lease in self.store.leases()
+                    if lease.host == self.host and lease.state == LeaseState.ATTACHED and not lease.request}
+            for box in self.store.boxes():
+                if box["name"] in mine and box["state"] == BoxState.UP:
+                    actions += self.manager.heal(box)
+        except DxpuError as exc:
+            log.warning("healing this host's devices failed: %s", exc.message)
+        for action in actions:
+            self.actions["heal"] += 1
+            log.warning("healed %s: %s", action.get("device"), action.get("action"))
+        return actions
 
     def _asks(self, lease: Lease | None) -> bool:
         """Does this lease record ask this host's agent for something now?"""
@@ -171,6 +197,7 @@ class HostAgent:
                 item = self._events.get(timeout=max(0.0, min(1.0, next_full - time.monotonic())))
             except queue.Empty:
                 item = RESYNC if time.monotonic() >= next_full else None
+            self._heal_if_due()
             if item is None:
                 continue
             try:
