@@ -238,6 +238,8 @@ class Manager:
         for lease in self.store.leases():
             if lease.box != box["name"] or lease.state != LeaseState.ATTACHED or not self._ours(lease):
                 continue
+            if lease.request:  # a host agent is asked to act on it (a detach): the agent finishes it
+                continue
             if time.monotonic() - self._healed.get(lease.id, -1e9) < self.heal_interval:
                 continue
             if proxy_alive(lease):  # heal on evidence only: a busy proxy that did not answer is left alone
