@@ -69,7 +69,7 @@ class HostAgent:
         self.heal_every = heal_every  # s between looks at this host's attached devices (0: never)
         self._next_heal = 0.0
         self.plug_timeout = plug_timeout
-        self.watched = hasattr(store, "watch_leases")  # etcd: a watch drives it; SQLite: polling
+        self.watched = store.watches_leases  # etcd: a watch drives it; SQLite: polling
         self.actions: Counter[str] = Counter()  # requests acted on, by what brought them: watch, resync, poll
         self.revision = 0  # the watch delivered every change up to here (restarts just after it)
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # (lease id, why), RESYNC, None (wake up)

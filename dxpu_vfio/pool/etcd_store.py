@@ -346,6 +346,8 @@ class EtcdStore:
     """The pool in etcd; thread-safe (one lock around allocation, as SQLite's writer lock)."""
 
     kind = "etcd"
+    takes_announcements = True  # boxes publish themselves under leases they renew
+    watches_leases = True  # host agents are driven by a watch on leases/
 
     def __init__(self, endpoints: list[str] | str, *, path: Path | str | None = None, prefix: str = PREFIX,
                  tls_dir: str | None = None, timeout: float = 2.0, retry_for: float = 5.0,

@@ -126,6 +126,8 @@ class PoolStore(Protocol):
 
     kind: str
     path: Path  # local state: the manager keeps host proxy logs beside it
+    takes_announcements: bool  # boxes announce themselves in it (BoxAnnouncements): etcd
+    watches_leases: bool  # host agents watch its lease records (watch_leases) instead of polling: etcd
 
     @property
     def schema_version(self) -> int: ...
@@ -171,7 +173,7 @@ class BoxAnnouncements(Protocol):
 
 def box_announcements(store: PoolStore) -> BoxAnnouncements:
     """``store`` as a place boxes announce themselves in, or why it is not one."""
-    if not all(hasattr(store, name) for name in ("grant_lease", "keepalive", "revoke_lease", "announce_box")):
+    if not store.takes_announcements:
         raise StoreError(f"a {store.kind} pool cannot take announcements from boxes",
                          hint="use an etcd pool ([pool] store = \"etcd\" in BOX.toml), or register the box "
                               "by hand: dxpu box add NAME HOST:PORT --tls-dir DIR")

@@ -149,6 +149,8 @@ class Store:
     """Thread-safe handle on the pool database (one connection, one lock)."""
 
     kind = "sqlite"
+    takes_announcements = False  # a file no box can reach: boxes are registered (dxpu box add)
+    watches_leases = False  # host agents poll it
 
     def __init__(self, path: Path | str | None = None) -> None:
         self.path = Path(path) if path else default_path()
@@ -163,6 +165,7 @@ class Store:
             raise StoreError(f"cannot open the pool database {self.path}: {exc}",
                              hint="check the path and free disk space, or set DXPU_POOL_DB") from exc
         self._lock = threading.RLock()
+        self._ttl = 10.0  # the host lease's, once an agent registers (host_register)
         self._migrate()
 
     def _migrate(self) -> None:
@@ -396,7 +399,7 @@ class Store:
         """Keep the agent's heartbeat alive; False once it expired, was replaced or fenced."""
         with self.transaction() as db:
             return db.execute("UPDATE hosts SET expires_at = ? WHERE name = ? AND holder = ? AND expires_at > ? "
-                              "AND fenced_at IS NULL", (time.time() + getattr(self, "_ttl", 10.0), host, holder,
+                              "AND fenced_at IS NULL", (time.time() + self._ttl, host, holder,
                                                         time.time())).rowcount == 1
 
     def host_release(self, host: str, holder: str) -> None:
