@@ -154,6 +154,11 @@ class PciFunction:
         """The screen as a PNG; only where ``renders_screen``."""
         raise NotImplementedError(f"{type(self).__name__} has no screen")
 
+    def capacity_bytes(self) -> int:
+        """What the device offers, for the box's inventory: its largest BAR by default
+        (a disk or an accelerator says its capacity instead)."""
+        return max((bar.size for bar in self.bars.values()), default=0)
+
     def stats(self) -> dict:
         """What the device did, for its serving process's stats file."""
         return {"suppressed_interrupts": self.suppressed_interrupts}

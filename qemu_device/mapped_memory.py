@@ -24,6 +24,7 @@ class MappedMemory:
         if size <= 0 or size % mmap.PAGESIZE:
             raise ValueError(f"mapped memory must be a positive multiple of {mmap.PAGESIZE} bytes, not {size}")
         self.size = size
+        self.areas: list[tuple[int, int]] | None = None  # (offset, size) QEMU may map; None: all of it
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, size)

@@ -39,6 +39,7 @@ from dxpu_vfio.link.transport import TlsFiles, connect, connect_native, peer_cer
 from dxpu_vfio.native import stream as native
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
+from dxpu_vfio.vfio_user.dma import DmaTable
 from dxpu_vfio.vfio_user.posted import Run, pack_batch
 from qemu_device.device import RegionInfo
 from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
@@ -173,7 +174,7 @@ class RemoteFunction:
     def _gate_dma(self) -> None:
         """The session's DMA table refuses the box's DMA while Bus Master Enable is off
         (and hands the native forwarder no windows then)."""
-        if hasattr(self.dma, "bus_master"):
+        if isinstance(self.dma, DmaTable):  # else a null port: it refuses everything anyway
             self.dma.bus_master = self.bus_master
 
     def _watch_command(self, index: int, offset: int, data: bytes) -> None:

@@ -155,9 +155,7 @@ class ControlServices:
             device = slot.device
             with device.lock:
                 ids = int.from_bytes(device.region_read(vp.REGION_CONFIG, 0, 4), "little")
-                capacity: Callable[[], int] | None = getattr(device, "capacity_bytes", None)
-                size = capacity() if capacity else max((r.size for r in device.regions()
-                                                        if r.index < vp.REGION_CONFIG), default=0)
+                size = device.capacity_bytes()
             devices.append({"id": sid, "class": "external" if slot.spec.model == EXTERNAL_MODEL else slot.spec.model,
                             "vendor": f"{ids & 0xFFFF:04x}", "model": f"{ids >> 16:04x}",
                             "capacity": size, "in_use": slot.in_use()})

@@ -146,6 +146,10 @@ class ExternalFunction:
     def regions(self) -> list[RegionInfo]:
         return list(self._regions)
 
+    def capacity_bytes(self) -> int:
+        """Its largest BAR (the server says nothing else about its capacity)."""
+        return max((r.size for r in self._regions if r.index < p.REGION_CONFIG), default=0)
+
     def irq_counts(self) -> dict[str, int]:
         return dict(self._irq_counts)
 

@@ -567,7 +567,7 @@ def _region_info(s: _Session, msg: Message) -> bytes | Reply:
     memory = device.bar_memory(index) if region.mappable and s.server.options.map_regions else None
     if memory is None or memory.fd < 0:
         return p.region_info_reply(index, region.size, flags)
-    areas = getattr(memory, "areas", None)  # None: the whole region may be mapped
+    areas = memory.areas  # None: the whole region may be mapped
     reply = p.region_info_reply(index, region.size, flags | p.REGION_FLAG_MMAP, areas=areas, argsz=argsz)
     s.mapped_regions.add(index)
     return Reply(reply, [memory.fd])
