@@ -16,6 +16,7 @@ PACKAGES=(
     libssl-dev python3-dev  # the native link stream (scripts/build_native.py)
     clang libclang-rt-14-dev  # its libFuzzer harness (scripts/fuzz_native.sh)
     iproute2              # network namespaces for the lab
+    iptables              # NAT for the lab's extra host namespaces (--hosts)
     libvirt-daemon-system libvirt-clients libvirt-dev pkg-config  # libvirt + what libvirt-python builds against
     etcd-server etcd-client  # the multi-host pool's store (3.4 on Debian 12); tests start their own members
     meson libjson-c-dev libcmocka-dev  # libvfio-user's samples, peer software (scripts/build_libvfio_user.sh)
