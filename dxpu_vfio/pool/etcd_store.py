@@ -279,7 +279,8 @@ class EtcdClient:
             return False
 
     def range(self, key: str, *, prefix: bool = False, revision: int = 0, limit: int = 0,
-              start: str | None = None, keys_only: bool = False) -> dict:
+              start: str | None = None, keys_only: bool = False, serializable: bool = False) -> dict:
+        """``serializable``: the answering member's copy, maybe behind the leader (no quorum round)."""
         body: dict[str, Any] = {"key": _b64(start or key)}
         if prefix:
             body["range_end"] = _prefix_end(key)
@@ -289,6 +290,8 @@ class EtcdClient:
             body["limit"] = limit
         if keys_only:
             body["keys_only"] = True
+        if serializable:
+            body["serializable"] = True
         return self.call("/kv/range", body)
 
     def txn(self, compare: list[dict], success: list[dict], failure: list[dict] | None = None) -> dict:
@@ -427,15 +430,17 @@ class EtcdStore:
         """Several keys or prefixes ((key, is_prefix), ...) read at one revision."""
         return ranges(self.etcd.txn([], [op_range(key, prefix) for key, prefix in keys]))
 
-    def _snapshot(self, *prefixes: str, page: int = 2000, revision_of: str = "mod_revision"
-                  ) -> tuple[list[list[tuple[str, Any, int]]], int]:
-        """Whole prefixes at one revision, in pages (a big pool exceeds one gRPC message)."""
+    def _snapshot(self, *prefixes: str, page: int = 2000, revision_of: str = "mod_revision",
+                  serializable: bool = False) -> tuple[list[list[tuple[str, Any, int]]], int]:
+        """Whole prefixes at one revision, in pages (a big pool exceeds one gRPC message);
+        ``serializable`` for allocation's view, which may be stale (its transactions compare)."""
         revision, out = 0, []
         for prefix in prefixes:
             items: list[tuple[str, Any, int]] = []
             start = None
             while True:
-                response = self.etcd.range(prefix, prefix=True, revision=revision, limit=page, start=start)
+                response = self.etcd.range(prefix, prefix=True, revision=revision, limit=page, start=start,
+                                           serializable=serializable)
                 revision = revision or int(response["header"]["revision"])
                 items += kvs(response, revision_of)
                 if not response.get("more"):
@@ -614,9 +619,12 @@ class EtcdStore:
                 "cert_sha256": boxes[0][1].get("cert_sha256"), "box_state": _box_state(boxes[0][1], bool(alive))[0]}
 
     # --- allocation -------------------------------------------------------------------
-    def _resync(self) -> None:
+    def _resync(self, settle: bool = False) -> None:
+        """Read allocation's whole view again: serializable (the answering member's copy;
+        the transactions compare), or with ``settle`` (before answering "no free device")
+        linearizable."""
         (boxes, inventories, claims, alive), self._seen = self._snapshot(
-            *(self.k(p) + "/" for p in ("boxes", "inventory", "claims", "alive")))
+            *(self.k(p) + "/" for p in ("boxes", "inventory", "claims", "alive")), serializable=not settle)
         self._boxes = {k.rsplit("/", 1)[1]: (v, rev) for k, v, rev in boxes}
         self._order = []
         self._alive = {k.rsplit("/", 1)[1]: rev for k, _, rev in alive}
@@ -884,18 +892,18 @@ class EtcdStore:
             holder = agent[0][1].get("holder") if agent else None
         with self._lock:
             fresh = False
-            # with a live watch the view misses nothing (and a stale one costs a lost race,
-            # never a wrong answer): the full read, 10,000 keys in a big pool, comes rarely
+            # a stale view costs a lost race, never a wrong answer (and "no free device" is
+            # answered only after a linearizable read: fresh): the full read, 10,000 keys
+            # in a big pool, comes rarely
             interval = self.resync_interval * (WATCHED_RESYNC_FACTOR if self._watches else 1)
             if time.monotonic() - self._synced_at > interval:
                 self._resync()
-                fresh = True
             conflicts = 0
             for _ in range(ATTEMPTS):
                 self._drain()
                 if box is not None and box not in self._boxes:
                     if not fresh:
-                        self._resync()
+                        self._resync(settle=True)
                         fresh = True
                         continue
                     raise no_such_box(box, sorted(self._boxes))
@@ -909,7 +917,7 @@ class EtcdStore:
                 picks, free = self._choose(count, device_class, box, device, policy, shuffle=contended)
                 if len(picks) < count:
                     if not fresh:  # others may have freed devices or added boxes since the last read
-                        self._resync()
+                        self._resync(settle=True)
                         fresh = True
                         continue
                     raise no_free_device(count, free, device_class, box, device)
@@ -929,7 +937,6 @@ class EtcdStore:
                 self._jump()  # and its neighbours are likely its too: walk on elsewhere
                 if conflicts == RESYNC_AFTER:  # the view is stale all over (a nearly full pool)
                     self._resync()
-                    fresh = True
                     continue
                 if conflicts >= 2:  # racing the same allocator again: let one of us go first
                     time.sleep(random.uniform(0, min(BACKOFF_MAX, BACKOFF * 2 ** (conflicts - 2))))
@@ -947,7 +954,7 @@ class EtcdStore:
         if host is not None and self._read((self.k("fenced", host), False))[0]:
             raise host_fenced(host)
         with self._lock:
-            self._resync()
+            self._resync(settle=True)
             self._drain()
             if box is not None and box not in self._boxes:
                 raise no_such_box(box, sorted(self._boxes))
