@@ -42,9 +42,10 @@ again every ``resync_interval`` s (while the watches run, every ``WATCHED_RESYNC
 times that). Listings always read etcd afresh. Lease updates and deletes
 are one transaction each (compare the revision this handle last wrote, else read it).
 
-The client speaks etcd's JSON gateway (plain HTTP(S)): calls over ``http.client``
-keep-alive connections, one per thread (a third of the client CPU of a ``requests``
-session, which on a busy host is most of an allocation's latency), watches over
+The client speaks etcd's JSON gateway (plain HTTP(S)): calls over keep-alive
+connections of its own, one per thread (:mod:`dxpu_vfio.pool.etcd_http`: a quarter of
+the client CPU of a ``requests`` session, half of ``http.client``'s, and on a busy host
+the CPU is most of an allocation's latency), watches over
 ``etcd3gw``'s ``requests`` session, which ignores the environment
 (``REQUESTS_CA_BUNDLE`` would override the pool's CA); the calls trust only the pool's CA
 too. This module adds failover over several endpoints, bounded retries while a leader is
@@ -55,7 +56,6 @@ from __future__ import annotations
 
 import base64
 import heapq
-import http.client
 import json
 import os
 import random
@@ -72,6 +72,7 @@ from urllib.parse import urlparse
 import requests
 from etcd3gw.client import Etcd3Client
 
+from dxpu_vfio.pool.etcd_http import Connection
 from dxpu_vfio.pool.etcd_watch import Watch, WatchCompacted, WatchFailed
 from dxpu_vfio.pool.states import BoxState, LeaseState
 from dxpu_vfio.pool.storage import (
@@ -85,7 +86,7 @@ CONTENDED_FOR = 60.0  # s after a lost race during which allocation breaks ties 
 AVOID_FOR = 30.0  # s a box where this handle lost a race comes last in its choice (another allocator fills it)
 PROBE = 16  # boxes whose claims are read where the walk lands after a lost race (docs: _choose)
 PROBES = 4  # landings tried (a read each) before the walk goes on from the last
-RESYNC_AFTER = 3  # races lost by one allocation before it reads the whole view again
+RESYNC_AFTER = 3  # races lost by one allocation before it reads every claim again
 BACKOFF = 0.002  # s: after the second lost race in a row, a random pause up to this, doubling, ...
 BACKOFF_MAX = 0.032  # ... up to this
 WATCHED_RESYNC_FACTOR = 10  # a full read of allocation's view this much rarer while its watch runs
@@ -136,9 +137,10 @@ class _Retry(Exception):
 class _Endpoint:
     """One member's JSON gateway over keep-alive HTTP(S) connections, one per thread.
 
-    Plain ``http.client`` rather than a ``requests`` session: a call costs about a third
-    of the client CPU (measured: 0.5 against 1.7 ms a transaction), which on a busy host
-    is most of an allocation's latency."""
+    Not a ``requests`` session: a call costs about a third of the client CPU (measured:
+    0.5 against 1.7 ms a transaction), which on a busy host is most of an allocation's
+    latency; and not ``http.client`` either, half of whose CPU is its header parsing
+    (:mod:`dxpu_vfio.pool.etcd_http`)."""
 
     def __init__(self, url: str, tls_dir: str | None, timeout: float) -> None:
         parsed = urlparse(url)
@@ -149,7 +151,7 @@ class _Endpoint:
         self.timeout = timeout
         self._context: ssl.SSLContext | None = None
         self._local = threading.local()
-        self._opened: list[http.client.HTTPConnection] = []
+        self._opened: list[Connection] = []
         self._opened_lock = threading.Lock()
 
     def _tls(self) -> ssl.SSLContext:
@@ -166,11 +168,10 @@ class _Endpoint:
             self._context = context
         return self._context
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self) -> Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = (http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout, context=self._tls())
-                    if self.https else http.client.HTTPConnection(self.host, self.port, timeout=self.timeout))
+            conn = Connection(self.host, self.port, self.timeout, self._tls() if self.https else None)
             self._local.conn = conn
             with self._opened_lock:
                 self._opened.append(conn)
@@ -179,24 +180,17 @@ class _Endpoint:
     def post(self, path: str, body: bytes) -> dict:
         """The answer to one POST; :class:`_Retry` if the member cannot answer now."""
         for fresh in (False, True):
-            reused = getattr(self._local, "conn", None) is not None
             conn = self._connection()
+            reused = conn.sock is not None
             try:
-                conn.request("POST", "/v3" + path, body=body, headers={"Content-Type": "application/json"})
-                response = conn.getresponse()
-                data = response.read()
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                self._local.conn = None
-                with self._opened_lock:
-                    if conn in self._opened:
-                        self._opened.remove(conn)
+                status, data = conn.post("/v3" + path, body)
+            except OSError as exc:  # the connection is closed: the next call opens another
                 if reused and not fresh and not isinstance(exc, (socket.timeout, TimeoutError)):
                     continue  # the member closed an idle connection: once more on a new one
                 raise _Retry(_why(exc)) from exc
-            if response.status in (408, 500, 503, 504):  # no leader yet, a member shutting down
-                raise _Retry(f"HTTP {response.status} {data.decode(errors='replace').strip()[:100]}")
-            if response.status != 200:
+            if status in (408, 500, 503, 504):  # no leader yet, a member shutting down
+                raise _Retry(f"HTTP {status} {data.decode(errors='replace').strip()[:100]}")
+            if status != 200:
                 raise StoreError(f"etcd refused {path}: {data.decode(errors='replace').strip()[:300]}",
                                  hint="nothing was changed")
             return json.loads(data)
@@ -207,7 +201,6 @@ class _Endpoint:
         with self._opened_lock:
             for conn in self._opened:
                 conn.close()
-            self._opened.clear()
 
 
 class EtcdUnavailable(StoreError):
@@ -431,7 +424,7 @@ class EtcdStore:
         return ranges(self.etcd.txn([], [op_range(key, prefix) for key, prefix in keys]))
 
     def _snapshot(self, *prefixes: str, page: int = 2000, revision_of: str = "mod_revision",
-                  serializable: bool = False) -> tuple[list[list[tuple[str, Any, int]]], int]:
+                  serializable: bool = False, keys_only: bool = False) -> tuple[list[list[tuple[str, Any, int]]], int]:
         """Whole prefixes at one revision, in pages (a big pool exceeds one gRPC message);
         ``serializable`` for allocation's view, which may be stale (its transactions compare)."""
         revision, out = 0, []
@@ -440,7 +433,7 @@ class EtcdStore:
             start = None
             while True:
                 response = self.etcd.range(prefix, prefix=True, revision=revision, limit=page, start=start,
-                                           serializable=serializable)
+                                           serializable=serializable, keys_only=keys_only)
                 revision = revision or int(response["header"]["revision"])
                 items += kvs(response, revision_of)
                 if not response.get("more"):
@@ -641,6 +634,21 @@ class EtcdStore:
         self._probe = False  # the whole view is fresh
         if not self._watches:
             self._start_watches(self._seen + 1)
+
+    def _refresh_claims(self) -> None:
+        """Read every claim again, keys only (their lease ids become None): a tenth of a
+        full read, whose inventories are most of its bytes; boxes and inventories are
+        watched."""
+        (claims,), _ = self._snapshot(self.k("claims") + "/", keys_only=True, serializable=True)
+        self._claims = {}
+        cut = len(self.k("claims")) + 1
+        for key, _, _ in claims:
+            box, name = key[cut:].split("/", 1)
+            self._claims.setdefault(box, {})[name] = None
+        self._open, self._level = {}, {}
+        for name in self._boxes:
+            self._index(name)
+        self._probe = False
 
     def _index(self, name: str) -> None:
         """Re-file one box in ``_open`` after its record, inventory or claims changed."""
@@ -935,8 +943,8 @@ class EtcdStore:
                     if dev in self._claims.get(name, {}):  # another's now: it is filling that box
                         self._avoid[name] = now + AVOID_FOR
                 self._jump()  # and its neighbours are likely its too: walk on elsewhere
-                if conflicts == RESYNC_AFTER:  # the view is stale all over (a nearly full pool)
-                    self._resync()
+                if conflicts == RESYNC_AFTER:  # the claims are stale all over (a nearly full pool)
+                    self._refresh_claims()
                     continue
                 if conflicts >= 2:  # racing the same allocator again: let one of us go first
                     time.sleep(random.uniform(0, min(BACKOFF_MAX, BACKOFF * 2 ** (conflicts - 2))))
@@ -1061,8 +1069,9 @@ class EtcdStore:
                 if result.get("succeeded"):
                     self._mine.pop(lease_id, None)
                     box, name = record["device"].split("/", 1)
-                    if self._claims.get(box, {}).get(name) == lease_id:
-                        del self._claims[box][name]
+                    claims = self._claims.get(box, {})
+                    if name in claims and claims[name] in (lease_id, None):  # None: read keys only
+                        del claims[name]
                         self._index(box)
                     return
                 self._mine.pop(lease_id, None)
