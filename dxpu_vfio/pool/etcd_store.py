@@ -29,10 +29,12 @@ processes or hosts -- never get the same device: at most one transaction creates
 claim key. ``pack``/``spread`` choose the box as the SQLite allocator does, from a cache
 of boxes, inventories and claims; a conflict refreshes the boxes it touched (the
 transaction's failure branch reads them) and tries again. For a while after a conflict
-ties between boxes are broken by chance, the device within the box too, and a box where
-the race was lost comes last for a moment (another allocator is filling it), so
-concurrent allocators each fill their own box instead of racing for one; from the second
-lost race in a row a short random pause comes before the next try. Watches (from the
+ties between boxes are walked in key order from a cursor that jumps to a random box at
+each lost race (reading the claims there first), the device within the box is a random
+one, and a box where the race was lost comes last for a while (another allocator is
+filling it), so concurrent allocators each fill their own boxes instead of racing for
+one; from the second lost race in a row a short random pause comes before the next try,
+and the third reads every claim again. Watches (from the
 revision of the last full read, so no event is missed) keep the boxes, their alive keys
 and inventories fresh; not the claims, which every allocation and free writes (a watcher
 per handle costs etcd more than the transactions: see :meth:`EtcdStore._start_watches`):
@@ -828,11 +830,12 @@ class EtcdStore:
                 policy: str, shuffle: bool) -> tuple[list[str], int]:
         """The devices SQLite's allocator would take from this view (box by policy, ties
         by name, then the box's first free device by name). With ``shuffle`` (other
-        allocators race us) ties between boxes are broken by chance, a box where a race
-        was lost in the last :data:`AVOID_FOR` s comes after every other (another
-        allocator is filling it), and the device is a random free one of the box: the
-        policy still decides the box, and concurrent allocators each fill their own. And,
-        if fewer than ``count`` match, how many do."""
+        allocators race us) ties between boxes go in key order from the cursor (which
+        jumps to a random box at each lost race, :meth:`_jump`), a box where a race was
+        lost in the last :data:`AVOID_FOR` s comes after every other (another allocator
+        is filling it), and the device is a random free one of the box: the policy still
+        decides the box, and concurrent allocators each fill their own. And, if fewer
+        than ``count`` match, how many do."""
         chosen: dict[str, set[str]] = {}
         now = time.monotonic()
         avoid = {name for name, until in self._avoid.items() if until > now} if shuffle else set()
