@@ -139,21 +139,47 @@ def test_a_manager_pointed_at_no_etcd_says_where_it_looked(tmp_path):
     assert proc.returncode != 0 and "--etcd-endpoints" in proc.stderr
 
 
-def test_a_handle_learns_other_allocations_from_its_watch(etcd, etcd_prefix):
-    """Another host's allocations reach this handle's view by the watch, so its next
-    allocation does not lose a race for a device that is already gone."""
+def test_a_handle_learns_box_changes_from_its_watch(etcd, etcd_prefix):
+    """Another host marks a box down: the watch brings it to this handle's view, so its
+    next allocation goes to the other box without losing a race for the down one."""
     mine, theirs = (EtcdStore(etcd.endpoints, path="/nonexistent/pool.db", prefix=etcd_prefix) for _ in range(2))
-    mine.register_box("a", "198.18.1.2:7000", None, inventory(4))
-    mine.allocate("vm0")  # reads the view, starts the watch
-    taken = [lease.device for lease in theirs.allocate("vm1", count=2)]
-    assert taken == ["a/d1", "a/d2"]
+    for name in ("a", "b"):
+        mine.register_box(name, "198.18.1.2:7000", None, inventory(4))
+    assert [lease.device for lease in mine.allocate("vm0")] == ["a/d0"]  # reads the view, starts the watches
+    theirs.mark_box("a", up=False, error="no answer")
 
-    def view() -> set[str]:  # what the watch delivered, applied as the next allocation applies it
+    def a_down() -> bool:  # what the watch delivered, applied as the next allocation applies it
         with mine._lock:
             mine._drain()
-            return set(mine._claims.get("a", {}))
-    assert wait_until(lambda: view() == {"d0", "d1", "d2"}, 5.0), "the watch told nothing"
-    assert [lease.device for lease in mine.allocate("vm0")] == ["a/d3"] and mine.conflicts == 0
+            return not mine._lends("a")
+    assert wait_until(a_down, 5.0), "the watch told nothing"
+    assert [lease.device for lease in mine.allocate("vm0")] == ["b/d0"] and mine.conflicts == 0
+    mine.close()
+    theirs.close()
+
+
+def test_a_handle_learns_other_allocations_from_a_lost_race_and_leaves_that_box(etcd, etcd_prefix):
+    """Claims are not watched (every allocation writes one): a handle learns another's
+    from the race it loses, wins the next try, and leaves the box to the allocator
+    filling it; a device another handle freed is found when nothing else is free."""
+    mine, theirs = (EtcdStore(etcd.endpoints, path="/nonexistent/pool.db", prefix=etcd_prefix) for _ in range(2))
+    for name in ("a", "b"):
+        mine.register_box(name, "198.18.1.2:7000", None, inventory(4))
+    assert [lease.device for lease in mine.allocate("vm0")] == ["a/d0"]
+    taken = [lease.device for lease in theirs.allocate("vm1", count=2)]
+    assert taken == ["a/d1", "a/d2"]
+    [lease] = mine.allocate("vm0")  # pack: a/d1 in its view, taken: one lost race
+    assert mine.conflicts == 1 and lease.box == "b", "it raced the other allocator for its box"
+    assert mine._claims["a"].keys() == {"d0", "d1", "d2"}, "the lost race told it a's claims"
+    rest = [lease.device for _ in range(4) for lease in mine.allocate("vm0")]
+    assert sorted(rest) == sorted({"a/d3", "b/d0", "b/d1", "b/d2", "b/d3"} - {lease.device})
+    assert mine.conflicts == 1
+    theirs_lease = theirs.lease_for("vm1", "a/d1")
+    theirs.delete_lease(theirs_lease.id)  # mine's view still has it claimed
+    [again] = mine.allocate("vm0")  # nothing free in its view: it reads everything once more
+    assert again.device == "a/d1"
+    with pytest.raises(NoFreeDevice):
+        mine.allocate("vm0")
     mine.close()
     theirs.close()
 

@@ -27,18 +27,27 @@ that the claim key does not exist, and for every box it takes from, that the box
 then it creates the claims and the leases. All or nothing, and two allocators -- threads,
 processes or hosts -- never get the same device: at most one transaction creates a
 claim key. ``pack``/``spread`` choose the box as the SQLite allocator does, from a cache
-of boxes, inventories and claims; a conflict refreshes the boxes it touched and tries
-again; for a while after a conflict it takes a random one of the first 256 free devices
-the policy would take, so concurrent allocators stop racing for the same one. A watch
-(from the revision of the last full read, so no event is missed) keeps the view fresh;
-no match reads everything once more before it answers :class:`NoFreeDevice`, and the
-whole view is read again every ``resync_interval`` s (while the watch runs, every
-``WATCHED_RESYNC_FACTOR`` times that). Listings always read etcd afresh. Lease updates and deletes
+of boxes, inventories and claims; a conflict refreshes the boxes it touched (the
+transaction's failure branch reads them) and tries again. For a while after a conflict
+ties between boxes are walked in key order from a cursor that jumps to a random box at
+each lost race (reading the claims there first), the device within the box is a random
+one, and a box where the race was lost comes last for a while (another allocator is
+filling it), so concurrent allocators each fill their own boxes instead of racing for
+one; from the second lost race in a row a short random pause comes before the next try,
+and the third reads every claim again. Watches (from the
+revision of the last full read, so no event is missed) keep the boxes, their alive keys
+and inventories fresh; not the claims, which every allocation and free writes (a watcher
+per handle costs etcd more than the transactions: see :meth:`EtcdStore._start_watches`):
+other handles' claims are learned from lost races and full reads. No match reads
+everything once more before it answers :class:`NoFreeDevice`, and the whole view is read
+again every ``resync_interval`` s (while the watches run, every ``WATCHED_RESYNC_FACTOR``
+times that). Listings always read etcd afresh. Lease updates and deletes
 are one transaction each (compare the revision this handle last wrote, else read it).
 
-The client speaks etcd's JSON gateway (plain HTTP(S)): calls over ``http.client``
-keep-alive connections, one per thread (a third of the client CPU of a ``requests``
-session, which on a busy host is most of an allocation's latency), watches over
+The client speaks etcd's JSON gateway (plain HTTP(S)): calls over keep-alive
+connections of its own, one per thread (:mod:`dxpu_vfio.pool.etcd_http`: a quarter of
+the client CPU of a ``requests`` session, half of ``http.client``'s, and on a busy host
+the CPU is most of an allocation's latency), watches over
 ``etcd3gw``'s ``requests`` session, which ignores the environment
 (``REQUESTS_CA_BUNDLE`` would override the pool's CA); the calls trust only the pool's CA
 too. This module adds failover over several endpoints, bounded retries while a leader is
@@ -49,7 +58,6 @@ from __future__ import annotations
 
 import base64
 import heapq
-import http.client
 import json
 import os
 import random
@@ -66,6 +74,7 @@ from urllib.parse import urlparse
 import requests
 from etcd3gw.client import Etcd3Client
 
+from dxpu_vfio.pool.etcd_http import Connection
 from dxpu_vfio.pool.etcd_watch import Watch, WatchCompacted, WatchFailed
 from dxpu_vfio.pool.states import BoxState, LeaseState
 from dxpu_vfio.pool.storage import (
@@ -75,8 +84,13 @@ from dxpu_vfio.pool.storage import (
 PREFIX = "/dxpu/v1/"
 SCHEMA_VERSION = 1
 ATTEMPTS = 64  # allocation tries before it reports contention
-SHUFFLE_AMONG = 256  # under contention: a random one of the first this many free devices the policy would take
-CONTENDED_FOR = 2.0  # s after a lost race during which allocation keeps choosing by chance
+CONTENDED_FOR = 60.0  # s after a lost race during which allocation breaks ties by chance
+AVOID_FOR = 30.0  # s a box where this handle lost a race comes last in its choice (another allocator fills it)
+PROBE = 16  # boxes whose claims are read where the walk lands after a lost race (docs: _choose)
+PROBES = 4  # landings tried (a read each) before the walk goes on from the last
+RESYNC_AFTER = 3  # races lost by one allocation before it reads every claim again
+BACKOFF = 0.002  # s: after the second lost race in a row, a random pause up to this, doubling, ...
+BACKOFF_MAX = 0.032  # ... up to this
 WATCHED_RESYNC_FACTOR = 10  # a full read of allocation's view this much rarer while its watch runs
 
 
@@ -125,9 +139,10 @@ class _Retry(Exception):
 class _Endpoint:
     """One member's JSON gateway over keep-alive HTTP(S) connections, one per thread.
 
-    Plain ``http.client`` rather than a ``requests`` session: a call costs about a third
-    of the client CPU (measured: 0.5 against 1.7 ms a transaction), which on a busy host
-    is most of an allocation's latency."""
+    Not a ``requests`` session: a call costs about a third of the client CPU (measured:
+    0.5 against 1.7 ms a transaction), which on a busy host is most of an allocation's
+    latency; and not ``http.client`` either, half of whose CPU is its header parsing
+    (:mod:`dxpu_vfio.pool.etcd_http`)."""
 
     def __init__(self, url: str, tls_dir: str | None, timeout: float) -> None:
         parsed = urlparse(url)
@@ -138,7 +153,7 @@ class _Endpoint:
         self.timeout = timeout
         self._context: ssl.SSLContext | None = None
         self._local = threading.local()
-        self._opened: list[http.client.HTTPConnection] = []
+        self._opened: list[Connection] = []
         self._opened_lock = threading.Lock()
 
     def _tls(self) -> ssl.SSLContext:
@@ -155,11 +170,10 @@ class _Endpoint:
             self._context = context
         return self._context
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self) -> Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = (http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout, context=self._tls())
-                    if self.https else http.client.HTTPConnection(self.host, self.port, timeout=self.timeout))
+            conn = Connection(self.host, self.port, self.timeout, self._tls() if self.https else None)
             self._local.conn = conn
             with self._opened_lock:
                 self._opened.append(conn)
@@ -168,24 +182,17 @@ class _Endpoint:
     def post(self, path: str, body: bytes) -> dict:
         """The answer to one POST; :class:`_Retry` if the member cannot answer now."""
         for fresh in (False, True):
-            reused = getattr(self._local, "conn", None) is not None
             conn = self._connection()
+            reused = conn.sock is not None
             try:
-                conn.request("POST", "/v3" + path, body=body, headers={"Content-Type": "application/json"})
-                response = conn.getresponse()
-                data = response.read()
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                self._local.conn = None
-                with self._opened_lock:
-                    if conn in self._opened:
-                        self._opened.remove(conn)
+                status, data = conn.post("/v3" + path, body)
+            except OSError as exc:  # the connection is closed: the next call opens another
                 if reused and not fresh and not isinstance(exc, (socket.timeout, TimeoutError)):
                     continue  # the member closed an idle connection: once more on a new one
                 raise _Retry(_why(exc)) from exc
-            if response.status in (408, 500, 503, 504):  # no leader yet, a member shutting down
-                raise _Retry(f"HTTP {response.status} {data.decode(errors='replace').strip()[:100]}")
-            if response.status != 200:
+            if status in (408, 500, 503, 504):  # no leader yet, a member shutting down
+                raise _Retry(f"HTTP {status} {data.decode(errors='replace').strip()[:100]}")
+            if status != 200:
                 raise StoreError(f"etcd refused {path}: {data.decode(errors='replace').strip()[:300]}",
                                  hint="nothing was changed")
             return json.loads(data)
@@ -196,7 +203,6 @@ class _Endpoint:
         with self._opened_lock:
             for conn in self._opened:
                 conn.close()
-            self._opened.clear()
 
 
 class EtcdUnavailable(StoreError):
@@ -268,7 +274,8 @@ class EtcdClient:
             return False
 
     def range(self, key: str, *, prefix: bool = False, revision: int = 0, limit: int = 0,
-              start: str | None = None, keys_only: bool = False) -> dict:
+              start: str | None = None, keys_only: bool = False, serializable: bool = False) -> dict:
+        """``serializable``: the answering member's copy, maybe behind the leader (no quorum round)."""
         body: dict[str, Any] = {"key": _b64(start or key)}
         if prefix:
             body["range_end"] = _prefix_end(key)
@@ -278,6 +285,8 @@ class EtcdClient:
             body["limit"] = limit
         if keys_only:
             body["keys_only"] = True
+        if serializable:
+            body["serializable"] = True
         return self.call("/kv/range", body)
 
     def txn(self, compare: list[dict], success: list[dict], failure: list[dict] | None = None) -> dict:
@@ -368,11 +377,16 @@ class EtcdStore:
         self._open: dict[int, set[str]] = {}  # lent -> the up boxes lending that many that are not full
         self._level: dict[str, int] = {}  # box -> its key in _open
         self._seen = 0  # revision of the last full read of the view
-        self._watch: Watch | None = None
+        self._watches: list[Watch] = []  # boxes/ with alive/, and inventory/ (not claims/: see _start_watches)
         self._pending: deque[list[dict]] = deque()  # watch events not yet applied to the view
         self._synced_at = -1e9
         self._mine: dict[str, tuple[dict, int]] = {}  # leases this handle wrote: record, mod_revision
         self._contended_until = 0.0
+        self._avoid: dict[str, float] = {}  # box -> until when it comes last (a race for it was lost)
+        self._order: list[str] = []  # box names in key order (the walk's order); [] = to be rebuilt
+        self._position: dict[str, int] = {}
+        self._cursor = 0  # where the walk over equally good boxes goes on (index in _order)
+        self._probe = False  # read the claims where the walk lands before choosing there
         self.conflicts = 0  # allocation transactions that lost a race (the benchmark reports them)
         self._init_schema()
 
@@ -406,22 +420,24 @@ class EtcdStore:
 
     def close(self) -> None:
         with self._lock:
-            self._stop_watch()
+            self._stop_watches()
         self.etcd.close()
 
     def _read(self, *keys: tuple[str, bool]) -> list[list[tuple[str, Any, int]]]:
         """Several keys or prefixes ((key, is_prefix), ...) read at one revision."""
         return ranges(self.etcd.txn([], [op_range(key, prefix) for key, prefix in keys]))
 
-    def _snapshot(self, *prefixes: str, page: int = 2000, revision_of: str = "mod_revision"
-                  ) -> tuple[list[list[tuple[str, Any, int]]], int]:
-        """Whole prefixes at one revision, in pages (a big pool exceeds one gRPC message)."""
+    def _snapshot(self, *prefixes: str, page: int = 2000, revision_of: str = "mod_revision",
+                  serializable: bool = False, keys_only: bool = False) -> tuple[list[list[tuple[str, Any, int]]], int]:
+        """Whole prefixes at one revision, in pages (a big pool exceeds one gRPC message);
+        ``serializable`` for allocation's view, which may be stale (its transactions compare)."""
         revision, out = 0, []
         for prefix in prefixes:
             items: list[tuple[str, Any, int]] = []
             start = None
             while True:
-                response = self.etcd.range(prefix, prefix=True, revision=revision, limit=page, start=start)
+                response = self.etcd.range(prefix, prefix=True, revision=revision, limit=page, start=start,
+                                           serializable=serializable, keys_only=keys_only)
                 revision = revision or int(response["header"]["revision"])
                 items += kvs(response, revision_of)
                 if not response.get("more"):
@@ -600,10 +616,14 @@ class EtcdStore:
                 "cert_sha256": boxes[0][1].get("cert_sha256"), "box_state": _box_state(boxes[0][1], bool(alive))[0]}
 
     # --- allocation -------------------------------------------------------------------
-    def _resync(self) -> None:
+    def _resync(self, settle: bool = False) -> None:
+        """Read allocation's whole view again: serializable (the answering member's copy;
+        the transactions compare), or with ``settle`` (before answering "no free device")
+        linearizable."""
         (boxes, inventories, claims, alive), self._seen = self._snapshot(
-            *(self.k(p) + "/" for p in ("boxes", "inventory", "claims", "alive")))
+            *(self.k(p) + "/" for p in ("boxes", "inventory", "claims", "alive")), serializable=not settle)
         self._boxes = {k.rsplit("/", 1)[1]: (v, rev) for k, v, rev in boxes}
+        self._order = []
         self._alive = {k.rsplit("/", 1)[1]: rev for k, _, rev in alive}
         self._inventory = {k.rsplit("/", 1)[1]: (v, rev) for k, v, rev in inventories}
         self._claims = {}
@@ -615,8 +635,24 @@ class EtcdStore:
         for name in self._boxes:
             self._index(name)
         self._synced_at = time.monotonic()
-        if self._watch is None:
-            self._start_watch(self._seen + 1)
+        self._probe = False  # the whole view is fresh
+        if not self._watches:
+            self._start_watches(self._seen + 1)
+
+    def _refresh_claims(self) -> None:
+        """Read every claim again, keys only (their lease ids become None): a tenth of a
+        full read, whose inventories are most of its bytes; boxes and inventories are
+        watched."""
+        (claims,), _ = self._snapshot(self.k("claims") + "/", keys_only=True, serializable=True)
+        self._claims = {}
+        cut = len(self.k("claims")) + 1
+        for key, _, _ in claims:
+            box, name = key[cut:].split("/", 1)
+            self._claims.setdefault(box, {})[name] = None
+        self._open, self._level = {}, {}
+        for name in self._boxes:
+            self._index(name)
+        self._probe = False
 
     def _index(self, name: str) -> None:
         """Re-file one box in ``_open`` after its record, inventory or claims changed."""
@@ -637,16 +673,30 @@ class EtcdStore:
         return record is not None and _box_state(record[0], name in self._alive)[0] == BoxState.UP
 
     # --- the watch that keeps allocation's view fresh ------------------------------------
-    def _start_watch(self, revision: int) -> None:
-        """Watch alive/, boxes/, claims/ and inventory/ (one range: alive/ to inventory/) from
-        ``revision`` on; a watch that ends (its member died, a compaction) is started
-        again at the next full read."""
+    def _start_watches(self, revision: int) -> None:
+        """Watch alive/ and boxes/ (one range: alive/ to boxes0) and inventory/ from
+        ``revision`` on; a watch that ends (its member died, a compaction) ends the other
+        too, and both start again at the next full read.
+
+        Not claims/: every allocation and free writes a claim, and etcd's gateway encodes
+        each event once per watcher (measured: 8 handles watching claims cost etcd 1.6 ms
+        of CPU per allocation, twice the transaction itself, and their Python readers
+        more; with a watcher per host it grows with the hosts). Other handles' claims
+        reach this view when a race for one of their devices is lost (the transaction's
+        failure branch reads that box's claims) and at full reads; frees, at full reads
+        (one comes before any "no free device")."""
+        watches: list[Watch] = []
         try:
-            watch = Watch(self.etcd, _b64(self.k("alive") + "/"), _b64(self.k("inventory") + "0"), revision)
+            for start, end in ((self.k("alive") + "/", self.k("boxes") + "0"),
+                               (self.k("inventory") + "/", self.k("inventory") + "0")):
+                watches.append(Watch(self.etcd, _b64(start), _b64(end), revision))
         except WatchFailed:
-            return  # allocation works without it (conflicts refresh the view), and tries again later
-        self._watch = watch
-        threading.Thread(target=self._watch_loop, args=(watch,), name="etcd-watch", daemon=True).start()
+            for watch in watches:
+                watch.close()
+            return  # allocation works without them (conflicts refresh the view), and tries again later
+        self._watches = watches
+        for watch in watches:
+            threading.Thread(target=self._watch_loop, args=(watch,), name="etcd-watch", daemon=True).start()
 
     def _watch_loop(self, watch: Watch) -> None:
         """Hand the events on; the allocating thread applies them (:meth:`_drain`), so this
@@ -658,8 +708,8 @@ class EtcdStore:
             pass
         finally:
             with self._lock:
-                if self._watch is watch:
-                    self._watch = None
+                if watch in self._watches:
+                    self._stop_watches()
                     self._synced_at = -1e9  # the next allocation reads everything and watches again
 
     def _apply(self, event: dict) -> None:
@@ -686,6 +736,8 @@ class EtcdStore:
         cache = self._boxes if kind == "boxes" else self._inventory if kind == "inventory" else None
         if cache is None or revision < cache.get(rest, (None, 0))[1]:
             return  # older than what a transaction of ours already told us
+        if kind == "boxes" and deleted != (rest not in cache):
+            self._order = []  # a box came or went
         if deleted:
             cache.pop(rest, None)
         else:
@@ -700,9 +752,9 @@ class EtcdStore:
                 if int(event["kv"].get("mod_revision", 0)) > self._seen:
                     self._apply(event)
 
-    def _stop_watch(self) -> None:
-        watch, self._watch = self._watch, None
-        if watch is not None:
+    def _stop_watches(self) -> None:
+        watches, self._watches = self._watches, []
+        for watch in watches:
             watch.close()
 
     def _learn_box(self, name: str, found: list[list[tuple[str, Any, int]]]) -> None:
@@ -713,6 +765,8 @@ class EtcdStore:
             self._alive[name] = alive[0][2]
         else:
             self._alive.pop(name, None)
+        if bool(boxes) != (name in self._boxes):
+            self._order = []  # a box came or went
         for cache, items in ((self._boxes, boxes), (self._inventory, inventories)):
             if items:
                 cache[name] = (items[0][1], items[0][2])
@@ -721,14 +775,72 @@ class EtcdStore:
         self._claims[name] = {key.rsplit("/", 1)[1]: lease_id for key, lease_id, _ in claims}
         self._index(name)
 
+    def _walk_order(self) -> list[str]:
+        """Box names in the order of their claim keys (``name/`` sorts as the keys do)."""
+        if len(self._order) != len(self._boxes):
+            self._order = sorted(self._boxes, key=lambda name: name + "/")
+            self._position = {name: i for i, name in enumerate(self._order)}
+            self._cursor %= max(1, len(self._order))
+        return self._order
+
+    def _walk(self, names: set[str], avoid: set[str], later: list[str]) -> Iterator[str]:
+        """``names`` in walk order from the cursor (the avoided ones into ``later``)."""
+        order = self._walk_order()
+        n, cursor = len(order), self._cursor
+        if len(names) <= 32:
+            ranked = sorted(names, key=lambda name: (self._position.get(name, 0) - cursor) % n)
+        else:
+            ranked = (order[(cursor + step) % n] for step in range(n))
+        for name in ranked:
+            if name not in names:
+                continue
+            if name in avoid:
+                later.append(name)
+            else:
+                yield name
+
+    def _jump(self) -> None:
+        """After a lost race: walk on from a random box, and read its claims first."""
+        order = self._walk_order()
+        self._cursor = random.randrange(len(order)) if order else 0
+        self._probe = True
+
+    def _probe_claims(self) -> bool:
+        """Read the claims of the :data:`PROBE` boxes from the cursor on (one serializable
+        range: stale is fine, the transaction compares), so the walk does not lose a
+        race for each of them that others filled meanwhile. True if one has a free device."""
+        self._probe = False
+        order = self._walk_order()
+        span = order[self._cursor:self._cursor + PROBE]
+        if not span:
+            return False
+        prefix = self.k("claims") + "/"
+        end = _b64(prefix + order[self._cursor + PROBE] + "/") if self._cursor + PROBE < len(order) \
+            else _prefix_end(prefix)
+        found = kvs(self.etcd.call("/kv/range", {"key": _b64(prefix + span[0] + "/"), "range_end": end,
+                                                 "serializable": True}))
+        for name in span:
+            self._claims[name] = {}
+        for key, lease_id, _ in found:
+            name, _, device = key[len(prefix):].partition("/")
+            self._claims.setdefault(name, {})[device] = lease_id
+        for name in span:
+            self._index(name)
+        return any(name in self._level for name in span)
+
     def _choose(self, count: int, device_class: str | None, box: str | None, device: str | None,
                 policy: str, shuffle: bool) -> tuple[list[str], int]:
         """The devices SQLite's allocator would take from this view (box by policy, ties
-        by name, then the box's first free device by name); with ``shuffle`` (other
-        allocators race us) a random one of the first :data:`SHUFFLE_AMONG` free devices
-        in that order (ties between boxes by chance). And, if fewer than ``count`` match,
-        how many do."""
+        by name, then the box's first free device by name). With ``shuffle`` (other
+        allocators race us) ties between boxes go in key order from the cursor (which
+        jumps to a random box at each lost race, :meth:`_jump`), a box where a race was
+        lost in the last :data:`AVOID_FOR` s comes after every other (another allocator
+        is filling it), and the device is a random free one of the box: the policy still
+        decides the box, and concurrent allocators each fill their own. And, if fewer
+        than ``count`` match, how many do."""
         chosen: dict[str, set[str]] = {}
+        now = time.monotonic()
+        avoid = {name for name, until in self._avoid.items() if until > now} if shuffle else set()
 
         def free_in(name: str) -> list[str]:
             claimed, mine = self._claims.get(name, {}), chosen.get(name, ())
@@ -745,37 +857,37 @@ class EtcdStore:
         def in_order() -> Iterator[str]:
             """Non-full up boxes, the policy's choice first."""
             if box is None and not chosen:  # the index: no pass over every box
+                later: list[str] = []
                 for level in sorted(self._open, reverse=policy == "pack"):
                     if not shuffle:
                         yield from sorted(self._open[level])
                         continue
-                    names = list(self._open[level])
-                    first = random.sample(names, min(len(names), SHUFFLE_AMONG))  # enough to find SHUFFLE_AMONG devices
-                    yield from first
-                    yield from set(names).difference(first)  # a class filter may need more
+                    yield from self._walk(self._open[level], avoid, later)
+                yield from later
                 return
             heap = []
             for name in up():
                 lent = len(self._claims.get(name, ())) + len(chosen.get(name, ()))
                 if lent < len(self._inventory[name][0]):  # a full box needs no look at its devices
-                    heap.append((sign * lent, random.random() if shuffle else name, name))
+                    heap.append((name in avoid, sign * lent, random.random() if shuffle else 0.0, name))
             heapq.heapify(heap)
             while heap:
-                yield heapq.heappop(heap)[2]
+                yield heapq.heappop(heap)[3]
 
         picks: list[str] = []
         for _ in range(count):
-            candidates: list[tuple[str, str]] = []
             for name in in_order():
-                candidates += [(name, d) for d in free_in(name)]
-                if candidates and (not shuffle or len(candidates) >= SHUFFLE_AMONG):
+                free = free_in(name)
+                if free:
+                    pick = random.choice(free) if shuffle else free[0]
                     break
-            if not candidates:
+            else:
                 chosen.clear()
                 return picks, sum(len(free_in(name)) for name in up())
-            name, pick = random.choice(candidates) if shuffle else candidates[0]
             chosen.setdefault(name, set()).add(pick)
             picks.append(f"{name}/{pick}")
+            if shuffle and name in self._position:
+                self._cursor = self._position[name]  # the walk goes on from here
         return picks, len(picks)
 
     def allocate(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
@@ -793,26 +905,32 @@ class EtcdStore:
             holder = agent[0][1].get("holder") if agent else None
         with self._lock:
             fresh = False
-            # with a live watch the view misses nothing (and a stale one costs a lost race,
-            # never a wrong answer): the full read, 10,000 keys in a big pool, comes rarely
-            interval = self.resync_interval * (1 if self._watch is None else WATCHED_RESYNC_FACTOR)
+            # a stale view costs a lost race, never a wrong answer (and "no free device" is
+            # answered only after a linearizable read: fresh): the full read, 10,000 keys
+            # in a big pool, comes rarely
+            interval = self.resync_interval * (WATCHED_RESYNC_FACTOR if self._watches else 1)
             if time.monotonic() - self._synced_at > interval:
                 self._resync()
-                fresh = True
             conflicts = 0
             for _ in range(ATTEMPTS):
                 self._drain()
                 if box is not None and box not in self._boxes:
                     if not fresh:
-                        self._resync()
+                        self._resync(settle=True)
                         fresh = True
                         continue
                     raise no_such_box(box, sorted(self._boxes))
                 contended = conflicts > 0 or time.monotonic() < self._contended_until
+                if contended and self._probe and box is None:
+                    for _ in range(PROBES):
+                        if self._probe_claims():
+                            break
+                        self._jump()
+                    self._probe = False
                 picks, free = self._choose(count, device_class, box, device, policy, shuffle=contended)
                 if len(picks) < count:
                     if not fresh:  # others may have freed devices or added boxes since the last read
-                        self._resync()
+                        self._resync(settle=True)
                         fresh = True
                         continue
                     raise no_free_device(count, free, device_class, box, device)
@@ -821,7 +939,20 @@ class EtcdStore:
                     return leases
                 conflicts += 1
                 self.conflicts += 1
-                self._contended_until = time.monotonic() + CONTENDED_FOR
+                now = time.monotonic()
+                self._contended_until = now + CONTENDED_FOR
+                if len(self._avoid) > 256:
+                    self._avoid = {name: until for name, until in self._avoid.items() if until > now}
+                for pick in picks:
+                    name, dev = pick.split("/", 1)
+                    if dev in self._claims.get(name, {}):  # another's now: it is filling that box
+                        self._avoid[name] = now + AVOID_FOR
+                self._jump()  # and its neighbours are likely its too: walk on elsewhere
+                if conflicts == RESYNC_AFTER:  # the claims are stale all over (a nearly full pool)
+                    self._refresh_claims()
+                    continue
+                if conflicts >= 2:  # racing the same allocator again: let one of us go first
+                    time.sleep(random.uniform(0, min(BACKOFF_MAX, BACKOFF * 2 ** (conflicts - 2))))
                 fresh = False
         raise StoreError(f"allocation for {vm} lost {ATTEMPTS} races in a row to other allocators",
                          hint="the pool is very busy; try again")
@@ -836,7 +967,7 @@ class EtcdStore:
         if host is not None and self._read((self.k("fenced", host), False))[0]:
             raise host_fenced(host)
         with self._lock:
-            self._resync()
+            self._resync(settle=True)
             self._drain()
             if box is not None and box not in self._boxes:
                 raise no_such_box(box, sorted(self._boxes))
@@ -943,8 +1074,9 @@ class EtcdStore:
                 if result.get("succeeded"):
                     self._mine.pop(lease_id, None)
                     box, name = record["device"].split("/", 1)
-                    if self._claims.get(box, {}).get(name) == lease_id:
-                        del self._claims[box][name]
+                    claims = self._claims.get(box, {})
+                    if name in claims and claims[name] in (lease_id, None):  # None: read keys only
+                        del claims[name]
                         self._index(box)
                     return
                 self._mine.pop(lease_id, None)
