@@ -21,7 +21,7 @@ It measures the emulator also where the kernel has netem (``netem=False``). Tabl
 stdout, JSON in results/bench/netem.json.
 
     .venv/bin/python scripts/bench_netem.py [--rounds 2] [--round-trips 3000] [--bulk-mib 128]
-        [--datagrams 20000] [--floor-only | --delay-only] [--fifo-only] [--no-python]
+        [--datagrams 20000] [--floor-only | --delay-only] [--fifo-only] [--pairs 3] [--no-python]
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def floor_rows(state: lab.LabState, rounds: int, round_trips: int, bulk: int, lo
     return out
 
 
-def delay_rows(state: lab.LabState, round_trips: int, log, fifo: tuple[bool, ...] = (False, True)) -> list[dict]:
+def delay_rows(state: lab.LabState, round_trips: int, log, fifo: tuple[bool, ...] = (False, True),
+               pairs: int = 3) -> list[dict]:
     b = state.box("box1")
     rows = []
     asks = [Impairment(delay_us=d) for d in (20, 50, 100, 200, 500, 1000, 2000)] + \
@@ -103,19 +104,27 @@ def delay_rows(state: lab.LabState, round_trips: int, log, fifo: tuple[bool, ...
         # then the clean link (kernel forwarding, what a user compares to); then a fresh emulator
         lab.set_link(state, "box1", Impairment(), netem=False)
         lab.set_link(state, "box1", Impairment(), force_emulator=True, realtime=realtime, netem=False, fast_path=False)
-        loop = measure(state, b.box_ip, round_trips, 0)["ping_pong"]["median_us"]
-        lab.set_link(state, "box1", Impairment(), netem=False)
-        clean = measure(state, b.box_ip, round_trips, 0)["ping_pong"]["median_us"]
-        lab.set_link(state, "box1", imp, realtime=realtime, netem=False)
-        lab.reset_link_counters(state, "box1")
-        rtt = measure(state, b.box_ip, round_trips, 0)["ping_pong"]["median_us"]
+        loop = measure(state, b.box_ip, round_trips // pairs, 0)["ping_pong"]["median_us"]
+        # then clean link and delayed link in turn, ``pairs`` times (a burst of load from the
+        # machine's other users moves one measurement by 10-30 µs): the median of the pairs'
+        # growths, so one slow clean baseline does not make the delay look short
+        cleans, rtts, growths = [], [], []
+        for _ in range(pairs):
+            lab.set_link(state, "box1", Impairment(), netem=False)
+            cleans.append(measure(state, b.box_ip, round_trips // pairs, 0)["ping_pong"]["median_us"])
+            lab.set_link(state, "box1", imp, realtime=realtime, netem=False)
+            lab.reset_link_counters(state, "box1")
+            rtts.append(measure(state, b.box_ip, round_trips // pairs, 0)["ping_pong"]["median_us"])
+            growths.append(rtts[-1] - cleans[-1])
         report = lab.link_report(state, "box1")
         rep = report["up"]
-        tcp_one_way, over_loop = (rtt - clean) / 2, (rtt - loop) / 2
+        clean, rtt = statistics.median(cleans), statistics.median(rtts)
+        tcp_one_way, over_loop = statistics.median(growths) / 2, (rtt - loop) / 2
         rows.append({"asked": imp.to_dict(), "realtime": realtime, "held_from": report.get("held_from", "read"),
                      "held_p50_us": rep["delay_us"]["p50"], "held_p99_us": rep["delay_us"]["p99"],
                      "held_std_us": rep["delay_us"]["std"], "arrival_wait_us": rep.get("arrival_wait_us"),
                      "packets": rep["packets"], "rtt_us": rtt, "rtt_clean_us": clean, "rtt_loop_floor_us": loop,
+                     "rtt_pairs": list(zip(cleans, rtts)),
                      "tcp_one_way_us": tcp_one_way, "tcp_over_loop_us": over_loop,
                      "held_error": rep["delay_us"]["p50"] / imp.delay_us - 1, "tcp_error": tcp_one_way / imp.delay_us - 1})
         log(f"  delay {imp.delay_us:6g} ± {imp.jitter_us:g} µs{' FIFO' if realtime else ''}: held p50 "
@@ -153,6 +162,7 @@ def main() -> int:
     parser.add_argument("--no-python", action="store_true", help="leave the Python emulator's floor row out")
     parser.add_argument("--floor-only", action="store_true", help="only the zero-impairment floor (no delay or loss rows)")
     parser.add_argument("--delay-only", action="store_true", help="only the delay rows (no floor or loss rows)")
+    parser.add_argument("--pairs", type=int, default=3, help="clean/delayed measurements in turn per delay row")
     parser.add_argument("--fifo-only", action="store_true", help="delay rows with the emulator SCHED_FIFO only (the default)")
     args = parser.parse_args()
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -173,7 +183,7 @@ def main() -> int:
             floor = floor_rows(state, args.rounds, args.round_trips, args.bulk_mib << 20, log, python=not args.no_python)
         if not args.floor_only:
             log("delay")
-            delays = delay_rows(state, args.round_trips // 3, log, (True,) if args.fifo_only else (False, True))
+            delays = delay_rows(state, args.round_trips, log, (True,) if args.fifo_only else (False, True), args.pairs)
             if not args.delay_only:
                 log("loss")
                 losses = loss_rows(state, args.datagrams, log)
@@ -228,7 +238,8 @@ def print_losses(losses: list[dict]) -> None:
 def print_delays(delays: list[dict]) -> None:
     print("\ndelay (one way, both directions): asked vs the emulator's held time (from the packet's arrival in the"
           "\nlink namespace where held_from is ingress, else from the emulator's read) and what TCP saw: the round"
-          "\ntrip's growth over the clean link's (kernel forwarding, measured just before), halved; and over the"
+          "\ntrip's growth over the clean link's (kernel forwarding; clean and delayed in turn, median of the pairs),"
+          "\nhalved; and over the"
           "\nemulator loop's zero-impairment floor, halved. FIFO: the emulator SCHED_FIFO (the lab's default)")
     print(table(["asked µs", "jitter", "FIFO", "held p50", "held p99", "held std", "held err", "ingress->read",
                  "TCP one way", "TCP err", "over loop floor"],

@@ -51,6 +51,8 @@ typedef struct {
     uint64_t last_due;
     uint64_t packets, bytes, sent, sent_bytes, lost_random, lost_burst, duplicated, reordered;
     uint64_t reads, stamped, wait_ns; /* packets read (to match the kernel's count), timed from its stamp, stamp-to-read total */
+    uint64_t handback_ns, handbacks; /* the writes' total time, and how many */
+    double handback_avg; /* ns, moving average: the hand-back's cost, counted inside the asked delay */
     uint32_t *held; /* ns, ring */
     size_t nheld, pos;
 } dir_t;
@@ -68,7 +70,6 @@ static size_t nheap, capheap;
 static uint64_t seqno, other_dropped, rng_state = 0x9E3779B97F4A7C15ull;
 static int tun_fd, tso = -1;
 static long early_ns = 20000;
-static long spin_hold_ns; /* sleep only until this long before a held packet is due, then spin (--spin-hold-us) */
 static long spin_ns; /* after a packet, poll without sleeping this long (--spin-us; off: on the 2-core
                       * VM the spinner holds one core, the two ends then wake each other across
                       * cores, ~26 us a wake-up there: 50 us of spinning took the round trip from
@@ -273,12 +274,13 @@ static void report_dir(FILE *f, dir_t *d, int k) {
             "\"ge_p\": %g, \"ge_r\": %g, \"ge_loss_bad\": %g, \"ge_loss_good\": %g, \"reorder\": %g, \"duplicate\": %g, "
             "\"rate_bps\": %g}, \"packets\": %lu, \"bytes\": %lu, \"sent\": %lu, \"sent_bytes\": %lu, \"lost\": %lu, "
             "\"lost_random\": %lu, \"lost_burst\": %lu, \"loss_rate\": %g, \"duplicated\": %lu, \"reordered\": %lu, "
-            "\"kernel_packets\": %lu, \"stamped\": %lu, \"arrival_wait_us\": %g, \"held_samples\": %zu, \"delay_us\": {\"mean\": %g, \"std\": %g, \"p50\": %g, \"p90\": %g, \"p99\": %g, "
+            "\"kernel_packets\": %lu, \"stamped\": %lu, \"arrival_wait_us\": %g, \"handback_us\": %g, \"held_samples\": %zu, \"delay_us\": {\"mean\": %g, \"std\": %g, \"p50\": %g, \"p90\": %g, \"p99\": %g, "
             "\"max\": %g}}",
             d->name, i->delay_us, i->jitter_us, i->uniform ? "uniform" : "normal", i->loss, i->ge_p, i->ge_r,
             i->ge_loss_bad, i->ge_loss_good, i->reorder, i->duplicate, i->rate_bps, d->packets + kp, d->bytes + kb,
             d->sent + kp, d->sent_bytes + kb, lost, d->lost_random, d->lost_burst,
-            d->packets + kp ? (double)lost / (d->packets + kp) : 0.0, d->duplicated, d->reordered, kp, d->stamped, d->stamped ? d->wait_ns / 1000.0 / d->stamped : 0.0, n, mean / 1000, n ? sqrt(var / n) / 1000 : 0.0, PCT(0.5), PCT(0.9),
+            d->packets + kp ? (double)lost / (d->packets + kp) : 0.0, d->duplicated, d->reordered, kp, d->stamped, d->stamped ? d->wait_ns / 1000.0 / d->stamped : 0.0,
+            d->handbacks ? d->handback_ns / 1000.0 / d->handbacks : 0.0, n, mean / 1000, n ? sqrt(var / n) / 1000 : 0.0, PCT(0.5), PCT(0.9),
             PCT(0.99), n ? s[n - 1] / 1000.0 : 0.0);
     free(s);
 }
@@ -303,18 +305,24 @@ static void reset(void) {
     for (int k = 0; k < 2; k++) {
         dir_t *d = &dirs[k];
         d->packets = d->bytes = d->sent = d->sent_bytes = d->lost_random = d->lost_burst = 0;
-        d->duplicated = d->reordered = d->stamped = d->wait_ns = 0;
+        d->duplicated = d->reordered = d->stamped = d->wait_ns = d->handback_ns = d->handbacks = 0;
         d->nheld = d->pos = 0;
         if (fast) { fast_base[k][0] = fast[k].packets; fast_base[k][1] = fast[k].bytes; }
     }
     other_dropped = 0;
 }
 
-/* The held time is taken as the packet is handed back: the write itself runs the kernel's
- * forwarding and the receiver's stack (in this thread), which is the far end's time. */
+/* The delay is taken when the packet has been handed back: the write runs the TUN, the
+ * kernel's forwarding and the receiver's stack in this thread, up to the far end's socket,
+ * so its time is part of the packet's way across (and a delayed packet is released that
+ * much early: its moving average is counted inside the asked delay, see arrive). */
 static void send_pkt(dir_t *d, const unsigned char *data, size_t len, uint64_t arrived) {
-    uint64_t held = now_ns() - arrived;
+    uint64_t start = now_ns();
     if (write(tun_fd, data, len) < 0) return; /* backlog full: lost, as on a wire */
+    uint64_t end = now_ns(), held = end - arrived;
+    d->handback_ns += end - start;
+    d->handbacks++;
+    d->handback_avg += ((double)(end - start) - d->handback_avg) / 16;
     d->sent++;
     d->sent_bytes += len - VNET_HDR;
     d->held[d->pos] = (uint32_t)held;
@@ -410,7 +418,8 @@ static void arrive(unsigned char *buf, size_t n, uint64_t read, in_addr_t up_dst
     d->duplicated += copies - 1;
     for (int c = 0; c < copies; c++) {
         if (d->imp.reorder > 0 && rnd() < d->imp.reorder) { d->reordered++; send_pkt(d, buf, n, arrived); continue; }
-        uint64_t due = arrived + hold_ns(d);
+        uint64_t hold = hold_ns(d), early = (uint64_t)d->handback_avg;
+        uint64_t due = arrived + (hold > early ? hold - early : 0);
         if (due < d->last_due) due = d->last_due; /* order is kept */
         d->last_due = due;
         if (due <= read) { send_pkt(d, buf, n, arrived); continue; } /* due already (or no delay) */
@@ -438,7 +447,6 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[k], "--config")) config_path = argv[k + 1];
         else if (!strcmp(argv[k], "--report")) report_path = argv[k + 1];
         else if (!strcmp(argv[k], "--spin-us")) spin_ns = atol(argv[k + 1]) * 1000;
-        else if (!strcmp(argv[k], "--spin-hold-us")) spin_hold_ns = atol(argv[k + 1]) * 1000;
         else if (!strcmp(argv[k], "--seed")) rng_state ^= strtoull(argv[k + 1], NULL, 10) * 0x2545F4914F6CDD1Dull;
     }
     if (!tun || !up || !down || !config_path || !report_path) {
@@ -446,7 +454,6 @@ int main(int argc, char **argv) {
                 "[--up-if VETH --down-if VETH] [--seed N]\n");
         return 2;
     }
-    if (getenv("NETEMU_SPIN_HOLD_US")) spin_hold_ns = atol(getenv("NETEMU_SPIN_HOLD_US")) * 1000;
     prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0);
     tun_fd = open("/dev/net/tun", O_RDWR | O_NONBLOCK);
     struct ifreq ifr = {0};
@@ -484,7 +491,7 @@ int main(int argc, char **argv) {
             ts.tv_sec = ts.tv_nsec = 0;
             tsp = &ts;
         } else if (nheap) {
-            long long wait = (long long)(heap[0].due - now) - early_ns - spin_hold_ns;
+            long long wait = (long long)(heap[0].due - now) - early_ns;
             if (wait < 0) wait = 0;
             ts.tv_sec = wait / 1000000000;
             ts.tv_nsec = wait % 1000000000;
@@ -507,15 +514,11 @@ int main(int argc, char **argv) {
         } else if (r == 0 && nheap && !spinning) { /* woke for a due packet: learn the overshoot, spin to it */
             uint64_t due = heap[0].due;
             now = now_ns();
-            long late = (long)(now - (due - early_ns - spin_hold_ns));
+            long late = (long)(now - (due - early_ns));
             early_ns = (early_ns * 7 + late + 3000) / 8;
             if (early_ns < 2000) early_ns = 2000;
             if (early_ns > 100000) early_ns = 100000;
-            while (now < heap[0].due) { /* spin to it, taking what arrives meanwhile */
-                ssize_t n = spin_hold_ns ? read(tun_fd, buf, sizeof buf) : 0;
-                now = now_ns();
-                if (n > 0) arrive(buf, (size_t)n, now, up_dst, down_dst);
-            }
+            while (now < due) now = now_ns();
         }
     }
     release(UINT64_MAX);
