@@ -8,12 +8,13 @@ bulk transfer each way, :mod:`dxpu_vfio.lab.floors`):
 * floor at zero impairment: the direct veth; the lab link as it is by default (the
   kernel forwards in the link namespace, no emulator); the C emulator kept in the path
   with nothing to do (its tc programs count the packets and let the kernel forward them);
-  the C emulator with every packet through its loop (the hop through user space any
-  delay costs: the floor under the delay rows); the Python one (all through its loop);
-* delay: asked vs achieved over a range, with and without jitter: the emulator's own
-  held time (p50, p99, std) and what TCP saw (the round trip's growth over the
-  emulator's floor measured right before each row, halved), with the emulator
-  SCHED_FIFO (the lab's default) and not;
+  the C emulator with every packet through its loop (the hop through user space a
+  loss or reordering costs); the Python one (all through its loop);
+* delay: asked vs achieved over a range, with and without jitter: the delay the emulator
+  measured (p50, p99, std; from the packet's arrival in the link namespace where its tc
+  program stamps it) and what TCP saw: the round trip's growth over the clean link's
+  (kernel forwarding), halved, clean and delayed measured in turn ``--pairs`` times and
+  the median taken, with the emulator SCHED_FIFO (the lab's default) and not;
 * loss: asked vs achieved for random and Gilbert-Elliott loss, from numbered UDP
   datagrams (:mod:`dxpu_vfio.lab.udp_probe`): the rate and the mean run of losses.
 
@@ -123,6 +124,7 @@ def delay_rows(state: lab.LabState, round_trips: int, log, fifo: tuple[bool, ...
         rows.append({"asked": imp.to_dict(), "realtime": realtime, "held_from": report.get("held_from", "read"),
                      "held_p50_us": rep["delay_us"]["p50"], "held_p99_us": rep["delay_us"]["p99"],
                      "held_std_us": rep["delay_us"]["std"], "arrival_wait_us": rep.get("arrival_wait_us"),
+                     "handback_us": rep.get("handback_us"), "stamped": rep.get("stamped"),
                      "packets": rep["packets"], "rtt_us": rtt, "rtt_clean_us": clean, "rtt_loop_floor_us": loop,
                      "rtt_pairs": list(zip(cleans, rtts)),
                      "tcp_one_way_us": tcp_one_way, "tcp_over_loop_us": over_loop,
