@@ -322,10 +322,11 @@ static void send_pkt(dir_t *d, const unsigned char *data, size_t len, uint64_t a
     uint64_t end = now_ns(), held = end - arrived;
     d->handback_ns += end - start;
     d->handbacks++;
-    /* a write the scheduler cut into (the woken receiver ran first) counts at most 1.5x the
-     * average plus 1 us: its time was the receiver's, and a mean of it released packets early */
-    double took = (double)(end - start), cap = d->handback_avg * 1.5 + 1000;
-    d->handback_avg += ((took < cap ? took : cap) - d->handback_avg) / 16;
+    /* follows the short writes (down fast, up slowly): one the scheduler cut into (the woken
+     * receiver ran first, SCHED_OTHER) holds the receiver's time, and a mean of those
+     * released packets early */
+    double took = (double)(end - start);
+    d->handback_avg += (took - d->handback_avg) / (took < d->handback_avg ? 4 : 64);
     d->sent++;
     d->sent_bytes += len - VNET_HDR;
     d->held[d->pos] = (uint32_t)held;
