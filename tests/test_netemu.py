@@ -65,6 +65,10 @@ def test_delay_is_held_as_asked_and_seen_by_tcp(net):
         report = lab.link_report(net, "box1")
         for d in ("up", "down"):
             assert report[d]["packets"] > 400 and report[d]["delay_us"]["p50"] == pytest.approx(300, rel=0.1)
+        if report.get("fast_path"):  # timed from the tc program's stamp at the link's ingress, nearly every packet
+            assert report["held_from"] == "ingress", report
+            assert all(report[d]["stamped"] >= 0.9 * report[d]["packets"] for d in ("up", "down")), report
+            assert all(0 < report[d]["handback_us"] < 300 for d in ("up", "down")), report
 
 
 def test_random_and_bursty_loss_reach_the_packets(net):
@@ -172,7 +176,7 @@ def test_python_engine_does_the_same(net):
     got = udp_probe.across(b.netns, b.box_ip, net.host_netns, 1500, pps=1000)  # one at a time: Python is slow
     report = lab.link_report(net, "box1")
     if b.delay_mode == "emulator":
-        assert report["engine"] == "python" and 200 <= report["up"]["delay_us"]["p50"] <= 260, report["up"]
+        assert report["engine"] == "python" and report["held_from"] == "read" and 200 <= report["up"]["delay_us"]["p50"] <= 260, report["up"]
     assert 0.008 <= got["loss_rate"] <= 0.035, got
 
 

@@ -50,6 +50,9 @@ typedef struct {
     int bad;
     uint64_t last_due;
     uint64_t packets, bytes, sent, sent_bytes, lost_random, lost_burst, duplicated, reordered;
+    uint64_t reads, stamped, wait_ns; /* packets read (to match the kernel's count), timed from its stamp, stamp-to-read total */
+    uint64_t handback_ns, handbacks; /* the writes' total time, and how many */
+    double handback_avg; /* ns, moving average: the hand-back's cost, counted inside the asked delay */
     uint32_t *held; /* ns, ring */
     size_t nheld, pos;
 } dir_t;
@@ -82,6 +85,7 @@ static const char *config_path, *report_path;
 typedef struct {
     uint64_t packets, bytes; /* counted in the kernel (atomic adds), this side only reads */
     uint32_t to_user, tun_ifindex;
+    uint64_t last_ns, redirected; /* the newest packet sent to the TUN: its arrival (CLOCK_MONOTONIC), then the count */
 } fast_t;
 static volatile fast_t *fast; /* the array map's two entries, mmapped; NULL: routes send all to the TUN */
 static uint64_t fast_base[2][2]; /* packets, bytes at the last reset */
@@ -93,8 +97,10 @@ extern unsigned int if_nametoindex(const char *name); /* <net/if.h> clashes with
 #ifdef BPF_ATOMIC /* headers of 5.12+ (atomic adds, mmapable maps, links); older ones: routes only */
 static long sys_bpf(int cmd, union bpf_attr *attr) { return syscall(SYS_bpf, cmd, attr, sizeof *attr); }
 
-/* skb in r1. Entry dir of the map: if to_user, bpf_redirect(tun_ifindex) (egress of the TUN);
- * else count it (skb->len less the Ethernet header, as the TUN sees it) and pass. */
+/* skb in r1. Entry dir of the map: if to_user, stamp its arrival and bpf_redirect(tun_ifindex)
+ * (egress of the TUN); else count it (skb->len less the Ethernet header, as the TUN sees it)
+ * and pass. The stamp lets the loop time a delay from the packet's arrival in the link
+ * namespace, so the wake-up that brings it to the loop is inside the asked delay. */
 static int fast_prog(int map_fd, int dir) {
     struct bpf_insn p[] = {
         INSN(BPF_ALU64 | BPF_MOV | BPF_X, 6, 1, 0, 0),                 /* r6 = skb */
@@ -113,7 +119,12 @@ static int fast_prog(int map_fd, int dir) {
         INSN(BPF_STX | BPF_ATOMIC | BPF_DW, 0, 1, offsetof(fast_t, bytes), BPF_ADD),
         INSN(BPF_ALU64 | BPF_MOV | BPF_K, 0, 0, 0, 0),                 /* TC_ACT_OK */
         INSN(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),
-        INSN(BPF_LDX | BPF_MEM | BPF_W, 1, 0, offsetof(fast_t, tun_ifindex), 0),
+        INSN(BPF_ALU64 | BPF_MOV | BPF_X, 7, 0, 0, 0),                 /* r7 = entry (r0 goes to the call) */
+        INSN(BPF_JMP | BPF_CALL, 0, 0, 0, BPF_FUNC_ktime_get_ns),      /* stamp first, count after: a */
+        INSN(BPF_STX | BPF_MEM | BPF_DW, 7, 0, offsetof(fast_t, last_ns), 0), /* reader that sees its count */
+        INSN(BPF_ALU64 | BPF_MOV | BPF_K, 1, 0, 0, 1),                 /* sees its stamp or a newer one */
+        INSN(BPF_STX | BPF_ATOMIC | BPF_DW, 7, 1, offsetof(fast_t, redirected), BPF_ADD),
+        INSN(BPF_LDX | BPF_MEM | BPF_W, 1, 7, offsetof(fast_t, tun_ifindex), 0),
         INSN(BPF_ALU64 | BPF_MOV | BPF_K, 2, 0, 0, 0),
         INSN(BPF_JMP | BPF_CALL, 0, 0, 0, BPF_FUNC_redirect),
         INSN(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),
@@ -263,12 +274,13 @@ static void report_dir(FILE *f, dir_t *d, int k) {
             "\"ge_p\": %g, \"ge_r\": %g, \"ge_loss_bad\": %g, \"ge_loss_good\": %g, \"reorder\": %g, \"duplicate\": %g, "
             "\"rate_bps\": %g}, \"packets\": %lu, \"bytes\": %lu, \"sent\": %lu, \"sent_bytes\": %lu, \"lost\": %lu, "
             "\"lost_random\": %lu, \"lost_burst\": %lu, \"loss_rate\": %g, \"duplicated\": %lu, \"reordered\": %lu, "
-            "\"kernel_packets\": %lu, \"held_samples\": %zu, \"delay_us\": {\"mean\": %g, \"std\": %g, \"p50\": %g, \"p90\": %g, \"p99\": %g, "
+            "\"kernel_packets\": %lu, \"stamped\": %lu, \"arrival_wait_us\": %g, \"handback_us\": %g, \"held_samples\": %zu, \"delay_us\": {\"mean\": %g, \"std\": %g, \"p50\": %g, \"p90\": %g, \"p99\": %g, "
             "\"max\": %g}}",
             d->name, i->delay_us, i->jitter_us, i->uniform ? "uniform" : "normal", i->loss, i->ge_p, i->ge_r,
             i->ge_loss_bad, i->ge_loss_good, i->reorder, i->duplicate, i->rate_bps, d->packets + kp, d->bytes + kb,
             d->sent + kp, d->sent_bytes + kb, lost, d->lost_random, d->lost_burst,
-            d->packets + kp ? (double)lost / (d->packets + kp) : 0.0, d->duplicated, d->reordered, kp, n, mean / 1000, n ? sqrt(var / n) / 1000 : 0.0, PCT(0.5), PCT(0.9),
+            d->packets + kp ? (double)lost / (d->packets + kp) : 0.0, d->duplicated, d->reordered, kp, d->stamped, d->stamped ? d->wait_ns / 1000.0 / d->stamped : 0.0,
+            d->handbacks ? d->handback_ns / 1000.0 / d->handbacks : 0.0, n, mean / 1000, n ? sqrt(var / n) / 1000 : 0.0, PCT(0.5), PCT(0.9),
             PCT(0.99), n ? s[n - 1] / 1000.0 : 0.0);
     free(s);
 }
@@ -279,8 +291,8 @@ static void write_report(void) {
     FILE *f = fopen(tmp, "w");
     if (!f) return;
     fprintf(f, "{\"pid\": %d, \"engine\": \"c\", \"fast_path\": %s, \"tso\": %s, \"other_dropped\": %lu, "
-            "\"held_now\": %zu, \"wake_early_us\": %g, ", getpid(), fast ? "true" : "false", tso ? "true" : "false",
-            other_dropped, nheap, early_ns / 1000.0);
+            "\"held_now\": %zu, \"wake_early_us\": %g, \"held_from\": \"%s\", ", getpid(), fast ? "true" : "false",
+            tso ? "true" : "false", other_dropped, nheap, early_ns / 1000.0, fast ? "ingress" : "read");
     report_dir(f, &dirs[0], 0);
     fputs(", ", f);
     report_dir(f, &dirs[1], 1);
@@ -293,18 +305,28 @@ static void reset(void) {
     for (int k = 0; k < 2; k++) {
         dir_t *d = &dirs[k];
         d->packets = d->bytes = d->sent = d->sent_bytes = d->lost_random = d->lost_burst = 0;
-        d->duplicated = d->reordered = 0;
+        d->duplicated = d->reordered = d->stamped = d->wait_ns = d->handback_ns = d->handbacks = 0;
         d->nheld = d->pos = 0;
         if (fast) { fast_base[k][0] = fast[k].packets; fast_base[k][1] = fast[k].bytes; }
     }
     other_dropped = 0;
 }
 
-/* The held time is taken as the packet is handed back: the write itself runs the kernel's
- * forwarding and the receiver's stack (in this thread), which is the far end's time. */
+/* The delay is taken when the packet has been handed back: the write runs the TUN, the
+ * kernel's forwarding and the receiver's stack in this thread, up to the far end's socket,
+ * so its time is part of the packet's way across (and a delayed packet is released that
+ * much early: its moving average is counted inside the asked delay, see arrive). */
 static void send_pkt(dir_t *d, const unsigned char *data, size_t len, uint64_t arrived) {
-    uint64_t held = now_ns() - arrived;
+    uint64_t start = now_ns();
     if (write(tun_fd, data, len) < 0) return; /* backlog full: lost, as on a wire */
+    uint64_t end = now_ns(), held = end - arrived;
+    d->handback_ns += end - start;
+    d->handbacks++;
+    /* follows the short writes (down fast, up slowly): one the scheduler cut into (the woken
+     * receiver ran first, SCHED_OTHER) holds the receiver's time, and a mean of those
+     * released packets early */
+    double took = (double)(end - start);
+    d->handback_avg += (took - d->handback_avg) / (took < d->handback_avg ? 4 : 64);
     d->sent++;
     d->sent_bytes += len - VNET_HDR;
     d->held[d->pos] = (uint32_t)held;
@@ -364,12 +386,34 @@ static uint64_t hold_ns(dir_t *d) {
     return us > 0 ? (uint64_t)(us * 1000) : 0;
 }
 
-static void arrive(unsigned char *buf, size_t n, uint64_t arrived, in_addr_t up_dst, in_addr_t down_dst) {
+/* When the packet arrived in the link namespace: the tc program's stamp where it is this
+ * packet's (the kernel's count of packets sent to the TUN is the count read so far: the
+ * stamp is this one's or, if another was stamped meanwhile, a newer one, never an older),
+ * else the read. Resynced at each drained read (a packet the TUN queue dropped, or one
+ * not classed, would otherwise throw the counts apart for good). */
+static uint64_t arrival(dir_t *d, int k, uint64_t read) {
+    if (!fast) return read;
+    d->reads++;
+    uint64_t count = fast[k].redirected, stamp = fast[k].last_ns;
+    if (count != d->reads || stamp > read || read - stamp > 10000000) return read;
+    d->stamped++;
+    d->wait_ns += read - stamp;
+    return stamp;
+}
+
+static void resync(void) {
+    if (fast)
+        for (int k = 0; k < 2; k++) dirs[k].reads = fast[k].redirected;
+}
+
+static void arrive(unsigned char *buf, size_t n, uint64_t read, in_addr_t up_dst, in_addr_t down_dst) {
     if (n < DST + 4) { other_dropped++; return; }
     in_addr_t dst;
     memcpy(&dst, buf + DST, 4);
-    dir_t *d = dst == up_dst ? &dirs[0] : dst == down_dst ? &dirs[1] : NULL;
-    if (!d) { other_dropped++; return; }
+    int k = dst == up_dst ? 0 : dst == down_dst ? 1 : -1;
+    if (k < 0) { other_dropped++; return; }
+    dir_t *d = &dirs[k];
+    uint64_t arrived = arrival(d, k, read);
     d->packets++;
     d->bytes += n - VNET_HDR;
     if (passthrough(&d->imp)) { send_pkt(d, buf, n, arrived); return; }
@@ -378,10 +422,11 @@ static void arrive(unsigned char *buf, size_t n, uint64_t arrived, in_addr_t up_
     d->duplicated += copies - 1;
     for (int c = 0; c < copies; c++) {
         if (d->imp.reorder > 0 && rnd() < d->imp.reorder) { d->reordered++; send_pkt(d, buf, n, arrived); continue; }
-        uint64_t due = arrived + hold_ns(d);
+        uint64_t hold = hold_ns(d), early = (uint64_t)d->handback_avg;
+        uint64_t due = arrived + (hold > early ? hold - early : 0);
         if (due < d->last_due) due = d->last_due; /* order is kept */
         d->last_due = due;
-        if (due <= arrived) { send_pkt(d, buf, n, arrived); continue; }
+        if (due <= read) { send_pkt(d, buf, n, arrived); continue; } /* due already (or no delay) */
         pkt_t p = {.due = due, .seq = ++seqno, .arrived = arrived, .d = d, .len = n, .data = malloc(n)};
         memcpy(p.data, buf, n);
         heap_push(p);
@@ -466,7 +511,7 @@ int main(int argc, char **argv) {
         if (r > 0) {
             for (int k = 0; k < 64; k++) {
                 ssize_t n = read(tun_fd, buf, sizeof buf);
-                if (n <= 0) break;
+                if (n <= 0) { resync(); break; }
                 last_packet = now_ns();
                 arrive(buf, (size_t)n, last_packet, up_dst, down_dst);
             }

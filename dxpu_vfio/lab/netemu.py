@@ -162,7 +162,7 @@ class Emulator:
     def report(self) -> dict:
         return {"pid": os.getpid(), "engine": "python", "fast_path": False, "tso": self.tso, "other_dropped": self.other,
                 "held_now": len(self.heap),
-                "wake_early_us": self.early_ns / 1000,
+                "wake_early_us": self.early_ns / 1000, "held_from": "read",  # the C one: "ingress" with its tc stamp
                 "up": self.up.report(), "down": self.down.report()}
 
     def _send(self, d: Direction, data: bytes | memoryview, arrived: int) -> None:
