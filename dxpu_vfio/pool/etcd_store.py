@@ -265,6 +265,12 @@ class EtcdClient:
         """The endpoint that answered last."""
         return self._clients[self._current]
 
+    def watch_clients(self) -> list:
+        """The endpoints' streaming clients, the one that answered last first (a watch
+        tries them in this order: :class:`~dxpu_vfio.pool.etcd_watch.Watch`)."""
+        n = len(self._clients)
+        return [self._clients[(self._current + step) % n] for step in range(n)]
+
     def healthy(self) -> bool:
         """One linearizable read succeeds (there is a leader and a quorum)."""
         try:

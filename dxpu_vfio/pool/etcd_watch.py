@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import json
 import socket
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator, Protocol
 
 import requests
 
-if TYPE_CHECKING:
-    from dxpu_vfio.pool.etcd_store import EtcdClient
+
+class WatchEndpoints(Protocol):
+    """What a watch needs of the store's client (``EtcdClient``): its endpoints'
+    streaming clients, the one that answered last first."""
+
+    def watch_clients(self) -> list: ...
 
 
 class WatchCompacted(Exception):
@@ -37,15 +41,13 @@ class Watch:
     ``start_revision`` on. Iterate for lists of events (each ``{"type", "kv"}``); the
     iteration ends when the stream ends (closed by :meth:`close`, or its member went away)."""
 
-    def __init__(self, etcd: "EtcdClient", key: str, range_end: str, start_revision: int) -> None:
+    def __init__(self, etcd: WatchEndpoints, key: str, range_end: str, start_revision: int) -> None:
         body = json.dumps({"create_request": {"key": key, "range_end": range_end,
                                               "start_revision": start_revision}})
         self.start_revision = start_revision
         self.response: requests.Response | None = None
         errors = []
-        clients = etcd._clients
-        for step in range(len(clients)):  # the endpoint that answered last first
-            client = clients[(etcd._current + step) % len(clients)]
+        for client in etcd.watch_clients():  # the endpoint that answered last first
             try:
                 self.response = client.session.post(client.get_url("/watch"), data=body, stream=True,
                                                     timeout=(client.timeout, None))

@@ -15,18 +15,25 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol
 
 from dxpu_vfio.pool.boxes import TLS_ROLE
 from dxpu_vfio.pool.etcd_store import show_lease_delete
 from dxpu_vfio.pool.states import LeaseState
-from dxpu_vfio.pool.storage import QDEV_PREFIX, Lease
+from dxpu_vfio.pool.storage import QDEV_PREFIX, Lease, PoolStore
 from dxpu_vfio.vmm.errors import VmGone
 from dxpu_vfio.vmm.naming import target_key
 from dxpu_vfio.vmm.rootports import plugged_devices, root_ports, used_root_ports
+from dxpu_vfio.vmm.targets import VmTarget
 
-if TYPE_CHECKING:
-    from dxpu_vfio.pool.manager import Manager
+
+class Manager(Protocol):
+    """What a plan reads of the manager (:class:`dxpu_vfio.pool.manager.Manager`): its
+    store, its host and how it opens a VM (read-only here)."""
+
+    store: PoolStore
+    host: str | None
+    open_vm: Callable[[str], VmTarget]
 
 
 def _update(manager: "Manager", lease: Lease, **fields: object) -> dict:
