@@ -105,7 +105,9 @@ def fit(workload: str, t_local_s: float, points: list[Point], bandwidth_Bps: flo
     With a single point (or points that share one x) only one parameter can be fitted:
     ``T0`` with ``k = k_prior`` where the caller knows k (the accelerator's counts include
     every serialized wait: k = 1), else ``k`` with the line through the local run time
-    (T0 = T_local)."""
+    (T0 = T_local), and never below 0: a remote run that came out faster than the local
+    one says the round trips were lost in the noise, not that latency speeds it up (a
+    negative k predicted negative run times for the held-out delays)."""
     if not points:
         raise ValueError("fitting needs at least one remote point")
     if t_local_s <= 0:
@@ -124,7 +126,7 @@ def fit(workload: str, t_local_s: float, points: list[Point], bandwidth_Bps: flo
     if (len(points) < 2 or sxx == 0) and k_prior is not None:
         return Model(workload, t_local_s, n, k_prior, t0_s=mean_y - k_prior * mean_x, **extra)
     if len(points) < 2 or sxx == 0:
-        k = sum(x * (y - t_local_s) for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+        k = max(0.0, sum(x * (y - t_local_s) for x, y in zip(xs, ys)) / sum(x * x for x in xs))
         return Model(workload, t_local_s, n, k, **extra)
     k = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx
     return Model(workload, t_local_s, n, k, t0_s=mean_y - k * mean_x, **extra)

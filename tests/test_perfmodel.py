@@ -105,3 +105,10 @@ def test_one_calibration_point_with_a_known_k_fits_the_intercept():
 def test_fit_refuses_a_bandwidth_that_is_not_one():
     with pytest.raises(ValueError, match="bandwidth"):
         fit("w", 1.0, [Point(1e-4, 1.2, 10)], bandwidth_Bps=0.0)
+
+
+def test_one_point_faster_than_local_fits_no_negative_slope():
+    """Noise: the remote run at the floor beat the local one. The line through the local
+    time would slope down (latency making it faster) and predict negative times."""
+    model = fit("w", 1.0, [Point(100e-6, 0.9, 1000)])
+    assert model.k == 0.0 and model.predict(1e-3) == pytest.approx(1.0)
