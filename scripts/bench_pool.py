@@ -11,7 +11,9 @@ taken, make the lease updates an attach makes (socket, proxy pid and port; attac
 and free them. Per operation: throughput over the phase's wall time, and p50/p99/max
 latency. For ``--store etcd`` the script starts its own members on free ports (data in a
 temporary directory, or under ``--etcd-dir``) unless ``--etcd-endpoints`` names a cluster, whose ``--prefix`` it
-then uses and clears. Prints a table and writes JSON (results/bench/pool-<store>.json).
+then uses and clears. On the members it starts, it then times a box's death: a box
+announced under a 3 s lease and never renewed after, until the store says it is down
+(goal: within 2 TTLs). Prints a table and writes JSON (results/bench/pool-<store>.json).
 """
 
 from __future__ import annotations
@@ -139,6 +141,37 @@ def run(spec: Spec, args: argparse.Namespace) -> tuple[list[dict], dict]:
     return rows, summary
 
 
+def box_death(spec: "Spec", ttl: float = 3.0) -> dict:
+    """How long after its last lease renewal an announced box is down (etcd): a box
+    announces itself with 8 devices under a lease of ``ttl`` s, renews it once, and then
+    never again (what a SIGKILLed remote proxy does); the store is polled every 20 ms. A
+    box dies between renewals (every ttl/3), so this is the worst case. Goal: within 2 TTLs."""
+    from dxpu_vfio.pool.etcd_store import EtcdStore
+    from dxpu_vfio.pool.states import BoxState
+    from dxpu_vfio.remoteproxy.announce import inventory_generation
+    store = EtcdStore(list(spec.endpoints), path=spec.path, prefix=spec.prefix)
+    try:
+        devices = [{"id": f"d{i}", "class": "testdev", "vendor": "1b36", "model": "0005", "capacity": 4096,
+                    "in_use": False} for i in range(8)]
+        lease = store.grant_lease(ttl)
+        store.announce_box("deadbox", "127.0.0.1:1", None, devices, None, inventory_generation(devices), lease)
+        store.keepalive(lease)
+        renewed = time.monotonic()
+        while True:
+            [box] = [b for b in store.boxes() if b["name"] == "deadbox"]
+            if box["state"] == BoxState.DOWN:
+                break
+            if time.monotonic() - renewed > 10 * ttl:
+                raise SystemExit(f"the dead box was still up {10 * ttl:.0f} s after its last renewal")
+            time.sleep(0.02)
+        noticed = time.monotonic() - renewed
+        available = sum(d["available"] for d in store.devices() if d["id"].startswith("deadbox/"))
+        store.remove_box("deadbox")
+        return {"box_death_ttl_s": ttl, "box_death_noticed_s": round(noticed, 3), "dead_box_devices_available": available}
+    finally:
+        store.close()
+
+
 def _b64(text: str) -> str:
     from dxpu_vfio.pool.etcd_store import _b64 as b64
     return b64(text)
@@ -176,7 +209,9 @@ def main() -> int:
             data = Path(tempfile.mkdtemp(prefix="dxpu-bench-etcd-", dir=args.etcd_dir)) if args.etcd_dir else \
                 Path(tmp) / "etcd"
             with EtcdCluster(data, members=args.etcd_members) as cluster:
-                rows, summary = run(Spec("etcd", path, tuple(cluster.endpoints), args.prefix), args)
+                spec = Spec("etcd", path, tuple(cluster.endpoints), args.prefix)
+                rows, summary = run(spec, args)
+                summary.update(box_death(spec))
             if args.etcd_dir:
                 shutil.rmtree(data, ignore_errors=True)
             summary["etcd_data"] = str(args.etcd_dir or tempfile.gettempdir())
@@ -190,6 +225,10 @@ def main() -> int:
     print(f"allocate + free: {summary['allocate_and_free_ops_per_s']} ops/s; "
           f"allocate p99 {summary['allocate_p99_ms']} ms; allocations that lost a race and retried: "
           f"{summary['lost_races']}")
+    if "box_death_noticed_s" in summary:
+        print(f"box death: down {summary['box_death_noticed_s']} s after its last lease renewal (TTL "
+              f"{summary['box_death_ttl_s']:.0f} s, goal: within 2 TTLs); its devices available after: "
+              f"{summary['dead_box_devices_available']}")
     print(f"wrote {write_json(f'pool-{args.store}', {'summary': summary, 'rows': rows}, args.out)}")
     return 0
 
