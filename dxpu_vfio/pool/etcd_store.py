@@ -632,14 +632,7 @@ class EtcdStore:
         self._order = []
         self._alive = {k.rsplit("/", 1)[1]: rev for k, _, rev in alive}
         self._inventory = {k.rsplit("/", 1)[1]: (v, rev) for k, v, rev in inventories}
-        self._claims = {}
-        cut = len(self.k("claims")) + 1
-        for key, lease_id, _ in claims:
-            box, name = key[cut:].split("/", 1)
-            self._claims.setdefault(box, {})[name] = lease_id
-        self._open, self._level = {}, {}
-        for name in self._boxes:
-            self._index(name)
+        self._set_claims((key, lease_id) for key, lease_id, _ in claims)
         self._synced_at = time.monotonic()
         self._probe = False  # the whole view is fresh
         if not self._watches:
@@ -650,15 +643,20 @@ class EtcdStore:
         full read, whose inventories are most of its bytes; boxes and inventories are
         watched."""
         (claims,), _ = self._snapshot(self.k("claims") + "/", keys_only=True, serializable=True)
+        self._set_claims((key, None) for key, _, _ in claims)
+        self._probe = False
+
+    def _set_claims(self, claims) -> None:
+        """The view's claims are these (claim key, lease id or None), and every box is
+        indexed again by what is free in it."""
         self._claims = {}
         cut = len(self.k("claims")) + 1
-        for key, _, _ in claims:
+        for key, lease_id in claims:
             box, name = key[cut:].split("/", 1)
-            self._claims.setdefault(box, {})[name] = None
+            self._claims.setdefault(box, {})[name] = lease_id
         self._open, self._level = {}, {}
         for name in self._boxes:
             self._index(name)
-        self._probe = False
 
     def _index(self, name: str) -> None:
         """Re-file one box in ``_open`` after its record, inventory or claims changed."""
