@@ -90,11 +90,6 @@ class ShadowBar:
         self._thread: threading.Thread | None = None
         self._name = name
 
-    @property
-    def full(self) -> bool:
-        """Nothing of the box's copy is known yet: the next flush sends the whole BAR."""
-        return bool(self._stale.all())
-
     def start(self) -> None:
         """Start the periodic write-back (once the device's stream is up)."""
         if self.rate_hz > 0 and self._thread is None:

@@ -379,9 +379,9 @@ def _add_host(state: LabState, number: int) -> None:
     _ip(ns, "route", "add", "default", "via", f"{subnet}.1")
     _sysctl(state.host_netns, "net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0",
             "net.ipv4.conf.default.rp_filter=0")
-    _nat = ["ip", "netns", "exec", state.host_netns, "iptables", "-t", "nat", "-A", "POSTROUTING", "-s",
+    nat = ["ip", "netns", "exec", state.host_netns, "iptables", "-t", "nat", "-A", "POSTROUTING", "-s",
             f"{subnet}.0/24", "!", "-d", f"{subnet}.0/24", "-j", "MASQUERADE"]
-    proc = subprocess.run(_nat, capture_output=True, text=True)
+    proc = subprocess.run(nat, capture_output=True, text=True)
     if proc.returncode:
         raise LabError(f"cannot masquerade host {number} in {state.host_netns}: {proc.stderr.strip()}",
                        hint="the lab's extra hosts need iptables (nftables) with NAT: apt install iptables")
