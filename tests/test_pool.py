@@ -244,7 +244,7 @@ def test_detach_of_a_device_whose_box_died(pool, vm, pool_lab):
         late = Manager(Store(pool.db))
         held = Lease(**pool.leases()[0])
         assert wait_until(lambda: not late._proxy_stats(held)["device"]["link"]["up"], 10), "link never seen down"
-        assert late.heal(next(b for b in late.store.boxes() if b["name"] == "box2")) == []
+        assert late.heal(late.store.box("box2"), late.store.leases()) == []
         assert [row["state"] for row in pool.leases()] == ["attached"]
         assert wait_until(lambda: pool.json("ls")["boxes"][1]["state"] == "down", 15), "box2 never marked down"
         devices = {d["id"]: d for d in pool.json("ls")["devices"]}

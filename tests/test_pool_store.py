@@ -124,6 +124,23 @@ def _grab(pool: Pool, name: str, count: int, out, go) -> None:
     out.put([s.allocate(name)[0].device for _ in range(count)])
 
 
+def test_one_lease_and_one_box_read_as_the_listings_show_them(store):
+    """What a host agent's heal pass reads instead of the listings (docs/pool.md#host-agents-and-fencing)."""
+    [lease] = store.allocate("vm1", box="b", device="d1", host="h1")
+    store.update_lease(lease.id, state=LeaseState.ATTACHED, port="rp1")
+    [listed] = store.leases()
+    assert store.lease(lease.id) == listed and listed.state is LeaseState.ATTACHED and listed.fence == lease.fence
+    store.mark_box("a", up=False, error="probe failed")
+    keys = ("name", "address", "tls_dir", "state", "last_error", "cert_sha256", "lent")
+    for row in store.boxes():
+        assert {k: store.box(row["name"])[k] for k in keys} == {k: row[k] for k in keys}
+    assert store.box("a")["state"] is BoxState.DOWN and store.box("b")["lent"] == 1
+    store.delete_lease(lease.id)
+    assert store.lease(lease.id) is None
+    with pytest.raises(StoreError, match="no box named 'zz'"):
+        store.box("zz")
+
+
 def test_concurrent_processes_never_share_a_device(pool):
     """Four processes take 500 devices each, one at a time, from 2000 at once: every
     allocation succeeds (no 'database is locked', no lost race), and no device is handed

@@ -151,9 +151,11 @@ class Manager:
             if not isinstance(result, BoxUnreachable):
                 up.append(box["name"])
         by_name = {box["name"]: box for box in boxes}
-        for name in up:
-            if by_name[name]["state"] == BoxState.UP or by_name[name].get("generation") is None:
-                changes += self.heal(by_name[name])
+        healing = [by_name[name] for name in up
+                   if by_name[name]["state"] == BoxState.UP or by_name[name].get("generation") is None]
+        leases = self.store.leases() if healing else []  # one read for every box of the round
+        for box in healing:
+            changes += self.heal(box, leases)
         return changes
 
     def probe_timeout(self) -> float:
@@ -224,18 +226,22 @@ class Manager:
         self.store.mark_box(box["name"], up=True)
         return None
 
-    def heal(self, box: dict) -> list[dict]:
+    def heal(self, box: dict, leases: list[Lease]) -> list[dict]:
         """Re-plug the attached devices of a box that answers again but whose host proxy's
         link is down (the box restarted, or was down): QEMU never reconnects a vfio-user
         device, so the device leaves the VM and comes back with a new proxy, on the same
         lease. At most once per ``heal_interval`` s per lease; a failure releases the lease.
+
+        ``leases`` are the ones to consider (those of other boxes and hosts are skipped):
+        the caller's read, so that healing costs no read of every lease per box (the
+        heartbeat reads them once a round, a host agent passes its own view).
 
         The box is probed again after the dead link was seen: the round's probe may have
         been answered just before the box died, and re-plugging into a dead box would
         fail and release a lease the admin still has to detach."""
         actions = []
         confirmed: bool | None = None  # did the box answer a probe made after a dead link was seen?
-        for lease in self.store.leases():
+        for lease in leases:
             if lease.box != box["name"] or lease.state != LeaseState.ATTACHED or not self._ours(lease):
                 continue
             if lease.request:  # a host agent is asked to act on it (a detach): the agent finishes it
@@ -273,7 +279,8 @@ class Manager:
 
     def _replug(self, target: VmTarget, lease: Lease) -> None:
         """Unplug, new proxy, plug again (lease 'attaching' meanwhile: a crash rolls it back)."""
-        if self.store.lease_for(target.key, lease.id).state != LeaseState.ATTACHED:
+        now = self.store.lease(lease.id)  # that lease alone: on etcd leases(vm) reads every lease
+        if now is None or now.state != LeaseState.ATTACHED:
             return  # detached or changed since we looked
         self.store.update_lease(lease.id, state=LeaseState.ATTACHING, owner_pid=os.getpid())
         try:

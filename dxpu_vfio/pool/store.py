@@ -374,6 +374,11 @@ class Store:
             self._query("SELECT * FROM leases ORDER BY vm, created_at, id")
         return [Lease(**dict(r)) for r in rows]
 
+    def lease(self, lease_id: str) -> Lease | None:
+        """One lease as it is now (None: deleted)."""
+        rows = self._query("SELECT * FROM leases WHERE id = ?", (lease_id,))
+        return Lease(**dict(rows[0])) if rows else None
+
     def lease_for(self, vm: str, name: str) -> Lease:
         """A VM's lease by lease id, QEMU id, device id (box/dev) or device name."""
         return pick_lease(self.leases(vm), vm, name)
