@@ -9,6 +9,7 @@ across manager, store and agent and what reaches the box, not what a guest sees 
 QMP path itself is covered by tests/test_pool.py with a real guest)."""
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,69 @@ def test_the_agent_replugs_its_hosts_device_when_its_box_comes_back(world, box, 
         assert again.grants.current("td0").fence == after.fence  # granted again with the lease's fence
     finally:
         again.stop()
+
+
+class CountingStore:
+    """A store handle whose calls are counted by name (``calls``), to bound what is read."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name):
+        value = getattr(self._store, name)
+        if not callable(value):
+            return value
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return value(*args, **kwargs)
+        return counted
+
+
+def test_a_heal_pass_reads_what_its_host_holds_not_the_pool(stores, box, certs, tmp_path):
+    """Every host agent heals every 2 s: a pass reads the boxes its host's attached leases
+    are on, one each, and no listing of leases or boxes (at 500 hosts that is an O(pool)
+    read per agent per pass). The leases come from the agent's view, kept by the full
+    read here. And it still heals: the lease's host proxy is not running, so the first
+    pass re-plugs the device, with a new proxy, on the same lease."""
+    central_store, agent_store = stores
+    vm = FakeVm("qmp:" + str((tmp_path / "vm1.qmp").resolve()), tmp_path)
+    Manager(central_store, host="central").register_box(None, box.address, str(certs))
+    central_store.register_box("other", "198.18.9.2:7000", None, [
+        {"id": "x0", "class": "testdev", "vendor": "1b36", "model": "10f0", "capacity": 1 << 20}])
+    [lease] = central_store.allocate(vm.key, device="td0", host="h1")
+    central_store.update_lease(lease.id, state=LeaseState.ATTACHED)  # as if its proxy had died
+    central_store.allocate("qmp:/elsewhere.qmp", box="other", host="h2")  # another host's: not looked at
+    counted = CountingStore(agent_store)
+    agent = HostAgent(counted, "h1", open_vm=lambda name: vm, plug_timeout=10.0)
+    agent._full_read() if agent.watched else agent.serve_once()
+    assert list(agent.attached) == [lease.id]
+    counted.calls.clear()
+    try:
+        healed = []
+        for _ in range(3):
+            agent._next_heal = 0.0  # due now
+            healed += agent._heal_if_due()
+        assert [(h["lease"], h["action"]) for h in healed] == [(lease.id, "re-plugged")]
+        assert counted.calls["leases"] == counted.calls["leases_at"] == counted.calls["boxes"] == 0, counted.calls
+        assert counted.calls["box"] == 3  # its one box, once a pass
+        [now] = [x for x in central_store.leases() if x.id == lease.id]
+        assert now.state == LeaseState.ATTACHED and proxy_alive(now) and list(vm.devices) == [lease.qdev_id]
+        eventually(lambda: box.slots["td0"].in_use(), what="the new host proxy's link to the box")
+    finally:
+        from dxpu_vfio.pool.manager import stop_proxy
+        for held in central_store.leases():
+            stop_proxy(held)
+
+
+def test_the_agents_view_of_attached_leases_follows_its_watch_or_poll(world):
+    central, agent, vm = world
+    [attached] = central.attach(vm.key, device="td0", host="h1", timeout=10.0)
+    eventually(lambda: list(agent.attached) == [attached["lease"]], what="the attached lease in the view")
+    assert agent.attached[attached["lease"]].proxy_pid == central.store.leases()[0].proxy_pid
+    central.detach(vm.key, all_devices=True, host="h1", timeout=10.0)
+    eventually(lambda: agent.attached == {}, what="the detached lease gone from the view")
 
 
 def test_a_plug_the_agent_cannot_do_is_rolled_back_and_reported(world, box):

@@ -51,6 +51,7 @@ from dxpu_vfio.vmm.targets import VmTarget
 
 log = logging.getLogger("dxpu.agent")
 RESYNC = object()  # the serving thread's cue for a full read
+GONE = "gone"  # why of a queued lease id: its record was deleted
 
 
 
@@ -68,6 +69,7 @@ class HostAgent:
         self.resync = resync
         self.heal_every = heal_every  # s between looks at this host's attached devices (0: never)
         self._next_heal = 0.0
+        self.attached: dict[str, Lease] = {}  # this host's attached leases, what a heal pass looks at (id -> lease)
         self.plug_timeout = plug_timeout
         self.watched = store.watches_leases  # etcd: a watch drives it; SQLite: polling
         self.actions: Counter[str] = Counter()  # requests acted on, by what brought them: watch, resync, poll
@@ -141,25 +143,46 @@ class HostAgent:
 
     def serve_once(self) -> list[dict]:
         """Do what this host's lease records ask for, now; what was done."""
-        return [self._act(lease, "poll") for lease in self.store.leases() if self._asks(lease)]
+        leases = self.store.leases()
+        self._see_all(leases)
+        return [self._act(lease, "poll") for lease in leases if self._asks(lease)]
+
+    def _see_all(self, leases: list[Lease]) -> None:
+        """A full read replaces the view of this host's attached leases."""
+        self.attached = {lease.id: lease for lease in leases
+                         if lease.host == self.host and lease.state == LeaseState.ATTACHED}
+
+    def _see(self, lease_id: str, lease: Lease | None) -> None:
+        """One lease as read now (None: deleted) updates the view."""
+        if lease is not None and lease.host == self.host and lease.state == LeaseState.ATTACHED:
+            self.attached[lease_id] = lease
+        else:
+            self.attached.pop(lease_id, None)
 
     def _heal_if_due(self) -> list[dict]:
         """Every ``heal_every`` s, in the serving thread (the one that acts): re-plug this
         host's attached devices whose host proxy lost its link while their box is up
         again (a box that restarted or came back: QEMU never reconnects a vfio-user
-        device), as a manager heals its own host's (:meth:`Manager.heal`, which does it)."""
+        device), as a manager heals its own host's (:meth:`Manager.heal`, which does it).
+
+        It reads what this host holds, not the pool: the leases are the agent's view
+        (:attr:`attached`, kept by the watch or the poll), and only the boxes they are on
+        are read, one each."""
         if not self.heal_every or time.monotonic() < self._next_heal:
             return []
         self._next_heal = time.monotonic() + self.heal_every
+        by_box: dict[str, list[Lease]] = {}
+        for lease in self.attached.values():
+            if not lease.request:  # a detach asked of this agent: it finishes that instead
+                by_box.setdefault(lease.box, []).append(lease)
         actions: list[dict] = []
-        try:
-            mine = {lease.box for lease in self.store.leases()
-                    if lease.host == self.host and lease.state == LeaseState.ATTACHED and not lease.request}
-            for box in self.store.boxes():
-                if box["name"] in mine and box["state"] == BoxState.UP:
-                    actions += self.manager.heal(box)
-        except DxpuError as exc:
-            log.warning("healing this host's devices failed: %s", exc.message)
+        for name, leases in sorted(by_box.items()):
+            try:
+                box = self.store.box(name)
+                if box["state"] == BoxState.UP:
+                    actions += self.manager.heal(box, leases)
+            except DxpuError as exc:
+                log.warning("healing this host's devices on box %s failed: %s", name, exc.message)
         for action in actions:
             self.actions["heal"] += 1
             log.warning("healed %s: %s", action.get("device"), action.get("action"))
@@ -178,9 +201,11 @@ class HostAgent:
     # --- driven by an etcd watch ------------------------------------------------------
     def _full_read(self, queue_only: bool = False) -> list[dict]:
         """Read every lease, act on what asks this host (``queue_only``: hand it to the
-        serving thread); the watch (re)starts after the revision of this read."""
+        serving thread); the watch (re)starts after the revision of this read. The view
+        of this host's attached leases is replaced from it."""
         leases, revision = self.store.leases_at()
         self.revision = max(self.revision, revision)
+        self._see_all(leases)
         if queue_only:  # start(): the plugs run in the serving thread, with the keepalive running
             for lease in leases:
                 if self._asks(lease):
@@ -204,8 +229,12 @@ class HostAgent:
                 if item is RESYNC:
                     next_full = time.monotonic() + self.resync
                     self._full_read()
-                elif self._asks(lease := self.store.lease(item[0])):
-                    self._act(lease, item[1])
+                elif item[1] == GONE:
+                    self.attached.pop(item[0], None)
+                else:  # read afresh: the view and the action follow the lease as it is now
+                    self._see(item[0], lease := self.store.lease(item[0]))
+                    if self._asks(lease):
+                        self._act(lease, item[1])
             except DxpuError as exc:
                 log.warning("serving lease requests failed: %s", exc.message)
                 self._events.put(RESYNC)  # e.g. etcd away: read everything once it answers
@@ -215,7 +244,8 @@ class HostAgent:
 
     def _watch_loop(self) -> None:
         """Keep a watch on the lease records open from just after :attr:`revision`; hand
-        the ids of this host's changed leases to the serving thread."""
+        the ids of this host's changed leases, and of every deleted one, to the serving
+        thread (which alone keeps the view of attached leases: a deleted record names no host)."""
         while not self._stop.is_set():
             if self._watch_held.is_set() or self.revision == 0:  # 0: history lost, a full read comes first
                 self._stop.wait(0.05)
@@ -233,7 +263,9 @@ class HostAgent:
             try:
                 for revision, changed in watch:
                     for lease_id, record in changed:
-                        if record is not None and record.get("host") == self.host and record.get("request"):
+                        if record is None:
+                            self._events.put((lease_id, GONE))
+                        elif record.get("host") == self.host:
                             self._events.put((lease_id, "watch"))
                     self.revision = max(self.revision, revision)  # only once its events are handed on
             except WatchCompacted as exc:
