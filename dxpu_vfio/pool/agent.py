@@ -26,6 +26,12 @@ every ``resync`` s anyway, cost a full read again (``actions["resync"]``). On SQ
 reads its host's lease records every ``poll`` s (``actions["poll"]``). Whatever drives
 it, one thread acts, on the lease as it is at that moment, so a request seen twice
 (watch and resync) is done once.
+
+Every ``heal_every`` s the serving thread heals this host's attached devices whose link
+died (:meth:`HostAgent._heal_if_due`), from its own view of them (:attr:`HostAgent.attached`),
+which the same reads keep: the full reads and the poll replace it, each lease the watch
+names is read afresh into it, and a deleted record leaves it. So a pass reads the boxes
+this host holds devices on, one each, never every lease or box of the pool.
 """
 
 from __future__ import annotations
