@@ -352,6 +352,19 @@ class PciFunction:
         """Several DMA writes in order (scatter lists): sent together on a remote port."""
         self._dma_port_checked().write_many(pieces)
 
+    def dma_write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
+        """A file's bytes DMA-written to the pieces (see :meth:`DmaPort.write_from_file`)."""
+        self._dma_port_checked().write_from_file(pieces, fd, offset)
+
+    def dma_read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
+        """The pieces DMA-read into a file (see :meth:`DmaPort.read_into_file`)."""
+        self._dma_port_checked().read_into_file(pieces, fd, offset)
+
+    @property
+    def dma_reads_wait_on_network(self) -> bool:
+        """Does a DMA read cost a network round trip here (see :class:`DmaPort`)?"""
+        return self.dma.reads_wait_on_network
+
     def _dma_port_checked(self) -> DmaPort:
         with self.lock:
             if not header.bus_master_enabled(self.config):

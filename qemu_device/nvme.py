@@ -424,7 +424,9 @@ class NvmeController(PciFunction):
                     sqes = [batch[i * 64:(i + 1) * 64] for i in range(count)]
                 lists = self._prefetch_prp_lists(sqes)  # one round trip for the batch's PRP lists
                 # and, run inline, one for its write data (a pool overlaps each command's own reads)
-                fetched = self._prefetch_write_data(sqes, lists) if self.io_pool is None else {}
+                # (on local memory a read ahead would only add a copy: the file takes it from the mapping)
+                ahead = self.io_pool is None and self.dma_reads_wait_on_network
+                fetched = self._prefetch_write_data(sqes, lists) if ahead else {}
                 with self.lock:
                     if self.sqs.get(qid) is not sq:
                         return
@@ -832,17 +834,16 @@ class NvmeController(PciFunction):
                 raise CommandError(Status.INVALID_FIELD)
             if opcode == IoOpcode.READ:
                 segments = self._segments(prp1, prp2, length, lists)  # the PRPs are checked before the file is read
-                with _file_errors(Status.UNRECOVERED_READ_ERROR):
-                    data = os.pread(ns.fd, length, offset)
-                self._write_segments(segments, data.ljust(length, b"\0"))
+                with _file_errors(Status.UNRECOVERED_READ_ERROR):  # a DmaError passes: Data Transfer Error
+                    self.dma_write_from_file(segments, ns.fd, offset)  # locally: preadv into guest memory
                 self._count("bytes_read", length)
             elif opcode == IoOpcode.WRITE:
-                if fetched is not None and fetched.pieces is not None:
-                    pieces = fetched.pieces  # read with the rest of its batch
-                else:
-                    pieces = self.dma_read_many(fetched.segments if fetched else self._segments(prp1, prp2, length, lists))
                 with _file_errors(Status.WRITE_FAULT):  # all of it on the file, or a write fault
-                    write_all(ns.fd, pieces, offset)  # from the DMA buffers, not joined first
+                    if fetched is not None and fetched.pieces is not None:  # read with the rest of its batch
+                        write_all(ns.fd, fetched.pieces, offset)  # from the DMA buffers, not joined first
+                    else:  # locally: pwritev from guest memory
+                        self.dma_read_into_file(fetched.segments if fetched else self._segments(prp1, prp2, length, lists),
+                                                ns.fd, offset)
                 self._count("bytes_written", length)
             else:  # IoOpcode.WRITE_ZEROES; DEAC (CDW12 bit 25): deallocate, as Identify's DLFEAT says
                 with _file_errors(Status.WRITE_FAULT):

@@ -8,8 +8,11 @@ guest, and a stray DMA fails cleanly instead of touching nothing silently.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Protocol
+
+from qemu_device.backing import write_all
 
 
 class DmaError(Exception):
@@ -18,6 +21,10 @@ class DmaError(Exception):
 
 class DmaPort(Protocol):
     """Device-initiated reads and writes of guest memory (guest-physical / IOVA addresses)."""
+
+    reads_wait_on_network: bool
+    """True where a read costs a network round trip: a device then reads a batch's data
+    ahead in one scatter list; on local memory that would only add a copy."""
 
     def read(self, addr: int, length: int) -> bytes:
         """Return ``length`` bytes at ``addr`` or raise DmaError."""
@@ -36,10 +43,47 @@ class DmaPort(Protocol):
         """Several writes, in order: a port on a network sends them together."""
         ...
 
+    def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
+        """Device-to-guest DMA of a file's bytes (a storage read): the pieces, in order,
+        get the file's bytes from ``offset`` (zeroes past its end). OSError for the file,
+        DmaError for the DMA, which is checked whole before the file is read. On local
+        memory the file is read straight into guest memory (one preadv, no copy between)."""
+        ...
+
+    def read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
+        """Guest-to-device DMA into a file (a storage write): the pieces' bytes, back to
+        back, written at ``offset``, all of them or OSError (DmaError for the DMA)."""
+        ...
+
+
+def file_to_guest(port: DmaPort, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
+    """:meth:`DmaPort.write_from_file` through a buffer: the file read whole, then the
+    port's ``write_many`` (for ports that cannot place file data in guest memory)."""
+    total = sum(n for _, n in pieces)
+    data = memoryview(os.pread(fd, total, offset).ljust(total, b"\0"))
+    out, pos = [], 0
+    for addr, n in pieces:
+        out.append((addr, data[pos:pos + n]))
+        pos += n
+    port.write_many(out)
+
+
+def guest_to_file(port: DmaPort, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
+    """:meth:`DmaPort.read_into_file` through buffers: ``read_many``, then the file."""
+    write_all(fd, port.read_many(pieces), offset)
+
 
 class ScatterByPieces:
     """``read_many``/``write_many`` as one ``read``/``write`` per piece: for ports where
     a piece costs no more alone (local memory)."""
+
+    reads_wait_on_network = False
+
+    def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
+        file_to_guest(self, pieces, fd, offset)  # type: ignore[arg-type]
+
+    def read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
+        guest_to_file(self, pieces, fd, offset)  # type: ignore[arg-type]
 
     def read_many(self, pieces: list[tuple[int, int]]) -> list[bytes]:
         return [self.read(addr, length) for addr, length in pieces]  # type: ignore[attr-defined]

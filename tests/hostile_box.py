@@ -116,6 +116,11 @@ class DeviceBox(HostileBox):
         self.link.send(vp.message(next(self._ids), LinkCommand.DMA_WRITE, vp.DmaAccess(address, len(data), data).pack(),
                                   no_reply=True))
 
+    def dma_writev(self, payload: bytes) -> None:
+        """A posted DMA_WRITEV with this payload (right or wrong)."""
+        assert self.link is not None
+        self.link.send(vp.message(next(self._ids), LinkCommand.DMA_WRITEV, payload, no_reply=True))
+
     def dma_read(self, address: int, count: int, timeout: float = 3.0) -> Message:
         """The host's completion of a DMA read (an error one too)."""
         assert self.link is not None

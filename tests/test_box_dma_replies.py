@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from dxpu_vfio.link.endpoint import LinkEndpoint
-from dxpu_vfio.link.protocol import MAX_READV_RANGES, LinkCommand, unpack_readv
+from dxpu_vfio.link.protocol import MAX_READV_RANGES, MAX_WRITEV_BYTES, LinkCommand, unpack_readv, unpack_writev
 from dxpu_vfio.remoteproxy.ports import LinkDmaPort
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
@@ -26,6 +26,7 @@ class HostileHost:
         self.answer = lambda req: vp.DmaAccess(req.address, req.count, b"\xab" * req.count).pack()
         self.answer_v = lambda ranges: b"".join(page_marks(a, n) for a, n in ranges)
         self.readv_asked: list[list[tuple[int, int]]] = []
+        self.written: list[tuple[str, list[tuple[int, int]], bytes]] = []  # (command, ranges, bytes) posted
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -38,6 +39,12 @@ class HostileHost:
                 elif msg.header.command == LinkCommand.DMA_READ and not msg.header.is_reply:
                     req = vp.DmaAccess.unpack(msg.payload, with_data=False)
                     self.conn.send(vp.message(msg.header.msg_id, msg.header.command, self.answer(req), reply=True))
+                elif msg.header.command == LinkCommand.DMA_WRITE:
+                    req = vp.DmaAccess.unpack(msg.payload, with_data=True)
+                    self.written.append(("DMA_WRITE", [(req.address, req.count)], bytes(req.data)))
+                elif msg.header.command == LinkCommand.DMA_WRITEV:
+                    ranges, data = unpack_writev(msg.payload)
+                    self.written.append(("DMA_WRITEV", ranges, bytes(data)))
                 elif msg.header.command == LinkCommand.DMA_READV and not msg.header.is_reply:
                     ranges = unpack_readv(msg.payload)
                     self.readv_asked.append(ranges)
@@ -219,3 +226,37 @@ def test_a_wrong_dma_readv_completion_is_a_dma_error_and_the_link_serves_on(read
         port.read_many([(0x1000, 64), (0x5000, 4096)])
     host.answer_v = lambda ranges: b"".join(page_marks(a, n) for a, n in ranges)
     assert endpoint.up and port.read(0x1000, 16) == page_marks(0x1000, 16)
+
+
+# --- DMA_WRITEV: a host that offered it gets a scatter list as one posted message -------------
+
+@pytest.mark.parametrize("writev", [True, False])
+@pytest.mark.parametrize("pieces, messages", [
+    ([(0x10000 + 8192 * i, 4096) for i in range(32)], 1),  # a 128 KiB Read's 32 scattered pages
+    ([(0x100000, 3 << 20)], 4),  # 3 MiB: 256 KiB ranges, three to a message (four would pass the cap)
+    ([(0x10000 + 8192 * i, 512) for i in range(MAX_READV_RANGES + 10)], 2),  # more ranges than one holds
+    ([(0x3003, 5), (0x9001, 70000)], 1),  # odd sizes
+])
+def test_a_scatter_list_of_writes_goes_as_few_dma_writev_messages_in_order(link, writev, pieces, messages):
+    """Offered DMA_WRITEV, the box posts a scatter list as few messages (at most 256 ranges
+    and MAX_WRITEV_BYTES each); not offered, one DMA_WRITE per piece (up to 1 MiB each).
+    Either way the host gets exactly the bytes, in order, where they belong."""
+    _port, host, endpoint = link
+    port = LinkDmaPort(endpoint, writev=writev)
+    port.write_many([(a, page_marks(a, n)) for a, n in pieces])
+    assert port.read(0x1000, 8) == b"\xab" * 8  # non-posted: the writes before it have arrived
+    commands = {command for command, _, _ in host.written}
+    assert commands == {"DMA_WRITEV" if writev else "DMA_WRITE"}
+    if writev:
+        assert len(host.written) == messages
+        assert all(len(r) <= MAX_READV_RANGES and sum(n for _, n in r) <= MAX_WRITEV_BYTES for _, r, _ in host.written)
+    got = [(a, n) for _, ranges, _ in host.written for a, n in ranges]
+    assert b"".join(data for _, _, data in host.written) == b"".join(page_marks(a, n) for a, n in got)
+    merged: list[list[int]] = []
+    for a, n in got:  # the ranges sent are the pieces, split where needed, in order
+        if merged and merged[-1][0] + merged[-1][1] == a:
+            merged[-1][1] += n
+        else:
+            merged.append([a, n])
+    assert [tuple(m) for m in merged] == pieces
+    assert port.bytes_written == sum(n for _, n in pieces)

@@ -17,7 +17,7 @@ from fakes import map_guest_memory
 from hostile_box import TESTDEV, DeviceBox, HostileBox, reply
 
 from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, connect_remote
-from dxpu_vfio.link.protocol import FEATURE_DMA_READV, READV_HEAD, READV_RANGE, LinkCommand
+from dxpu_vfio.link.protocol import FEATURE_DMA_READV, FEATURE_DMA_WRITEV, READV_HEAD, READV_RANGE, LinkCommand
 from dxpu_vfio.pool.boxes import MAX_SCREENSHOT, BoxUnreachable, fetch_inventory, fetch_screenshot
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.client import ClientError, VfioUserClient
@@ -303,3 +303,66 @@ def test_random_dma_readv_payloads_get_an_answer_each_and_the_link_serves_on(hos
             asked = sum(struct.unpack_from("<I", payload, 8 + 16 * i + 8)[0] for i in range(count))
             assert len(got.payload) == asked
     assert device.link_up and client.read(0, 0x08, 4) == b"\x5a" * 4
+
+
+# --- DMA_WRITEV: a box's scatter-list writes (link/protocol.py) --------------------------------
+
+def test_the_host_offers_dma_writev_and_writes_a_scatter_list_where_its_ranges_say(host):
+    box, device, server, client, ram = host
+    assert FEATURE_DMA_WRITEV in box.features
+    client.write(vp.REGION_CONFIG, 4, (6).to_bytes(2, "little"))
+    ranges = [(GUEST + 0x3000, 100), (GUEST, 4096), (GUEST + MEM - 1, 1), (GUEST + 0x10001, 8191)]
+    data = [bytes([i + 1]) * n for i, (_, n) in enumerate(ranges)]
+    box.dma_writev(readv(*ranges) + b"".join(data))
+    box.dma_read(GUEST, 1)  # non-posted: answered after the write before it was done
+    for (a, n), d in zip(ranges, data):
+        assert ram[a - GUEST:a - GUEST + n] == d
+    assert ram[0x1000:0x3000] == bytes(0x2000)  # between the ranges: untouched
+    box.dma_writev(readv(*[(GUEST + i * 4096, 4092) for i in range(256)]) + b"\x77" * (4092 * 256))  # the largest
+    box.dma_read(GUEST, 1)
+    assert ram[0:4092] == b"\x77" * 4092 and ram[MEM - 4096:MEM - 4] == b"\x77" * 4092
+
+
+@pytest.mark.parametrize("case, payload", [
+    ("shorter than its head", b"\x01\x00"),
+    ("no ranges", READV_HEAD.pack(0, 0)),
+    ("more ranges than allowed", READV_HEAD.pack(257, 0) + READV_RANGE.pack(GUEST, 1, 0) * 257 + b"\xee" * 257),
+    ("a count the payload disagrees with", READV_HEAD.pack(3, 0) + READV_RANGE.pack(GUEST, 8, 0) * 2 + b"\xee" * 24),
+    ("fewer bytes than the ranges", readv((GUEST, 8), (GUEST + 64, 8)) + b"\xee" * 12),
+    ("more bytes than the ranges", readv((GUEST, 8)) + b"\xee" * 9),
+    ("an empty range", readv((GUEST, 8), (GUEST + 64, 0)) + b"\xee" * 8),
+    ("a range that wraps", readv((GUEST, 8), ((1 << 64) - 4, 8)) + b"\xee" * 16),
+    ("a range outside the windows", readv((GUEST, 8), (GUEST + MEM, 8)) + b"\xee" * 16),
+    ("a range past a window's end", readv((GUEST, 8), (GUEST + MEM - 4, 8)) + b"\xee" * 16),
+])
+def test_a_malformed_or_rogue_dma_writev_writes_nothing_and_the_link_serves_on(host, case, payload):
+    """Checked whole before anything is written: the first range is good, and it is still
+    not written when another is wrong (both in forward.c and in Python)."""
+    box, device, server, client, ram = host
+    ram[0:8] = b"intact!!"
+    client.write(vp.REGION_CONFIG, 4, (6).to_bytes(2, "little"))
+    box.dma_writev(payload)
+    assert bytes(box.dma_read(GUEST, 8).payload)[16:] == b"intact!!", case
+    assert ram[0:8] == b"intact!!" and ram[64:72] == bytes(8)
+    assert device.link_up and client.read(0, 0x08, 4) == b"\x5a" * 4
+
+
+def test_random_dma_writev_payloads_never_write_outside_the_windows_or_break_the_link(host):
+    """A small fuzz of the host's DMA_WRITEV parser (forward.c and Python's): mutated
+    scatter lists (the bytes after them left alone) and sizes; guest memory only ever gets
+    bytes the box sent (0xab), the link serves on."""
+    box, device, server, client, ram = host
+    client.write(vp.REGION_CONFIG, 4, (6).to_bytes(2, "little"))
+    rng = random.Random(17)
+    for _ in range(300):
+        ranges = [(GUEST + rng.randrange(MEM), rng.choice((1, 8, 4096, rng.randrange(1, 1 << 14))))
+                  for _ in range(rng.randint(1, 8))]
+        head = readv(*ranges)
+        payload = bytearray(head + b"\xab" * sum(n for _, n in ranges))
+        for _ in range(rng.randint(0, 3)):
+            payload[rng.randrange(len(head))] = rng.randrange(256)
+        if rng.random() < 0.2:
+            payload = payload[:rng.randrange(len(payload) + 1)]
+        box.dma_writev(bytes(payload))
+    assert not box.dma_read(GUEST, 8).header.is_error
+    assert set(bytes(ram)) == {0, 0xab} and device.link_up and client.read(0, 0x08, 4) == b"\x5a" * 4

@@ -10,7 +10,7 @@ import struct
 import pytest
 
 from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, MAX_READV_BYTES, MAX_READV_RANGES, READV_HEAD, READV_RANGE,
-                                     Hello, pack_readv, unpack_readv)
+                                     MAX_WRITEV_BYTES, Hello, pack_readv, pack_writev, unpack_readv, unpack_writev)
 from dxpu_vfio.vfio_user.protocol import ProtocolError
 
 
@@ -72,3 +72,47 @@ def test_the_hello_carries_the_host_features_and_an_older_hello_has_none():
                 b'{"version": 2, "device": "nv0", "features": [' + b'"x",' * 40 + b'"x"]}'):
         with pytest.raises(ProtocolError, match="features"):
             Hello.unpack(bad)
+
+
+# --- DMA_WRITEV: the same scatter list, then its bytes -----------------------------------------
+
+def test_a_writev_round_trips_and_its_bytes_follow_the_ranges():
+    ranges = [(0x1000, 3), ((1 << 64) - 8, 8), (0, 1)]
+    got, data = unpack_writev(pack_writev(ranges) + b"abc" + b"12345678" + b"z")
+    assert got == ranges and bytes(data) == b"abc12345678z"
+    full = [(i << 12, MAX_WRITEV_BYTES // MAX_READV_RANGES) for i in range(MAX_READV_RANGES)]
+    assert unpack_writev(pack_writev(full) + bytes(sum(n for _, n in full)))[0] == full
+
+
+@pytest.mark.parametrize("ranges", [[], [(0, 8)] * (MAX_READV_RANGES + 1), [(0, MAX_WRITEV_BYTES + 1)]])
+def test_the_box_never_packs_a_writev_the_host_must_refuse(ranges):
+    with pytest.raises(ValueError):
+        pack_writev(ranges)
+
+
+@pytest.mark.parametrize("payload, why", [
+    (b"\x01", "shorter than its head"),
+    (READV_HEAD.pack(0, 0), "0 ranges"),
+    (READV_HEAD.pack(2, 0) + READV_RANGE.pack(0, 8, 0), "2 ranges in"),
+    (pack_writev([(0, 8)]) + b"1234567", "of 8 bytes carries 7"),
+    (pack_writev([(0, 8)]) + b"123456789", "of 8 bytes carries 9"),
+    (READV_HEAD.pack(1, 0) + READV_RANGE.pack((1 << 64) - 4, 8, 0) + bytes(8), "range 0"),
+])
+def test_a_malformed_writev_is_a_protocol_error_naming_what_is_wrong(payload, why):
+    with pytest.raises(ProtocolError, match=why):
+        unpack_writev(payload)
+
+
+def test_random_bytes_are_a_writev_or_a_protocol_error():
+    rng = random.Random(5)
+    for _ in range(3000):
+        ranges = [(rng.randrange(1 << 40), rng.randrange(1, 64)) for _ in range(rng.randint(1, 4))]
+        tail = sum(n for _, n in ranges) if rng.random() < 0.5 else rng.randrange(300)  # the right size, or not
+        payload = bytearray(pack_writev(ranges) + bytes(tail))
+        for _ in range(rng.randint(0, 4)):
+            payload[rng.randrange(len(payload))] = rng.randrange(256)
+        try:
+            ranges, data = unpack_writev(bytes(payload))
+        except ProtocolError:
+            continue
+        assert len(data) == sum(n for _, n in ranges)

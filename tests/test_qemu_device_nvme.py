@@ -188,7 +188,10 @@ def test_io_through_a_prp_list_round_trips_to_the_file(ctrl, tmp_path):
 
 
 class CountingRam(FakeGuestRam):
-    """Guest RAM that records each read_many call: on a remote port each is one round trip."""
+    """Guest RAM that records each read_many call: on a remote port each is one round trip
+    (it says it is one, so the controller reads a batch's write data ahead as on a box)."""
+
+    reads_wait_on_network = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -7,7 +7,7 @@ resets, SYNC, heartbeats, IRQ/DMA messages a host never sends, replies to nothin
 again, headers with mutated flags, and now and then a framing breaker (after which the box
 must close the link and serve the next HELLO); the box's own DMA reads (DMA_READ, or
 DMA_READV on the half of the links whose HELLO offered it) are answered, now and then
-wrongly. One unit in ten is a fresh connection whose first message is a mutated
+wrongly; its DMA writes come as DMA_WRITE or, on half the links, DMA_WRITEV. One unit in ten is a fresh connection whose first message is a mutated
 HELLO, INVENTORY or SCREENSHOT (or garbage).
 """
 
@@ -24,8 +24,8 @@ from dxpu_vfio.fuzz.child import ChildTarget
 from dxpu_vfio.fuzz.mutate import edge, mutate_bytes, mutate_json
 from dxpu_vfio.fuzz.peer import Gone, Hang, Peer
 from dxpu_vfio.fuzz.vfio_user import PROBE_ID, framing_breaker, header
-from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, LINK_VERSION, Hello, LinkCommand, hello_proof, pack_irq,
-                                    unpack_challenge, unpack_readv)
+from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, FEATURE_DMA_WRITEV, LINK_VERSION, Hello, LinkCommand,
+                                    hello_proof, pack_irq, unpack_challenge, unpack_readv)
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 from dxpu_vfio.vfio_user import protocol as p
 
@@ -76,7 +76,8 @@ class LinkTarget(ChildTarget):
         self._close()
         self.broken = False
         self.device = device
-        features = (FEATURE_DMA_READV,) if self.answers.random() < 0.5 else ()  # both DMA read paths
+        features = tuple(f for f in (FEATURE_DMA_READV, FEATURE_DMA_WRITEV)  # both DMA paths each way
+                         if self.answers.random() < 0.5)
         first = p.message(1, L.HELLO, Hello(device, features=features).pack())
         while True:
             self.peer = Peer(self._connect(), self._answer)

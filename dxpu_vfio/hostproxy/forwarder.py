@@ -34,7 +34,8 @@ from dxpu_vfio.hostproxy.description import check_description
 from dxpu_vfio.hostproxy.shadow import DEFAULT_RATE_HZ, ShadowBar
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
 from dxpu_vfio.link.protocol import (HOST_FEATURES, IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello,
-                                    LinkCommand, hello_proof, unpack_challenge, unpack_irq, unpack_readv)
+                                    LinkCommand, hello_proof, unpack_challenge, unpack_irq, unpack_readv,
+                                    unpack_writev)
 from dxpu_vfio.link.transport import TlsFiles, connect, connect_native, peer_certificate
 from dxpu_vfio.native import stream as native
 from dxpu_vfio.vfio_user import protocol as vp
@@ -91,6 +92,7 @@ class RemoteFunction:
             LinkCommand.DMA_READ: self._dma_read,
             LinkCommand.DMA_READV: self._dma_readv,
             LinkCommand.DMA_WRITE: self._dma_write,
+            LinkCommand.DMA_WRITEV: self._dma_writev,
             LinkCommand.IRQ: self._irq,
         }, heartbeat=heartbeat, dead_after=dead_after, on_down=self._link_down, waiters_serve=True)
         # a box that stops reading fails the send of a posted write as a read would time out:
@@ -435,6 +437,24 @@ class RemoteFunction:
             self.counters["dma_refused"] += 1
             raise LinkError(str(exc), errno.EFAULT) from exc
         self.counters["dma_bytes_written"] += req.count
+
+    def _dma_writev(self, msg) -> None:
+        """A scatter list and its bytes, posted; one range outside the windows or their
+        rights drops the whole message (counted), as the native forwarder does."""
+        ranges, data = unpack_writev(msg.payload)
+        at = 0
+        try:
+            if not isinstance(self.dma, DmaTable):
+                raise DmaError("no DMA windows yet")  # a null port refuses everything
+            self.dma.check_writable(ranges)
+            for address, length in ranges:
+                self.dma.write(address, data[at:at + length])
+                at += length
+        except DmaError as exc:  # posted: the remote is not told, like an unsupported request
+            self.counters["dma_refused"] += 1
+            raise LinkError(str(exc), errno.EFAULT) from exc
+        finally:
+            self.counters["dma_bytes_written"] += at
 
     def _irq(self, msg) -> None:
         kind, vector, level = unpack_irq(msg.payload)

@@ -46,6 +46,8 @@ class LinkCommand(enum.IntEnum):
     FAULT = 0x109  # manager -> remote, instead of HELLO: arm, clear or list test faults (JSON)
     DMA_READV = 0x10A  # remote -> host, non-posted: a scatter list (pack_readv); reply: its bytes back to
     # back. Only to a host whose HELLO offered FEATURE_DMA_READV.
+    DMA_WRITEV = 0x10B  # remote -> host, posted: a scatter list and its bytes (pack_writev). Only to a host
+    # whose HELLO offered FEATURE_DMA_WRITEV.
 
 
 IRQ_MSG = struct.Struct("<III")  # kind, vector, level
@@ -57,7 +59,8 @@ NONCE_BYTES = 32
 # Optional features a host offers in its HELLO; the box uses one only if it was offered
 # (never probed), so either side may be older than the other.
 FEATURE_DMA_READV = "dma-readv"
-HOST_FEATURES = (FEATURE_DMA_READV,)
+FEATURE_DMA_WRITEV = "dma-writev"
+HOST_FEATURES = (FEATURE_DMA_READV, FEATURE_DMA_WRITEV)
 
 
 @dataclass
@@ -180,20 +183,53 @@ def unpack_readv(payload: bytes | memoryview) -> list[tuple[int, int]]:
     """The ranges of a DMA_READV, checked before anything is read: the count agrees with
     the payload's size, no range is empty or wraps the address space, and the total fits
     one reply. (The host's windows check each range's address and rights afterwards.)"""
+    return _unpack_ranges(payload, "DMA_READV", whole=True)
+
+
+def _unpack_ranges(payload: bytes | memoryview, name: str, whole: bool) -> list[tuple[int, int]]:
+    """The scatter list at the start of ``payload`` (all of it if ``whole``)."""
     if len(payload) < READV_HEAD.size:
-        raise ProtocolError(f"DMA_READV of {len(payload)} bytes: shorter than its head")
+        raise ProtocolError(f"{name} of {len(payload)} bytes: shorter than its head")
     count, _ = READV_HEAD.unpack_from(payload)
     if not 0 < count <= MAX_READV_RANGES:
-        raise ProtocolError(f"DMA_READV of {count} ranges (1..{MAX_READV_RANGES})")
-    if len(payload) != READV_HEAD.size + count * READV_RANGE.size:
-        raise ProtocolError(f"DMA_READV of {count} ranges in {len(payload)} bytes")
+        raise ProtocolError(f"{name} of {count} ranges (1..{MAX_READV_RANGES})")
+    head = READV_HEAD.size + count * READV_RANGE.size
+    if len(payload) < head or (whole and len(payload) != head):
+        raise ProtocolError(f"{name} of {count} ranges in {len(payload)} bytes")
     ranges, total = [], 0
     for i in range(count):
         address, length, _ = READV_RANGE.unpack_from(payload, READV_HEAD.size + i * READV_RANGE.size)
         if length == 0 or address + length > 1 << 64:
-            raise ProtocolError(f"DMA_READV range {i}: {length} bytes at {address:#x}")
+            raise ProtocolError(f"{name} range {i}: {length} bytes at {address:#x}")
         total += length
         ranges.append((address, length))
     if total > MAX_READV_BYTES:
-        raise ProtocolError(f"DMA_READV of {total} bytes (at most {MAX_READV_BYTES})")
+        raise ProtocolError(f"{name} of {total} bytes (at most {MAX_READV_BYTES})")
     return ranges
+
+
+# --- DMA_WRITEV: one posted message for a whole scatter list -----------------------------
+# The same head and ranges as DMA_READV, then the ranges' bytes back to back.
+MAX_WRITEV_BYTES = MAX_DATA_XFER - READV_HEAD.size - MAX_READV_RANGES * READV_RANGE.size  # the message stays
+# within what a stream allows, whatever its ranges
+
+
+def pack_writev(ranges: list[tuple[int, int]]) -> bytes:
+    """The head of a DMA_WRITEV: ``ranges`` of (guest address, length), written in order
+    from the bytes that follow it."""
+    if not 0 < len(ranges) <= MAX_READV_RANGES or sum(n for _, n in ranges) > MAX_WRITEV_BYTES:
+        raise ValueError(f"a DMA_WRITEV takes 1..{MAX_READV_RANGES} ranges of {MAX_WRITEV_BYTES} bytes in all")
+    return READV_HEAD.pack(len(ranges), 0) + b"".join(READV_RANGE.pack(a, n, 0) for a, n in ranges)
+
+
+def unpack_writev(payload: bytes | memoryview) -> tuple[list[tuple[int, int]], memoryview]:
+    """The ranges of a DMA_WRITEV and the bytes they get, checked before anything is
+    written: the ranges as :func:`unpack_readv` checks them, and exactly their total of
+    bytes after them."""
+    view = memoryview(payload)
+    ranges = _unpack_ranges(view, "DMA_WRITEV", whole=False)
+    head = READV_HEAD.size + len(ranges) * READV_RANGE.size
+    total = sum(n for _, n in ranges)
+    if len(view) - head != total:
+        raise ProtocolError(f"DMA_WRITEV of {total} bytes carries {len(view) - head}")
+    return ranges, view[head:]

@@ -744,9 +744,13 @@ static PyObject *Stream_receive(Stream *self, PyObject *args, PyObject *kwds)
     return result;
 }
 
-/* The parts of a message, held for the send. */
+/* The parts of a message, held for the send: a few in place, more (a DMA_WRITEV's head and
+ * its pages) in an array of their own. */
+#define PARTS_INLINE 8
+#define PARTS_MAX 1024
 typedef struct {
-    Py_buffer views[8];
+    Py_buffer inline_views[PARTS_INLINE];
+    Py_buffer *views;
     int count;
     size_t total;
 } parts_t;
@@ -756,16 +760,25 @@ static void parts_release(parts_t *p)
     for (int i = 0; i < p->count; i++)
         PyBuffer_Release(&p->views[i]);
     p->count = 0;
+    if (p->views && p->views != p->inline_views)
+        PyMem_Free(p->views);
+    p->views = p->inline_views;
 }
 
 static int parts_get(PyObject *payload, parts_t *p)
 {
     p->count = 0;
     p->total = 0;
+    p->views = p->inline_views;
     if (PyTuple_Check(payload)) {
         Py_ssize_t n = PyTuple_GET_SIZE(payload);
-        if (n > 8) {
-            PyErr_SetString(PyExc_ValueError, "at most 8 payload parts");
+        if (n > PARTS_MAX) {
+            PyErr_Format(PyExc_ValueError, "at most %d payload parts", PARTS_MAX);
+            return -1;
+        }
+        if (n > PARTS_INLINE && !(p->views = PyMem_Calloc((size_t)n, sizeof(Py_buffer)))) {
+            p->views = p->inline_views;
+            PyErr_NoMemory();
             return -1;
         }
         for (Py_ssize_t i = 0; i < n; i++) {

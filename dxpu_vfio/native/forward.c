@@ -6,8 +6,8 @@
  *  - from QEMU: REGION_READ and REGION_WRITE go to the box with the same payload (the link
  *    reuses vfio-user's layouts); posted writes are posted, anything non-posted waits for the
  *    box's completion, which is checked against what was asked before it is answered;
- *  - from the box: HEARTBEAT is noted, IRQ (MSI, MSI-X) is an eventfd write, DMA_WRITE and
- *    DMA_READ a copy into or out of guest memory (and a completion); only inside the DMA
+ *  - from the box: HEARTBEAT is noted, IRQ (MSI, MSI-X) is an eventfd write, DMA_WRITE(V) and
+ *    DMA_READ(V) a copy into or out of guest memory (and a completion); only inside the DMA
  *    windows QEMU mapped, with their rights (dxpu_vfio/vfio_user/dma.py says how each window
  *    is reached safely: a mapping of a memfd sealed against shrinking, else pread/pwrite);
  *  - everything else returns to Python as (source, message) — QEMU's control messages, its
@@ -38,6 +38,7 @@
 #define CMD_HEARTBEAT 0x102
 #define CMD_SYNC 0x106
 #define CMD_DMA_READV 0x10A
+#define CMD_DMA_WRITEV 0x10B
 #define READV_HEAD 8   /* ranges (u32), reserved (u32) */
 #define READV_RANGE 16 /* address (u64), length (u32), reserved (u32) */
 #define MAX_READV_RANGES 256
@@ -87,6 +88,7 @@ static int send_frame(Stream *s, uint16_t id, uint16_t cmd, uint32_t flags, uint
     unsigned char head[FRAME_HEADER_SIZE];
     frame_encode(head, id, cmd, (uint32_t)(FRAME_HEADER_SIZE + alen + blen), flags, error);
     parts_t p = {.count = 0, .total = alen + blen};
+    p.views = p.inline_views; /* not Python buffers: never released */
     if (alen) {
         p.views[p.count].buf = (void *)a;
         p.views[p.count++].len = (Py_ssize_t)alen;
@@ -191,6 +193,71 @@ static int dma_readv(Forwarder *f, const frame_header *hdr, const unsigned char 
                       err, errlen) ? BROKEN : HANDLED;
 }
 
+/* Write n bytes at addr of a window (checked by the caller): a copy into a mapping, or a
+ * pwrite that never grows the client's file. True if all of it was written. */
+static int window_write(const window_t *w, uint64_t addr, const unsigned char *data, uint64_t n)
+{
+    off_t at = (off_t)(w->offset + (addr - w->iova));
+    if (w->kind == WINDOW_MEMORY) {
+        memcpy(w->memory + at, data, n);
+        return 1;
+    }
+    ssize_t done = -1;
+    struct stat st; /* a pwrite past the end would grow the client's file */
+    Py_BEGIN_ALLOW_THREADS
+    if (fstat(w->fd, &st) == 0 && (uint64_t)st.st_size >= (uint64_t)at + n)
+        done = pwrite(w->fd, data, n, at);
+    Py_END_ALLOW_THREADS
+    return done == (ssize_t)n;
+}
+
+/* A DMA_WRITEV (link/protocol.py, unpack_writev): posted, a scatter list and its bytes.
+ * Checked whole before anything is written (the same checks as Python's, which drops
+ * what is malformed with its reason); one range outside the windows or their rights drops
+ * the whole message, counted in dma_refused (posted: the box is not told). */
+static int dma_writev(Forwarder *f, const frame_header *hdr, const unsigned char *pl, size_t len)
+{
+    if (!(hdr->flags & FRAME_NO_REPLY) || len < READV_HEAD)
+        return TO_PYTHON;
+    uint32_t count = frame_le32(pl);
+    size_t head = READV_HEAD + (size_t)count * READV_RANGE;
+    if (count == 0 || count > MAX_READV_RANGES || len < head)
+        return TO_PYTHON;
+    const window_t *ws[MAX_READV_RANGES];
+    uint64_t total = 0;
+    int refused = 0;
+    for (uint32_t i = 0; i < count; i++) {
+        const unsigned char *r = pl + READV_HEAD + (size_t)i * READV_RANGE;
+        uint64_t addr = le64(r), n = frame_le32(r + 8);
+        if (n == 0 || addr + n < addr)
+            return TO_PYTHON;
+        total += n;
+        if (total > MAX_DATA)
+            return TO_PYTHON;
+        ws[i] = find_window(f, addr, n, DMA_FLAG_WRITE);
+        if (ws[i] && ws[i]->kind == WINDOW_PYTHON)
+            return TO_PYTHON;
+        refused |= ws[i] == NULL;
+    }
+    if (len - head != total)
+        return TO_PYTHON;
+    if (refused) {
+        f->dma_refused++;
+        return HANDLED;
+    }
+    const unsigned char *data = pl + head;
+    for (uint32_t i = 0; i < count; i++) {
+        const unsigned char *r = pl + READV_HEAD + (size_t)i * READV_RANGE;
+        uint64_t addr = le64(r), n = frame_le32(r + 8);
+        if (window_write(ws[i], addr, data, n))
+            f->dma_write_bytes += n;
+        else
+            f->dma_refused++; /* the file shrank */
+        data += n;
+    }
+    return HANDLED;
+}
+
 /* Handle one message from the box in C if it is one of the hot ones. */
 static int box_message(Forwarder *f, const frame_header *hdr, const unsigned char *msg, char *err, size_t errlen)
 {
@@ -228,19 +295,7 @@ static int box_message(Forwarder *f, const frame_header *hdr, const unsigned cha
         }
         if (w->kind == WINDOW_PYTHON)
             return TO_PYTHON;
-        ssize_t n = -1;
-        off_t at = (off_t)(w->offset + (addr - w->iova));
-        if (w->kind == WINDOW_MEMORY) {
-            memcpy(w->memory + at, pl + 16, count);
-            n = (ssize_t)count;
-        } else {
-            struct stat st; /* a pwrite past the end would grow the client's file */
-            Py_BEGIN_ALLOW_THREADS
-            if (fstat(w->fd, &st) == 0 && (uint64_t)st.st_size >= (uint64_t)at + count)
-                n = pwrite(w->fd, pl + 16, count, at);
-            Py_END_ALLOW_THREADS
-        }
-        if (n == (ssize_t)count)
+        if (window_write(w, addr, pl + 16, count))
             f->dma_write_bytes += count;
         else
             f->dma_refused++; /* posted: the box is not told, like an unsupported request */
@@ -278,6 +333,8 @@ static int box_message(Forwarder *f, const frame_header *hdr, const unsigned cha
     }
     case CMD_DMA_READV:
         return dma_readv(f, hdr, pl, len, err, errlen);
+    case CMD_DMA_WRITEV:
+        return dma_writev(f, hdr, pl, len);
     default:
         return TO_PYTHON;
     }

@@ -16,11 +16,11 @@ from __future__ import annotations
 import collections
 
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
-from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, MAX_READV_RANGES, LinkCommand, pack_irq,
-                                    pack_readv)
+from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, MAX_READV_RANGES, MAX_WRITEV_BYTES, LinkCommand,
+                                    pack_irq, pack_readv, pack_writev)
 from dxpu_vfio.remoteproxy.faults import FaultTable
 from dxpu_vfio.vfio_user import protocol as vp
-from qemu_device.ports import DmaError
+from qemu_device.ports import DmaError, file_to_guest, guest_to_file
 
 DMA_TIMEOUT = 2.0
 CHUNK = vp.MAX_DATA_XFER
@@ -45,10 +45,13 @@ def _size(request: list[tuple[int, int, int]]) -> int:
 class LinkDmaPort:
     """The device's DMA port on the box."""
 
+    reads_wait_on_network = True
+
     def __init__(self, endpoint: LinkEndpoint, faults: FaultTable | None = None, device: str = "", *,
-                 readv: bool = False) -> None:
+                 readv: bool = False, writev: bool = False) -> None:
         self.endpoint = endpoint
         self.readv = readv  # the host offered DMA_READV in its HELLO
+        self.writev = writev  # and DMA_WRITEV
         self.requests = 0  # DMA read requests sent (one per piece, or per scatter list with readv)
         self.bytes_read = 0
         self.bytes_written = 0
@@ -158,15 +161,41 @@ class LinkDmaPort:
     def write(self, addr: int, data: bytes) -> None:
         self.write_many([(addr, data)])
 
+    def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
+        file_to_guest(self, pieces, fd, offset)
+
+    def read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
+        guest_to_file(self, pieces, fd, offset)
+
     def write_many(self, pieces: list[tuple[int, bytes | memoryview]]) -> None:
-        """Posted, in order, sent together: a scatter list of pages is a few TLS records
-        and one call into the stream, not one per page."""
+        """Posted, in order, sent together: a scatter list of pages is one DMA_WRITEV (up to
+        256 ranges and about 1 MiB each; a DMA_WRITE per piece to a host that did not offer
+        it), a few TLS records and one call into the stream, not one per page."""
         if not self.endpoint.up:
             raise DmaError(f"link down: {self.endpoint.down_reason}")
         for addr, data in pieces:
             check_range(addr, len(data))
         self._refused("dma-write")
         payloads = []
+        if self.writev:
+            ranges: list[tuple[int, int]] = []
+            parts: list[memoryview] = []
+            size = 0
+            for addr, data in pieces:
+                view = memoryview(data)
+                for pos in range(0, len(view), READ_PIECE):
+                    chunk = view[pos:pos + READ_PIECE]
+                    if ranges and (len(ranges) == MAX_READV_RANGES or size + len(chunk) > MAX_WRITEV_BYTES):
+                        payloads.append((pack_writev(ranges), *parts))
+                        ranges, parts, size = [], [], 0
+                    ranges.append((addr + pos, len(chunk)))
+                    parts.append(chunk)
+                    size += len(chunk)
+                self.bytes_written += len(view)
+            if ranges:
+                payloads.append((pack_writev(ranges), *parts))
+            self.endpoint.post_many(LinkCommand.DMA_WRITEV, payloads)
+            return
         for addr, data in pieces:
             view = memoryview(data)
             for pos in range(0, len(view), CHUNK):

@@ -28,8 +28,8 @@ import time
 
 from dxpu_vfio.deadline import Deadline
 from dxpu_vfio.link.endpoint import LinkEndpoint
-from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, DeviceDescription, Hello, LinkCommand, challenge, new_nonce,
-                                    proof_matches)
+from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, FEATURE_DMA_WRITEV, DeviceDescription, Hello, LinkCommand,
+                                    challenge, new_nonce, proof_matches)
 from dxpu_vfio.link.transport import TlsFiles, server_context
 from dxpu_vfio.native import stream as native
 from dxpu_vfio.remoteproxy.admission import MAX_ADMITTING, Admission, check_hello
@@ -299,7 +299,8 @@ class RemoteProxy:
         if getattr(conn, "native", False) and self.config.spin_us:
             conn.stream.spin_us = self.config.spin_us
         slot.links_served += 1
-        slot.dma = LinkDmaPort(slot.endpoint, self.faults, slot.spec.id, readv=FEATURE_DMA_READV in hello.features)
+        slot.dma = LinkDmaPort(slot.endpoint, self.faults, slot.spec.id, readv=FEATURE_DMA_READV in hello.features,
+                               writev=FEATURE_DMA_WRITEV in hello.features)
         slot.irq = LinkIrqPort(slot.endpoint)
         with slot.device.lock:
             slot.device.vmm_masks_msix = True  # the host's QEMU keeps the MSI-X table

@@ -29,7 +29,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dxpu_vfio.vfio_user.protocol import DMA_FLAG_READ, DMA_FLAG_WRITE, PAGE_SIZE
+from qemu_device.backing import write_all
 from qemu_device.ports import DmaError, ScatterByPieces
+
+IOV_MAX = 1024  # buffers per preadv/pwritev (Linux UIO_MAXIOV)
 
 
 @dataclass
@@ -133,28 +136,78 @@ class DmaTable(ScatterByPieces):
     # --- access (the device's DmaPort) ---------------------------------------------
     def _pieces(self, address: int, length: int, need: int) -> list[tuple[Mapping, int, int]]:
         """Split an access into (mapping, offset in mapping, length) or refuse it whole."""
+        return self._pieces_many([(address, length)], need)
+
+    def _pieces_many(self, ranges: list[tuple[int, int]], need: int) -> list[tuple[Mapping, int, int]]:
+        """:meth:`_pieces` of a scatter list, in order, with one look at the table: all
+        of it is checked before any of it is touched."""
         pieces = []
         with self._lock:
             if not self.bus_master:
                 self.refused += 1
                 self.refused_bus_master += 1
-                raise DmaError(f"DMA at {address:#x} while the guest has Bus Master Enable off")
+                raise DmaError(f"DMA at {ranges[0][0] if ranges else 0:#x} while the guest has Bus Master Enable off")
             starts = [m.address for m in self._maps]
-            pos, left = address, length
-            while left > 0:
-                i = bisect.bisect_right(starts, pos) - 1
-                m = self._maps[i] if i >= 0 else None
-                if m is None or pos >= m.end:
-                    self.refused += 1
-                    raise DmaError(f"DMA to {pos:#x} is outside every mapped window")
-                if not m.flags & need:
-                    self.refused += 1
-                    kind = "write" if need == DMA_FLAG_WRITE else "read"
-                    raise DmaError(f"DMA {kind} at {pos:#x} is not allowed by the map's flags")
-                n = min(left, m.end - pos)
-                pieces.append((m, pos - m.address, n))
-                pos, left = pos + n, left - n
+            for address, length in ranges:
+                pos, left = address, length
+                while left > 0:
+                    i = bisect.bisect_right(starts, pos) - 1
+                    m = self._maps[i] if i >= 0 else None
+                    if m is None or pos >= m.end:
+                        self.refused += 1
+                        raise DmaError(f"DMA to {pos:#x} is outside every mapped window")
+                    if not m.flags & need:
+                        self.refused += 1
+                        kind = "write" if need == DMA_FLAG_WRITE else "read"
+                        raise DmaError(f"DMA {kind} at {pos:#x} is not allowed by the map's flags")
+                    n = min(left, m.end - pos)
+                    pieces.append((m, pos - m.address, n))
+                    pos, left = pos + n, left - n
         return pieces
+
+    def check_writable(self, ranges: list[tuple[int, int]]) -> None:
+        """DmaError (counted) unless the device may write all of ``ranges``: for a
+        scatter list that is written whole or not at all."""
+        self._pieces_many(ranges, DMA_FLAG_WRITE)
+
+    def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
+        """The file read straight into guest memory: one preadv over the mapped pieces."""
+        total = sum(n for _, n in pieces)
+        if not self._file_io(pieces, fd, offset, DMA_FLAG_WRITE):
+            super().write_from_file(pieces, fd, offset)
+            return
+        self.bytes_written += total
+
+    def read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
+        """Guest memory written to the file straight from the mapping: one pwritev."""
+        total = sum(n for _, n in pieces)
+        if not self._file_io(pieces, fd, offset, DMA_FLAG_READ):
+            super().read_into_file(pieces, fd, offset)
+            return
+        self.bytes_read += total
+
+    def _file_io(self, ranges: list[tuple[int, int]], fd: int, offset: int, need: int) -> bool:
+        """preadv (``need`` WRITE: file to guest) or pwritev (READ: guest to file) on views
+        of the mappings; False (nothing done) where a piece is not plain mapped memory.
+        The table's lock is held throughout, so a DMA_UNMAP waits for the transfer to end
+        before it closes a mapping the views point into (closing it under them would fail)."""
+        with self._lock:
+            pieces = self._pieces_many(ranges, need)
+            if any(m.memory is None or m.fd is not None for m, _, _ in pieces):
+                return False  # an fd to pread/pwrite, a size to check, or messages to QEMU
+            whole = {id(m): memoryview(m.memory) for m, _, _ in pieces}  # type: ignore[arg-type]
+            views = [whole[id(m)][m.map_delta + off:m.map_delta + off + n] for m, off, n in pieces]
+            try:
+                if need == DMA_FLAG_WRITE:
+                    _preadv_all(fd, views, offset)
+                else:
+                    write_all(fd, views, offset)
+            finally:
+                for view in views:
+                    view.release()
+                for view in whole.values():
+                    view.release()
+        return True
 
     def read(self, address: int, length: int) -> bytes:
         pieces = self._pieces(address, length, DMA_FLAG_READ)
@@ -236,6 +289,30 @@ def _pread_pwrite_work(fd: int, offset: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def _preadv_all(fd: int, views: list[memoryview], offset: int) -> None:
+    """Fill ``views`` from ``fd`` at ``offset``, continuing short reads; zeroes past the
+    file's end (a namespace file shorter than its size reads as zeroes)."""
+    for first in range(0, len(views), IOV_MAX):
+        batch = views[first:first + IOV_MAX]
+        want = sum(len(v) for v in batch)
+        done = os.preadv(fd, batch, offset)
+        while done < want:
+            at, rest = done, []
+            for v in batch:  # the views not yet full, the first one from where it stopped
+                if at >= len(v):
+                    at -= len(v)
+                    continue
+                rest.append(v[at:])
+                at = 0
+            n = os.preadv(fd, rest, offset + done)
+            if n <= 0:  # the end of the file: the rest reads as zeroes
+                for v in rest:
+                    v[:] = bytes(len(v))
+                break
+            done += n
+        offset += want
 
 
 def _check_size(m: Mapping, off: int, n: int) -> None:

@@ -1,0 +1,79 @@
+"""A storage device's DMA straight between a file and guest memory (DmaTable's preadv /
+pwritev path), against a real sealed memfd as QEMU's guest RAM is: the bytes land where
+the scatter list says, zeroes past the file's end, and a bad list touches nothing."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+import pytest
+
+from dxpu_vfio.vfio_user.dma import DmaTable
+from dxpu_vfio.vfio_user.protocol import DMA_FLAG_READ, DMA_FLAG_WRITE
+from qemu_device.ports import DmaError
+
+BASE, SIZE = 0x100000, 1 << 20
+
+
+def guest_ram(flags: int = DMA_FLAG_READ | DMA_FLAG_WRITE) -> tuple[DmaTable, int]:
+    """A DmaTable over a sealed memfd window (mmapped, as the host proxy maps QEMU's RAM),
+    and a second fd on the same memory to look at it."""
+    fd = os.memfd_create("guest-ram", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, SIZE)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    table = DmaTable()
+    table.add(BASE, SIZE, flags, os.dup(fd), 0)
+    return table, fd
+
+
+@pytest.fixture
+def backing(tmp_path):
+    fd = os.open(tmp_path / "ns.img", os.O_RDWR | os.O_CREAT, 0o600)
+    os.pwrite(fd, bytes(range(256)) * 64, 0)  # 16 KiB of a pattern
+    yield fd
+    os.close(fd)
+
+
+def test_a_scattered_read_lands_page_by_page_and_past_the_end_is_zeroes(backing):
+    table, ram = guest_ram()
+    os.pwrite(ram, b"\xee" * SIZE, 0)
+    pieces = [(BASE + 0x3000, 4096), (BASE + 0x1000, 4096), (BASE + 0x8000, 12288)]  # 20 KiB: 4 past the end
+    table.write_from_file(pieces, backing, 0)
+    pattern = bytes(range(256)) * 64
+    assert os.pread(ram, 4096, 0x3000) == pattern[:4096]
+    assert os.pread(ram, 4096, 0x1000) == pattern[4096:8192]
+    assert os.pread(ram, 12288, 0x8000) == pattern[8192:] + bytes(4096)
+    assert os.pread(ram, 4096, 0x2000) == b"\xee" * 4096  # between the pieces: untouched
+    assert table.bytes_written == 20480
+    table.clear()  # no view left on the mapping: it closes
+
+
+def test_a_scattered_write_reaches_the_file_in_list_order(backing):
+    table, ram = guest_ram()
+    os.pwrite(ram, b"A" * 4096, 0x5000)
+    os.pwrite(ram, b"B" * 100, 0x2000)
+    table.read_into_file([(BASE + 0x5000, 4096), (BASE + 0x2000, 100)], backing, 512)
+    assert os.pread(backing, 4196, 512) == b"A" * 4096 + b"B" * 100
+    assert table.bytes_read == 4196
+    table.clear()
+
+
+def test_a_list_with_one_bad_piece_is_refused_before_the_file_or_memory_is_touched(backing):
+    table, ram = guest_ram()
+    with pytest.raises(DmaError, match="outside every mapped window"):
+        table.write_from_file([(BASE, 4096), (BASE + SIZE, 4096)], backing, 0)
+    assert os.pread(ram, 4096, 0) == bytes(4096)
+    before = os.pread(backing, 8192, 0)
+    with pytest.raises(DmaError, match="outside every mapped window"):
+        table.read_into_file([(BASE, 4096), (BASE - 4096, 4096)], backing, 0)
+    assert os.pread(backing, 8192, 0) == before
+    table.clear()
+
+
+def test_rights_are_checked_for_the_direction_of_the_transfer(backing):
+    table, _ = guest_ram(DMA_FLAG_READ)  # the guest lets the device read this memory, not write it
+    with pytest.raises(DmaError, match="not allowed"):
+        table.write_from_file([(BASE, 4096)], backing, 0)
+    table.read_into_file([(BASE, 4096)], backing, 0)  # reading it is fine
+    table.clear()
