@@ -10,7 +10,13 @@ between the lab's namespaces (TLS ping-pong and bulk, :mod:`dxpu_vfio.lab.floors
 measured in the same run. Prints a table with ratios and the data path's NVMe goals, and
 writes results/bench/nvme.json (``results -> path -> workload -> MBps``, ``floor``, ``goals``).
 
-    .venv/bin/python scripts/bench_nvme.py [--runtime 8] [--size-mib 64] [--depths 1,4,16]
+    .venv/bin/python scripts/bench_nvme.py [--runtime 8] [--size-mib 64] [--depths 1,4,16] [--msix]
+
+``--msix`` gives our controllers MSI-X, so the guest's driver makes one I/O queue per vCPU
+(with MSI it gets one vector, one queue, and completes every request through a softirq):
+what the device path reaches once QEMU can unplug MSI-X vfio-user devices. QEMU 11.1
+aborts on that unplug (docs/architecture.md), so with ``--msix`` nothing is unplugged: the
+VM is ended with the devices in it.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ def main() -> int:
     parser.add_argument("--size-mib", type=int, default=64)
     parser.add_argument("--depths", default="1,4,16", help="fio iodepths")
     parser.add_argument("--io-workers", type=int, default=0, help="our controllers' I/O threads (0: on the worker)")
+    parser.add_argument("--msix", action="store_true", help="our controllers with MSI-X (one queue per vCPU; never unplugged)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
@@ -58,8 +65,9 @@ def main() -> int:
     size = args.size_mib << 20
     exit_on_sigterm()  # a SIGTERM still runs the finally below: no lab, no disk images left
     work = Path(tempfile.mkdtemp(prefix="dxpu-bench-nvme-"))
+    msix = {"msix": True} if args.msix else {}
     topology = lab.Topology("bn", [lab.BoxSpec("box1", [{"id": "nv0", "model": "nvme", "settings": {
-        "namespaces": [{"size": size, "path": str(work / "remote.img")}], "io_workers": args.io_workers}}])])
+        "namespaces": [{"size": size, "path": str(work / "remote.img")}], "io_workers": args.io_workers, **msix}}])])
     results: dict[str, dict] = {}
     try:
         qemu_disk = work / "qemu-nvme.img"
@@ -73,8 +81,9 @@ def main() -> int:
             vm.boot()
             qemu_dev = nvme_disk(vm, "0000:00:06.0")
             local = hotplug.attach(vm, "nvme", settings={"namespaces": [{"size": size, "path": str(work / "local.img")}],
-                                                         "io_workers": args.io_workers})
-            remote = hotplug.attach(vm, "remote", settings=state.remote_settings("box1", "nv0"), netns=state.host_netns)
+                                                         "io_workers": args.io_workers, **msix}, allow_msix=args.msix)
+            remote = hotplug.attach(vm, "remote", settings=state.remote_settings("box1", "nv0"), netns=state.host_netns,
+                                    allow_msix=args.msix)
             devices = {"qemu-nvme": qemu_dev, "local": nvme_disk(vm, local.guest_bdf),
                        "remote": nvme_disk(vm, remote.guest_bdf)}
             for name, dev in devices.items():
@@ -82,8 +91,9 @@ def main() -> int:
                 for workload, (rw, bs, depth) in workloads.items():
                     results[name][workload] = fio(vm, dev, rw, bs, depth, args.runtime, args.size_mib)
                     print(f"  {name:9} {workload:15} {results[name][workload]['MBps']:8.1f} MB/s", flush=True)
-            hotplug.detach(remote)
-            hotplug.detach(local)
+            if not args.msix:  # (QEMU 11.1 aborts on unplugging an MSI-X vfio-user device)
+                hotplug.detach(remote)
+                hotplug.detach(local)
     finally:
         lab.down(topology.name)  # safe where lab.up never finished
         shutil.rmtree(work, ignore_errors=True)  # three disk images of --size-mib each
@@ -105,7 +115,7 @@ def main() -> int:
              f"remote_vs_qemu_rand-read-4k-qd{deepest}": ratio("remote", f"rand-read-4k-qd{deepest}")}
     print("goals (want remote >= 0.5, local >= 0.8 of QEMU): " + ", ".join(f"{k} = {v:.2f}" for k, v in goals.items()))
     path = write_json("nvme", {"runtime_s": args.runtime, "size_mib": args.size_mib, "depths": depths,
-                               "io_workers": args.io_workers,
+                               "io_workers": args.io_workers, "msix": args.msix,
                                "results": results, "floor": floor, "goals": goals}, args.out)
     print(f"\nJSON: {path}")
     return 0
