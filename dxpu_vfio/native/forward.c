@@ -139,6 +139,29 @@ static const window_t *find_window(const Forwarder *f, uint64_t addr, uint64_t l
 
 enum { HANDLED = 0, TO_PYTHON = 1, BROKEN = -1 };
 
+/* The windows of a DMA_READV/DMA_WRITEV's `count` ranges (their layout: link/protocol.py),
+ * each NULL where the range is outside the windows or their `need` rights (*refused set),
+ * and their *total. Nonzero (leave it to Python, which says why) for an empty or wrapping
+ * range, more than MAX_DATA in all, or a window Python serves. */
+static int scatter_windows(const Forwarder *f, const unsigned char *pl, uint32_t count, uint32_t need,
+                           const window_t **ws, uint64_t *total, int *refused)
+{
+    for (uint32_t i = 0; i < count; i++) {
+        const unsigned char *r = pl + READV_HEAD + (size_t)i * READV_RANGE;
+        uint64_t addr = le64(r), n = frame_le32(r + 8);
+        if (n == 0 || addr + n < addr)
+            return 1;
+        *total += n;
+        if (*total > MAX_DATA)
+            return 1;
+        ws[i] = find_window(f, addr, n, need);
+        if (ws[i] && ws[i]->kind == WINDOW_PYTHON)
+            return 1;
+        *refused |= ws[i] == NULL;
+    }
+    return 0;
+}
+
 /* A DMA_READV (link/protocol.py, unpack_readv): a scatter list answered with its bytes back
  * to back in one completion. Checked whole before anything is read (the same checks as
  * Python's, whose error replies serve what is malformed); one range outside the windows or
@@ -154,19 +177,8 @@ static int dma_readv(Forwarder *f, const frame_header *hdr, const unsigned char 
     const window_t *ws[MAX_READV_RANGES];
     uint64_t total = 0;
     int refused = 0;
-    for (uint32_t i = 0; i < count; i++) {
-        const unsigned char *r = pl + READV_HEAD + (size_t)i * READV_RANGE;
-        uint64_t addr = le64(r), n = frame_le32(r + 8);
-        if (n == 0 || addr + n < addr)
-            return TO_PYTHON;
-        total += n;
-        if (total > MAX_DATA)
-            return TO_PYTHON;
-        ws[i] = find_window(f, addr, n, DMA_FLAG_READ);
-        if (ws[i] && ws[i]->kind == WINDOW_PYTHON)
-            return TO_PYTHON;
-        refused |= ws[i] == NULL;
-    }
+    if (scatter_windows(f, pl, count, DMA_FLAG_READ, ws, &total, &refused))
+        return TO_PYTHON;
     size_t at = 0;
     for (uint32_t i = 0; i < count && !refused; i++) {
         const unsigned char *r = pl + READV_HEAD + (size_t)i * READV_RANGE;
@@ -226,19 +238,8 @@ static int dma_writev(Forwarder *f, const frame_header *hdr, const unsigned char
     const window_t *ws[MAX_READV_RANGES];
     uint64_t total = 0;
     int refused = 0;
-    for (uint32_t i = 0; i < count; i++) {
-        const unsigned char *r = pl + READV_HEAD + (size_t)i * READV_RANGE;
-        uint64_t addr = le64(r), n = frame_le32(r + 8);
-        if (n == 0 || addr + n < addr)
-            return TO_PYTHON;
-        total += n;
-        if (total > MAX_DATA)
-            return TO_PYTHON;
-        ws[i] = find_window(f, addr, n, DMA_FLAG_WRITE);
-        if (ws[i] && ws[i]->kind == WINDOW_PYTHON)
-            return TO_PYTHON;
-        refused |= ws[i] == NULL;
-    }
+    if (scatter_windows(f, pl, count, DMA_FLAG_WRITE, ws, &total, &refused))
+        return TO_PYTHON;
     if (len - head != total)
         return TO_PYTHON;
     if (refused) {
