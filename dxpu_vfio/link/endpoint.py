@@ -150,6 +150,8 @@ class LinkEndpoint:
         self.timeouts = 0
         self.self_received = 0  # completions received by the thread that waited for them
         self.handed_over = 0  # completions another thread received while their waiter slept
+        self.naps = 0  # waits for the stream another thread held
+        self.naps_out = 0  # of them, those nobody woke (each cost up to 2 ms)
 
     def set_send_timeout(self, seconds: float) -> None:
         """How long a send may wait for a peer that does not read; then the link is down."""
@@ -361,7 +363,15 @@ class LinkEndpoint:
                 else:
                     pending.event.clear()
                 self._sleepers += 1
-            pending.event.wait(min(0.002, max(0.0, deadline - time.monotonic())))
+            # Sleep only while someone holds the stream: whoever lets it go nudges the
+            # sleepers it sees, and we count ourselves one before we look. Else we would
+            # sleep out the whole timeout on a completion that came while nobody read (the
+            # background reader stands aside for us): right after a doorbell the reader
+            # still held the stream when the device's first DMA read went out.
+            if self._read_lock.locked() or self._deferred is not None:
+                self.naps += 1
+                if not pending.event.wait(min(0.002, max(0.0, deadline - time.monotonic()))):
+                    self.naps_out += 1
             with self._lock:
                 self._sleepers -= 1
 
@@ -501,8 +511,8 @@ class LinkEndpoint:
                     msg = msg or self._receive(0)
                     if msg is not None:
                         self._dispatch(msg)
-            if served_deferred:
-                self._nudge_sleepers()  # the waiter that left it reads on
+            if served_deferred or self._sleepers:
+                self._nudge_sleepers()  # the waiter that left it reads on, or one that came meanwhile
 
     def _stands_aside(self) -> bool:
         """While a thread waits for its completion, it reads the stream itself: this
@@ -591,6 +601,7 @@ class LinkEndpoint:
                     mine["count"] += row["count"]
                     mine["us"] = round(mine["us"] + row["ns"] / 1000, 1)
         return {"up": self.up, "down_reason": self.down_reason, "timeouts": self.timeouts,
-                "self_received": self.self_received, "handed_over": self.handed_over,
+                "self_received": self.self_received, "handed_over": self.handed_over, "naps": self.naps,
+                "naps_out": self.naps_out,
                 "requests": {k: {"count": c, "wait_us": round(ns / 1000, 1)} for k, (c, ns) in self.requests.items()},
                 "posted": dict(self.posted), "received": dict(self.received), "handled": handled}
