@@ -541,7 +541,7 @@ static PyObject *Forwarder_serve(Forwarder *f, PyObject *unused)
         int tls_pending = 0, r = 0;
         pthread_mutex_lock(&f->link->io);
         if (f->link->ssl && f->link->fd >= 0)
-            tls_pending = SSL_pending(f->link->ssl) > 0;
+            tls_pending = SSL_has_pending(f->link->ssl);
         pthread_mutex_unlock(&f->link->io);
         if (!tls_pending) {
             int64_t spin = f->link->spin_ns;
