@@ -2,22 +2,30 @@
 three real etcd members in the host namespace, data under the lab's directory; each box
 announces itself there over its link, no ``dxpu box add``) and several host namespaces
 (``hosts = 2``: the second reaches every box through the first, sharing each box's link).
-The first test has no VM; the second plugs a box's device into a real guest from host 2."""
+The first test has no VM; the second plugs a box's device into a real guest from host 2;
+the third runs a VM and an agent on each host."""
 
 import os
 import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from dxpu_vfio.lab import hotplug, lab
+from dxpu_vfio.lab.hotplug import guest_wait_for_child, port_bdf
 from dxpu_vfio.namespaces import in_netns
 from dxpu_vfio.pool.boxes import fetch_inventory
 from dxpu_vfio.pool.etcd_store import EtcdStore
+from dxpu_vfio.pool.manager import Manager
 from dxpu_vfio.pool.states import BoxState
-from dxpu_vfio.procs import pid_alive
+from dxpu_vfio.procs import pid_alive, terminate
 from dxpu_vfio.testing import eventually
+from dxpu_vfio.vmm.errors import VmGone
 
 TTL = 3.0  # the lab's box lease
 
@@ -107,3 +115,75 @@ def test_a_guest_gets_a_box_device_through_the_second_host(labs, shared_tiny_vm)
         assert stats["link"]["up"] and stats["reads"] > 0  # config reads crossed host 2's path
     finally:
         hotplug.detach(att)
+
+
+def agent_in(netns: str, host: str, endpoints: list[str], log, logs: Path) -> subprocess.Popen:
+    """``dxpu agent serve`` for ``host`` inside host namespace ``netns``, as an admin runs
+    it there (its host proxies start in that namespace too, their logs beside ``logs``);
+    ended by pid at the end."""
+    return subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-m", "dxpu_vfio.cli", "agent", "serve",
+                             "--store", "etcd", "--etcd-endpoints", ",".join(endpoints), "--host", host, "--ttl", "3",
+                             "--db", str(logs)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.mark.vm
+def test_each_lab_host_runs_a_vm_and_its_agent_and_they_share_the_boxes_never_a_device(labs, vm_factory, tmp_path):
+    """Issue 15 item 6: host 1 and host 2 each run a tiny VM and their own agent (in their
+    namespace, on the lab's etcd, which the boxes announced themselves in). A central
+    manager asks for two of box2's devices at once, one per host: each agent plugs its VM,
+    each guest reads its testdev's registers over the host proxy its agent started in its
+    namespace, the two leases never name the same device, and a detach from the centre
+    is done by each agent."""
+    state = labs.own(topology())
+    vms = {"h1": vm_factory.booted("tiny"), "h2": vm_factory.booted("tiny")}
+    namespaces = {"h1": state.host_netns, "h2": state.extra_hosts[0]}
+    logs = {h: open(tmp_path / f"agent-{h}.log", "w") for h in vms}
+    agents = [agent_in(namespaces[h], h, state.etcd_endpoints_of_host(namespaces[h]), logs[h], tmp_path / f"{h}.db")
+              for h in vms]
+
+    def central(what):  # a manager in host 1's namespace, for VMs of other hosts only
+        def call():
+            def nowhere(name):
+                raise VmGone(f"{name} is not a VM of the central host")
+            store = EtcdStore(state.etcd_endpoints)
+            try:
+                return what(Manager(store, open_vm=nowhere, host="central"))
+            finally:
+                store.close()
+        return in_netns(state.host_netns, call)
+
+    try:
+        eventually(lambda: sorted(h["name"] for h in central(lambda m: m.hosts()) if h["alive"]) == ["h1", "h2"],
+                   timeout=20, what="both agents holding their host leases")
+        attached: dict = {}
+
+        def attach(host: str) -> None:
+            try:
+                [attached[host]] = central(lambda m: m.attach(str(vms[host].admin_qmp_path), box="box2", host=host,
+                                                              timeout=60.0))
+            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                attached[host] = exc
+        threads = [threading.Thread(target=attach, args=(h,)) for h in vms]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(90)
+        assert sorted(attached) == ["h1", "h2"] and all(isinstance(v, dict) for v in attached.values()), attached
+        assert attached["h1"]["device"] != attached["h2"]["device"]  # one transaction each: never shared
+        for host, lease in attached.items():
+            assert lease["state"] == "attached" and lease["host"] == host
+            vm = vms[host]
+            bdf = guest_wait_for_child(vm, port_bdf(vm, lease["port"]), True, 30)
+            read = f"dxpu-mmio {bdf} enable >/dev/null && dxpu-mmio {bdf} 0 read 0"
+            assert vm.run(read).stdout.strip() == "0xd0c50001"  # testdev's ID, from box2 over this host's path
+            proxy_ns = os.stat(f"/proc/{lease['proxy_pid']}/ns/net").st_ino
+            assert proxy_ns == os.stat(f"/run/netns/{namespaces[host]}").st_ino, f"{host}'s proxy: not in its netns"
+        central(lambda m: [m.detach(str(vms[h].admin_qmp_path), lease["lease"], host=h, timeout=30.0)
+                           for h, lease in attached.items()])
+        assert central(lambda m: m.store.leases()) == []
+    finally:
+        for agent in agents:
+            terminate(agent)
+        for log in logs.values():
+            log.close()

@@ -110,9 +110,10 @@ class Manager:
         self._probe_lock = threading.Lock()
 
     def proxy_log(self, lease: Lease) -> Path:
-        """Host proxy logs live with the pool's state; a clean detach removes them."""
+        """Host proxy logs live with the pool's state (with etcd: beside ``--db``, which
+        names only this place then); a clean detach removes them."""
         directory = self.store.path.with_suffix(".logs")
-        directory.mkdir(exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)  # an etcd host need never have made the db's directory
         return directory / f"{lease.id}.log"
 
     def _vm_lock(self, key: str) -> threading.Lock:
