@@ -115,7 +115,8 @@ class Served:
             entry = next(e for e in registry.entries() if e["pid"] == self.box_pid)
             box = registry.collect(entry)["devices"][DEVICE]
             out["box_dma_read_msgs"], out["box_dma_wait_us"] = dma_read_requests(box["link"]["requests"])
-            out["box_dma_write_msgs"] = box["link"]["posted"].get("DMA_WRITE", 0)
+            posted = box["link"]["posted"]
+            out["box_dma_write_msgs"] = posted.get("DMA_WRITE", 0) + posted.get("DMA_WRITEV", 0)
             device = box["device"]
         out.update({k: device.get(k, 0) for k in DEVICE_KEYS})
         return out
