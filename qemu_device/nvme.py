@@ -842,8 +842,8 @@ class NvmeController(PciFunction):
                     if fetched is not None and fetched.pieces is not None:  # read with the rest of its batch
                         write_all(ns.fd, fetched.pieces, offset)  # from the DMA buffers, not joined first
                     else:  # locally: pwritev from guest memory
-                        self.dma_read_into_file(fetched.segments if fetched else self._segments(prp1, prp2, length, lists),
-                                                ns.fd, offset)
+                        segments = fetched.segments if fetched else self._segments(prp1, prp2, length, lists)
+                        self.dma_read_into_file(segments, ns.fd, offset)
                 self._count("bytes_written", length)
             else:  # IoOpcode.WRITE_ZEROES; DEAC (CDW12 bit 25): deallocate, as Identify's DLFEAT says
                 with _file_errors(Status.WRITE_FAULT):
