@@ -21,7 +21,7 @@ from dxpu_vfio.lab.hotplug import guest_wait_for_child, port_bdf
 from dxpu_vfio.namespaces import in_netns
 from dxpu_vfio.pool.boxes import fetch_inventory
 from dxpu_vfio.pool.etcd_store import EtcdStore
-from dxpu_vfio.pool.manager import Manager
+from dxpu_vfio.pool.manager import Manager, proxy_alive, stop_proxy
 from dxpu_vfio.pool.states import BoxState
 from dxpu_vfio.procs import pid_alive, terminate
 from dxpu_vfio.testing import eventually
@@ -184,6 +184,9 @@ def test_each_lab_host_runs_a_vm_and_its_agent_and_they_share_the_boxes_never_a_
         assert central(lambda m: m.store.leases()) == []
     finally:
         for agent in agents:
-            terminate(agent)
+            terminate(agent)  # an agent that stops leaves its host proxies running (its VMs keep their devices)
+        for lease in central(lambda m: m.store.leases()):  # what a failed run left attached: ended by pid
+            if proxy_alive(lease):
+                stop_proxy(lease)
         for log in logs.values():
             log.close()
