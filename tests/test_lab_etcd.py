@@ -20,7 +20,7 @@ from dxpu_vfio.lab import hotplug, lab
 from dxpu_vfio.lab.hotplug import guest_wait_for_child, port_bdf
 from dxpu_vfio.namespaces import in_netns
 from dxpu_vfio.pool.boxes import fetch_inventory
-from dxpu_vfio.pool.etcd_store import EtcdStore
+from dxpu_vfio.pool.etcd_store import EtcdStore, EtcdUnavailable
 from dxpu_vfio.pool.manager import Manager, proxy_alive, stop_proxy
 from dxpu_vfio.pool.states import BoxState
 from dxpu_vfio.procs import pid_alive, terminate
@@ -122,7 +122,7 @@ def agent_in(netns: str, host: str, endpoints: list[str], log, logs: Path) -> su
     it there (its host proxies start in that namespace too, their logs beside ``logs``);
     ended by pid at the end."""
     return subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-m", "dxpu_vfio.cli", "agent", "serve",
-                             "--store", "etcd", "--etcd-endpoints", ",".join(endpoints), "--host", host, "--ttl", "3",
+                             "--store", "etcd", "--etcd-endpoints", ",".join(endpoints), "--host", host, "--ttl", "10",
                              "--db", str(logs)],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -133,8 +133,9 @@ def test_each_lab_host_runs_a_vm_and_its_agent_and_they_share_the_boxes_never_a_
     namespace, on the lab's etcd, which the boxes announced themselves in). A central
     manager asks for two of box2's devices at once, one per host: each agent plugs its VM,
     each guest reads its testdev's registers over the host proxy its agent started in its
-    namespace, the two leases never name the same device, and a detach from the centre
-    is done by each agent."""
+    namespace, the two leases never name the same device; with the whole etcd down the
+    guests' devices work on and the pool names the endpoints it tried, and when etcd is
+    back a detach from the centre is done by each agent."""
     state = labs.own(topology())
     vms = {"h1": vm_factory.booted("tiny"), "h2": vm_factory.booted("tiny")}
     namespaces = {"h1": state.host_netns, "h2": state.extra_hosts[0]}
@@ -171,14 +172,36 @@ def test_each_lab_host_runs_a_vm_and_its_agent_and_they_share_the_boxes_never_a_
             thread.join(90)
         assert sorted(attached) == ["h1", "h2"] and all(isinstance(v, dict) for v in attached.values()), attached
         assert attached["h1"]["device"] != attached["h2"]["device"]  # one transaction each: never shared
+        reads: dict[str, str] = {}
         for host, lease in attached.items():
             assert lease["state"] == "attached" and lease["host"] == host
             vm = vms[host]
             bdf = guest_wait_for_child(vm, port_bdf(vm, lease["port"]), True, 30)
-            read = f"dxpu-mmio {bdf} enable >/dev/null && dxpu-mmio {bdf} 0 read 0"
+            reads[host] = read = f"dxpu-mmio {bdf} enable >/dev/null && dxpu-mmio {bdf} 0 read 0"
             assert vm.run(read).stdout.strip() == "0xd0c50001"  # testdev's ID, from box2 over this host's path
             proxy_ns = os.stat(f"/proc/{lease['proxy_pid']}/ns/net").st_ino
             assert proxy_ns == os.stat(f"/run/netns/{namespaces[host]}").st_ino, f"{host}'s proxy: not in its netns"
+        # The whole etcd down (its three members frozen, for less than the agents' host lease):
+        # the guests' devices work on, and the pool says where it looked; then it is back.
+        for pid in state.etcd_pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            for host, read in reads.items():
+                assert vms[host].run(read).stdout.strip() == "0xd0c50001", f"{host}'s device with etcd down"
+
+            def ask_frozen():
+                store = EtcdStore(state.etcd_endpoints, timeout=0.3, retry_for=0.5)
+                try:
+                    return store.leases()
+                finally:
+                    store.close()
+            with pytest.raises(EtcdUnavailable) as down:
+                in_netns(state.host_netns, ask_frozen)
+            assert all(url in down.value.message for url in state.etcd_endpoints)
+        finally:
+            for pid in state.etcd_pids:
+                os.kill(pid, signal.SIGCONT)
+        eventually(lambda: len(central(lambda m: m.store.leases())) == 2, timeout=20, what="the pool back with etcd")
         central(lambda m: [m.detach(str(vms[h].admin_qmp_path), lease["lease"], host=h, timeout=30.0)
                            for h, lease in attached.items()])
         assert central(lambda m: m.store.leases()) == []
