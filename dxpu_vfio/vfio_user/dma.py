@@ -172,19 +172,13 @@ class DmaTable(ScatterByPieces):
 
     def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
         """The file read straight into guest memory: one preadv over the mapped pieces."""
-        total = sum(n for _, n in pieces)
         if not self._file_io(pieces, fd, offset, DMA_FLAG_WRITE):
             super().write_from_file(pieces, fd, offset)
-            return
-        self.bytes_written += total
 
     def read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
         """Guest memory written to the file straight from the mapping: one pwritev."""
-        total = sum(n for _, n in pieces)
         if not self._file_io(pieces, fd, offset, DMA_FLAG_READ):
             super().read_into_file(pieces, fd, offset)
-            return
-        self.bytes_read += total
 
     def _file_io(self, ranges: list[tuple[int, int]], fd: int, offset: int, need: int) -> bool:
         """preadv (``need`` WRITE: file to guest) or pwritev (READ: guest to file) on views
@@ -207,6 +201,11 @@ class DmaTable(ScatterByPieces):
                     view.release()
                 for view in whole.values():
                     view.release()
+        total = sum(n for _, n in ranges)
+        if need == DMA_FLAG_WRITE:
+            self.bytes_written += total
+        else:
+            self.bytes_read += total
         return True
 
     def read(self, address: int, length: int) -> bytes:
