@@ -84,8 +84,8 @@ REG_ERROR_COUNT = 0x078
 
 ID_VALUE = 0xD0C5AC01
 VERSION_VALUE = 0x00010000
-CAP_GEMM_FP32, CAP_BF16, CAP_TIMESTAMP, CAP_SCATTER, CAP_TRAINING = (1 << n for n in range(5))
-CAPS_VALUE = CAP_GEMM_FP32 | CAP_BF16 | CAP_TIMESTAMP | CAP_SCATTER | CAP_TRAINING
+CAP_GEMM_FP32, CAP_BF16, CAP_TIMESTAMP, CAP_SCATTER, CAP_TRAINING, CAP_INLINE = (1 << n for n in range(6))
+CAPS_VALUE = CAP_GEMM_FP32 | CAP_BF16 | CAP_TIMESTAMP | CAP_SCATTER | CAP_TRAINING | CAP_INLINE
 
 CONTROL_ENABLE = 1 << 0
 CONTROL_RESET = 1 << 1           # engine reset: ring, error, counters (VRAM kept)
@@ -94,7 +94,8 @@ CAUSE_COMPLETION, CAUSE_ERROR = 1 << 0, 1 << 1
 
 ENTRY_SIZE = 64
 MAX_RING = 1 << 16               # entries
-MAX_FETCH = 256                  # entries fetched per DMA batch (16 KiB)
+MAX_FETCH = 4096                 # entries fetched per DMA batch (256 KiB: room for inline data)
+MAX_INLINE = 64 << 10            # bytes of one COPY_INLINE (1024 entries of data)
 MAX_SG = 4096                    # scatter-list entries per copy
 SG_ENTRY = 16                    # u64 guest address, u64 length
 COPY_BATCH = 16 << 20            # bytes per read_many/write_many of a copy (bounds the box's memory)
@@ -111,6 +112,7 @@ OP_COPY_D2D = 0x03      # a0 VRAM src, a1 VRAM dst, a2 length
 OP_FILL = 0x04          # a0 VRAM dst, a1 length, a2 u32 pattern (little-endian, repeated)
 OP_FENCE = 0x05         # a0 guest addr, a1 u64 value written there
 OP_TIMESTAMP = 0x06     # a0 guest addr: u64 device time in ns written there
+OP_COPY_INLINE = 0x07   # a0 VRAM dst, a1 length: the bytes are the ring's next ceil(a1 / 64) entries
 OP_GEMM = 0x10          # a0 A, a1 B, a2 C, a3 M, a4 N, a5 K: C(MxN) = op(A) @ op(B) (+ C)
 OP_BIAS_ADD = 0x11      # a0 X, a1 bias, a2 Y, a3 rows, a4 cols
 OP_ADD = 0x12           # a0 X, a1 Y, a2 Z, a3 n
@@ -143,6 +145,7 @@ ERR_BAD_RING = 5
 ERR_BAD_DOORBELL = 6
 ERR_BAD_DTYPE = 7
 ERR_BAD_SG = 8
+ERR_BAD_INLINE = 9
 ERR_INTERNAL = 0xFF
 
 U32 = 0xFFFF_FFFF
@@ -219,7 +222,7 @@ class AccelDevice(PciFunction):
         self._t0 = time.monotonic_ns()
         self._generation = 0
         self.counters = {"doorbells": 0, "fetches": 0, "entries": 0, "errors": 0,
-                         "doorbells_ignored": 0, "h2d_bytes": 0, "d2h_bytes": 0,
+                         "doorbells_ignored": 0, "h2d_bytes": 0, "d2h_bytes": 0, "inline_bytes": 0,
                          "kernel_ns": 0, "dma_ns": 0, "fetch_ns": 0, "copy_reads": 0, "copy_writes": 0,
                          "interrupts": 0}
         self.opcode_counts: dict[int, int] = {}
@@ -267,6 +270,7 @@ class AccelDevice(PciFunction):
         self._error_code = ERR_NONE
         self._error_index = self._error_opcode = self._error_info = 0
         self._error_count = 0
+        self._error_skip = 1           # entries ERROR_CLEAR skips: an inline copy's data with it
         self._completed = 0
         self._fence = 0
         self._time_hi = 0
@@ -369,7 +373,8 @@ class AccelDevice(PciFunction):
         """ERROR_CLEAR: forget the error, skip the entry that caused it, go on."""
         if self._enabled and self._error_index == self._head and self._error_code not in (
                 ERR_BAD_RING, ERR_BAD_DOORBELL):
-            self._head = (self._head + 1) % self._ring_size
+            self._head = (self._head + self._error_skip) % self._ring_size
+        self._error_skip = 1
         self._error_code = ERR_NONE
         self._error_index = self._error_opcode = self._error_info = 0
         self._cause &= ~CAUSE_ERROR
@@ -377,10 +382,11 @@ class AccelDevice(PciFunction):
             self.lower_interrupt()
         self._kick()
 
-    def _set_error(self, index: int, opcode: int, code: int, info: int) -> None:
+    def _set_error(self, index: int, opcode: int, code: int, info: int, skip: int = 1) -> None:
         if self._error_code == ERR_NONE:   # the first error is what the driver reads
             self._error_code, self._error_index, self._error_opcode = code, index, opcode
             self._error_info = info & U64
+            self._error_skip = skip
         self._error_count += 1
         self.counters["errors"] += 1
         self._signal(CAUSE_ERROR, 0)
@@ -430,23 +436,34 @@ class AccelDevice(PciFunction):
                         self._set_error(head, 0, ERR_DMA_FAULT, base + head * ENTRY_SIZE)
                 continue
             self.counters["fetches"] += 1
-            for i in range(count):
+            i = 0
+            while i < count:
                 index = (head + i) % size
                 entry = Entry.decode(raw[i * ENTRY_SIZE:(i + 1) * ENTRY_SIZE])
+                used = 1       # ring entries this command takes: an inline copy's data too
                 try:
-                    self._execute(entry, generation)
+                    if entry.opcode == OP_COPY_INLINE:
+                        used += self._inline_entries(entry)
+                        if i + used > count:
+                            if i > 0 or count < MAX_FETCH:
+                                break      # fetch again from this entry: its data is past the batch
+                            raise CommandError(ERR_BAD_INLINE, entry.args[1], "inline data past the fetch")
+                        self._op_copy_inline(entry, raw[(i + 1) * ENTRY_SIZE:(i + used) * ENTRY_SIZE], generation)
+                    else:
+                        self._execute(entry, generation)
                 except _Cancelled:
                     return
                 except CommandError as exc:
                     log.debug("accel command %#x at %d refused: %s", entry.opcode, index, exc)
                     with self.lock:
                         if generation == self._generation:
-                            self._set_error(index, entry.opcode, exc.code, exc.info)
+                            self._set_error(index, entry.opcode, exc.code, exc.info, used)
                     break
                 with self.lock:
                     if generation != self._generation:
                         return
-                    self._head = (index + 1) % size
+                    i += used
+                    self._head = (index + used) % size
                     self._completed += 1
                     self.counters["entries"] += 1
                     self.opcode_counts[entry.opcode] = self.opcode_counts.get(entry.opcode, 0) + 1
@@ -454,6 +471,13 @@ class AccelDevice(PciFunction):
                         self._signal(CAUSE_COMPLETION, entry.vector)
                     if not self._enabled:
                         break       # CONTROL.ENABLE cleared: the rest of the batch waits
+            else:
+                continue
+            with self.lock:     # stopped inside the batch: an error, a disable, or an inline copy
+                if generation == self._generation and self._head == head and not self._error_code \
+                        and self._enabled and (self._tail - head) % size == count:
+                    # an inline copy's data not yet doorbelled: the driver rang a tail inside it
+                    self._set_error(head, OP_COPY_INLINE, ERR_BAD_INLINE, count)
 
     # -- commands ---------------------------------------------------------------------------
 
@@ -537,6 +561,23 @@ class AccelDevice(PciFunction):
             data = chunks[0] if len(chunks) == 1 else b"".join(chunks)   # one piece: no copy
             self._vram_write(generation, dst + pos, data)
             self.counters["h2d_bytes"] += len(data)
+
+    def _inline_entries(self, entry: Entry) -> int:
+        """The ring entries an inline copy's data takes (checked: 1 to MAX_INLINE bytes)."""
+        length = entry.args[1]
+        if not 1 <= length <= MAX_INLINE:
+            raise CommandError(ERR_BAD_INLINE, length, f"an inline copy of {length} bytes (1 to {MAX_INLINE})")
+        return -(-length // ENTRY_SIZE)
+
+    def _op_copy_inline(self, entry: Entry, data: bytes, generation: int) -> None:
+        """Bytes that came with the ring fetch (I2M, like a GPU's inline-to-memory
+        method): a small host-to-VRAM copy without a DMA read of its own, so on a GPU box
+        without a round trip of its own."""
+        dst, length = entry.args[0], entry.args[1]
+        self._check_vram(dst, length)
+        self._vram_write(generation, dst, memoryview(data)[:length])
+        self.counters["h2d_bytes"] += length
+        self.counters["inline_bytes"] += length
 
     def _op_copy_d2h(self, entry: Entry, generation: int) -> None:
         pieces = self._host_pieces(entry)
@@ -729,4 +770,4 @@ class AccelDevice(PciFunction):
     }
 
 
-OPCODES = frozenset(AccelDevice._HANDLERS)
+OPCODES = frozenset(AccelDevice._HANDLERS) | {OP_COPY_INLINE}   # inline copies: run by _drain itself

@@ -68,6 +68,8 @@ def main() -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--copy-mib", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="the device's BLAS threads (both paths)")
+    parser.add_argument("--inline-max", type=int, default=None,
+                        help="the runtime's limit for copies in the ring, bytes (0: each copy a DMA read; default 64 KiB)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     names = args.workloads.split(",")
@@ -81,7 +83,8 @@ def main() -> int:
     try:
         state = lab.up(topo)
         floor = floors.measure_lab(state, BOX)
-        with served("local", None, args.threads) as (local, lacc), served("remote", state, args.threads) as (remote, racc):
+        with served("local", None, args.threads, args.inline_max) as (local, lacc), \
+                served("remote", state, args.threads, args.inline_max) as (remote, racc):
             before = remote.counters()
             client_rtt = racc.register_reads(300)
             after = remote.counters()
@@ -137,7 +140,8 @@ def main() -> int:
     goals.update({f"copy_{d}_remote_vs_tls_bulk": copy["remote"][f"{d}_MBps"] / tls_bulk for d in ("h2d", "d2h")})
     print("goals (want workloads <= 1.10, copies >= 0.50 of local): "
           + ", ".join(f"{k} = {v:.2f}" for k, v in goals.items()))
-    path = write_json("accel", {"passes": args.passes, "threads": args.threads, "load_average": load,
+    path = write_json("accel", {"passes": args.passes, "threads": args.threads, "inline_max": args.inline_max,
+                                "load_average": load,
                                 "link_rtt_s": rtt, "client_read_s": client_rtt, "local_read_s": local_read,
                                 "results": results, "copy": copy, "floor": floor, "goals": goals}, args.out)
     print(f"\nJSON: {path}")

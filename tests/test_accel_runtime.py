@@ -155,6 +155,41 @@ def test_a_batch_is_one_doorbell_and_one_fetch(local):
     assert int.from_bytes(dev.memcpy_dtoh(x, 4), "little") == 99
 
 
+def test_small_copies_travel_in_the_ring_and_large_ones_by_dma(local):
+    """A copy to VRAM of at most ``inline_max`` bytes is a COPY_INLINE: the doorbell's ring
+    fetch brings it, no DMA read of its own (on a box: no round trip of its own). Many of
+    them wrap the ring; a larger copy is still a DMA read."""
+    dev, device = local
+    assert dev.caps & rt.CAP_INLINE and dev.inline_max == 64 << 10
+    x = dev.malloc(1 << 20)
+    rng = np.random.default_rng(5)
+    s = dev.stream()
+    before = device.stats()
+    chunks = [rng.bytes(n) for n in (1, 63, 64, 65, 4096, 64 << 10)] * 5   # 345 KiB: the ring (256) wraps
+    at = 0
+    for chunk in chunks:
+        s.memcpy_htod(x + at, chunk)
+        at += len(chunk)
+    s.synchronize()
+    after = device.stats()
+    assert after["copy_reads"] == before["copy_reads"] and after["doorbells"] - before["doorbells"] >= 2
+    assert after["inline_bytes"] - before["inline_bytes"] == at
+    assert dev.memcpy_dtoh(x, at) == b"".join(chunks)
+    big = rng.bytes((64 << 10) + 1)
+    dev.memcpy_htod(x, big)
+    assert device.stats()["copy_reads"] == after["copy_reads"] + 1 and dev.memcpy_dtoh(x, len(big)) == big
+    before = device.stats()
+    reads, read32 = [], dev.mmio.read32
+    dev.mmio.read32 = lambda offset: reads.append(offset) or read32(offset)
+    try:
+        for i in range(12):     # 12 passes of 1026 entries round a 4096-entry ring: one doorbell each, and
+            s.memcpy_htod(x, chunks[5])     # no RING_HEAD read (a round trip): the fences say where HEAD is
+            s.synchronize()
+    finally:
+        dev.mmio.read32 = read32
+    assert device.stats()["doorbells"] - before["doorbells"] == 12 and rt.REG_RING_HEAD not in reads
+
+
 def test_copies_from_a_scattered_host_buffer(local):
     """A host buffer of 4 KiB pages in reverse order: copies go through scatter lists."""
     dev, _ = local

@@ -44,6 +44,7 @@ class Driver:
         self.dev, self.ram, self.size = dev, ram, ring_size
         self.tail = 0
         self.fence = 0
+        self.base = RING
 
     def w32(self, off: int, value: int) -> None:
         self.dev.region_write(0, off, value.to_bytes(4, "little"))
@@ -59,14 +60,22 @@ class Driver:
         self.w32(ac.REG_RING_BASE_HI, base >> 32)
         self.w32(ac.REG_RING_SIZE, self.size)
         self.w32(ac.REG_CONTROL, ac.CONTROL_ENABLE)
-        self.tail = 0
+        self.tail, self.base = 0, base
 
     def post(self, entry: bytes) -> int:
         """Write one entry at the tail without ringing; returns its ring index."""
         index = self.tail
-        off = RING - RAM_BASE + index * ac.ENTRY_SIZE
+        off = self.base - RAM_BASE + index * ac.ENTRY_SIZE
         self.ram.ram[off:off + ac.ENTRY_SIZE] = entry
         self.tail = (self.tail + 1) % self.size
+        return index
+
+    def post_inline(self, vram: int, data: bytes, length: int | None = None) -> int:
+        """A COPY_INLINE entry and its data in the entries after it; returns its index."""
+        index = self.post(ac.encode_entry(ac.OP_COPY_INLINE, vram, len(data) if length is None else length))
+        padded = data + bytes(-len(data) % ac.ENTRY_SIZE)
+        for at in range(0, len(padded), ac.ENTRY_SIZE):
+            self.post(padded[at:at + ac.ENTRY_SIZE])
         return index
 
     def ring(self) -> None:
@@ -296,10 +305,12 @@ def test_a_wrapping_batch_is_two_pieces_of_one_read_many():
 
 
 def test_more_entries_than_one_fetch():
-    drv, _ = make(ring_size=1024)
+    drv, _ = make(ring_size=16384)
     try:
-        drv.run(*[ac.encode_entry(ac.OP_NOP)] * 599)
-        assert drv.dev.stats()["fetches"] == 3 and drv.dev.stats()["completed"] == 600
+        drv.w32(ac.REG_CONTROL, ac.CONTROL_RESET)
+        drv.enable(BUF)                          # 1 MiB of ring: past the fences and lists
+        drv.run(*[ac.encode_entry(ac.OP_NOP)] * (2 * ac.MAX_FETCH + 99))
+        assert drv.dev.stats()["fetches"] == 3 and drv.dev.stats()["completed"] == 2 * ac.MAX_FETCH + 100
     finally:
         drv.dev.close()
 
@@ -427,6 +438,83 @@ def test_kernel_time_is_counted(drv):
 
 # -- errors ---------------------------------------------------------------------------
 
+def test_inline_copy_comes_with_the_ring_fetch(drv):
+    """COPY_INLINE: the bytes are in the ring, so the doorbell's one fetch is all the DMA."""
+    data = bytes(range(256)) * 3 + b"odd tail"                  # 776 bytes: 13 entries, the last padded
+    drv.ram.batches.clear()
+    index = drv.post_inline(4096, data)
+    after = drv.post(ac.encode_entry(ac.OP_FENCE, FENCES + 8, 7))
+    drv.run()
+    assert after == index + 1 + 13
+    assert drv.dev.region_read(2, 4096, len(data)) == data
+    assert drv.dev.region_read(2, 4096 + len(data), 8) == bytes(8)   # the padding stays out of VRAM
+    assert drv.ram.batches == [[(RING, (1 + 13 + 1 + 1) * ac.ENTRY_SIZE)]]
+    stats = drv.dev.stats()
+    assert stats["copy_reads"] == 0 and stats["inline_bytes"] == len(data) and stats["completed"] == 3
+    assert drv.fence_value(1) == 7 and drv.r32(ac.REG_RING_HEAD) == after + 2
+
+
+def test_inline_data_may_wrap_the_ring():
+    drv, _ = make(ring_size=16)
+    try:
+        drv.run(*[ac.encode_entry(ac.OP_NOP)] * 9)              # head at 10
+        data = np.arange(96, dtype=np.uint8).tobytes() * 4     # 384 bytes: 6 entries, 10..15 and 0
+        drv.post_inline(0, data)
+        drv.run()
+        assert drv.dev.region_read(2, 0, len(data)) == data and drv.error()[0] == 0
+    finally:
+        drv.dev.close()
+
+
+def test_inline_copy_whose_data_is_past_one_fetch_is_fetched_again():
+    drv, _ = make(ring_size=16384)
+    try:
+        drv.w32(ac.REG_CONTROL, ac.CONTROL_RESET)
+        drv.enable(BUF)
+        data = np.random.default_rng(3).bytes(ac.MAX_INLINE)
+        for _ in range(ac.MAX_FETCH - 10):
+            drv.post(ac.encode_entry(ac.OP_NOP))
+        drv.post_inline(1 << 20, data)                          # its data runs past the first fetch
+        drv.run()
+        assert drv.dev.region_read(2, 1 << 20, len(data)) == data and drv.error()[0] == 0
+        assert drv.dev.stats()["fetches"] == 2 and drv.dev.stats()["completed"] == ac.MAX_FETCH - 10 + 2
+    finally:
+        drv.dev.close()
+
+
+@pytest.mark.parametrize("length", [0, ac.MAX_INLINE + 1])
+def test_inline_copy_of_a_bad_length_is_refused(drv, length):
+    index = drv.post_inline(0, b"", length)
+    drv.ring()
+    assert drv.dev.wait_idle(10)
+    assert drv.error()[:3] == (ac.ERR_BAD_INLINE, index, ac.OP_COPY_INLINE)
+    drv.w32(ac.REG_ERROR_CLEAR, 1)                              # skips the one entry
+    drv.run()
+    assert drv.error()[0] == 0
+
+
+def test_inline_copy_outside_vram_is_skipped_with_its_data(drv):
+    """ERROR_CLEAR skips the refused copy and its data: the data is never run as commands."""
+    index = drv.post_inline(64 * MiB - 8, encode_nonsense := ac.encode_entry(0x7E) * 2)
+    drv.ring()
+    assert drv.dev.wait_idle(10)
+    assert drv.error()[:3] == (ac.ERR_VRAM_RANGE, index, ac.OP_COPY_INLINE)
+    drv.w32(ac.REG_ERROR_CLEAR, 1)
+    drv.run()
+    assert drv.error()[0] == 0 and drv.r32(ac.REG_RING_HEAD) == index + 1 + len(encode_nonsense) // 64 + 1
+
+
+def test_doorbell_inside_inline_data_is_refused(drv):
+    index = drv.post_inline(0, bytes(640))                      # 1 + 10 entries
+    drv.w32(ac.REG_DOORBELL, index + 5)                         # rings half of the data
+    assert drv.dev.wait_idle(10)
+    assert drv.error()[:3] == (ac.ERR_BAD_INLINE, index, ac.OP_COPY_INLINE)
+    drv.dev.region_write(0, ac.REG_CONTROL, ac.CONTROL_RESET.to_bytes(4, "little"))
+    drv.enable()
+    drv.run(ac.encode_entry(ac.OP_NOP))
+    assert drv.error()[0] == 0
+
+
 def test_unknown_opcode_stops_the_ring_until_cleared(drv):
     irq = drv.dev.irq
     drv.post(ac.encode_entry(ac.OP_FENCE, FENCES, 1))
@@ -529,7 +617,7 @@ def test_random_entries_never_crash_the_device(drv):
     entries = []
     for _ in range(300):
         raw = bytearray(rng.randbytes(64))
-        raw[0] = rng.choice(list(ac.OPCODES) + [0x55, 0xFF])
+        raw[0] = rng.choice(sorted(ac.OPCODES) + [0x55, 0xFF])
         for i in range(8, 64, 8):   # mostly small numbers, so some commands are valid
             if rng.random() < 0.7:
                 raw[i:i + 8] = rng.randrange(0, 1 << 21).to_bytes(8, "little")
@@ -545,7 +633,8 @@ def test_random_entries_never_crash_the_device(drv):
                 assert drv.dev.wait_idle(30)
     assert drv.dev.worker.running
     stats = drv.dev.stats()
-    assert stats["errors"] > 50 and stats["completed"] > 50   # both refused and run commands
+    assert sum(e[0] == ac.OP_COPY_INLINE for e in entries) > 5      # inline copies eating entries as data
+    assert stats["errors"] > 50 and stats["completed"] > 30   # both refused and run commands (inline copies too)
     drv.dev.reset()
     drv.dev.region_write(CONFIG, 4, (0x6).to_bytes(2, "little"))
     drv.enable()

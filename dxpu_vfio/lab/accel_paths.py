@@ -52,7 +52,8 @@ class HostSideAccel:
     """The runtime's ``Accel`` on a served device (a host proxy's vfio-user socket), with
     a memfd DMA-mapped as guest RAM. A context manager: ``close`` ends the session."""
 
-    def __init__(self, socket_path: Path, ram_size: int = GUEST_RAM, timeout: float = 60.0) -> None:
+    def __init__(self, socket_path: Path, ram_size: int = GUEST_RAM, timeout: float = 60.0,
+                 inline_max: int | None = None) -> None:
         self.client = VfioUserClient(socket_path)
         self.client.negotiate()
         fd = os.memfd_create("dxpu-guest-ram")
@@ -64,7 +65,8 @@ class HostSideAccel:
             os.close(fd)
         cmd = int.from_bytes(self.client.read(p.REGION_CONFIG, 4, 2), "little")
         self.client.write(p.REGION_CONFIG, 4, (cmd | 6).to_bytes(2, "little"))   # memory + bus master
-        self.dev = rt.Accel(_ClientMmio(self.client), rt.MappedMemory(self.ram, GUEST_BASE), timeout=timeout)
+        self.dev = rt.Accel(_ClientMmio(self.client), rt.MappedMemory(self.ram, GUEST_BASE), timeout=timeout,
+                            inline_max=inline_max)
 
     def register_reads(self, count: int) -> float:
         """Mean seconds per BAR0 read seen by this client (a link round trip when remote)."""
@@ -123,9 +125,11 @@ class Served:
 
 
 @contextmanager
-def served(kind: str, state: lab.LabState | None, threads: int = 1) -> Iterator[tuple[Served, HostSideAccel]]:
+def served(kind: str, state: lab.LabState | None, threads: int = 1,
+           inline_max: int | None = None) -> Iterator[tuple[Served, HostSideAccel]]:
     """``kind`` "local" (no lab needed) or "remote" (the box of ``state``); yields the
-    served device and the runtime opened on it; stops the host proxy after."""
+    served device and the runtime opened on it (``inline_max``: its limit for copies in
+    the ring, 0 for none); stops the host proxy after."""
     work = Path(tempfile.mkdtemp(prefix="dxpu-accel-"))
     if kind == "local":
         proxy = HostProxyProcess("accel", work / "accel.sock", settings={"vram_size": VRAM, "threads": threads},
@@ -138,7 +142,7 @@ def served(kind: str, state: lab.LabState | None, threads: int = 1) -> Iterator[
         box_pid = state.box(BOX).proxy_pid
     proxy.start()
     try:
-        with HostSideAccel(proxy.socket_path) as accel:
+        with HostSideAccel(proxy.socket_path, inline_max=inline_max) as accel:
             yield Served(kind, proxy, box_pid), accel
     finally:
         proxy.stop()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import collections
 import ctypes
 import errno
 import math
@@ -53,13 +54,15 @@ REG_COMPLETED_LO, REG_FENCE_LO, REG_TIME_LO, REG_TIME_HI = 0x060, 0x068, 0x070, 
 CONTROL_ENABLE, CONTROL_RESET = 1, 2
 STATUS_ENABLED, STATUS_BUSY, STATUS_ERROR = 1, 2, 4
 
-OP_NOP, OP_COPY_H2D, OP_COPY_D2H, OP_COPY_D2D, OP_FILL, OP_FENCE, OP_TIMESTAMP = range(7)
+OP_NOP, OP_COPY_H2D, OP_COPY_D2H, OP_COPY_D2D, OP_FILL, OP_FENCE, OP_TIMESTAMP, OP_COPY_INLINE = range(8)
 (OP_GEMM, OP_BIAS_ADD, OP_ADD, OP_MUL, OP_RELU, OP_GELU, OP_SOFTMAX, OP_LAYER_NORM,
  OP_RELU_GRAD, OP_AXPY, OP_SUM_ROWS) = range(0x10, 0x1B)
 FLAG_INTERRUPT, FLAG_SG, FLAG_ACCUMULATE, FLAG_TRANS_A, FLAG_TRANS_B, FLAG_AFFINE = (1 << n for n in range(6))
 DTYPE_F32, DTYPE_BF16 = 0, 1
+CAP_INLINE = 1 << 5                      # COPY_INLINE: a copy's bytes in the ring
+INLINE_MAX = 64 << 10                    # the device's limit for one inline copy
 ERROR_NAMES = {1: "bad opcode", 2: "VRAM range", 3: "bad shape", 4: "DMA fault", 5: "bad ring",
-               6: "bad doorbell", 7: "bad dtype", 8: "bad scatter list", 0xFF: "internal"}
+               6: "bad doorbell", 7: "bad dtype", 8: "bad scatter list", 9: "bad inline copy", 0xFF: "internal"}
 
 ENTRY = struct.Struct("<BBBBI7Q")
 ENTRY_SIZE = 64
@@ -312,7 +315,8 @@ class Event:
 class Accel:
     """An opened accelerator: its ring, fences and allocators."""
 
-    def __init__(self, mmio, memory: Memory, ring_entries: int | None = None, timeout: float = 60.0) -> None:
+    def __init__(self, mmio, memory: Memory, ring_entries: int | None = None, timeout: float = 60.0,
+                 inline_max: int | None = None) -> None:
         self.mmio, self.memory, self.timeout = mmio, memory, timeout
         ident = mmio.read32(REG_ID)
         if ident == ALL_ONES:
@@ -322,8 +326,13 @@ class Accel:
         self.caps = mmio.read32(REG_CAPS)
         self.vram_size = mmio.read32(REG_VRAM_SIZE_HI) << 32 | mmio.read32(REG_VRAM_SIZE_LO)
         if ring_entries is None:
-            ring_entries = min(1024, memory.contiguous_max // ENTRY_SIZE)
+            ring_entries = min(4096, memory.contiguous_max // ENTRY_SIZE)
         self.ring_size = ring_entries
+        # copies of at most this many bytes travel in the ring (COPY_INLINE): no DMA read of
+        # their own, so on a GPU box no round trip of their own; a quarter of the ring at most
+        room = ring_entries // 4 * ENTRY_SIZE
+        self.inline_max = 0 if not self.caps & CAP_INLINE else min(
+            INLINE_MAX, room, INLINE_MAX if inline_max is None else inline_max)
         self.ring = memory.alloc(ring_entries * ENTRY_SIZE, contiguous=True)
         self.fences = memory.alloc(PAGE, contiguous=True)   # slot 0: the fence; 1..: timestamps
         self._pool: list[HostBuffer] = []   # DMA buffers for staging and scatter lists, smallest first
@@ -358,6 +367,7 @@ class Accel:
         self.fences.view[:8] = bytes(8)
         self._seq = 0
         self._tail = self._head = 0
+        self._fenced: collections.deque[tuple[int, int]] = collections.deque()   # (fence value, ring index after it)
         self.check()
 
     def check(self) -> None:
@@ -431,27 +441,40 @@ class Accel:
         self._pool.extend(buffers)
         self._pool.sort(key=lambda b: b.size)
 
-    def _submit(self, entries: list[bytes]) -> None:
-        """Write ``entries`` into the ring and ring the doorbell (more than once only when
-        the ring has no room for all of them)."""
+    def _submit(self, commands: list[bytes]) -> None:
+        """Write ``commands`` into the ring and ring the doorbell (more than once only when
+        the ring has no room for all of them). A command is one entry, or an inline copy's
+        entry and its data: never split by a doorbell (the device would refuse it)."""
         view, size = self.ring.view, self.ring_size
         pending = 0
-        for entry in entries:
-            while (self._tail + 1) % size == self._head:
+        for command in commands:
+            need = len(command) // ENTRY_SIZE
+            while (self._head - self._tail - 1) % size < need and not self._passed_fences(need):
                 if pending:
                     self._doorbell()
                     pending = 0
                 self._wait_room()
             pos = self._tail * ENTRY_SIZE
-            view[pos:pos + ENTRY_SIZE] = entry
-            self._tail = (self._tail + 1) % size
-            pending += 1
+            first = min(len(command), size * ENTRY_SIZE - pos)
+            view[pos:pos + first] = command[:first]
+            if first < len(command):        # wraps: the rest at the ring's start
+                view[:len(command) - first] = command[first:]
+            self._tail = (self._tail + need) % size
+            pending += need
         if pending:
             self._doorbell()
 
     def _doorbell(self) -> None:
         self.mmio.write32(REG_DOORBELL, self._tail)
         self.doorbells += 1
+
+    def _passed_fences(self, need: int) -> bool:
+        """Move our HEAD past the fences the device has written (free: guest memory, where
+        reading RING_HEAD is an MMIO read, a round trip); True if ``need`` entries fit now."""
+        done = self._fence_value()
+        while self._fenced and self._fenced[0][0] <= done:
+            self._head = self._fenced.popleft()[1]
+        return (self._head - self._tail - 1) % self.ring_size >= need
 
     def _wait_room(self) -> None:
         deadline = time.monotonic() + self.timeout
@@ -470,6 +493,12 @@ class Accel:
     def _next_fence(self) -> int:
         self._seq += 1
         return self._seq
+
+    def _fenced_at(self, value: int) -> None:
+        """Fence ``value`` is the last entry submitted: once it is written, HEAD is here."""
+        self._fenced.append((value, self._tail))
+        if len(self._fenced) > 1024:
+            self._fenced.popleft()
 
     def _fence_value(self) -> int:
         return struct.unpack_from("<Q", self.fences.view, 0)[0]
@@ -517,6 +546,7 @@ class Stream:
         value = self.dev._next_fence()
         self._push(OP_FENCE, self.dev.fences.address, value)
         self.flush()
+        self.dev._fenced_at(value)
         return Event(self.dev, value)
 
     def synchronize(self, timeout: float | None = None) -> None:
@@ -542,7 +572,16 @@ class Stream:
 
     def memcpy_htod(self, dst: int, src, nbytes: int | None = None, offset: int = 0) -> None:
         """Host to VRAM. ``src`` a HostBuffer (used in place: keep it unchanged until the
-        stream is synchronized) or bytes-like (staged now, so the caller may reuse it)."""
+        stream is synchronized) or bytes-like (staged now, so the caller may reuse it).
+        A copy of at most ``inline_max`` bytes goes in the ring itself (taken now)."""
+        view = src.view if isinstance(src, HostBuffer) else memoryview(src).cast("B")
+        count = len(view) - offset if nbytes is None else nbytes
+        if 0 < count <= self.dev.inline_max:
+            data = view[offset:offset + count]
+            pad = -count % ENTRY_SIZE
+            self._entries.append(ENTRY.pack(OP_COPY_INLINE, 0, 0, 0, 0, dst, count, 0, 0, 0, 0, 0)
+                                 + bytes(data) + bytes(pad))
+            return
         if not isinstance(src, HostBuffer):
             data = memoryview(src).cast("B")
             staging = self.dev._take_staging(len(data), self._in_use)
