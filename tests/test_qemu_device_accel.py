@@ -304,11 +304,17 @@ def test_a_wrapping_batch_is_two_pieces_of_one_read_many():
         drv.dev.close()
 
 
-def test_more_entries_than_one_fetch():
+def make_big_ring() -> Driver:
+    """A 16384-entry ring (1 MiB, at BUF: past the fences and lists): more than one fetch."""
     drv, _ = make(ring_size=16384)
+    drv.w32(ac.REG_CONTROL, ac.CONTROL_RESET)
+    drv.enable(BUF)
+    return drv
+
+
+def test_more_entries_than_one_fetch():
+    drv = make_big_ring()
     try:
-        drv.w32(ac.REG_CONTROL, ac.CONTROL_RESET)
-        drv.enable(BUF)                          # 1 MiB of ring: past the fences and lists
         drv.run(*[ac.encode_entry(ac.OP_NOP)] * (2 * ac.MAX_FETCH + 99))
         assert drv.dev.stats()["fetches"] == 3 and drv.dev.stats()["completed"] == 2 * ac.MAX_FETCH + 100
     finally:
@@ -467,10 +473,8 @@ def test_inline_data_may_wrap_the_ring():
 
 
 def test_inline_copy_whose_data_is_past_one_fetch_is_fetched_again():
-    drv, _ = make(ring_size=16384)
+    drv = make_big_ring()
     try:
-        drv.w32(ac.REG_CONTROL, ac.CONTROL_RESET)
-        drv.enable(BUF)
         data = np.random.default_rng(3).bytes(ac.MAX_INLINE)
         for _ in range(ac.MAX_FETCH - 10):
             drv.post(ac.encode_entry(ac.OP_NOP))
