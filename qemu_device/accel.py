@@ -222,7 +222,8 @@ class AccelDevice(PciFunction):
         self._t0 = time.monotonic_ns()
         self._generation = 0
         self.counters = {"doorbells": 0, "fetches": 0, "entries": 0, "errors": 0,
-                         "doorbells_ignored": 0, "h2d_bytes": 0, "d2h_bytes": 0, "inline_bytes": 0,
+                         "doorbells_ignored": 0, "h2d_bytes": 0, "d2h_bytes": 0,
+                         "inline_copies": 0, "inline_bytes": 0,
                          "kernel_ns": 0, "dma_ns": 0, "fetch_ns": 0, "copy_reads": 0, "copy_writes": 0,
                          "interrupts": 0}
         self.opcode_counts: dict[int, int] = {}
@@ -577,6 +578,7 @@ class AccelDevice(PciFunction):
         self._check_vram(dst, length)
         self._vram_write(generation, dst, memoryview(data)[:length])
         self.counters["h2d_bytes"] += length
+        self.counters["inline_copies"] += 1
         self.counters["inline_bytes"] += length
 
     def _op_copy_d2h(self, entry: Entry, generation: int) -> None:

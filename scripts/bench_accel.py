@@ -58,7 +58,8 @@ def breakdown(run: dict, rtt_s: float) -> dict:
             "device_other_s": max(0.0, span - compute - copies),
             "round_trips_counted": per["fetches"] + per["copy_reads"] + per["doorbells"],
             "status_reads": per["host_reads"],
-            "launches": per["doorbells"], "copy_batches": per["copy_reads"] + per["copy_writes"],
+            "launches": per["doorbells"],
+            "copy_batches": per["copy_reads"] + per["copy_writes"] + per["inline_copies"],
             "bytes": per["h2d_bytes"] + per["d2h_bytes"]}
 
 

@@ -32,7 +32,7 @@ rt = load_runtime()
 BOX, DEVICE = "box1", "acc0"
 VRAM = 1 << 30
 DEVICE_KEYS = ("kernel_ns", "dma_ns", "fetch_ns", "fetches", "doorbells", "entries", "copy_reads",
-               "copy_writes", "h2d_bytes", "d2h_bytes")
+               "copy_writes", "inline_copies", "h2d_bytes", "d2h_bytes")
 
 
 class _ClientMmio:

@@ -36,7 +36,7 @@ def _point(run: dict) -> dict:
     per = run["per_pass"]
     launches = per["doorbells"]
     launch_trips = per["fetches"] + launches
-    batches = per["copy_reads"] + per["copy_writes"]
+    batches = per["copy_reads"] + per["copy_writes"] + per["inline_copies"]   # an inline copy: no round trip
     return {"runtime_s": run["median_s"], "round_trips": round(launch_trips + per["copy_reads"]),
             "launches": launches, "copy_batches": batches, "status_reads": per["host_reads"],
             "round_trips_per_launch": launch_trips / launches if launches else 0.0,
