@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from . import header
 from .bars import BarSpec, install_bars, validate_bar_layout
@@ -343,6 +343,12 @@ class PciFunction:
         """Several DMA reads at once (scatter lists): one round trip for all of them on a
         port that pipelines, one read each on local memory."""
         return self._dma_port_checked().read_many(pieces)
+
+    def dma_read_many_begin(self, pieces: list[tuple[int, int]]) -> Callable[[], list[bytes]]:
+        """:meth:`dma_read_many` started now, finished by the call it returns (see
+        :meth:`DmaPort.read_many_begin`); never waits on the network, so it may be called
+        with ``self.lock`` held (a doorbell's handler)."""
+        return self._dma_port_checked().read_many_begin(pieces)
 
     def dma_write(self, addr: int, data: bytes) -> None:
         """DMA write through the port, refused while Bus Master Enable is off."""

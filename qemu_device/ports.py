@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Protocol
+from typing import Callable, Protocol
 
 from qemu_device.backing import write_all
 
@@ -41,6 +41,15 @@ class DmaPort(Protocol):
 
     def write_many(self, pieces: list[tuple[int, bytes | memoryview]]) -> None:
         """Several writes, in order: a port on a network sends them together."""
+        ...
+
+    def read_many_begin(self, pieces: list[tuple[int, int]]) -> Callable[[], list[bytes]]:
+        """Start :meth:`read_many` now, finish it later: the call returned gives the
+        ranges (or raises DmaError). On a network the requests leave now, so a device
+        can send a doorbell's first read from the thread that took the doorbell and its
+        worker, when it wakes, finds the completion there or on its way: the worker's
+        wake-up overlaps the round trip. Never blocks on the network; local memory reads
+        when finished."""
         ...
 
     def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
@@ -87,6 +96,9 @@ class ScatterByPieces:
 
     def read_many(self, pieces: list[tuple[int, int]]) -> list[bytes]:
         return [self.read(addr, length) for addr, length in pieces]  # type: ignore[attr-defined]
+
+    def read_many_begin(self, pieces: list[tuple[int, int]]) -> Callable[[], list[bytes]]:
+        return lambda: self.read_many(pieces)   # local memory: nothing to overlap
 
     def write_many(self, pieces: list[tuple[int, bytes | memoryview]]) -> None:
         for addr, data in pieces:

@@ -228,6 +228,30 @@ def test_a_wrong_dma_readv_completion_is_a_dma_error_and_the_link_serves_on(read
     assert endpoint.up and port.read(0x1000, 16) == page_marks(0x1000, 16)
 
 
+@pytest.mark.parametrize("readv", [True, False])
+def test_a_read_begun_sends_at_once_and_its_finish_gets_the_data(link, readv):
+    """read_many_begin: the requests leave before the finish is called (a doorbell's fetch,
+    sent by the thread that took the doorbell), the finish returns the bytes in order."""
+    _port, host, endpoint = link
+    port = LinkDmaPort(endpoint, readv=readv)
+    ranges = [(0x7000, 64 * 20), (0x4000, 128)]                 # a ring fetch that wraps
+    finish = port.read_many_begin(ranges)
+    assert port.requests == (1 if readv else 2) and port.early_reads == 1   # sent, nobody waits yet
+    assert [bytes(d) for d in finish()] == [page_marks(a, n) if readv else b"\xab" * n for a, n in ranges]
+    assert port.bytes_read == 64 * 20 + 128 and endpoint.up
+
+
+def test_a_read_begun_that_is_refused_fails_when_finished(link):
+    """Errors of a begun read surface where the device handles them: at the finish."""
+    port, host, endpoint = link
+    finish = port.read_many_begin([((1 << 64) - 8, 16)])        # past the address space
+    with pytest.raises(DmaError):
+        finish()
+    big = port.read_many_begin([(0x100000, 4 << 20)])            # more than one window: read when finished
+    assert port.early_reads == 0 and port.requests == 0
+    assert [bytes(d) for d in big()] == [b"\xab" * (4 << 20)]
+
+
 # --- DMA_WRITEV: a host that offered it gets a scatter list as one posted message -------------
 
 @pytest.mark.parametrize("writev", [True, False])

@@ -312,6 +312,36 @@ def make_big_ring() -> Driver:
     return drv
 
 
+class NetworkRam(CountingRam):
+    """Guest RAM that says its reads wait on a network, as the box's port does, and records
+    which thread began each read."""
+
+    reads_wait_on_network = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.begun: list[tuple[str, list[tuple[int, int]]]] = []
+
+    def read_many_begin(self, pieces):
+        self.begun.append((threading.current_thread().name, list(pieces)))
+        return lambda: self.read_many(pieces)
+
+
+def test_on_a_network_the_doorbell_begins_the_ring_fetch():
+    """The fetch's requests leave from the thread that wrote the doorbell (the box's link
+    reader), not from the worker after its wake-up; the worker finishes that same read."""
+    drv, _ = make()
+    try:
+        drv.dev.dma = drv.ram = NetworkRam()
+        drv.post(ac.encode_entry(ac.OP_FILL, 0, 64, 0x01010101))
+        drv.run()                                               # the fill + the fence: one doorbell
+        assert drv.ram.begun == [(threading.current_thread().name, [(RING, 2 * ac.ENTRY_SIZE)])]
+        assert drv.ram.batches == [[(RING, 2 * ac.ENTRY_SIZE)]] and drv.dev.stats()["fetches"] == 1
+        assert drv.dev.region_read(2, 0, 64) == b"\x01" * 64
+    finally:
+        drv.dev.close()
+
+
 def test_more_entries_than_one_fetch():
     drv = make_big_ring()
     try:

@@ -14,6 +14,7 @@ link goes on (its framing is intact).
 from __future__ import annotations
 
 import collections
+from typing import Callable
 
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
 from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, MAX_READV_RANGES, MAX_WRITEV_BYTES, LinkCommand,
@@ -53,6 +54,7 @@ class LinkDmaPort:
         self.readv = readv  # the host offered DMA_READV in its HELLO
         self.writev = writev  # and DMA_WRITEV
         self.requests = 0  # DMA read requests sent (one per piece, or per scatter list with readv)
+        self.early_reads = 0  # reads begun by read_many_begin (on the thread that took a doorbell)
         self.bytes_read = 0
         self.bytes_written = 0
         self.faults, self.device = faults, device  # armed faults (refuse-dma, stall dma-read) of this device
@@ -75,13 +77,57 @@ class LinkDmaPort:
         The ranges come back as the bytearrays they were assembled in (bytes-like; not
         copied again: on an accelerator's 16 MiB copy batches that copy and its fresh
         pages' faults were a tenth of the box's CPU per byte)."""
+        self._check_read(ranges)
+        return self._finish_read(ranges, self._requests(ranges), collections.deque())
+
+    def read_many_begin(self, ranges: list[tuple[int, int]]) -> Callable[[], list[bytes]]:
+        """The requests of a read that fits one window leave now, from this thread (the
+        link reader that took a doorbell); the call returned waits for their completions
+        (:meth:`read_many`'s rules). A larger read, or one refused, starts when finished."""
+        try:
+            self._check_read(ranges)
+            requests = self._requests(ranges)
+            if len(requests) > READ_WINDOW_PIECES or sum(map(_size, requests)) > READ_WINDOW_BYTES:
+                return lambda: self.read_many(ranges)
+            batch = requests[::-1]
+            in_flight = collections.deque(zip(batch, self._send(batch)))
+        except (DmaError, LinkDown) as exc:
+            failure = exc if isinstance(exc, DmaError) else DmaError(f"link down during DMA read: {exc}")
+
+            def refused() -> list[bytes]:
+                raise failure
+            return refused
+        self.early_reads += 1
+        return lambda: self._finish_read(ranges, [], in_flight)
+
+    def _check_read(self, ranges: list[tuple[int, int]]) -> None:
         for addr, length in ranges:
             check_range(addr, length)
         self._refused("dma-read")
+
+    def _requests(self, ranges: list[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
+        """The read's requests, last first (popped from the end, in order)."""
+        pieces = [(i, addr + pos, min(READ_PIECE, length - pos))
+                  for i, (addr, length) in enumerate(ranges) for pos in range(0, length, READ_PIECE)]
+        requests = self._group(pieces)
+        requests.reverse()
+        return requests
+
+    def _send(self, batch: list[list[tuple[int, int, int]]]) -> list:
+        if self.readv:
+            sent = self.endpoint.send_requests(LinkCommand.DMA_READV,
+                                               [pack_readv([(a, n) for _, a, n in req]) for req in batch])
+        else:
+            sent = self.endpoint.send_requests(LinkCommand.DMA_READ,
+                                               [vp.DmaAccess(a, n).pack() for [(_, a, n)] in batch])
+        self.requests += len(batch)
+        return sent
+
+    def _finish_read(self, ranges: list[tuple[int, int]], requests: list, in_flight: collections.deque) -> list[bytes]:
         out = [bytearray(length) for _, length in ranges]
         try:
             with self.endpoint.reading_own_completions():
-                self._pipeline(ranges, out)
+                self._pipeline(ranges, out, requests, in_flight)
         except LinkError as exc:
             raise DmaError(f"host refused a DMA read: {exc}") from exc
         except vp.ProtocolError as exc:
@@ -95,13 +141,11 @@ class LinkDmaPort:
                 self.faults.hold(stall)
         return out  # type: ignore[return-value]
 
-    def _pipeline(self, ranges: list[tuple[int, int]], out: list[bytearray]) -> None:
-        pieces = [(i, addr + pos, min(READ_PIECE, length - pos))
-                  for i, (addr, length) in enumerate(ranges) for pos in range(0, length, READ_PIECE)]
-        requests = self._group(pieces)
-        requests.reverse()  # popped from the end, in order
-        in_flight: collections.deque = collections.deque()
-        flight_bytes = 0
+    def _pipeline(self, ranges: list[tuple[int, int]], out: list[bytearray], requests: list,
+                  in_flight: collections.deque) -> None:
+        """Keep a window of ``requests`` in flight (some may be already: ``in_flight``)
+        until every completion is scattered into ``out``."""
+        flight_bytes = sum(_size(request) for request, _ in in_flight)
         while requests or in_flight:
             batch = []
             while requests and len(in_flight) + len(batch) < READ_WINDOW_PIECES and (
@@ -109,14 +153,7 @@ class LinkDmaPort:
                 batch.append(requests.pop())
                 flight_bytes += _size(batch[-1])
             if batch:
-                if self.readv:
-                    sent = self.endpoint.send_requests(LinkCommand.DMA_READV,
-                                                       [pack_readv([(a, n) for _, a, n in req]) for req in batch])
-                else:
-                    sent = self.endpoint.send_requests(LinkCommand.DMA_READ,
-                                                       [vp.DmaAccess(a, n).pack() for [(_, a, n)] in batch])
-                self.requests += len(batch)
-                in_flight.extend(zip(batch, sent))
+                in_flight.extend(zip(batch, self._send(batch)))
             request, pending = in_flight.popleft()
             payload = self.endpoint.wait(pending, DMA_TIMEOUT)
             flight_bytes -= _size(request)
