@@ -196,10 +196,15 @@ class CountingRam(FakeGuestRam):
     def __init__(self) -> None:
         super().__init__()
         self.batches: list[list[tuple[int, int]]] = []
+        self.begun_by: list[str] = []   # the threads that began reads (a doorbell's SQ fetch)
 
     def read_many(self, pieces):
         self.batches.append(list(pieces))
         return super().read_many(pieces)
+
+    def read_many_begin(self, pieces):
+        self.begun_by.append(threading.current_thread().name)
+        return super().read_many_begin(pieces)
 
 
 def test_the_prp_lists_of_a_batch_are_fetched_in_one_round_trip(tmp_path):
@@ -225,9 +230,12 @@ def test_the_prp_lists_of_a_batch_are_fetched_in_one_round_trip(tmp_path):
         struct.pack_into("<Q", ram.ram, off + 32, list_addr)  # PRP2: the list
     ram.batches.clear()
     ram.calls.clear()
+    ram.begun_by.clear()
     drv.ring(1)
     assert [status for _, status, _, _ in drv.reap(1, 4)] == [0, 0, 0, 0]
-    assert ram.batches == [[(a, 24) for a in lists]]  # one read_many: the four lists, nothing else
+    # the doorbell's SQ fetch (begun on the doorbell's thread), then one read_many: the four lists
+    assert ram.batches == [[(sq_base(1), 4 * 64)], [(a, 24) for a in lists]]
+    assert ram.begun_by == [threading.current_thread().name]     # the doorbell's thread began the fetch
     assert [addr for kind, addr, _ in ram.calls if kind == "read" and addr in lists] == lists  # none read again
     for i in range(4):
         for j in range(4):
@@ -265,7 +273,8 @@ def test_the_write_data_of_a_batch_is_read_in_one_scatter_list(tmp_path):
     done = {cid: status for cid, status, _, _ in drv.reap(1, 5)}
     assert status_of(done.pop(bad)) == nvme.Status.INVALID_PRP_OFFSET
     assert list(done.values()) == [0, 0, 0, 0]
-    assert ram.batches == [[(a, 24) for a in lists], wanted]  # the lists, then all the data at once
+    # the SQ fetch its doorbell began, the lists, then all the data at once
+    assert ram.batches == [[(sq_base(1), 5 * 64)], [(a, 24) for a in lists], wanted]
     with open(tmp_path / "ns1", "rb") as f:
         assert f.read(64 << 10) == data
     dev.close()
