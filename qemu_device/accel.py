@@ -28,7 +28,7 @@ import numpy as np
 
 from .accel_kernels import KernelBackend, from_bf16, get_backend, to_bf16
 from .bars import BarSpec
-from .device import IrqConfig, PciFunction
+from .device import BegunFetch, IrqConfig, PciFunction
 from .header import PciIdentity
 from .ports import DmaError
 from .registers import read_registers, write_registers
@@ -276,7 +276,7 @@ class AccelDevice(PciFunction):
         self._fence = 0
         self._time_hi = 0
         self._scheduled = False
-        self._fetch_begun = None       # (head, count, finish): the first fetch, begun by the doorbell
+        self._fetch_begun: BegunFetch | None = None   # the first fetch, begun by the doorbell
         self._idle.notify_all()
 
     def bar_read(self, index: int, offset: int, size: int) -> int | bytes:
@@ -407,11 +407,10 @@ class AccelDevice(PciFunction):
             return
         self._scheduled = True
         generation = self._generation
-        if self.dma_reads_wait_on_network and self.bus_master_enabled():
-            # the fetch's requests leave from the thread that took the doorbell: the
-            # worker's wake-up overlaps their round trip instead of preceding it
-            head, count = self._head, min((self._tail - self._head) % self._ring_size, MAX_FETCH)
-            self._fetch_begun = (head, count, self.dma_read_many_begin(self._ring_pieces(head, count)))
+        # on a network the fetch's requests leave from the thread that took the doorbell:
+        # the worker's wake-up overlaps their round trip instead of preceding it
+        head, count = self._head, min((self._tail - self._head) % self._ring_size, MAX_FETCH)
+        self._fetch_begun = self.dma_fetch_begin(head, count, self._ring_pieces(head, count))
         self.worker.submit(lambda: self._drain(generation))
 
     def _ring_pieces(self, head: int, count: int) -> list[tuple[int, int]]:
@@ -436,8 +435,8 @@ class AccelDevice(PciFunction):
                 head, size, base = self._head, self._ring_size, self._ring_base
                 count = min((self._tail - head) % size, MAX_FETCH)
                 begun, self._fetch_begun = self._fetch_begun, None
-                if begun is not None and begun[0] == head and begun[1] <= count:
-                    count, finish = begun[1], begun[2]    # what the doorbell fetched; the rest next round
+                if begun is not None and begun.covers(head, count):
+                    count, finish = begun.count, begun.finish   # what the doorbell fetched; the rest next round
                 else:
                     pieces = self._ring_pieces(head, count)
                     finish = lambda: self.dma_read_many(pieces)   # noqa: E731

@@ -91,6 +91,20 @@ class PcieLink:
     generation: int = 1
 
 
+@dataclass(frozen=True)
+class BegunFetch:
+    """A queue fetch its doorbell began (:meth:`PciFunction.dma_fetch_begin`): the
+    worker finishes it when it still starts at the queue's head and holds no more entries
+    than are there now; else it reads for itself (the completion is dropped unread)."""
+
+    first: int
+    count: int
+    finish: Callable[[], list[bytes]]
+
+    def covers(self, first: int, count: int) -> bool:
+        return self.first == first and self.count <= count
+
+
 class PciFunction:
     """A PCI(e) endpoint function; subclass it and implement the BAR hooks."""
 
@@ -344,11 +358,15 @@ class PciFunction:
         port that pipelines, one read each on local memory."""
         return self._dma_port_checked().read_many(pieces)
 
-    def dma_read_many_begin(self, pieces: list[tuple[int, int]]) -> Callable[[], list[bytes]]:
-        """:meth:`dma_read_many` started now, finished by the call it returns (see
-        :meth:`DmaPort.read_many_begin`); never waits on the network, so it may be called
-        with ``self.lock`` held (a doorbell's handler)."""
-        return self._dma_port_checked().read_many_begin(pieces)
+    def dma_fetch_begin(self, first: int, count: int, pieces: list[tuple[int, int]]) -> BegunFetch | None:
+        """A doorbell's queue fetch (``count`` entries from ``first``, at ``pieces``) begun
+        now where DMA reads wait on a network and Bus Master is on (see
+        :meth:`DmaPort.read_many_begin`), for the worker to finish; else None, and the
+        worker reads as usual. Never waits on the network, so a doorbell's handler may
+        call it with ``self.lock`` held."""
+        if not (self.dma_reads_wait_on_network and self.bus_master_enabled()):
+            return None
+        return BegunFetch(first, count, self._dma_port_checked().read_many_begin(pieces))
 
     def dma_write(self, addr: int, data: bytes) -> None:
         """DMA write through the port, refused while Bus Master Enable is off."""

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from .backing import punch_hole, write_all, zero_range
 from .bars import BarSpec
-from .device import IrqConfig, PciFunction
+from .device import BegunFetch, IrqConfig, PciFunction
 from .header import PciIdentity
 from .ports import DmaError
 from .worker import DeviceWorker, WorkerPool
@@ -207,7 +207,7 @@ class Queue:
     head: int = 0
     tail: int = 0
     phase: int = 1  # CQ
-    begun: tuple | None = None  # SQ on a network: (first, count, finish) of the fetch its doorbell began
+    begun: BegunFetch | None = None  # SQ on a network: the fetch its doorbell began
     sq_ids: set = field(default_factory=set)  # CQ: SQs that post here
     in_flight: int = 0  # SQ: commands taken from it that have not ended yet
 
@@ -377,12 +377,11 @@ class NvmeController(PciFunction):
         sq = self.sqs.get(qid)
         if sq is not None:
             sq.tail = value % sq.size
-            if sq.begun is None and sq.head != sq.tail and self.dma_reads_wait_on_network \
-                    and self.bus_master_enabled():
-                # the fetch's request leaves from the thread that took the doorbell: the
-                # worker's wake-up overlaps its round trip instead of preceding it
+            if sq.begun is None and sq.head != sq.tail:
+                # on a network the fetch's request leaves from the thread that took the
+                # doorbell: the worker's wake-up overlaps its round trip instead of preceding it
                 first, count = sq.head, min((sq.tail - sq.head) % sq.size, sq.size - sq.head)
-                sq.begun = (first, count, self.dma_read_many_begin([(sq.base + first * 64, count * 64)]))
+                sq.begun = self.dma_fetch_begin(first, count, [(sq.base + first * 64, count * 64)])
             self.worker.submit(lambda: self._process(qid))
 
     # --- the command loop (worker thread, I/O pool) -------------------------------------------
@@ -401,8 +400,8 @@ class NvmeController(PciFunction):
                 count = min(count, sq.size - first)  # do not wrap inside one read
                 self._fetches += 1  # a disable keeps RDY up until this read is over
                 begun, sq.begun = sq.begun, None
-                if begun is not None and begun[0] == first and begun[1] <= count:
-                    count, finish = begun[1], begun[2]  # what the doorbell fetched; the rest next round
+                if begun is not None and begun.covers(first, count):
+                    count, finish = begun.count, begun.finish  # what the doorbell fetched; the rest next round
                 else:
                     finish = None
             try:
