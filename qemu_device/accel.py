@@ -185,6 +185,21 @@ def encode_entry(opcode: int, *args: int, flags: int = 0, vector: int = 0, dtype
     return ENTRY.pack(opcode, flags, vector, dtype, 0, *padded)
 
 
+def _cut(pieces: list[tuple[int, int]], views: list[memoryview]):
+    """(guest address, bytes) for DMA writes of ``views`` (back to back) into ``pieces``:
+    each piece cut where a view ends and each view where a piece ends."""
+    views = iter(views)
+    view = memoryview(b"")
+    for addr, length in pieces:
+        done = 0
+        while done < length:
+            if not view:
+                view = next(views)
+            n = min(len(view), length - done)
+            yield addr + done, view[:n]
+            view, done = view[n:], done + n
+
+
 def f32_bits(value: float) -> int:
     """A float32's bit pattern, as the kernels' float arguments take it."""
     return struct.unpack("<I", struct.pack("<f", value))[0]
@@ -530,6 +545,12 @@ class AccelDevice(PciFunction):
                 raise _Cancelled()
             return self.vram.read(offset, length)
 
+    def _vram_views(self, generation: int, offset: int, length: int) -> list[memoryview]:
+        with self.lock:
+            if generation != self._generation:
+                raise _Cancelled()
+            return self.vram.views(offset, length)
+
     def _host_pieces(self, entry: Entry) -> list[tuple[int, int]]:
         """The guest ranges of a copy: one (a0, a1), or the scatter list at a0 of a1 entries."""
         a0, a1 = entry.args[0], entry.args[1]
@@ -567,17 +588,18 @@ class AccelDevice(PciFunction):
             yield group_pos, group
 
     def _op_copy_h2d(self, entry: Entry, generation: int) -> None:
+        """Each completion goes into VRAM as it arrives (``dma_read_into``): on a box no
+        16 MiB buffer to fill, zero and copy out again."""
         pieces = self._host_pieces(entry)
         dst = entry.args[2]
         self._check_vram(dst, sum(length for _, length in pieces))
         for pos, group in self._batches(pieces):
             started = time.monotonic_ns()
-            chunks = self.dma_read_many(group)
+            at = dst + pos
+            self.dma_read_into(group, lambda off, data: self._vram_write(generation, at + off, data))
             self.counters["dma_ns"] += time.monotonic_ns() - started
             self.counters["copy_reads"] += 1
-            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)   # one piece: no copy
-            self._vram_write(generation, dst + pos, data)
-            self.counters["h2d_bytes"] += len(data)
+            self.counters["h2d_bytes"] += sum(n for _, n in group)
 
     def _inline_entries(self, entry: Entry) -> int:
         """The ring entries an inline copy's data takes (checked: 1 to MAX_INLINE bytes)."""
@@ -598,20 +620,19 @@ class AccelDevice(PciFunction):
         self.counters["inline_bytes"] += length
 
     def _op_copy_d2h(self, entry: Entry, generation: int) -> None:
+        """Sent from the VRAM pages themselves (views, cut at the guest's pieces): no copy
+        of the batch before the DMA writes."""
         pieces = self._host_pieces(entry)
         src = entry.args[2]
         self._check_vram(src, sum(length for _, length in pieces))
         for pos, group in self._batches(pieces):
-            data = memoryview(self._vram_read(generation, src + pos, sum(n for _, n in group)))
-            out, at = [], 0
-            for addr, n in group:
-                out.append((addr, data[at:at + n]))
-                at += n
+            views = self._vram_views(generation, src + pos, sum(n for _, n in group))
+            out = list(_cut(group, views))
             started = time.monotonic_ns()
             self.dma_write_many(out)
             self.counters["dma_ns"] += time.monotonic_ns() - started
             self.counters["copy_writes"] += 1
-            self.counters["d2h_bytes"] += at
+            self.counters["d2h_bytes"] += sum(n for _, n in group)
 
     def _op_copy_d2d(self, entry: Entry, generation: int) -> None:
         src, dst, length = entry.args[:3]

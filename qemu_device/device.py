@@ -28,7 +28,7 @@ from .capabilities import CAP_ID_MSI, MSI_VECTOR_COUNTS, CapabilityList
 from .config_space import ConfigSpace, overlaps
 from .header import PciIdentity
 from .msix import MsixTable, pba_bytes, table_bytes
-from .ports import DmaError, DmaPort, IrqPort, NullDmaPort, NullIrqPort
+from .ports import DmaError, DmaPort, IrqPort, NullDmaPort, NullIrqPort, Sink
 
 # vfio-user / VFIO region numbering
 REGION_BAR0 = 0
@@ -357,6 +357,11 @@ class PciFunction:
         """Several DMA reads at once (scatter lists): one round trip for all of them on a
         port that pipelines, one read each on local memory."""
         return self._dma_port_checked().read_many(pieces)
+
+    def dma_read_into(self, pieces: list[tuple[int, int]], sink: Sink) -> None:
+        """Several DMA reads handed to ``sink`` as they arrive (:meth:`DmaPort.read_into`):
+        for a device that stores them itself, without a buffer of the whole read."""
+        self._dma_port_checked().read_into(pieces, sink)
 
     def dma_fetch_begin(self, first: int, count: int, pieces: list[tuple[int, int]]) -> BegunFetch | None:
         """A doorbell's queue fetch (``count`` entries from ``first``, at ``pieces``) begun

@@ -19,6 +19,10 @@ class DmaError(Exception):
     """A DMA to an unmapped or forbidden guest address: the device must fail cleanly."""
 
 
+Sink = Callable[[int, memoryview], None]
+"""Where :meth:`DmaPort.read_into` hands a read's bytes: (position in the read, bytes)."""
+
+
 class DmaPort(Protocol):
     """Device-initiated reads and writes of guest memory (guest-physical / IOVA addresses)."""
 
@@ -52,6 +56,15 @@ class DmaPort(Protocol):
         when finished."""
         ...
 
+    def read_into(self, pieces: list[tuple[int, int]], sink: "Sink") -> None:
+        """Guest-to-device DMA handed over as it arrives: ``sink(pos, data)`` gets
+        consecutive parts of the pieces' bytes back to back (``pos`` counts from the start
+        of the first piece), in order, all of them or DmaError (a prefix may have been
+        sunk). ``data`` is valid only during the call. On a network each completion goes
+        to the sink straight from the stream: no buffer of the whole read, no copy into one
+        (an accelerator's copy to VRAM, a storage write)."""
+        ...
+
     def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
         """Device-to-guest DMA of a file's bytes (a storage read): the pieces, in order,
         get the file's bytes from ``offset`` (zeroes past its end). OSError for the file,
@@ -78,7 +91,8 @@ def file_to_guest(port: DmaPort, pieces: list[tuple[int, int]], fd: int, offset:
 
 
 def guest_to_file(port: DmaPort, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
-    """:meth:`DmaPort.read_into_file` through buffers: ``read_many``, then the file."""
+    """:meth:`DmaPort.read_into_file` through buffers: ``read_many``, then the file (whole:
+    a DMA that fails part way writes nothing)."""
     write_all(fd, port.read_many(pieces), offset)
 
 
@@ -99,6 +113,12 @@ class ScatterByPieces:
 
     def read_many_begin(self, pieces: list[tuple[int, int]]) -> Callable[[], list[bytes]]:
         return lambda: self.read_many(pieces)   # local memory: nothing to overlap
+
+    def read_into(self, pieces: list[tuple[int, int]], sink: Sink) -> None:
+        pos = 0
+        for addr, length in pieces:
+            sink(pos, memoryview(self.read(addr, length)))  # type: ignore[attr-defined]
+            pos += length
 
     def write_many(self, pieces: list[tuple[int, bytes | memoryview]]) -> None:
         for addr, data in pieces:

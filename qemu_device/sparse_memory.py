@@ -39,6 +39,17 @@ class SparseMemory:
                 out[pos:pos + chunk] = page[page_offset:page_offset + chunk]
         return bytes(out)
 
+    def views(self, offset: int, length: int) -> list[memoryview]:
+        """The bytes at ``offset`` as views of the pages themselves (absent ones as zeros),
+        back to back: for sending them without a copy. A later write shows through a view
+        of a present page, as it would through a device's memory."""
+        self._check(offset, length)
+        out = []
+        for _, page_index, page_offset, chunk in self._chunks(offset, length):
+            page = self._pages.get(page_index)
+            out.append(memoryview(self._zero_page if page is None else page)[page_offset:page_offset + chunk])
+        return out
+
     def write(self, offset: int, data: bytes) -> None:
         self._check(offset, len(data))
         view = memoryview(data)

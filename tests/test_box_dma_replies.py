@@ -3,6 +3,7 @@ the device gets a DmaError (what it handles), never a ProtocolError, and the lin
 
 from __future__ import annotations
 
+import itertools
 import select
 import socket
 import threading
@@ -226,6 +227,34 @@ def test_a_wrong_dma_readv_completion_is_a_dma_error_and_the_link_serves_on(read
         port.read_many([(0x1000, 64), (0x5000, 4096)])
     host.answer_v = lambda ranges: b"".join(page_marks(a, n) for a, n in ranges)
     assert endpoint.up and port.read(0x1000, 16) == page_marks(0x1000, 16)
+
+
+@pytest.mark.parametrize("readv", [True, False])
+@pytest.mark.parametrize("ranges", [
+    [(0x10000 + 8192 * i, 4096) for i in range(32)],       # 32 scattered pages
+    [(0x100000, 2 << 20), (0x3003, 5), (0x9001, 70000)],   # pieces of 256 KiB, odd sizes
+])
+def test_read_into_hands_each_completion_to_the_sink_in_order(link, readv, ranges):
+    """read_into: the sink gets the read's bytes back to back, positions counting from the
+    start of the first range, each completion once, the same bytes read_many returns."""
+    _port, host, endpoint = link
+    port = LinkDmaPort(endpoint, readv=readv)
+    parts: list[tuple[int, bytes]] = []
+    port.read_into(ranges, lambda pos, data: parts.append((pos, bytes(data))))
+    assert [pos for pos, _ in parts] == list(itertools.accumulate([len(d) for _, d in parts[:-1]], initial=0))
+    assert b"".join(d for _, d in parts) == b"".join(bytes(d) for d in port.read_many(ranges))
+    assert len(parts) == port.requests // 2 and endpoint.handed_over == 0
+
+
+def test_read_into_refused_is_a_dma_error_and_nothing_is_sunk(readv_link):
+    port, host, endpoint = readv_link
+    host.answer_v = lambda ranges: 14                             # EFAULT
+    sunk: list[int] = []
+    with pytest.raises(DmaError):
+        port.read_into([(0x1000, 4096)], lambda pos, data: sunk.append(pos))
+    with pytest.raises(DmaError):
+        port.read_into([((1 << 64) - 8, 16)], lambda pos, data: sunk.append(pos))
+    assert sunk == [] and endpoint.up
 
 
 @pytest.mark.parametrize("readv", [True, False])

@@ -26,7 +26,8 @@ MiB = 1 << 20
 
 
 class CountingRam(FakeGuestRam):
-    """Guest RAM that records each read_many call: on a remote port each is one round trip."""
+    """Guest RAM that records each read_many and read_into call: on a remote port each is
+    one round trip."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -35,6 +36,10 @@ class CountingRam(FakeGuestRam):
     def read_many(self, pieces):
         self.batches.append(list(pieces))
         return super().read_many(pieces)
+
+    def read_into(self, pieces, sink):
+        self.batches.append(list(pieces))
+        return super().read_into(pieces, sink)
 
 
 class Driver:
@@ -205,13 +210,28 @@ def test_copies_with_scatter_lists(drv):
     assert drv.get(out[0][0], out[0][1]) + drv.get(out[1][0], out[1][1]) == b"".join(chunks)
 
 
+def test_copy_back_of_vram_never_written_is_zeros_cut_at_the_guest_pieces(drv):
+    """VRAM pages never written go back as zeros, written ones as they are, each guest
+    piece getting exactly its bytes where pieces and VRAM pages end in different places."""
+    drv.dev.region_write(2, 0x10000 - 10, b"\x5a" * 20)          # across a 64 KiB page boundary
+    pieces = [(BUF + 0x8000 + 3, 0x10000 - 0x8000 - 3 - 12), (BUF + 0x30000, 100), (BUF + 0x50000, 0x20000)]
+    total = sum(n for _, n in pieces)
+    for addr, n in pieces:
+        drv.put(addr, b"\xee" * n)
+    drv.put(SGL, b"".join(struct.pack("<QQ", a, n) for a, n in pieces))
+    drv.run(ac.encode_entry(ac.OP_COPY_D2H, SGL, len(pieces), 0x8000 + 3, flags=ac.FLAG_SG))
+    got = b"".join(drv.get(a, n) for a, n in pieces)
+    assert got == drv.dev.region_read(2, 0x8000 + 3, total) and got.count(b"\x5a") == 20
+    assert got.index(b"\x5a") == 0x10000 - 10 - 0x8000 - 3
+
+
 def test_large_copy_goes_in_batches(drv, monkeypatch):
     monkeypatch.setattr(ac, "COPY_BATCH", 256 << 10)
     data = os.urandom(MiB + 1000)
     drv.put(BUF, data)
     drv.ram.batches.clear()
     drv.run(ac.encode_entry(ac.OP_COPY_H2D, BUF, len(data), 0), fence=False)
-    copy_batches = drv.ram.batches[1:]    # the first read_many fetched the ring
+    copy_batches = drv.ram.batches[1:]    # the first read fetched the ring
     assert len(copy_batches) == 5 and sum(n for b in copy_batches for _, n in b) == len(data)
     assert drv.dev.region_read(2, 0, len(data)) == data
     stats = drv.dev.stats()               # what the performance model counts: one wait per batch
@@ -711,15 +731,15 @@ def test_reset_during_a_copy_drops_its_result(drv):
     drv.put(BUF, data)
     drv.run(ac.encode_entry(ac.OP_NOP))
     reached, release = threading.Event(), threading.Event()
-    read_many = drv.ram.read_many
+    read_into = drv.ram.read_into
 
-    def slow_read_many(pieces):        # the copy's DMA waits: a slow round trip
+    def slow_read_into(pieces, sink):  # the copy's DMA waits: a slow round trip
         if pieces[0][0] == BUF:
             reached.set()
             release.wait(5)
-        return read_many(pieces)
+        return read_into(pieces, sink)
 
-    drv.ram.read_many = slow_read_many
+    drv.ram.read_into = slow_read_into
     drv.post(ac.encode_entry(ac.OP_COPY_H2D, BUF, len(data), 0))
     drv.ring()
     assert reached.wait(5)

@@ -161,3 +161,18 @@ def test_sparse_memory_with_larger_pages():
     assert mem.read((64 << 10) - 2, 4) == b"\x00\x01\x02\x00"
     with pytest.raises(ValueError, match="power of two"):
         SparseMemory(1 << 20, page_size=3000)
+
+
+def test_sparse_memory_views_are_the_bytes_without_a_copy():
+    """views(): what read() gives, as views of the pages (absent ones as zeros), without
+    allocating; a write to a present page shows through its view."""
+    mem = SparseMemory(1 << 20)
+    data = bytes(range(256)) * 40
+    mem.write(4000, data)
+    views = mem.views(100, 20000)
+    assert b"".join(views) == mem.read(100, 20000)
+    assert [len(v) for v in views] == [3996, 4096, 4096, 4096, 3716] and mem.resident_bytes == 4 * 4096
+    mem.write(4096, b"\xff")
+    assert views[1][0] == 0xFF
+    with pytest.raises(ValueError):
+        mem.views((1 << 20) - 1, 2)

@@ -9,6 +9,7 @@ waits on the link) and the box's (the device's DMA reads over the link).
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import mmap
 import os
@@ -56,9 +57,12 @@ class HostSideAccel:
                  inline_max: int | None = None) -> None:
         self.client = VfioUserClient(socket_path)
         self.client.negotiate()
-        fd = os.memfd_create("dxpu-guest-ram")
+        fd = os.memfd_create("dxpu-guest-ram", os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, ram_size)
+            # sealed as QEMU's memory-backend-memfd seals guest RAM (seal=on), so the host
+            # proxy maps it as it maps a VM's (vfio_user/dma.py), not pread/pwrite
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             self.ram = mmap.mmap(fd, ram_size)
             self.client.dma_map(GUEST_BASE, ram_size, fd=fd)
         finally:

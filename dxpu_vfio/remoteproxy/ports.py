@@ -21,7 +21,7 @@ from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, MAX_READV_RANG
                                     pack_irq, pack_readv, pack_writev)
 from dxpu_vfio.remoteproxy.faults import FaultTable
 from dxpu_vfio.vfio_user import protocol as vp
-from qemu_device.ports import DmaError, file_to_guest, guest_to_file
+from qemu_device.ports import DmaError, Sink, file_to_guest, guest_to_file
 
 DMA_TIMEOUT = 2.0
 CHUNK = vp.MAX_DATA_XFER
@@ -37,6 +37,10 @@ def check_range(addr: int, length: int) -> None:
     as an unmapped address is, not a struct.error from packing it (found by scripts/fuzz.py)."""
     if addr < 0 or length < 0 or addr + length > 1 << 64:
         raise DmaError(f"DMA of {length} bytes at {addr:#x} runs past the 64-bit address space")
+
+
+Deliver = Callable[[list[tuple[int, int, int]], memoryview], None]
+"""What a read does with a completion: (its request's pieces, their bytes back to back)."""
 
 
 def _size(request: list[tuple[int, int, int]]) -> int:
@@ -123,11 +127,40 @@ class LinkDmaPort:
         self.requests += len(batch)
         return sent
 
+    def read_into(self, ranges: list[tuple[int, int]], sink: Sink) -> None:
+        """:meth:`read_many`'s pipeline, each completion handed to ``sink`` as a view of
+        the stream's message (a DMA_READV's pieces are consecutive in the read, so one
+        call each): no buffer of the whole read, no scatter copy into one."""
+        self._check_read(ranges)
+        starts, at = [], 0
+        for _, length in ranges:
+            starts.append(at)
+            at += length
+
+        def deliver(request: list[tuple[int, int, int]], data: memoryview) -> None:
+            i, a, _ = request[0]
+            sink(starts[i] + a - ranges[i][0], data)
+        self._read(ranges, deliver, self._requests(ranges), collections.deque())
+
     def _finish_read(self, ranges: list[tuple[int, int]], requests: list, in_flight: collections.deque) -> list[bytes]:
         out = [bytearray(length) for _, length in ranges]
+
+        def deliver(request: list[tuple[int, int, int]], data: memoryview) -> None:
+            at = 0
+            for i, a, n in request:
+                pos = a - ranges[i][0]
+                out[i][pos:pos + n] = data[at:at + n]
+                at += n
+        self._read(ranges, deliver, requests, in_flight)
+        return out  # type: ignore[return-value]
+
+    def _read(self, ranges: list[tuple[int, int]], deliver: Deliver, requests: list,
+              in_flight: collections.deque) -> None:
+        """The pipeline with this thread reading its own completions, its failures as
+        DmaError, its bytes counted and an armed stall fault taken."""
         try:
             with self.endpoint.reading_own_completions():
-                self._pipeline(ranges, out, requests, in_flight)
+                self._pipeline(deliver, requests, in_flight)
         except LinkError as exc:
             raise DmaError(f"host refused a DMA read: {exc}") from exc
         except vp.ProtocolError as exc:
@@ -139,12 +172,10 @@ class LinkDmaPort:
             stall = self.faults.take(self.device, "stall", "dma-read")
             if stall is not None:  # the completion came; the device gets it late
                 self.faults.hold(stall)
-        return out  # type: ignore[return-value]
 
-    def _pipeline(self, ranges: list[tuple[int, int]], out: list[bytearray], requests: list,
-                  in_flight: collections.deque) -> None:
+    def _pipeline(self, deliver: Deliver, requests: list, in_flight: collections.deque) -> None:
         """Keep a window of ``requests`` in flight (some may be already: ``in_flight``)
-        until every completion is scattered into ``out``."""
+        until every completion, checked to be exactly its request's bytes, is delivered."""
         flight_bytes = sum(_size(request) for request, _ in in_flight)
         while requests or in_flight:
             batch = []
@@ -158,15 +189,18 @@ class LinkDmaPort:
             payload = self.endpoint.wait(pending, DMA_TIMEOUT)
             flight_bytes -= _size(request)
             if self.readv:
-                self._scatter(ranges, out, request, memoryview(payload))
+                data = memoryview(payload)
+                if len(data) != _size(request):
+                    raise DmaError(f"host answered a DMA read of {_size(request)} bytes in {len(request)} ranges "
+                                   f"with {len(data)} bytes")
             else:
                 [(i, a, n)] = request
                 reply = vp.DmaAccess.unpack(payload, with_data=True)
                 if reply.address != a or len(reply.data) != n:
                     raise DmaError(f"host answered a DMA read of {n} bytes at {a:#x} with "
                                    f"{len(reply.data)} bytes at {reply.address:#x}")
-                pos = a - ranges[i][0]
-                out[i][pos:pos + n] = reply.data
+                data = memoryview(reply.data)
+            deliver(request, data)
 
     def _group(self, pieces: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
         """The requests the pieces go in: one each (DMA_READ), or with DMA_READV as many
@@ -181,19 +215,6 @@ class LinkDmaPort:
             else:
                 last.append(piece)
         return requests
-
-    @staticmethod
-    def _scatter(ranges: list[tuple[int, int]], out: list[bytearray], request: list[tuple[int, int, int]],
-                 data: memoryview) -> None:
-        """A DMA_READV completion into the buffers of its pieces: exactly their bytes."""
-        if len(data) != _size(request):
-            raise DmaError(f"host answered a DMA read of {_size(request)} bytes in {len(request)} ranges "
-                           f"with {len(data)} bytes")
-        at = 0
-        for i, a, n in request:
-            pos = a - ranges[i][0]
-            out[i][pos:pos + n] = data[at:at + n]
-            at += n
 
     def write(self, addr: int, data: bytes) -> None:
         self.write_many([(addr, data)])
