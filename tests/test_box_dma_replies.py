@@ -4,6 +4,7 @@ the device gets a DmaError (what it handles), never a ProtocolError, and the lin
 from __future__ import annotations
 
 import itertools
+import os
 import select
 import socket
 import threading
@@ -255,6 +256,31 @@ def test_read_into_refused_is_a_dma_error_and_nothing_is_sunk(readv_link):
     with pytest.raises(DmaError):
         port.read_into([((1 << 64) - 8, 16)], lambda pos, data: sunk.append(pos))
     assert sunk == [] and endpoint.up
+
+
+def test_read_into_file_writes_a_completion_straight_to_the_file_all_or_nothing(readv_link, tmp_path):
+    """A storage write of one DMA_READV (32 scattered pages) lands in the file from the
+    completion; a refused one, or a larger read refused part way, writes nothing."""
+    port, host, endpoint = readv_link
+    backing = tmp_path / "ns.img"
+    backing.write_bytes(b"\x11" * (2 << 20))
+    fd = os.open(backing, os.O_RDWR)
+    try:
+        pages = [(0x10000 + 8192 * i, 4096) for i in range(32)]
+        port.read_into_file(pages, fd, 4096)
+        assert os.pread(fd, 32 * 4096, 4096) == b"".join(page_marks(a, n) for a, n in pages)
+        before = backing.read_bytes()
+        host.answer_v = lambda ranges: 14                          # EFAULT
+        with pytest.raises(DmaError):
+            port.read_into_file(pages, fd, 0)
+        answered: list[int] = []
+        host.answer_v = lambda ranges: (answered.append(1) or     # the second request is refused
+                                        (b"".join(page_marks(a, n) for a, n in ranges) if len(answered) == 1 else 14))
+        with pytest.raises(DmaError):
+            port.read_into_file([(0x100000, 1 << 20)], fd, 0)
+        assert backing.read_bytes() == before and endpoint.up
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.parametrize("readv", [True, False])

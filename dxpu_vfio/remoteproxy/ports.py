@@ -21,6 +21,7 @@ from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, MAX_READV_RANG
                                     pack_irq, pack_readv, pack_writev)
 from dxpu_vfio.remoteproxy.faults import FaultTable
 from dxpu_vfio.vfio_user import protocol as vp
+from qemu_device.backing import write_all
 from qemu_device.ports import DmaError, Sink, file_to_guest, guest_to_file
 
 DMA_TIMEOUT = 2.0
@@ -223,7 +224,14 @@ class LinkDmaPort:
         file_to_guest(self, pieces, fd, offset)
 
     def read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
-        guest_to_file(self, pieces, fd, offset)
+        """A read that is one DMA_READV request (an NVMe Write of up to 128 KiB) goes to the
+        file straight from its completion, which comes whole or as one refusal: still all
+        or nothing. Anything larger is read whole first (``guest_to_file``), so a DMA that
+        fails part way writes nothing."""
+        if self.readv and len(self._requests(pieces)) == 1:
+            self.read_into(pieces, lambda pos, data: write_all(fd, [data], offset + pos))
+        else:
+            guest_to_file(self, pieces, fd, offset)
 
     def write_many(self, pieces: list[tuple[int, bytes | memoryview]]) -> None:
         """Posted, in order, sent together: a scatter list of pages is one DMA_WRITEV (up to
