@@ -156,6 +156,30 @@ def test_receive_timeout_keeps_a_partial_message_for_the_next_call():
     server.close()
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_a_large_message_survives_a_timeout_inside_it_and_takes_nothing_behind_it(certs, tls):
+    """A DMA completion's size (300 KB) arriving in two sends with a receive timeout between:
+    the part that came stays buffered, and the message behind it in the same send is
+    neither taken with it nor lost; a peer that dies inside one is reported."""
+    client, server = native_pair(certs if tls else None)
+    big = os.urandom(300_000)
+    framed = vp.message(1, 9, big)
+    client.send(framed[:100_000])
+    with pytest.raises(ReceiveTimeout):
+        server.receive(timeout=0.1)
+    client.send(framed[100_000:] + vp.message(2, 9, b"behind"))
+    msg = server.receive(timeout=5)
+    assert (msg.header.msg_id, bytes(msg.payload)) == (1, big)
+    msg = server.receive(timeout=5)
+    assert (msg.header.msg_id, bytes(msg.payload)) == (2, b"behind")
+    assert not server.has_message() and server.stats()["messages_in"] == 2
+    client.send(vp.message(3, 9, big)[:70_000])                  # the peer dies inside one
+    client.close()
+    with pytest.raises(ConnectionClosed):
+        server.receive(timeout=5)
+    server.close()
+
+
 @pytest.mark.parametrize("size", [0, 15, vp.MAX_MESSAGE + 1, 0xFFFFFFFF])
 def test_a_length_that_cannot_be_a_message_is_refused_before_it_is_read(size):
     client, server = native_pair()
