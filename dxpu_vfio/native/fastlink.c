@@ -389,7 +389,8 @@ static int drain_some(Stream *s, char *errbuf, size_t errlen)
 static int stream_write(Stream *s, const unsigned char *buf, size_t len, int64_t deadline, char *errbuf, size_t errlen)
 {
     size_t pos = 0;
-    while (pos < len) {
+    int flushed = s->ssl == NULL; /* TLS: written into the buffer BIO, then flushed (set_tls_bios) */
+    while (pos < len || !flushed) {
         short events;
         pthread_mutex_lock(&s->io);
         if (s->fd < 0 || s->shut) {
@@ -397,7 +398,21 @@ static int stream_write(Stream *s, const unsigned char *buf, size_t len, int64_t
             snprintf(errbuf, errlen, "stream shut down");
             return IO_ERROR;
         }
-        if (s->ssl) {
+        if (s->ssl && pos == len) { /* the records are written: out of the buffer BIO in one write */
+            BIO *wbio = SSL_get_wbio(s->ssl);
+            errno = 0;
+            if (BIO_flush(wbio) > 0) {
+                flushed = 1;
+                pthread_mutex_unlock(&s->io);
+                continue;
+            }
+            if (!BIO_should_retry(wbio)) {
+                snprintf(errbuf, errlen, "TLS write failed: %s", errno ? strerror(errno) : "peer closed");
+                pthread_mutex_unlock(&s->io);
+                return IO_ERROR;
+            }
+            events = POLLOUT;
+        } else if (s->ssl) {
             size_t n = 0;
             ERR_clear_error();
             int r = SSL_write_ex(s->ssl, buf + pos, len - pos, &n);
@@ -498,6 +513,26 @@ static int handshake(Stream *s, int64_t deadline, char *errbuf, size_t errlen)
     }
 }
 
+/* The TLS records of one send leave in one write(2), not one each: SSL writes through a
+ * buffer BIO that stream_write flushes when the send is done (tls_flush). On veth every
+ * write runs the peer's TCP receive in the sender's system call; a 256 KiB DMA completion
+ * was 16 of them. Reads come straight from the socket (SSL's own read-ahead buffers them). */
+#define TLS_WRITE_BUFFER (256u * 1024)
+
+static int set_tls_bios(SSL *ssl, int fd)
+{
+    BIO *rbio = BIO_new_socket(fd, BIO_NOCLOSE), *sock = BIO_new_socket(fd, BIO_NOCLOSE);
+    BIO *buffer = BIO_new(BIO_f_buffer());
+    if (!rbio || !sock || !buffer || BIO_set_write_buffer_size(buffer, TLS_WRITE_BUFFER) <= 0) {
+        BIO_free(rbio);
+        BIO_free(sock);
+        BIO_free(buffer);
+        return -1;
+    }
+    SSL_set_bio(ssl, rbio, BIO_push(buffer, sock)); /* the SSL owns both chains now */
+    return 0;
+}
+
 static void stream_free_now(Stream *s)
 {
     if (s->ssl) {
@@ -559,7 +594,7 @@ static int Stream_init(Stream *self, PyObject *args, PyObject *kwds)
     if (tls != Py_None) {
         TlsContext *ctx = (TlsContext *)tls;
         self->ssl = SSL_new(ctx->ctx);
-        if (!self->ssl || SSL_set_fd(self->ssl, fd) != 1) {
+        if (!self->ssl || set_tls_bios(self->ssl, fd) != 0) {
             set_ssl_error(TlsError, "SSL_new");
             return -1;
         }
