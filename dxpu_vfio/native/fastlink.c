@@ -385,11 +385,13 @@ static int drain_some(Stream *s, char *errbuf, size_t errlen)
     return IO_ERROR;
 }
 
-/* Write all of buf (GIL released, send_order held by the caller). 0, IO_ERROR, IO_TIMEOUT. */
-static int stream_write(Stream *s, const unsigned char *buf, size_t len, int64_t deadline, char *errbuf, size_t errlen)
+/* Write all of buf (GIL released, send_order held by the caller); with `flush`, TLS records
+ * still in the buffer BIO leave too (set_tls_bios): the end of a send. 0, IO_ERROR, IO_TIMEOUT. */
+static int stream_write(Stream *s, const unsigned char *buf, size_t len, int flush, int64_t deadline, char *errbuf,
+                        size_t errlen)
 {
     size_t pos = 0;
-    int flushed = s->ssl == NULL; /* TLS: written into the buffer BIO, then flushed (set_tls_bios) */
+    int flushed = s->ssl == NULL || !flush;
     while (pos < len || !flushed) {
         short events;
         pthread_mutex_lock(&s->io);
@@ -857,7 +859,7 @@ static int stage_put(stage_t *st, const unsigned char *data, size_t len)
         return 0;
     }
     if (st->staged) {
-        int r = stream_write(st->s, st->s->tx, st->staged, st->deadline, st->err, st->errlen);
+        int r = stream_write(st->s, st->s->tx, st->staged, 0, st->deadline, st->err, st->errlen);
         st->staged = 0;
         if (r)
             return r;
@@ -867,7 +869,7 @@ static int stage_put(stage_t *st, const unsigned char *data, size_t len)
         st->staged = len;
         return 0;
     }
-    return stream_write(st->s, data, len, st->deadline, st->err, st->errlen);
+    return stream_write(st->s, data, len, 0, st->deadline, st->err, st->errlen);
 }
 
 static int stage_parts(stage_t *st, const unsigned char *head, size_t head_len, parts_t *p)
@@ -878,11 +880,10 @@ static int stage_parts(stage_t *st, const unsigned char *head, size_t head_len, 
     return r;
 }
 
+/* The end of a send: what is staged, and every TLS record of the send, leave now. */
 static int stage_flush(stage_t *st)
 {
-    if (!st->staged)
-        return 0;
-    int r = stream_write(st->s, st->s->tx, st->staged, st->deadline, st->err, st->errlen);
+    int r = stream_write(st->s, st->s->tx, st->staged, 1, st->deadline, st->err, st->errlen);
     st->staged = 0;
     return r;
 }
