@@ -516,7 +516,7 @@ static int handshake(Stream *s, int64_t deadline, char *errbuf, size_t errlen)
 }
 
 /* The TLS records of one send leave in one write(2), not one each: SSL writes through a
- * buffer BIO that stream_write flushes when the send is done (tls_flush). On veth every
+ * buffer BIO that stream_write flushes when the send is done (its `flush`). On veth every
  * write runs the peer's TCP receive in the sender's system call; a 256 KiB DMA completion
  * was 16 of them. Reads come straight from the socket (SSL's own read-ahead buffers them). */
 #define TLS_WRITE_BUFFER (256u * 1024)
