@@ -94,6 +94,15 @@ def test_dma_copy_between_guest_buffers(vm, plugged, size):
     assert result["match"] == "yes" and result["status"] == "2" and result["bytes"] == str(size)
 
 
+def test_repeated_dma_copies_are_each_checked_and_timed(vm, plugged):
+    """--repeat (what bench_remote measures with) resets and checks every run; the summary orders its times."""
+    result = kv(vm.run(f"dxpu-testdev {plugged.guest_bdf} dma-copy 65536 --repeat 3").stdout)
+    assert result["match"] == "yes" and result["runs"] == "3" and "run" not in result, result
+    assert 0 < int(result["ns"]) <= int(result["median_ns"]) <= int(result["max_ns"]), result
+    fill = kv(vm.run(f"dxpu-testdev {plugged.guest_bdf} dma-fill 8192 0x5a --repeat 2").stdout)
+    assert fill["match"] == "yes" and fill["runs"] == "2", fill
+
+
 def test_dma_fill_and_checksum(vm, plugged):
     bdf = plugged.guest_bdf
     assert kv(vm.run(f"dxpu-testdev {bdf} dma-fill 8192 0x3c").stdout)["match"] == "yes"
