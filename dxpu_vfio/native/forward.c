@@ -73,7 +73,7 @@ typedef struct {
     uint16_t next_id;
     int posted_since_sync;
     size_t posted_bytes_since_sync;
-    unsigned char *dma_buf; /* a DMA_READ completion: header + data */
+    unsigned char *dma_buf; /* a DMA_READ(V) completion read from a pread window: header + data */
     unsigned long long reads, writes_posted, writes_nonposted, dma_read_bytes, dma_write_bytes, dma_refused,
         irqs, bad_completions, to_python, read_wait_ns, write_wait_ns, syncs, error_completions;
 } Forwarder;
@@ -82,21 +82,25 @@ static PyTypeObject ForwarderType;
 
 /* --- one message from a stream, without Python ------------------------------------- */
 
-static int send_frame(Stream *s, uint16_t id, uint16_t cmd, uint32_t flags, uint32_t error, const void *a,
-                      size_t alen, const void *b, size_t blen, char *err, size_t errlen)
+/* Frame and send one message whose payload is `n` pieces (at most MAX_READV_RANGES + 1), written from
+ * where they are: the stream stages the small ones, and a large one (a DMA read's 256 KiB of guest
+ * memory) goes to TLS without a copy. The GIL is released for the write; guest memory read then stays
+ * mapped, because windows are removed only on the session thread, which is the one running here. */
+static int send_pieces(Stream *s, uint16_t id, uint16_t cmd, uint32_t flags, uint32_t error, const struct iovec *iov,
+                       int n, char *err, size_t errlen)
 {
+    Py_buffer views[MAX_READV_RANGES + 1];
+    parts_t p = {.count = 0, .total = 0};
+    p.views = views; /* not Python buffers: never released */
+    for (int i = 0; i < n; i++) {
+        if (!iov[i].iov_len)
+            continue;
+        views[p.count].buf = iov[i].iov_base;
+        views[p.count++].len = (Py_ssize_t)iov[i].iov_len;
+        p.total += iov[i].iov_len;
+    }
     unsigned char head[FRAME_HEADER_SIZE];
-    frame_encode(head, id, cmd, (uint32_t)(FRAME_HEADER_SIZE + alen + blen), flags, error);
-    parts_t p = {.count = 0, .total = alen + blen};
-    p.views = p.inline_views; /* not Python buffers: never released */
-    if (alen) {
-        p.views[p.count].buf = (void *)a;
-        p.views[p.count++].len = (Py_ssize_t)alen;
-    }
-    if (blen) {
-        p.views[p.count].buf = (void *)b;
-        p.views[p.count++].len = (Py_ssize_t)blen;
-    }
+    frame_encode(head, id, cmd, (uint32_t)(FRAME_HEADER_SIZE + p.total), flags, error);
     int r;
     int64_t deadline = deadline_after(s->send_timeout);
     lock_released(&s->send_order);
@@ -107,10 +111,17 @@ static int send_frame(Stream *s, uint16_t id, uint16_t cmd, uint32_t flags, uint
     if (r == IO_TIMEOUT)
         snprintf(err, errlen, "send timed out: the peer does not read");
     if (!r) {
-        s->bytes_out += FRAME_HEADER_SIZE + alen + blen;
+        s->bytes_out += FRAME_HEADER_SIZE + p.total;
         s->messages_out++;
     }
     return r ? -1 : 0;
+}
+
+static int send_frame(Stream *s, uint16_t id, uint16_t cmd, uint32_t flags, uint32_t error, const void *a,
+                      size_t alen, const void *b, size_t blen, char *err, size_t errlen)
+{
+    struct iovec iov[2] = {{(void *)a, alen}, {(void *)b, blen}};
+    return send_pieces(s, id, cmd, flags, error, iov, 2, err, errlen);
 }
 
 static inline uint64_t le64(const unsigned char *p)
@@ -179,13 +190,19 @@ static int dma_readv(Forwarder *f, const frame_header *hdr, const unsigned char 
     int refused = 0;
     if (scatter_windows(f, pl, count, DMA_FLAG_READ, ws, &total, &refused))
         return TO_PYTHON;
+    struct iovec iov[MAX_READV_RANGES];
+    int copied = 0; /* a window reached by pread: the ranges go through dma_buf */
+    for (uint32_t i = 0; i < count && !refused; i++)
+        copied |= ws[i]->kind != WINDOW_MEMORY;
     size_t at = 0;
     for (uint32_t i = 0; i < count && !refused; i++) {
         const unsigned char *r = pl + READV_HEAD + (size_t)i * READV_RANGE;
         uint64_t addr = le64(r), n = frame_le32(r + 8);
         const window_t *w = ws[i];
         ssize_t got = (ssize_t)n;
-        if (w->kind == WINDOW_MEMORY) {
+        if (!copied) {
+            iov[i] = (struct iovec){w->memory + w->offset + (addr - w->iova), n};
+        } else if (w->kind == WINDOW_MEMORY) {
             memcpy(f->dma_buf + at, w->memory + w->offset + (addr - w->iova), n);
         } else {
             Py_BEGIN_ALLOW_THREADS
@@ -201,6 +218,9 @@ static int dma_readv(Forwarder *f, const frame_header *hdr, const unsigned char 
                           NULL, 0, err, errlen) ? BROKEN : HANDLED;
     }
     f->dma_read_bytes += total;
+    if (!copied) /* straight from guest memory into TLS: no gather copy */
+        return send_pieces(f->link, hdr->msg_id, CMD_DMA_READV, FRAME_TYPE_REPLY, 0, iov, (int)count, err,
+                           errlen) ? BROKEN : HANDLED;
     return send_frame(f->link, hdr->msg_id, CMD_DMA_READV, FRAME_TYPE_REPLY, 0, f->dma_buf, total, NULL, 0,
                       err, errlen) ? BROKEN : HANDLED;
 }
@@ -312,8 +332,9 @@ static int box_message(Forwarder *f, const frame_header *hdr, const unsigned cha
         if (w && w->kind == WINDOW_PYTHON)
             return TO_PYTHON;
         ssize_t n = -1;
-        if (w && w->kind == WINDOW_MEMORY) {
-            memcpy(f->dma_buf + 16, w->memory + w->offset + (addr - w->iova), count);
+        const unsigned char *data = f->dma_buf + 16;
+        if (w && w->kind == WINDOW_MEMORY) { /* sent from guest memory (send_pieces says why that is safe) */
+            data = w->memory + w->offset + (addr - w->iova);
             n = (ssize_t)count;
         } else if (w) {
             Py_BEGIN_ALLOW_THREADS
@@ -329,7 +350,7 @@ static int box_message(Forwarder *f, const frame_header *hdr, const unsigned cha
         frame_put32(f->dma_buf + 8, (uint32_t)count);
         frame_put32(f->dma_buf + 12, 0);
         f->dma_read_bytes += count;
-        return send_frame(f->link, hdr->msg_id, CMD_DMA_READ, FRAME_TYPE_REPLY, 0, f->dma_buf, 16 + count, NULL, 0,
+        return send_frame(f->link, hdr->msg_id, CMD_DMA_READ, FRAME_TYPE_REPLY, 0, f->dma_buf, 16, data, count,
                           err, errlen) ? BROKEN : HANDLED;
     }
     case CMD_DMA_READV:
