@@ -132,6 +132,22 @@ def _fds(pid: int) -> list[str]:
     return sorted(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
 
 
+def _settled_state(server_pid: int, vm_pid: int, timeout: float = 5.0) -> tuple:
+    """The server's fds and thread count and QEMU's fd count, once three reads 0.1 s apart
+    agree: the session thread reports its end just before it exits, so a read right after
+    the stats say "ended" can still count it (a CI run once counted 6 threads against the baseline 5).
+    A leak stays; a thread on its way out does not."""
+    def state() -> tuple:
+        return (_fds(server_pid), len(os.listdir(f"/proc/{server_pid}/task")), len(_fds(vm_pid)))
+    deadline = time.monotonic() + timeout
+    reads = [state()]
+    while len(reads) < 3 or reads[-1] != reads[-2] or reads[-2] != reads[-3]:
+        assert time.monotonic() < deadline, f"server/QEMU fds or threads still changing after {timeout} s: {reads[-3:]}"
+        time.sleep(0.1)
+        reads.append(state())
+    return reads[-1]
+
+
 def test_unplug_and_replug_20_times_leaks_nothing(vm, device):
     spec = device()
     server = HostProxyProcess(spec["model"], vm.workdir / "replug.sock", name="replug",
@@ -146,7 +162,7 @@ def test_unplug_and_replug_20_times_leaks_nothing(vm, device):
             while server.stats()["server"]["dma"] is not None:  # session torn down
                 assert time.monotonic() < deadline, "server session did not end after unplug"
                 time.sleep(0.05)
-            state = (_fds(server.pid), len(os.listdir(f"/proc/{server.pid}/task")), len(_fds(vm.pid)))
+            state = _settled_state(server.pid, vm.pid)
             if cycle == 1:
                 baseline = state
             elif cycle > 1:
