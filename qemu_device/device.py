@@ -336,6 +336,13 @@ class PciFunction:
             else:
                 self.suppressed_interrupts += 1
 
+    def intx_in_use(self) -> bool:
+        """Would :meth:`raise_interrupt` assert INTx (neither MSI-X nor MSI enabled)?"""
+        with self.lock:
+            if self.msix is not None and self.caps.msix_enabled():
+                return False
+            return not (self.caps.has(CAP_ID_MSI) and self.caps.msi_state().enabled)
+
     def lower_interrupt(self) -> None:
         """Clear Status.Interrupt and deassert INTx (the IRQ port sees only level changes)."""
         with self.lock:

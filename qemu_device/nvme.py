@@ -64,6 +64,7 @@ CAP, VS, INTMS, INTMC, CC, CSTS, AQA, ASQ, ACQ = 0x00, 0x08, 0x0C, 0x10, 0x14, 0
 CC_EN, CSTS_RDY, CSTS_CFS = 1, 1, 2
 CSTS_SHST_OCCURRING, CSTS_SHST_DONE, CSTS_SHST = 1 << 2, 2 << 2, 3 << 2
 ABORT_LIMIT = 3  # Identify's ACL: Aborts outstanding at once, minus one (Linux sends up to ACL + 1)
+OACS_DBBUF = 1 << 8  # Identify's OACS: Doorbell Buffer Config
 
 
 class AdminOpcode(enum.IntEnum):
@@ -80,6 +81,7 @@ class AdminOpcode(enum.IntEnum):
     GET_FEATURES = 0x0A
     ASYNC_EVENT_REQUEST = 0x0C
     KEEP_ALIVE = 0x18
+    DOORBELL_BUFFER_CONFIG = 0x7C  # offered only where DMA reads are local (OACS bit 8)
 
 
 class IoOpcode(enum.IntEnum):
@@ -272,7 +274,7 @@ class NvmeController(PciFunction):
         self.io_pool = WorkerPool("nvme-io", io_workers) if io_workers else None  # I/O side by side
         self.stats_counters = {"commands": 0, "errors": 0, "bytes_read": 0, "bytes_written": 0, "flushes": 0,
                                "io_in_flight_peak": 0, "aborts": 0, "aborted": 0, "admin_refused": 0,
-                               "enables": 0, "disables": 0}
+                               "enables": 0, "disables": 0, "sq_fetches": 0, "shadow_tails": 0}
         self._features: dict[int, int] = {}
         # Commands in flight survive a reset of the registers (they are still running):
         self._ended = threading.Condition(self.lock)  # notified whenever a command ends
@@ -290,6 +292,8 @@ class NvmeController(PciFunction):
         self.cqs: dict[int, Queue] = {}
         self.pending_aers: list[int] = []
         self._features = {}
+        # Doorbell Buffer Config: (shadow doorbells page, event index page) in guest memory
+        self.dbbuf: tuple[int, int] | None = None
         self._draining = False  # CC.EN went to 0 with commands in flight: RDY falls when they end
         self._shutdown_pending = False  # CC.SHN with commands in flight: done when they end
 
@@ -376,6 +380,11 @@ class NvmeController(PciFunction):
             return
         sq = self.sqs.get(qid)
         if sq is not None:
+            if self._shadow_slots(qid) is not None:
+                # only a kick: the worker reads the tail from the shadow, which the guest
+                # wrote first, so a late MMIO value can never move the tail back
+                self.worker.submit(lambda: self._process(qid))
+                return
             sq.tail = value % sq.size
             if sq.begun is None and sq.head != sq.tail:
                 # on a network the fetch's request leaves from the thread that took the
@@ -391,6 +400,8 @@ class NvmeController(PciFunction):
         that is one network round trip for the batch, not one per command. Admin commands
         run here, in order; I/O commands go to the pool."""
         while True:
+            if not self._has_entries(qid):
+                return
             with self.lock:
                 sq = self.sqs.get(qid)
                 if sq is None or sq.head == sq.tail or not self.csts & CSTS_RDY:
@@ -399,6 +410,7 @@ class NvmeController(PciFunction):
                 count = (sq.tail - first) % sq.size
                 count = min(count, sq.size - first)  # do not wrap inside one read
                 self._fetches += 1  # a disable keeps RDY up until this read is over
+                self.stats_counters["sq_fetches"] += 1  # commands / sq_fetches: the batch a doorbell brings
                 begun, sq.begun = sq.begun, None
                 if begun is not None and begun.covers(first, count):
                     count, finish = begun.count, begun.finish  # what the doorbell fetched; the rest next round
@@ -450,6 +462,71 @@ class NvmeController(PciFunction):
                     self._run_io(job)  # inline: in order, a Flush after what it waits for
                 else:
                     self.io_pool.submit(lambda job=job: self._run_io(job))
+
+    # --- shadow doorbells (Doorbell Buffer Config) -------------------------------------------
+    def _shadow_slots(self, qid: int, cq: bool = False) -> tuple[int, int] | None:
+        """(shadow doorbell, event index) addresses of an I/O queue, or None (lock held or
+        not: ``dbbuf`` is replaced whole). Laid out as the doorbells are (stride 0)."""
+        dbbuf = self.dbbuf
+        if dbbuf is None or qid == 0:
+            return None
+        offset = qid * 8 + (4 if cq else 0)
+        return dbbuf[0] + offset, dbbuf[1] + offset
+
+    def _has_entries(self, qid: int) -> bool:
+        """Does SQ ``qid`` hold entries not taken yet (worker)? With a shadow doorbell the
+        guest rings the MMIO doorbell only when the event index asks, so the tail is read
+        from the shadow; before going idle the worker publishes the tail it has seen as
+        the event index (the guest's next entry then rings) and reads the shadow once more,
+        for an entry written in between."""
+        with self.lock:
+            sq = self.sqs.get(qid)
+            if sq is None or not self.csts & CSTS_RDY:
+                return False
+            if sq.head != sq.tail:
+                return True
+            slots = self._shadow_slots(qid)
+        if slots is None:
+            return False
+        doorbell, event_index = slots
+        try:
+            if self._read_shadow_tail(sq, doorbell):
+                return True
+            self.dma_write(event_index, struct.pack("<I", sq.tail))
+            return self._read_shadow_tail(sq, doorbell)
+        except DmaError:
+            with self.lock:
+                self.csts |= CSTS_CFS  # the controller cannot reach its own doorbells
+            return False
+
+    def _read_shadow_tail(self, sq: Queue, doorbell: int) -> bool:
+        value = struct.unpack("<I", self.dma_read(doorbell, 4))[0]
+        with self.lock:
+            if self.sqs.get(sq.qid) is not sq:
+                return False
+            sq.tail = value % sq.size  # as an MMIO doorbell's value would be
+            self.stats_counters["shadow_tails"] += 1
+            return sq.head != sq.tail
+
+    def _doorbell_buffer_config(self, shadow: int, event_index: int) -> None:
+        """Doorbell Buffer Config: both pages page aligned; the I/O queues that exist get
+        their shadows set to the doorbells' values now (as QEMU's nvme does), and every
+        I/O queue is read through its shadow from here until the controller is reset."""
+        if not self._identify_oacs() & OACS_DBBUF:
+            raise CommandError(Status.INVALID_OPCODE)
+        if shadow % PAGE or event_index % PAGE:
+            raise CommandError(Status.INVALID_FIELD)
+        with self.lock:
+            self.dbbuf = (shadow, event_index)
+            values = [(qid * 8, sq.tail) for qid, sq in self.sqs.items() if qid] + \
+                     [(qid * 8 + 4, cq.head) for qid, cq in self.cqs.items() if qid]
+        self.dma_write_many([(shadow + offset, struct.pack("<I", value)) for offset, value in values])
+
+    def _identify_oacs(self) -> int:
+        """Shadow doorbells save the guest its MMIO doorbell writes, but on a GPU box every
+        read of a shadow is a network round trip, where a doorbell is a posted write: there
+        the controller does not offer them."""
+        return 0 if self.dma_reads_wait_on_network else OACS_DBBUF
 
     def _begin(self, sq: Queue) -> None:
         """Count a command as in flight (lock held)."""
@@ -632,8 +709,13 @@ class NvmeController(PciFunction):
             cq.tail = (cq.tail + 1) % cq.size
             if cq.tail == 0:
                 cq.phase ^= 1
+            slots = self._shadow_slots(cq.qid, cq=True) if self.intx_in_use() else None
+            event = (cq.tail - 1) % cq.size
         try:
             self.dma_write(addr, entry)
+            if slots is not None:  # INTx stays asserted until every CQ is consumed: the
+                # guest must ring the head doorbell once it has taken this entry
+                self.dma_write(slots[1], struct.pack("<I", event))
         except DmaError:
             return
         with self.lock:
@@ -676,6 +758,8 @@ class NvmeController(PciFunction):
                 return self._abort(cdw10 & 0xFFFF, cdw10 >> 16)
             case AdminOpcode.KEEP_ALIVE:
                 return 0
+            case AdminOpcode.DOORBELL_BUFFER_CONFIG:
+                self._doorbell_buffer_config(prp1, prp2)
             case _:
                 raise CommandError(Status.INVALID_OPCODE)
         return 0
@@ -701,6 +785,7 @@ class NvmeController(PciFunction):
             out[64:72] = b"1.0".ljust(8)
             out[72], out[77] = 6, MDTS
             struct.pack_into("<HI", out, 78, 1, 0x00010400)  # CNTLID, VER
+            struct.pack_into("<H", out, 256, self._identify_oacs())  # OACS
             out[258], out[259] = ABORT_LIMIT, 3  # ACL, AERL
             out[260] = 0x02  # FRMW: one slot
             out[261] = 0x02 | 0x04  # LPA: the Commands Supported and Effects log; extended data (NUMDU, LPO)

@@ -84,6 +84,29 @@ def test_random_data_survives_dropped_caches(vm, plugged):
         "data read back differs from data written"
 
 
+def mmio_writes(server) -> int:
+    """QEMU's REGION_WRITEs a host proxy served so far, in Python or in its C forwarder."""
+    stats = server.stats()["server"]
+    return stats["commands"].get("REGION_WRITE", {}).get("count", 0) + stats["forwarded"].get("REGION_WRITE", 0)
+
+
+def test_shadow_doorbells_locally_an_mmio_doorbell_per_command_on_a_box(vm, plugged, served):
+    """Linux's driver sets up Doorbell Buffer Config where Identify offers it: served
+    locally the guest writes its SQ tails and CQ heads to memory and rings an MMIO doorbell
+    only when the event index asks (the controller reads the shadows); on a box, where a
+    shadow read would be a network round trip, it is not offered and every command rings."""
+    att, ns1, _ = plugged
+    before = mmio_writes(att.server)
+    assert round_trip(vm, ns1, "bs=128k count=48", "oflag=direct", "iflag=direct")
+    doorbells = mmio_writes(att.server) - before
+    if served == "local":  # 96 commands of 128 KiB (MDTS) at depth 1: each finds the worker
+        # idle, so its SQ doorbell still rings; the CQ head doorbells are gone (96, against 192)
+        assert att.server.stats()["device"]["shadow_tails"] >= 96
+        assert doorbells < 96 * 3 // 2, f"{doorbells} MMIO writes for 96 commands: the shadows were not used"
+    else:  # an SQ tail and a CQ head doorbell for each of the 96 commands, nearly
+        assert doorbells >= 96, f"only {doorbells} MMIO writes for 96 commands on a box"
+
+
 def queue_interrupts(vm, ctrl: str) -> dict[str, int]:
     """Interrupts per queue of controller ``ctrl`` ({"q0": n, "q1": n, ...}), all CPUs."""
     out = {}

@@ -12,6 +12,8 @@ import pytest
 from fakes import RAM_BASE, FakeGuestRam, RecordingIrqPort
 
 from qemu_device import nvme
+from qemu_device.capabilities import CAP_ID_MSI
+from qemu_device.device import REGION_CONFIG
 
 BAR0 = 0
 ASQ, ACQ, IOSQ, IOCQ, BUF, PRPLIST = (RAM_BASE + n * 0x10000 for n in range(6))
@@ -472,6 +474,94 @@ def test_io_inline_by_default_runs_commands_in_order(tmp_path):
     release.set()
     assert [cid for cid, *_ in drv.reap(1, 3)] == cids
     assert drv.dev.close()
+
+
+# --- shadow doorbells (Doorbell Buffer Config) ---------------------------------------------------
+
+SHADOW, EVENT_INDEX = PRPLIST + 0x4000, PRPLIST + 0x5000
+
+
+def wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.001)
+
+
+def shadow_value(drv: Driver, page: int, qid: int, cq: bool = False) -> int:
+    return struct.unpack_from("<I", drv.ram.ram, page - RAM_BASE + qid * 8 + (4 if cq else 0))[0]
+
+
+def shadow_ring(drv: Driver, qid: int) -> bool:
+    """Linux's nvme_dbbuf_update_and_check_event: the tail into the shadow, then an MMIO
+    doorbell only if the event index lies in [old tail, new tail); returns whether it rang."""
+    new, off = drv.tails[qid], SHADOW - RAM_BASE + qid * 8
+    old = struct.unpack_from("<I", drv.ram.ram, off)[0]
+    struct.pack_into("<I", drv.ram.ram, off, new)
+    event = shadow_value(drv, EVENT_INDEX, qid)
+    if (new - event - 1) % 0x10000 < (new - old) % 0x10000:
+        drv.ring(qid)
+        return True
+    return False
+
+
+def test_shadow_doorbells_take_entries_without_mmio_and_publish_the_event_index(tmp_path):
+    """After Doorbell Buffer Config the tail of an I/O SQ is read from its shadow: entries
+    the guest adds while the worker is busy are taken without an MMIO doorbell, and an idle
+    worker publishes the tail it saw as the event index, so the next entry rings. A late
+    MMIO value older than the shadow moves nothing back."""
+    drv, _ = enabled_controller(tmp_path, io_workers=0)
+    drv.io_queues(1)
+    assert drv.submit(0, 0x06, prp1=BUF, cdw=(1, 0, 0, 0, 0, 0)) == (0, 0)
+    assert struct.unpack_from("<H", drv.ram.ram, BUF - RAM_BASE + 256)[0] & nvme.OACS_DBBUF
+    struct.pack_into("<I", drv.ram.ram, SHADOW - RAM_BASE + 8, 0xDEAD)  # config sets it to the doorbell's value
+    assert drv.submit(0, nvme.AdminOpcode.DOORBELL_BUFFER_CONFIG, prp1=SHADOW, prp2=EVENT_INDEX) == (0, 0)
+    assert shadow_value(drv, SHADOW, 1) == 0 and shadow_value(drv, SHADOW, 1, cq=True) == 0
+    a, b, c, d = bufs(4)
+    first = drv.read(1, a)
+    assert shadow_ring(drv, 1), "the event index (0) asks for the first doorbell"
+    assert drv.reap(1)[0][:2] == (first, 0)
+    wait_for(lambda: shadow_value(drv, EVENT_INDEX, 1) == 1)  # idle: the tail it saw
+    reached, release = drv.ram.hold(b)
+    held = drv.read(1, b, lba=8)
+    assert shadow_ring(drv, 1)
+    assert reached.wait(5)
+    later = [drv.read(1, c, lba=16), drv.read(1, d, lba=24)]
+    assert not shadow_ring(drv, 1), "the worker is busy: no doorbell is asked for"
+    release.set()
+    assert [cid for cid, *_ in drv.reap(1, 3)] == [held, *later]
+    wait_for(lambda: shadow_value(drv, EVENT_INDEX, 1) == 4)
+    assert drv.dev.stats()["shadow_tails"] >= 3
+    drv.w32(nvme.DOORBELLS + 8, 2)  # a stale MMIO value: only a kick, the shadow says 4
+    assert drv.nothing_completes(1), "a stale doorbell value ran old entries again"
+    assert drv.dev.close()
+
+
+def test_doorbell_buffer_config_checks_its_pages_and_ends_with_a_reset(ctrl):
+    drv, _ = ctrl
+    drv.io_queues(1)
+    assert status_of(drv.submit(0, 0x7C, prp1=SHADOW + 8, prp2=EVENT_INDEX)[0]) == nvme.Status.INVALID_FIELD
+    assert drv.dev.dbbuf is None
+    assert drv.submit(0, 0x7C, prp1=SHADOW, prp2=EVENT_INDEX) == (0, 0)
+    drv.w32(nvme.CC, 0)  # a reset: the controller forgets the buffers, MMIO doorbells count again
+    wait_not_ready(drv)
+    assert drv.dev.dbbuf is None
+    recover_like_linux(drv)
+    assert drv.submit(1, 0x02, nsid=1, prp1=BUF, cdw=(0, 0, 7, 0, 0, 0)) == (0, 0)
+
+
+def test_a_controller_on_a_gpu_box_offers_no_shadow_doorbells(tmp_path):
+    """On a box a read of a shadow is a network round trip, a doorbell a posted write."""
+    dev = nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "ns1")}], io_workers=0)
+    ram = CountingRam()
+    dev.attach(ram, RecordingIrqPort())
+    dev.config.write(4, 2, 0x6)
+    drv = Driver(dev, ram)
+    drv.enable()
+    assert drv.submit(0, 0x06, prp1=BUF, cdw=(1, 0, 0, 0, 0, 0)) == (0, 0)
+    assert not struct.unpack_from("<H", ram.ram, BUF - RAM_BASE + 256)[0] & nvme.OACS_DBBUF
+    assert status_of(drv.submit(0, 0x7C, prp1=SHADOW, prp2=EVENT_INDEX)[0]) == nvme.Status.INVALID_OPCODE
+    assert dev.close()
 
 
 # --- a hostile guest's PRPs, a full or sparse backing file (issue 18) --------------------------

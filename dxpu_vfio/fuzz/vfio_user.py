@@ -460,7 +460,7 @@ class VfioUserTarget(ChildTarget):
         n = rng.choice((1, 1, 2, 4, 15))
         tail = self.sq_tail
         for _ in range(n):
-            opcode = rng.choice((0x00, 0x01, 0x02, 0x04, 0x05, 0x06, 0x06, 0x08, 0x09, 0x0A, 0x0C, 0x18,
+            opcode = rng.choice((0x00, 0x01, 0x02, 0x04, 0x05, 0x06, 0x06, 0x08, 0x09, 0x0A, 0x0C, 0x18, 0x7C,
                                  rng.randrange(256)))
             prp1 = self._dma_address(rng)
             prp2 = rng.choice((0, RAM_BASE + 0x2000, RAM_BASE + 0x2000 + rng.choice((8, 4088, 4096)), self._dma_address(rng)))
