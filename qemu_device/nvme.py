@@ -457,11 +457,14 @@ class NvmeController(PciFunction):
                     jobs = [self._dispatch(sq, sqe, lists, fetched.get(i)) for i, sqe in enumerate(sqes)]
             finally:
                 self._fetch_done()
+            held: dict[int, Queue] | None = {} if self.io_pool is None and len(jobs) > 1 else None
             for job in jobs:  # in ticket order: a Flush is never taken before what it waits for
                 if self.io_pool is None:
-                    self._run_io(job)  # inline: in order, a Flush after what it waits for
+                    self._run_io(job, held)  # inline: in order, a Flush after what it waits for
                 else:
                     self.io_pool.submit(lambda job=job: self._run_io(job))
+            if held:
+                self._signal(held.values())
 
     # --- shadow doorbells (Doorbell Buffer Config) -------------------------------------------
     def _shadow_slots(self, qid: int, cq: bool = False) -> tuple[int, int] | None:
@@ -598,7 +601,7 @@ class NvmeController(PciFunction):
         self.stats_counters["io_in_flight_peak"] = max(peak, self._in_flight)
         return job
 
-    def _run_io(self, job: IoJob) -> None:
+    def _run_io(self, job: IoJob, held: dict[int, Queue] | None = None) -> None:
         """One I/O command on a pool thread (or the worker); dropped if its queue went away
         before it ran, nothing at all if an Abort or a disable took it back."""
         sq = job.sq
@@ -613,7 +616,7 @@ class NvmeController(PciFunction):
                     return
                 if job.sqe[0] == IoOpcode.FLUSH:  # after the commands of its namespace taken before it
                     self._ended.wait_for(lambda: min(self._ns_pending[job.nsid]) == job.ticket)
-            self._execute(sq, job.sqe, job.lists, job.fetched)
+            self._execute(sq, job.sqe, job.lists, job.fetched, held)
         finally:
             self._end(sq, job.nsid, job.ticket)
 
@@ -670,7 +673,7 @@ class NvmeController(PciFunction):
                 self.csts = (self.csts & ~CSTS_SHST) | CSTS_SHST_DONE
 
     def _execute(self, sq: Queue, sqe: memoryview, lists: dict[tuple[int, int], bytes] | None = None,
-                 fetched: WriteData | None = None) -> None:
+                 fetched: WriteData | None = None, held: dict[int, Queue] | None = None) -> None:
         opcode, cid = sqe[0], struct.unpack_from("<H", sqe, 2)[0]
         result: int | Deferred = 0
         status = Status.SUCCESS
@@ -691,9 +694,9 @@ class NvmeController(PciFunction):
             log.info("NVMe admin opcode %#x (CDW10 %#x) refused: %s", opcode,
                      struct.unpack_from("<I", sqe, 40)[0], status.name)
             self._count("admin_refused")
-        self._complete(sq, cid, status, result)
+        self._complete(sq, cid, status, result, held)
 
-    def _complete(self, sq: Queue, cid: int, status: Status, result: int) -> None:
+    def _complete(self, sq: Queue, cid: int, status: Status, result: int, held: dict[int, Queue] | None = None) -> None:
         """Post a completion: the CQ slot, phase and the SQ head it reports are taken under
         the lock (several threads complete at once); the entry is written without it."""
         with self.lock:
@@ -718,9 +721,17 @@ class NvmeController(PciFunction):
                 self.dma_write(slots[1], struct.pack("<I", event))
         except DmaError:
             return
+        if held is not None:
+            held[cq.qid] = cq
+        else:
+            self._signal((cq,))
+
+    def _signal(self, cqs) -> None:
+        """Raise the interrupt of each CQ that still exists and asked for one."""
         with self.lock:
-            if self.cqs.get(cq.qid) is cq and cq.interrupts:
-                self.raise_interrupt(cq.vector)
+            for cq in cqs:
+                if self.cqs.get(cq.qid) is cq and cq.interrupts:
+                    self.raise_interrupt(cq.vector)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self.lock:

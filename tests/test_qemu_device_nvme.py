@@ -476,6 +476,25 @@ def test_io_inline_by_default_runs_commands_in_order(tmp_path):
     assert drv.dev.close()
 
 
+def test_completions_of_one_batch_share_one_interrupt(tmp_path):
+    """Three reads rung with one doorbell run one after another on the worker: each
+    completion is in the CQ as it finishes, one MSI follows the last (what Linux's handler
+    reaps in one go). A command alone is signalled at once."""
+    drv, irq = enabled_controller(tmp_path, io_workers=0)
+    drv.dev.region_write(REGION_CONFIG, drv.dev.caps.offsets[CAP_ID_MSI] + 2, (3 << 4 | 1).to_bytes(2, "little"))
+    drv.io_queues(1)
+    irq.take()
+    a, b, c = bufs(3)
+    cids = [drv.read(1, a), drv.read(1, b, lba=8), drv.read(1, c, lba=16)]
+    drv.ring(1)
+    assert [cid for cid, *_ in drv.reap(1, 3)] == cids
+    wait_for(lambda: irq.events)
+    assert irq.take() == [("msi", 1)]
+    drv.submit(1, 0x02, nsid=1, prp1=a, cdw=(0, 0, 7, 0, 0, 0))
+    assert irq.take() == [("msi", 1)]
+    assert drv.dev.close()
+
+
 # --- shadow doorbells (Doorbell Buffer Config) ---------------------------------------------------
 
 SHADOW, EVENT_INDEX = PRPLIST + 0x4000, PRPLIST + 0x5000
