@@ -457,7 +457,11 @@ class NvmeController(PciFunction):
                     jobs = [self._dispatch(sq, sqe, lists, fetched.get(i)) for i, sqe in enumerate(sqes)]
             finally:
                 self._fetch_done()
-            held: dict[int, Queue] | None = {} if self.io_pool is None and len(jobs) > 1 else None
+            # one interrupt for the batch, after its last completion; not on a box, where a
+            # command may wait on the network up to a completion timeout and the ones
+            # before it must not wait with it
+            batched = self.io_pool is None and len(jobs) > 1 and not self.dma_reads_wait_on_network
+            held: dict[int, Queue] | None = {} if batched else None
             for job in jobs:  # in ticket order: a Flush is never taken before what it waits for
                 if self.io_pool is None:
                     self._run_io(job, held)  # inline: in order, a Flush after what it waits for

@@ -495,6 +495,27 @@ def test_completions_of_one_batch_share_one_interrupt(tmp_path):
     assert drv.dev.close()
 
 
+def test_on_a_box_each_completion_of_a_batch_is_signalled_at_once(tmp_path):
+    """There a command may wait on the network up to a completion timeout: the completions
+    before it are not held for it."""
+    dev = nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "ns1")}], io_workers=0)
+    ram, irq = CountingRam(), RecordingIrqPort()
+    dev.attach(ram, irq)
+    dev.config.write(4, 2, 0x6)
+    dev.region_write(REGION_CONFIG, dev.caps.offsets[CAP_ID_MSI] + 2, (3 << 4 | 1).to_bytes(2, "little"))
+    drv = Driver(dev, ram)
+    drv.enable()
+    drv.io_queues(1)
+    irq.take()
+    for i, buf in enumerate(bufs(3)):
+        drv.read(1, buf, lba=8 * i)
+    drv.ring(1)
+    assert len(drv.reap(1, 3)) == 3
+    wait_for(lambda: len(irq.events) == 3)
+    assert irq.take() == [("msi", 1)] * 3
+    assert dev.close()
+
+
 # --- shadow doorbells (Doorbell Buffer Config) ---------------------------------------------------
 
 SHADOW, EVENT_INDEX = PRPLIST + 0x4000, PRPLIST + 0x5000
