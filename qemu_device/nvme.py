@@ -3,7 +3,8 @@
 What is here is what that driver uses: the controller registers and doorbells, enable,
 disable, shutdown and reset; admin commands Identify (controller, namespace, active
 namespace list, namespace descriptors), Create/Delete I/O SQ and CQ, Get/Set Features,
-Get Log Page (error, SMART, firmware slot), Asynchronous Event Request (held), Abort;
+Get Log Page (error, SMART, firmware slot), Asynchronous Event Request (held), Abort,
+Doorbell Buffer Config (shadow doorbells, where DMA reads are local);
 I/O commands Read, Write, Flush, Write Zeroes and Dataset Management; PRP entries and
 PRP lists; phase tags; one interrupt vector per completion queue (MSI; INTx works too).
 
