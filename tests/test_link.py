@@ -16,6 +16,7 @@ from fakes import map_guest_memory
 
 from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, connect_remote
 from dxpu_vfio.link.endpoint import LinkState
+from dxpu_vfio.link import transport
 from dxpu_vfio.link.transport import TlsFiles, make_certs
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 from dxpu_vfio.testing import eventually
@@ -405,3 +406,23 @@ def test_dxpu_screenshot_asks_only_a_box_that_serves_the_device(tmp_path):
     finally:
         for box in boxes:
             box.stop()
+
+
+def test_link_sockets_retransmit_on_a_datacenter_timescale():
+    """Both ends of a link socket (tune: connect and accept) ask TCP for a minimum
+    retransmission timeout of milliseconds, not the default 200 ms: a burst of lost segments
+    then costs the link a few ms per retransmission and fits its completion timeout."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = transport.tune(socket.create_connection(listener.getsockname()))
+    accepted = transport.tune(listener.accept()[0])
+    try:
+        for sock in (client, accepted):
+            try:
+                rto_min = sock.getsockopt(socket.IPPROTO_TCP, transport.TCP_RTO_MIN_US)
+            except OSError as exc:
+                pytest.fail(f"this kernel has no TCP_RTO_MIN_US (Linux 6.15 or newer): {exc}")
+            assert transport.LINK_RTO_MIN_US <= rto_min <= 10_000, rto_min  # rounded up to whole ticks
+    finally:
+        for sock in (client, accepted, listener):
+            sock.close()
+
