@@ -90,7 +90,8 @@ def details(r: dict) -> list[str]:
         out += ["", "Each latency is one `dd` of 64 KiB with `oflag=direct`/`iflag=direct` as the guest's "
                 "shell timed it (`ts -i`), the start of the process included (a TCG guest on a 2-core host "
                 "shared with other work: a few tens of ms, and noisy); what loss adds shows in p99: a lost "
-                "segment waits for TCP's retransmission (200 ms minimum RTO when no duplicate ACKs come). "
+                "segment waits for TCP's retransmission when no duplicate ACKs come (the link asks for a "
+                "minimum RTO of 5 ms, 8 ms in the kernel's ticks, where TCP's default is 200 ms). "
                 "The achieved loss is the emulator's own count over the run's packets (a burst model "
                 "over a few thousand packets lands far from its mean)."]
     for phase in ("write", "read"):
