@@ -191,7 +191,9 @@ def torch_backend() -> KernelBackend:
         name = "torch"
 
         def _t(self, a: np.ndarray):
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+            # a copy onto the device (torch.tensor copies): operands are often read-only
+            # views of VRAM, which torch.from_numpy refuses to share without a warning
+            return torch.tensor(a, dtype=torch.float32, device=device)
 
         def _n(self, t) -> np.ndarray:
             return t.float().cpu().numpy()
