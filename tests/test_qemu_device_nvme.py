@@ -209,16 +209,22 @@ class CountingRam(FakeGuestRam):
         return super().read_many_begin(pieces)
 
 
-def test_the_prp_lists_of_a_batch_are_fetched_in_one_round_trip(tmp_path):
-    """Four 16 KiB reads rung with one doorbell: their PRP lists come in one read_many
-    (one network round trip on a box) before the commands run, and the data still lands
-    where each list says."""
+def on_a_box(tmp_path) -> tuple[nvme.NvmeController, CountingRam, Driver]:
+    """A 1 MiB namespace, one worker, guest RAM that counts reads as a box's does; enabled."""
     dev = nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "ns1")}], io_workers=0)
     ram = CountingRam()
     dev.attach(ram, RecordingIrqPort())
     dev.config.write(4, 2, 0x6)
     drv = Driver(dev, ram)
     drv.enable()
+    return dev, ram, drv
+
+
+def test_the_prp_lists_of_a_batch_are_fetched_in_one_round_trip(tmp_path):
+    """Four 16 KiB reads rung with one doorbell: their PRP lists come in one read_many
+    (one network round trip on a box) before the commands run, and the data still lands
+    where each list says."""
+    dev, ram, drv = on_a_box(tmp_path)
     drv.io_queues(1)
     disk = os.urandom(64 << 10)
     with open(tmp_path / "ns1", "r+b") as f:
@@ -250,12 +256,7 @@ def test_the_write_data_of_a_batch_is_read_in_one_scatter_list(tmp_path):
     lists, every page of all four comes in one more read_many (one pipelined transfer on a
     box, not a round trip per command), and each lands where its LBA says. A fifth Write
     with a bad PRP in the same batch fails alone."""
-    dev = nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "ns1")}], io_workers=0)
-    ram = CountingRam()
-    dev.attach(ram, RecordingIrqPort())
-    dev.config.write(4, 2, 0x6)
-    drv = Driver(dev, ram)
-    drv.enable()
+    dev, ram, drv = on_a_box(tmp_path)
     drv.io_queues(1)
     data = os.urandom(64 << 10)
     lists = [PRPLIST + 64 * i for i in range(4)]
@@ -592,12 +593,7 @@ def test_doorbell_buffer_config_checks_its_pages_and_ends_with_a_reset(ctrl):
 
 def test_a_controller_on_a_gpu_box_offers_no_shadow_doorbells(tmp_path):
     """On a box a read of a shadow is a network round trip, a doorbell a posted write."""
-    dev = nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "ns1")}], io_workers=0)
-    ram = CountingRam()
-    dev.attach(ram, RecordingIrqPort())
-    dev.config.write(4, 2, 0x6)
-    drv = Driver(dev, ram)
-    drv.enable()
+    dev, ram, drv = on_a_box(tmp_path)
     assert drv.submit(0, 0x06, prp1=BUF, cdw=(1, 0, 0, 0, 0, 0)) == (0, 0)
     assert not struct.unpack_from("<H", ram.ram, BUF - RAM_BASE + 256)[0] & nvme.OACS_DBBUF
     assert status_of(drv.submit(0, 0x7C, prp1=SHADOW, prp2=EVENT_INDEX)[0]) == nvme.Status.INVALID_OPCODE

@@ -22,7 +22,7 @@ from dxpu_vfio.vfio_user.protocol import DMA_FLAG_READ, DMA_FLAG_WRITE
 from qemu_device.accel import AccelDevice
 from qemu_device.ports import NullIrqPort
 
-GUEST_BASE = 1 << 32
+GUEST_BASE = 1 << 32        # where the memfd "guest RAM" sits in the device's DMA space
 GUEST_RAM = 320 << 20       # the copy benchmark's 64 MiB buffers and the workloads' staging
 CONFIG_REGION = 7
 COMMAND_MEMORY_AND_BUS_MASTER = 0x6
@@ -42,21 +42,57 @@ class _DirectMmio:
         self.device.region_write(0, offset, (value & 0xFFFFFFFF).to_bytes(4, "little"))
 
 
-class DirectAccel:
-    """The runtime's ``Accel`` (``self.dev``) on an :class:`AccelDevice` built here with
-    ``settings`` (``backend``, ``threads``, ``vram_size``). A context manager: ``close``
-    stops the device's worker and unmaps the guest RAM."""
+def sealed_guest_ram(size: int) -> tuple[int, mmap.mmap]:
+    """A memfd of ``size`` bytes sealed against resizing as QEMU's memory-backend-memfd
+    seals guest RAM (so a DMA table maps it, as it maps a VM's, rather than using
+    pread/pwrite), and its mapping here; the caller closes the fd."""
+    fd = os.memfd_create("dxpu-guest-ram", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        return fd, mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class RuntimeOnGuestRam:
+    """The guest runtime's ``Accel`` (``self.dev``) on guest RAM mapped here
+    (``self.ram``). A context manager: ``close`` ends whatever serves the device
+    (``_end``), then unmaps the RAM once the runtime's buffers, views of it, are gone."""
+
+    dev: object
+    ram: mmap.mmap
+
+    def _end(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._end()
+        self.dev = None
+        gc.collect()            # the runtime's buffers are views of the mapping
+        try:
+            self.ram.close()
+        except BufferError:     # a caller still holds one: unmapped when it goes
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class DirectAccel(RuntimeOnGuestRam):
+    """The runtime on an :class:`AccelDevice` built here with ``settings`` (``backend``,
+    ``threads``, ``vram_size``), its DMA through the model's own table."""
 
     def __init__(self, ram_size: int = GUEST_RAM, timeout: float = 60.0, **settings) -> None:
         settings.setdefault("vram_size", 1 << 30)
         self.device = AccelDevice(**settings)
         self.table = DmaTable()
-        fd = os.memfd_create("dxpu-guest-ram", os.MFD_ALLOW_SEALING)
+        fd, self.ram = sealed_guest_ram(ram_size)
         try:
-            os.ftruncate(fd, ram_size)
-            # sealed as QEMU seals guest RAM, so the table maps it (DMA is a memcpy)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            self.ram = mmap.mmap(fd, ram_size)
             self.table.add(GUEST_BASE, ram_size, DMA_FLAG_READ | DMA_FLAG_WRITE, os.dup(fd), 0)
         finally:
             os.close(fd)
@@ -69,18 +105,6 @@ class DirectAccel:
         """The device's cumulative counters (kernel_ns, dma_ns, fetches, ...)."""
         return self.device.stats()
 
-    def close(self) -> None:
-        self.dev = None
+    def _end(self) -> None:
         self.device.close()
         self.table.clear()
-        gc.collect()            # the runtime's buffers are views of the mapping
-        try:
-            self.ram.close()
-        except BufferError:     # a caller still holds one: unmapped when it goes
-            pass
-
-    def __enter__(self) -> "DirectAccel":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -9,9 +9,6 @@ waits on the link) and the box's (the device's DMA reads over the link).
 
 from __future__ import annotations
 
-import fcntl
-import gc
-import mmap
 import os
 import tempfile
 import time
@@ -23,12 +20,11 @@ from dxpu_vfio import registry
 from dxpu_vfio.hostproxy.process import HostProxyProcess
 from dxpu_vfio.lab import lab
 from dxpu_vfio.lab.accel import load_runtime
+from dxpu_vfio.lab.accel_direct import GUEST_BASE, GUEST_RAM, RuntimeOnGuestRam, sealed_guest_ram
 from dxpu_vfio.link.endpoint import dma_read_requests
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import VfioUserClient
 
-GUEST_BASE = 1 << 32        # where the memfd "guest RAM" sits in the device's DMA space
-GUEST_RAM = 320 << 20       # enough for the copy benchmark's 64 MiB buffers and staging
 rt = load_runtime()
 BOX, DEVICE = "box1", "acc0"
 VRAM = 1 << 30
@@ -49,7 +45,7 @@ class _ClientMmio:
         self.client.write32(0, offset, value, posted=True)
 
 
-class HostSideAccel:
+class HostSideAccel(RuntimeOnGuestRam):
     """The runtime's ``Accel`` on a served device (a host proxy's vfio-user socket), with
     a memfd DMA-mapped as guest RAM. A context manager: ``close`` ends the session."""
 
@@ -57,13 +53,8 @@ class HostSideAccel:
                  inline_max: int | None = None) -> None:
         self.client = VfioUserClient(socket_path)
         self.client.negotiate()
-        fd = os.memfd_create("dxpu-guest-ram", os.MFD_ALLOW_SEALING)
+        fd, self.ram = sealed_guest_ram(ram_size)
         try:
-            os.ftruncate(fd, ram_size)
-            # sealed as QEMU's memory-backend-memfd seals guest RAM (seal=on), so the host
-            # proxy maps it as it maps a VM's (vfio_user/dma.py), not pread/pwrite
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            self.ram = mmap.mmap(fd, ram_size)
             self.client.dma_map(GUEST_BASE, ram_size, fd=fd)
         finally:
             os.close(fd)
@@ -79,20 +70,8 @@ class HostSideAccel:
             self.dev.mmio.read32(rt.REG_ID)
         return (time.perf_counter() - started) / count
 
-    def close(self) -> None:
+    def _end(self) -> None:
         self.client.close()
-        self.dev = None
-        gc.collect()            # the runtime's buffers are views of the mapping
-        try:
-            self.ram.close()
-        except BufferError:     # a caller still holds one: unmapped when it goes
-            pass
-
-    def __enter__(self) -> "HostSideAccel":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def topology(name: str, threads: int = 1) -> lab.Topology:
