@@ -209,6 +209,34 @@ def _bits_f32(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<I", bits & U32))[0]
 
 
+class OperandBuffers:
+    """The buffers a kernel's operands are loaded into, kept from one entry to the next.
+
+    Why: a fresh multi-megabyte buffer per operand (a 4 MiB weight, every GEMM) is a page
+    fault for each 4 KiB of it once glibc hands the memory back between entries: 4.6-4.8
+    ms to load 4 MiB against 0.3 ms into a buffer kept, and how often it happened depended
+    on the heap's history, so one process ran a pass 1.5-2x slower than another. Only the
+    device's worker loads operands, one entry at a time: ``release`` at each entry makes
+    every buffer free again (a kernel's inputs are dead once its result is stored)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[np.ndarray] = []
+        self._used = 0
+
+    def release(self) -> None:
+        self._used = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 array of ``nbytes``, not handed out since the last ``release``."""
+        if self._used == len(self._buffers):
+            self._buffers.append(np.empty(0, dtype=np.uint8))
+        buffer = self._buffers[self._used]
+        if buffer.size < nbytes:
+            buffer = self._buffers[self._used] = np.empty(max(nbytes, 2 * buffer.size), dtype=np.uint8)
+        self._used += 1
+        return buffer[:nbytes]
+
+
 class AccelDevice(PciFunction):
     """The accelerator (1b36:10f2, class 120000). ``close()`` stops its worker.
 
@@ -232,6 +260,7 @@ class AccelDevice(PciFunction):
         self.backend: KernelBackend = get_backend(str(backend), threads)
         self.vram_size = vram_size
         self.vram = SparseMemory(vram_size, VRAM_PAGE)
+        self._operands = OperandBuffers()
         self.worker = DeviceWorker(f"accel-{id(self):x}")
         self._idle = threading.Condition(self.lock)
         self._t0 = time.monotonic_ns()
@@ -519,6 +548,7 @@ class AccelDevice(PciFunction):
             handler = self._HANDLERS.get(entry.opcode)
             if handler is None:
                 raise CommandError(ERR_BAD_OPCODE, entry.opcode, f"unknown opcode {entry.opcode:#x}")
+            self._operands.release()
             handler(self, entry, generation)
         except (CommandError, _Cancelled):
             raise
@@ -539,11 +569,11 @@ class AccelDevice(PciFunction):
                 raise _Cancelled()
             self.vram.write(offset, data)
 
-    def _vram_read(self, generation: int, offset: int, length: int) -> bytes:
+    def _vram_read_into(self, generation: int, offset: int, out: memoryview) -> None:
         with self.lock:
             if generation != self._generation:
                 raise _Cancelled()
-            return self.vram.read(offset, length)
+            self.vram.read_into(offset, out)
 
     def _vram_views(self, generation: int, offset: int, length: int) -> list[memoryview]:
         with self.lock:
@@ -640,7 +670,10 @@ class AccelDevice(PciFunction):
         self._check_vram(dst, length)
         for pos in range(0, length, COPY_BATCH):
             n = min(COPY_BATCH, length - pos)
-            self._vram_write(generation, dst + pos, self._vram_read(generation, src + pos, n))
+            piece = memoryview(self._operands.take(n))
+            self._vram_read_into(generation, src + pos, piece)
+            self._vram_write(generation, dst + pos, piece)
+            self._operands.release()
 
     def _op_fill(self, entry: Entry, generation: int) -> None:
         dst, length, pattern = entry.args[:3]
@@ -687,10 +720,11 @@ class AccelDevice(PciFunction):
         for d in shape:
             count *= d
         self._check_vram(offset, count * esize)
-        raw = self._vram_read(generation, offset, count * esize)
+        raw = self._operands.take(count * esize)
+        self._vram_read_into(generation, offset, memoryview(raw))
         if entry.dtype == DTYPE_BF16:
-            return from_bf16(np.frombuffer(raw, dtype="<u2")).reshape(shape)
-        return np.frombuffer(raw, dtype="<f4").reshape(shape)
+            return from_bf16(raw.view("<u2")).reshape(shape)
+        return raw.view("<f4").reshape(shape)
 
     def _check_out(self, entry: Entry, offset: int, shape: tuple[int, ...]) -> None:
         count = 1
@@ -701,7 +735,7 @@ class AccelDevice(PciFunction):
     def _store(self, entry: Entry, generation: int, offset: int, result: np.ndarray) -> None:
         result = np.asarray(result, dtype=np.float32)
         data = to_bf16(result) if entry.dtype == DTYPE_BF16 else result.astype("<f4", copy=False)
-        self._vram_write(generation, offset, np.ascontiguousarray(data).tobytes())
+        self._vram_write(generation, offset, memoryview(np.ascontiguousarray(data)).cast("B"))
 
     def _timed(self, compute):
         started = time.monotonic_ns()

@@ -794,3 +794,29 @@ def test_disabling_stops_the_ring_after_the_running_entry(drv):
     release.set()
     assert drv.dev.wait_idle(5)
     assert drv.r32(ac.REG_RING_HEAD) == 1 and drv.fence_value(1) == 0 and drv.r32(ac.REG_STATUS) == 0
+
+
+def test_operand_buffers_are_kept_from_one_entry_to_the_next():
+    """The operands of one entry get buffers of their own; the next entry reuses them
+    (no fresh multi-megabyte buffer, with its page faults, per operand)."""
+    buffers = ac.OperandBuffers()
+    a, b = buffers.take(4 * MiB), buffers.take(1000)
+    assert a.size == 4 * MiB and b.size == 1000 and not np.shares_memory(a, b)
+    buffers.release()
+    again = buffers.take(2 * MiB)
+    assert np.shares_memory(again, a) and again.size == 2 * MiB
+    bigger = buffers.take(3000)                           # the second slot grows
+    assert bigger.size == 3000 and not np.shares_memory(bigger, again)
+
+
+def test_a_gemm_that_accumulates_loads_three_operands_apart(drv):
+    """A, B and the C it adds to are loaded into three buffers within one entry; entry
+    after entry, the results stay right while the buffers are reused."""
+    for step in range(3):
+        a, b, c0 = rand(48, 64), rand(64, 32), rand(48, 32)
+        drv.upload(A, a)
+        drv.upload(B, b)
+        drv.upload(C, c0)
+        drv.run(ac.encode_entry(ac.OP_GEMM, A, B, C, 48, 32, 64, flags=ac.FLAG_ACCUMULATE),
+                ac.encode_entry(ac.OP_COPY_D2D, C, D, 48 * 32 * 4))   # D2D: through a buffer too
+        np.testing.assert_allclose(drv.download(D, (48, 32)), c0 + a @ b, rtol=1e-5, atol=1e-5)

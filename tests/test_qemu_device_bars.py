@@ -176,3 +176,17 @@ def test_sparse_memory_views_are_the_bytes_without_a_copy():
     assert views[1][0] == 0xFF
     with pytest.raises(ValueError):
         mem.views((1 << 20) - 1, 2)
+
+
+def test_sparse_memory_read_into_a_kept_buffer():
+    """read_into(): what read() gives, into the caller's buffer (absent pages as zeros,
+    whatever the buffer held before), and refused outside the memory."""
+    mem = SparseMemory(1 << 20)
+    data = bytes(range(256)) * 40
+    mem.write(4000, data)
+    out = bytearray(b"\xaa" * 20000)
+    mem.read_into(100, memoryview(out))
+    assert bytes(out) == mem.read(100, 20000)
+    assert out[:3900] == bytes(3900)                     # zeros before the data, none of the old bytes
+    with pytest.raises(ValueError, match="outside"):
+        mem.read_into((1 << 20) - 1, memoryview(bytearray(2)))
