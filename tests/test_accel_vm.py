@@ -2,13 +2,16 @@
 Python in the guest) finds the hot-plugged device in sysfs, maps BAR0, gets DMA memory
 with physical addresses from pagemap, and runs its self-test: copies that round-trip
 exactly, GEMM / bias + ReLU / softmax against pure Python, a ring that wraps, an
-out-of-range command that sets the error state, and recovery. Served locally and from a
-GPU box over the lab network with mutual TLS (``served``)."""
+out-of-range command that sets the error state, and recovery; then the AI workloads
+(MLP inference, a transformer block, a training step), checked against numpy in the
+guest. Served locally and from a GPU box over the lab network with mutual TLS
+(``served``)."""
 
 import pytest
 
 from dxpu_vfio.lab import accel as guest_accel
 from dxpu_vfio.lab import hotplug
+from dxpu_vfio.lab.accel_workloads import WORKLOADS
 from dxpu_vfio.testing import Serve
 
 BOX, DEVICE = "gpubox", "acc0"
@@ -57,3 +60,15 @@ def test_runtime_selftest_in_the_guest(full_vm, plugged, huge):
     for check in [f"copy_{n}" for n in sizes] + ["gemm", "bias_relu", "softmax", "ring_wrap", "error_state",
                                                  "recovered"]:
         assert lines[check].startswith("ok"), (check, lines)
+
+
+@pytest.mark.vm
+def test_the_ai_workloads_run_in_the_guest_and_check_their_numerics(full_vm, plugged):
+    """MLP inference at batch 1, 8 and 64, a transformer block forward at sequence 64 and
+    256, an MLP training step: each through the runtime in the guest (weights in VRAM,
+    passes of one doorbell), its results checked against numpy in the guest."""
+    runs = guest_accel.workloads(full_vm, plugged.guest_bdf, list(WORKLOADS), passes=2)
+    assert set(runs) == set(WORKLOADS)
+    for name, run in runs.items():
+        assert run["passes"] == 2 and run["max_abs_error"] < 1e-2, (name, run)
+        assert run["median_s"] > 0 and run["span_mean_s"] > 0, (name, run)

@@ -1,15 +1,37 @@
 """The host side of the guest's accel runtime (``vm_images/tools/dxpu_accel.py``): copy it
-into a guest and run its self-test there, reading back its ``key=value`` lines; or load
-it here to drive a device from the host side (:mod:`dxpu_vfio.lab.accel_workloads`)."""
+into a guest and run its self-test or the AI workloads there (numpy in the full image
+checks them), reading back its ``key=value`` lines; or load it here to drive a device
+from the host side (:mod:`dxpu_vfio.lab.accel_workloads`)."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import json
+from pathlib import Path
 
 from dxpu_vfio.paths import VM_IMAGES_DIR
 
 GUEST_TOOL = VM_IMAGES_DIR / "tools" / "dxpu_accel.py"
+WORKLOADS_MODULE = Path(__file__).with_name("accel_workloads.py")   # std-lib + numpy: runs in a guest too
+
+# Runs in the guest: argv = bdf, passes, workload names (comma separated); one line per
+# workload, ``workload=<json of run_passes' result>``, or ``workload_failed=<json>`` and
+# exit status 1 at the first whose numerics are off.
+GUEST_RUNNER = """
+import json, sys
+sys.path.insert(0, "/tmp")
+import dxpu_accel as rt
+import accel_workloads as aw
+dev = rt.Accel.open(sys.argv[1])
+for name in sys.argv[3].split(","):
+    try:
+        result = aw.run_passes(aw.WORKLOADS[name](dev), int(sys.argv[2]))
+    except AssertionError as exc:
+        print("workload_failed=" + json.dumps({"workload": name, "error": str(exc)}))
+        sys.exit(1)
+    print("workload=" + json.dumps(result))
+"""
 
 
 @functools.cache
@@ -22,10 +44,14 @@ def load_runtime():
     return module
 
 
+def put(vm, path: str, text: str) -> None:
+    """Write ``text`` to ``path`` in ``vm``."""
+    vm.run(f"cat > {path} <<'DXPU_ACCEL_EOF'\n{text}\nDXPU_ACCEL_EOF")
+
+
 def install(vm, path: str = "/tmp/dxpu_accel.py") -> str:
     """Copy the runtime into ``vm`` (a guest with python3: the full image); returns its path there."""
-    source = GUEST_TOOL.read_text(encoding="utf-8")
-    vm.run(f"cat > {path} <<'DXPU_ACCEL_EOF'\n{source}\nDXPU_ACCEL_EOF")
+    put(vm, path, GUEST_TOOL.read_text(encoding="utf-8"))
     return path
 
 
@@ -64,3 +90,29 @@ def mlp(vm, bdf: str, batch: int = 64, width: int = 256, layers: int = 3, repeat
         out[key] = float(out[key])
     out["match"] = out["match"] == "True"
     return out
+
+
+def workloads(vm, bdf: str, names: list[str], passes: int = 2, timeout: float = 900) -> dict[str, dict]:
+    """Run the AI workloads ``names`` (of :data:`dxpu_vfio.lab.accel_workloads.WORKLOADS`)
+    in ``vm`` through the runtime on the device at ``bdf``, each checking its results
+    against numpy in the guest: {name: run_passes' result (median_s, max_abs_error, ...)}.
+    RuntimeError naming the workload if a check failed or the run did not finish."""
+    install(vm)
+    put(vm, "/tmp/accel_workloads.py", WORKLOADS_MODULE.read_text(encoding="utf-8"))
+    put(vm, "/tmp/dxpu_accel_run.py", GUEST_RUNNER)
+    result = vm.run(f"python3 /tmp/dxpu_accel_run.py {bdf} {passes} {','.join(names)}", check=False,
+                    timeout=timeout)
+    out: dict[str, dict] = {}
+    for line in result.stdout.splitlines():
+        key, _, value = line.partition("=")
+        if key == "workload":
+            run = json.loads(value)
+            out[run["workload"]] = run
+        elif key == "workload_failed":
+            failed = json.loads(value)
+            raise RuntimeError(f"{failed['workload']} in the guest: its numerics are off: {failed['error']}")
+    if result.rc != 0 or set(out) != set(names):
+        raise RuntimeError(f"the guest's workloads on {bdf} did not finish (exit {result.rc}; done: "
+                           f"{sorted(out)}): {(result.stdout + result.stderr)[-2000:]}")
+    return out
+
