@@ -7,12 +7,16 @@ out-of-range command that sets the error state, and recovery; then the AI worklo
 guest. Served locally and from a GPU box over the lab network with mutual TLS
 (``served``)."""
 
+import os
+import signal
+import time
+
 import pytest
 
 from dxpu_vfio.lab import accel as guest_accel
 from dxpu_vfio.lab import hotplug
 from dxpu_vfio.lab.accel_workloads import WORKLOADS
-from dxpu_vfio.testing import Serve
+from dxpu_vfio.testing import Serve, serve_topology
 
 BOX, DEVICE = "gpubox", "acc0"
 MiB = 1 << 20
@@ -72,3 +76,98 @@ def test_the_ai_workloads_run_in_the_guest_and_check_their_numerics(full_vm, plu
     for name, run in runs.items():
         assert run["passes"] == 2 and run["max_abs_error"] < 1e-2, (name, run)
         assert run["median_s"] > 0 and run["span_mean_s"] > 0, (name, run)
+
+
+# Runs in the guest: queues ``gemms`` GEMMs of n x n x n (seconds of work for the box's
+# numpy) with one flush, says "queued", then waits and says how the wait ended.
+IN_FLIGHT = """
+import sys, time
+sys.path.insert(0, "/tmp")
+import dxpu_accel as rt
+dev = rt.Accel.open(sys.argv[1], timeout=120)
+n, gemms = int(sys.argv[2]), int(sys.argv[3])
+a, b, c = (dev.malloc(4 * n * n) for _ in range(3))
+s = dev.stream()
+s.fill(a, 4 * n * n, 0x3F800000)
+s.fill(b, 4 * n * n, 0x3F800000)
+for _ in range(gemms):
+    s.gemm(c, a, b, n, n, n)
+s.flush()
+print("queued", flush=True)
+started = time.monotonic()
+try:
+    s.synchronize()
+    print("result=done", flush=True)
+except rt.DeviceGone as exc:
+    print("result=DeviceGone", exc, flush=True)
+except rt.AccelError as exc:
+    print("result=AccelError", exc, flush=True)
+print(f"waited={time.monotonic() - started:.1f}", flush=True)
+"""
+
+
+def start_in_flight(vm, bdf: str, n: int = 2048, gemms: int = 40) -> str:
+    """Start IN_FLIGHT in the background; returns its output file once the work is queued."""
+    guest_accel.install(vm)
+    guest_accel.put(vm, "/tmp/in_flight.py", IN_FLIGHT)
+    out = "/tmp/in_flight.out"
+    vm.run(f"rm -f {out}")
+    vm.spawn(f"python3 /tmp/in_flight.py {bdf} {n} {gemms} > {out} 2>&1; echo exit=$? >> {out}")
+    wait_for(vm, out, "queued", 60)
+    return out
+
+
+def wait_for(vm, path: str, word: str, timeout: float) -> str:
+    """The guest file's text once it holds ``word`` (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = vm.run(f"cat {path} 2>/dev/null || true").stdout
+        if word in text:
+            return text
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} in the guest did not say {word!r} within {timeout} s: {text!r}")
+        time.sleep(0.3)
+
+
+@pytest.mark.vm
+def test_hot_unplug_with_work_in_flight_ends_the_wait_and_the_device_comes_back_clean(full_vm, served_device):
+    """device_del while seconds of GEMMs are queued: the guest's wait ends (the runtime
+    sees the device gone, or the kernel takes the mapping away) instead of hanging, the
+    guest stays up, and a new attach gets an idle device that runs the self-test."""
+    att = hotplug.attach(full_vm, **served_device.attach_args())
+    try:
+        out = start_in_flight(full_vm, att.guest_bdf)
+    finally:
+        hotplug.detach(att)
+    text = wait_for(full_vm, out, "exit=", 60)
+    # the runtime ends its wait with its own error (the unplug resets the device: its ring
+    # reads disabled, or all-ones once gone), not a crash and not the work's completion
+    assert ("result=AccelError" in text or "result=DeviceGone" in text) and "exit=0" in text, text
+    assert full_vm.run("echo up").stdout.strip() == "up"
+    again = hotplug.attach(full_vm, **served_device.attach_args())
+    try:
+        rc, lines = guest_accel.selftest(full_vm, again.guest_bdf, [4096, 1 << 20])
+        assert rc == 0 and lines["gemm"].startswith("ok"), lines
+    finally:
+        hotplug.detach(again)
+
+
+@pytest.mark.vm
+def test_the_box_killed_mid_kernel_ends_the_guests_wait_with_device_gone(full_vm, labs):
+    """SIGKILL to the box's proxy while the guest waits on seconds of GEMMs: the host proxy
+    answers all-ones, the runtime's status check turns that into DeviceGone within
+    seconds, the guest stays up, and the detach completes."""
+    state = labs.own(serve_topology([Serve("accel", "acc0", "kbox")], "kill"))
+    att = hotplug.attach(full_vm, "remote", settings=state.remote_settings("kbox", "acc0"), netns=state.host_netns)
+    try:
+        out = start_in_flight(full_vm, att.guest_bdf)
+        time.sleep(0.5)                                   # the box is inside the GEMMs
+        os.kill(state.box("kbox").proxy_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        text = wait_for(full_vm, out, "exit=", 60)
+        ended_after = time.monotonic() - killed
+    finally:
+        hotplug.detach(att)
+    assert "result=DeviceGone" in text, text
+    assert ended_after < 30, (ended_after, text)
+    assert full_vm.run("echo up").stdout.strip() == "up"
