@@ -382,7 +382,8 @@ class Accel:
             raise AccelError(f"device error {code} ({ERROR_NAMES.get(code, '?')}) at ring entry {index}, "
                              f"opcode {opcode:#x}, info {info:#x}", code, index, opcode, info)
         if not status & STATUS_ENABLED:
-            raise AccelError("the device's ring is not enabled (reset by someone else?)")
+            raise AccelError("the device's ring is not enabled: the device was reset (by another "
+                             "process, or by its unplug) and the work queued on it is gone")
 
     def clear_error(self) -> None:
         """Skip the refused entry and let the device go on."""
