@@ -191,8 +191,8 @@ def torch_backend() -> KernelBackend:
         name = "torch"
 
         def _t(self, a: np.ndarray):
-            # a copy onto the device (torch.tensor copies): operands are often read-only
-            # views of VRAM, which torch.from_numpy refuses to share without a warning
+            # a copy straight onto the device: torch.from_numpy would share the model's
+            # operand buffer (reused by the next entry) and warns when it is read-only
             return torch.tensor(a, dtype=torch.float32, device=device)
 
         def _n(self, t) -> np.ndarray:
