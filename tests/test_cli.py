@@ -61,8 +61,10 @@ def test_demo_gets_nvme_display_and_accel_from_the_pool_uses_them_and_gives_them
     assert nvme["counters"]["dma_refused"] == 0
     fb = devices["box1/fb0"]["counters"]  # mapped (the default): the pattern went as the shadow's write-back
     assert fb["writeback_bytes"] >= 1024 * 768 * 4 and fb["writes_posted"] == 0
-    assert data["accel"]["match"] is True and data["accel"]["remote"]["batch"] == 64
-    assert data["accel"]["local"]["median_ms"] > 0 and data["accel"]["remote"]["median_ms"] > 0
+    runs = data["accel"]["workloads"]
+    assert data["accel"]["match"] is True and sorted(runs) == ["mlp-b64", "transformer-s64"]
+    for run in runs.values():   # each checked against numpy in the guest (a failed check fails the demo)
+        assert run["local_ms"] > 0 and run["remote_ms"] > 0 and run["max_abs_error"] < 1e-2
     assert devices["box1/acc0"]["counters"]["dma_bytes_read"] > 0
     assert sorted(data["freed"]) == ["box1/acc0", "box1/fb0", "box1/nvme0"]
     assert not any(ns.startswith("dxdemo") for ns in subprocess.run(
