@@ -73,25 +73,6 @@ def selftest(vm, bdf: str, sizes: list[int], timeout: float = 300) -> tuple[int,
     return result.rc, parse_lines(result.stdout)
 
 
-def mlp(vm, bdf: str, batch: int = 64, width: int = 256, layers: int = 3, repeat: int = 5,
-        timeout: float = 300) -> dict:
-    """Time MLP inference in ``vm`` on the device at ``bdf`` (the runtime's ``mlp``):
-    {"batch", "median_ms", "min_ms", "max_abs_error", "match", ...}; raises if it failed."""
-    path = install(vm)
-    result = vm.run(f"python3 {path} --bdf {bdf} mlp --batch {batch} --width {width} --layers {layers} "
-                    f"--repeat {repeat}", check=False, timeout=timeout)
-    lines = parse_lines(result.stdout)
-    out: dict = {k.removeprefix("mlp_"): v for k, v in lines.items() if k.startswith("mlp_")}
-    if result.rc != 0 or not out:
-        raise RuntimeError(f"the guest's MLP on {bdf} failed (exit {result.rc}): {result.stdout[-2000:]}")
-    for key in ("batch", "width", "layers", "nonzero"):
-        out[key] = int(out[key])
-    for key in ("median_ms", "min_ms", "max_abs_error"):
-        out[key] = float(out[key])
-    out["match"] = out["match"] == "True"
-    return out
-
-
 def workloads(vm, bdf: str, names: list[str], passes: int = 2, timeout: float = 900) -> dict[str, dict]:
     """Run the AI workloads ``names`` (of :data:`dxpu_vfio.lab.accel_workloads.WORKLOADS`)
     in ``vm`` through the runtime on the device at ``bdf``, each checking its results
