@@ -16,6 +16,7 @@ import pytest
 from dxpu_vfio.lab import accel as guest_accel
 from dxpu_vfio.lab import hotplug
 from dxpu_vfio.lab.accel_workloads import WORKLOADS
+from dxpu_vfio.procs import wait_until
 from dxpu_vfio.testing import Serve, serve_topology
 
 BOX, DEVICE = "gpubox", "acc0"
@@ -119,14 +120,15 @@ def start_in_flight(vm, bdf: str, n: int = 2048, gemms: int = 40) -> str:
 
 def wait_for(vm, path: str, word: str, timeout: float) -> str:
     """The guest file's text once it holds ``word`` (bounded)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = vm.run(f"cat {path} 2>/dev/null || true").stdout
-        if word in text:
-            return text
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{path} in the guest did not say {word!r} within {timeout} s: {text!r}")
-        time.sleep(0.3)
+    seen = [""]
+
+    def said() -> bool:
+        seen[0] = vm.run(f"cat {path} 2>/dev/null || true").stdout
+        return word in seen[0]
+
+    if not wait_until(said, timeout, interval=0.3):
+        raise AssertionError(f"{path} in the guest did not say {word!r} within {timeout} s: {seen[0]!r}")
+    return seen[0]
 
 
 @pytest.mark.vm
