@@ -312,6 +312,18 @@ def test_vram_allocator_reuses_and_merges():
         alloc.malloc(4096)
 
 
+def test_fence_naps_are_fine_grained_and_the_threads_timer_slack_comes_back():
+    """A nap while a fence is awaited runs at a 1 µs timer slack (a 50 µs sleep took up to 180
+    µs at Linux's default 50 µs slack); the thread's own slack is back when the wait ends."""
+    before = rt._prctl(rt.FineSleep.PR_GET_TIMERSLACK, 0)
+    assert before > rt.FineSleep.SLACK_NS, "this test needs a thread whose timer slack is above 1 µs"
+    with rt.FineSleep() as nap:
+        assert rt._prctl(rt.FineSleep.PR_GET_TIMERSLACK, 0) == before   # no nap yet: untouched
+        nap(0.00005)
+        assert rt._prctl(rt.FineSleep.PR_GET_TIMERSLACK, 0) == rt.FineSleep.SLACK_NS
+    assert rt._prctl(rt.FineSleep.PR_GET_TIMERSLACK, 0) == before
+
+
 def test_the_box_killed_mid_kernel_ends_the_wait_with_an_error(remote, box):
     """The guest program neither hangs nor gets a result: the host proxy completes its
     reads with all-ones once the box is gone, and the runtime says the device is gone."""

@@ -76,6 +76,47 @@ MAP_HUGE_2MB = 21 << 26
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
 
 
+class FineSleep:
+    """Naps as short as asked: Linux lets a thread's timer fire up to its timer slack late
+    (50 µs by default), so a 50 µs ``time.sleep`` took 125-180 µs, and a fence polled that way
+    was seen 50 µs late on average (a remote 4 KiB copy: 535-550 → 474-491 µs median).
+    The slack is this thread's (``PR_SET_TIMERSLACK``), set to 1 µs only while the first nap
+    waits and given back when the block ends; where prctl is missing, plain sleeps."""
+
+    PR_SET_TIMERSLACK, PR_GET_TIMERSLACK, SLACK_NS = 29, 30, 1000
+
+    def __init__(self) -> None:
+        self._saved: int | None = None
+
+    def __enter__(self) -> "FineSleep":
+        return self
+
+    def __call__(self, seconds: float) -> None:
+        if self._saved is None:
+            self._saved = _prctl(self.PR_GET_TIMERSLACK, 0)
+            if self._saved > 0:
+                _prctl(self.PR_SET_TIMERSLACK, self.SLACK_NS)
+        time.sleep(seconds)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None and self._saved > 0:
+            _prctl(self.PR_SET_TIMERSLACK, self._saved)
+
+
+_libc: "ctypes.CDLL | None" = None
+
+
+def _prctl(option: int, arg: int) -> int:
+    """prctl(2) through libc; -1 where it cannot be called (no libc, not Linux)."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        return _libc.prctl(option, ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    except (OSError, AttributeError):
+        return -1
+
+
 class AccelError(Exception):
     """The device refused a command (``code``, ``index`` in the ring, ``opcode``, ``info``)
     or did not answer."""
@@ -509,20 +550,22 @@ class Accel:
 
     def _wait_fence(self, value: int, timeout: float | None = None) -> None:
         """Poll the fence in guest memory (free), the device's status now and then (an MMIO
-        read: a round trip), so an error or a vanished device ends the wait."""
+        read: a round trip), so an error or a vanished device ends the wait. A few hundred
+        polls first, then naps of 50 µs at a timer slack of 1 µs (:class:`FineSleep`)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         spins, next_check = 0, time.monotonic() + 0.02
-        while self._fence_value() < value:
-            spins += 1
-            if spins > 200:
-                time.sleep(0.00005)
-            now = time.monotonic()
-            if now >= next_check:
-                self.check()
-                next_check = now + 0.02
-            if now > deadline:
-                self.check()
-                raise AccelError(f"fence {value} not written in time (the device is at {self._fence_value()})")
+        with FineSleep() as nap:
+            while self._fence_value() < value:
+                spins += 1
+                if spins > 200:
+                    nap(0.00005)
+                now = time.monotonic()
+                if now >= next_check:
+                    self.check()
+                    next_check = now + 0.02
+                if now > deadline:
+                    self.check()
+                    raise AccelError(f"fence {value} not written in time (the device is at {self._fence_value()})")
 
 
 class Stream:
