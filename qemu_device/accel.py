@@ -23,6 +23,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from typing import ContextManager
 
 import numpy as np
 
@@ -163,6 +164,33 @@ class CommandError(Exception):
 
 class _Cancelled(Exception):
     """The device was reset while the command ran: drop its results."""
+
+
+POSTING_OPS = frozenset({OP_NOP, OP_COPY_D2H, OP_FENCE, OP_TIMESTAMP})
+"""Entries that only post to the guest (DMA writes, the interrupts they ask for): a run of
+them leaves together (a copy back, then its fence: one network write on a box)."""
+
+
+class _PostedRuns:
+    """The worker's posted-together block over a run of :data:`POSTING_OPS` entries, ended
+    before any other entry (a kernel computes for milliseconds, a copy in waits on the
+    guest: the writes before it must not wait with it) and at the batch's end."""
+
+    def __init__(self, device: PciFunction) -> None:
+        self._device = device
+        self._block: ContextManager[None] | None = None
+
+    def before(self, opcode: int) -> None:
+        if opcode not in POSTING_OPS:
+            self.end()
+        elif self._block is None:
+            self._block = self._device.dma_posted_together()
+            self._block.__enter__()
+
+    def end(self) -> None:
+        block, self._block = self._block, None
+        if block is not None:
+            block.__exit__(None, None, None)
 
 
 @dataclass(frozen=True)
@@ -497,43 +525,48 @@ class AccelDevice(PciFunction):
                         self._set_error(head, 0, ERR_DMA_FAULT, base + head * ENTRY_SIZE)
                 continue
             self.counters["fetches"] += 1
-            i = 0
-            while i < count:
-                index = (head + i) % size
-                entry = Entry.decode(raw[i * ENTRY_SIZE:(i + 1) * ENTRY_SIZE])
-                used = 1       # ring entries this command takes: an inline copy's data too
-                try:
-                    if entry.opcode == OP_COPY_INLINE:
-                        used += self._inline_entries(entry)
-                        if i + used > count:
-                            if i > 0 or count < MAX_FETCH:
-                                break      # fetch again from this entry: its data is past the batch
-                            raise CommandError(ERR_BAD_INLINE, entry.args[1], "inline data past the fetch")
-                        self._op_copy_inline(entry, raw[(i + 1) * ENTRY_SIZE:(i + used) * ENTRY_SIZE], generation)
-                    else:
-                        self._execute(entry, generation)
-                except _Cancelled:
-                    return
-                except CommandError as exc:
-                    log.debug("accel command %#x at %d refused: %s", entry.opcode, index, exc)
-                    with self.lock:
-                        if generation == self._generation:
-                            self._set_error(index, entry.opcode, exc.code, exc.info, used)
-                    break
-                with self.lock:
-                    if generation != self._generation:
+            runs = _PostedRuns(self)   # entries that only post to the guest leave as one write
+            try:
+                i = 0
+                while i < count:
+                    index = (head + i) % size
+                    entry = Entry.decode(raw[i * ENTRY_SIZE:(i + 1) * ENTRY_SIZE])
+                    runs.before(entry.opcode)
+                    used = 1       # ring entries this command takes: an inline copy's data too
+                    try:
+                        if entry.opcode == OP_COPY_INLINE:
+                            used += self._inline_entries(entry)
+                            if i + used > count:
+                                if i > 0 or count < MAX_FETCH:
+                                    break      # fetch again from this entry: its data is past the batch
+                                raise CommandError(ERR_BAD_INLINE, entry.args[1], "inline data past the fetch")
+                            self._op_copy_inline(entry, raw[(i + 1) * ENTRY_SIZE:(i + used) * ENTRY_SIZE], generation)
+                        else:
+                            self._execute(entry, generation)
+                    except _Cancelled:
                         return
-                    i += used
-                    self._head = (index + used) % size
-                    self._completed += 1
-                    self.counters["entries"] += 1
-                    self.opcode_counts[entry.opcode] = self.opcode_counts.get(entry.opcode, 0) + 1
-                    if entry.flags & FLAG_INTERRUPT:
-                        self._signal(CAUSE_COMPLETION, entry.vector)
-                    if not self._enabled:
-                        break       # CONTROL.ENABLE cleared: the rest of the batch waits
-            else:
-                continue
+                    except CommandError as exc:
+                        log.debug("accel command %#x at %d refused: %s", entry.opcode, index, exc)
+                        with self.lock:
+                            if generation == self._generation:
+                                self._set_error(index, entry.opcode, exc.code, exc.info, used)
+                        break
+                    with self.lock:
+                        if generation != self._generation:
+                            return
+                        i += used
+                        self._head = (index + used) % size
+                        self._completed += 1
+                        self.counters["entries"] += 1
+                        self.opcode_counts[entry.opcode] = self.opcode_counts.get(entry.opcode, 0) + 1
+                        if entry.flags & FLAG_INTERRUPT:
+                            self._signal(CAUSE_COMPLETION, entry.vector)
+                        if not self._enabled:
+                            break       # CONTROL.ENABLE cleared: the rest of the batch waits
+                else:
+                    continue
+            finally:
+                runs.end()
             with self.lock:     # stopped inside the batch: an error, a disable, or an inline copy
                 if generation == self._generation and self._head == head and not self._error_code \
                         and self._enabled and (self._tail - head) % size == count:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, ContextManager, NamedTuple, Sequence
 
 from . import header
 from .bars import BarSpec, install_bars, validate_bar_layout
@@ -395,6 +395,11 @@ class PciFunction:
     def dma_read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
         """The pieces DMA-read into a file (see :meth:`DmaPort.read_into_file`)."""
         self._dma_port_checked().read_into_file(pieces, fd, offset)
+
+    def dma_posted_together(self) -> ContextManager[None]:
+        """This thread's posted DMA writes and interrupts inside leave together (see
+        :meth:`DmaPort.posted_together`)."""
+        return self.dma.posted_together()
 
     @property
     def dma_reads_wait_on_network(self) -> bool:

@@ -621,7 +621,8 @@ class NvmeController(PciFunction):
                     return
                 if job.sqe[0] == IoOpcode.FLUSH:  # after the commands of its namespace taken before it
                     self._ended.wait_for(lambda: min(self._ns_pending[job.nsid]) == job.ticket)
-            self._execute(sq, job.sqe, job.lists, job.fetched, held)
+            with self.dma_posted_together():  # a Read's data, its completion and interrupt: one write on a box
+                self._execute(sq, job.sqe, job.lists, job.fetched, held)
         finally:
             self._end(sq, job.nsid, job.ticket)
 

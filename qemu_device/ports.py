@@ -8,9 +8,10 @@ guest, and a stray DMA fails cleanly instead of touching nothing silently.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from typing import Callable, Protocol
+from typing import Callable, ContextManager, Protocol
 
 from qemu_device.backing import write_all
 
@@ -77,6 +78,15 @@ class DmaPort(Protocol):
         back, written at ``offset``, all of them or OSError (DmaError for the DMA)."""
         ...
 
+    def posted_together(self) -> ContextManager[None]:
+        """A block whose posted DMA writes and interrupts (this thread's) may reach the
+        guest together when it ends: a command's data, its completion and its interrupt
+        as one network write on a box, instead of one each. Ordering is unchanged (a read
+        still sees every write before it; nothing passes anything); only their departure
+        may wait, so a device ends the block before it computes or blocks for long. Local
+        memory writes at once."""
+        ...
+
 
 def file_to_guest(port: DmaPort, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
     """:meth:`DmaPort.write_from_file` through a buffer: the file read whole, then the
@@ -101,6 +111,9 @@ class ScatterByPieces:
     a piece costs no more alone (local memory)."""
 
     reads_wait_on_network = False
+
+    def posted_together(self) -> ContextManager[None]:
+        return contextlib.nullcontext()   # local memory: each write is already done
 
     def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
         file_to_guest(self, pieces, fd, offset)  # type: ignore[arg-type]

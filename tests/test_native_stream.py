@@ -268,3 +268,70 @@ def test_more_descriptors_than_a_message_may_carry_end_the_stream_and_are_closed
         os.close(fd)
     native.close()
     a.close()
+
+
+def _arrived(conn, timeout=0.2) -> list[int]:
+    """The message ids that reach ``conn`` within ``timeout`` (whatever is there by then)."""
+    ids = []
+    while True:
+        try:
+            ids.append(conn.receive(timeout=timeout).header.msg_id)
+        except ReceiveTimeout:
+            return ids
+
+
+def test_a_corked_threads_posted_messages_wait_for_uncork_and_keep_their_order(certs):
+    """The box's device worker gathers a command's DMA writes and interrupt into one write:
+    held while corked, then all of them, in order; a request it sends takes them along."""
+    client, server = native_pair(certs)
+    posted = vp.FLAG_NO_REPLY
+    client.cork()
+    client.send_message(1, 12, posted, b"a" * 4096)
+    client.send_messages([(2, 12, posted, b"b" * 100_000), (3, 0x101, posted, b"irq")])
+    assert _arrived(server) == [], "posted messages of the corked thread left before uncork"
+    client.uncork()
+    assert _arrived(server) == [1, 2, 3]
+    client.cork()
+    client.send_message(4, 12, posted, b"c")
+    client.send_message(5, 11, vp.TYPE_COMMAND, b"read")  # non-posted: everything leaves now
+    assert _arrived(server) == [4, 5]
+    client.uncork()
+    client.close()
+    server.close()
+
+
+def test_another_threads_message_takes_the_held_ones_first(certs):
+    """A reply from the link reader (a register read answered while the worker holds DMA
+    writes) must not pass them: PCIe's read completions push posted writes."""
+    client, server = native_pair(certs)
+    client.cork()
+    client.send_message(1, 12, vp.FLAG_NO_REPLY, b"dma")
+    other = threading.Thread(target=lambda: client.send_message(2, 9, vp.TYPE_REPLY, b"reg"))
+    other.start()
+    other.join(5)
+    assert _arrived(server) == [1, 2]
+    client.uncork()
+    assert _arrived(server) == []
+    client.close()
+    server.close()
+
+
+def test_cork_holds_nothing_on_plain_tcp():
+    client, server = native_pair()
+    client.cork()
+    client.send_message(1, 12, vp.FLAG_NO_REPLY, b"x")
+    assert _arrived(server) == [1]
+    client.uncork()
+    client.close()
+    server.close()
+
+
+def test_uncork_on_a_closed_peer_says_so(certs):
+    client, server = native_pair(certs)
+    client.cork()
+    client.send_message(1, 12, vp.FLAG_NO_REPLY, b"x" * 1000)
+    server.close()
+    client.shutdown()
+    with pytest.raises(ConnectionClosed):
+        client.uncork()
+    client.close()

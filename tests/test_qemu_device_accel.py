@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import contextlib
 import struct
 import threading
 
@@ -820,3 +821,51 @@ def test_a_gemm_that_accumulates_loads_three_operands_apart(drv):
         drv.run(ac.encode_entry(ac.OP_GEMM, A, B, C, 48, 32, 64, flags=ac.FLAG_ACCUMULATE),
                 ac.encode_entry(ac.OP_COPY_D2D, C, D, 48 * 32 * 4))   # D2D: through a buffer too
         np.testing.assert_allclose(drv.download(D, (48, 32)), c0 + a @ b, rtol=1e-5, atol=1e-5)
+
+
+class GatheringRam(CountingRam):
+    """Guest RAM that records the device's posted-together blocks around its writes, as the
+    box's port turns each block into one network write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+        self.inside = False
+
+    @contextlib.contextmanager
+    def posted_together(self):
+        assert not self.inside, "a posted-together block inside another"
+        self.inside = True
+        self.log.append("begin")
+        try:
+            yield
+        finally:
+            self.inside = False
+            self.log.append("end")
+
+    def write(self, addr, data):
+        self.log.append("write" if self.inside else "write alone")
+        super().write(addr, data)
+
+
+def test_a_copy_back_and_its_fence_leave_together_and_a_kernel_ends_the_run():
+    """On a box a block is one write to the network: the copy back's bytes and the fence
+    after it go together, but writes before a kernel leave before it computes."""
+    dev = ac.AccelDevice(vram_size=64 * MiB)
+    ram = GatheringRam()
+    dev.attach(ram, RecordingIrqPort())
+    dev.region_write(CONFIG, 4, (0x6).to_bytes(2, "little"))
+    drv = Driver(dev, ram)
+    drv.enable()
+    try:
+        ram.log.clear()
+        drv.run(ac.encode_entry(ac.OP_COPY_D2H, BUF, 4096, 0))
+        assert ram.log == ["begin", "write", "write", "end"]
+        ram.log.clear()
+        drv.run(ac.encode_entry(ac.OP_COPY_D2H, BUF, 4096, 0),
+                ac.encode_entry(ac.OP_GEMM, 0, 4096, 8192, 8, 8, 8),
+                ac.encode_entry(ac.OP_COPY_D2H, BUF, 256, 8192))
+        assert ram.log == ["begin", "write", "end", "begin", "write", "write", "end"]
+        assert not drv.r32(ac.REG_ERROR_CODE)
+    finally:
+        dev.close()

@@ -2,6 +2,7 @@
 (FakeGuestRam: a unit-test stand-in; the real path is tested with Linux's nvme driver
 in tests/test_nvme.py)."""
 
+import contextlib
 import os
 import struct
 import subprocess
@@ -209,10 +210,10 @@ class CountingRam(FakeGuestRam):
         return super().read_many_begin(pieces)
 
 
-def on_a_box(tmp_path) -> tuple[nvme.NvmeController, CountingRam, Driver]:
+def on_a_box(tmp_path, ram_type: type = CountingRam) -> tuple[nvme.NvmeController, CountingRam, Driver]:
     """A 1 MiB namespace, one worker, guest RAM that counts reads as a box's does; enabled."""
     dev = nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "ns1")}], io_workers=0)
-    ram = CountingRam()
+    ram = ram_type()
     dev.attach(ram, RecordingIrqPort())
     dev.config.write(4, 2, 0x6)
     drv = Driver(dev, ram)
@@ -1006,3 +1007,44 @@ def test_log_page_offset_and_unknown_cs_identify(ctrl):
     assert struct.unpack_from("<I", drv.ram.ram, BUF - RAM_BASE + 4)[0] == 0b11  # the I/O Write entry
     assert drv.submit(0, 0x02, prp1=BUF, cdw=(2 | (1 << 16), 0, 4096, 0, 0, 0))[0] == nvme.Status.INVALID_FIELD
     assert drv.submit(0, 0x06, prp1=BUF, cdw=(6, 2 << 24, 0, 0, 0, 0))[0] == nvme.Status.INVALID_FIELD  # ZNS
+
+
+class GatheringRam(CountingRam):
+    """Guest RAM that logs the controller's posted-together blocks around its writes (on a
+    box each block is one network write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+        self.inside = False
+
+    @contextlib.contextmanager
+    def posted_together(self):
+        self.inside = True
+        self.log.append("begin")
+        try:
+            yield
+        finally:
+            self.inside = False
+            self.log.append("end")
+
+    def write(self, addr, data):
+        self.log.append("write" if self.inside else "write alone")
+        super().write(addr, data)
+
+
+def test_a_reads_data_and_its_completion_leave_together(tmp_path):
+    """A Read's pages and its completion entry are one posted-together block each command:
+    on a box one write to the network (and one wake-up of the host's reader), not one each."""
+    dev, ram, drv = on_a_box(tmp_path, GatheringRam)
+    try:
+        drv.io_queues(1)
+        ram.log.clear()
+        for i in range(2):
+            drv.read(1, BUF + i * 8192, lba=16 * i, blocks=16)   # 8 KiB: two pages each
+        drv.ring(1)
+        assert len(drv.reap(1, 2)) == 2
+        blocks = " ".join(ram.log).split("end")
+        assert [b.split() for b in blocks if b.strip()] == [["begin", "write", "write", "write"]] * 2
+    finally:
+        dev.close()

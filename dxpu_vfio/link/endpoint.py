@@ -141,6 +141,7 @@ class LinkEndpoint:
         self._last_heard = time.monotonic()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._together = threading.local()  # .depth: this thread is inside posted_together()
         self._life = threading.Lock()  # start() and close() in turn: no thread starts on a closed link
         # counters
         self.requests: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name -> [count, wait ns]
@@ -220,6 +221,32 @@ class LinkEndpoint:
             self.posted[_cmd_name(command)] += len(payloads)
         except ConnectionClosed as exc:
             self.mark_down(f"send failed: {exc}")
+
+    @contextlib.contextmanager
+    def posted_together(self) -> Iterator[None]:
+        """The posted messages this thread sends inside leave together: at the end, or with
+        the next message that is not this thread's posted one (its own request, a reply,
+        another thread's message), which keeps the stream's order; so a device's DMA writes
+        and the interrupt after them are one write, and one wake-up of the host's reader.
+        Nested blocks count as the outer one. Nothing changes on a plain Python stream."""
+        depth = getattr(self._together, "depth", 0)
+        if not self.native or depth:
+            self._together.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._together.depth = depth
+            return
+        self._together.depth = 1
+        self.conn.cork()
+        try:
+            yield
+        finally:
+            self._together.depth = 0
+            try:
+                self.conn.uncork()
+            except ConnectionClosed as exc:
+                self.mark_down(f"send failed: {exc}")
 
     def request(self, command: int, payload: bytes, timeout: float) -> memoryview:
         """Send and wait for the completion; LinkDown on timeout (the link goes down)."""

@@ -207,6 +207,8 @@ typedef struct {
     int drain_on_send; /* the thread that sends also owns `reader` (the forwarder): see stream_write */
     served_t served[4]; /* serve_requests: REGION_READ, REGION_WRITE, SYNC, HEARTBEAT */
     int64_t spin_ns;    /* adaptive polling: spin this long before sleeping for bytes (0: off) */
+    int corked;         /* posted messages of `corked_by` stay in the TLS buffer (Stream_cork), */
+    pthread_t corked_by; /* under `send_order` */
 } Stream;
 
 #define RX_DRAIN_MAX (64u << 20) /* what a sender buffers from a peer that sends while not reading */
@@ -880,21 +882,35 @@ static int stage_parts(stage_t *st, const unsigned char *head, size_t head_len, 
     return r;
 }
 
-/* The end of a send: what is staged, and every TLS record of the send, leave now. */
-static int stage_flush(stage_t *st)
+/* The end of a send: what is staged, and every TLS record of the send (and of the posted
+ * messages held before it), leave now; unless `hold`: then the records stay in the buffer BIO
+ * (which still writes out whenever it fills) for the next send that does not hold. */
+static int stage_end(stage_t *st, int hold)
 {
-    int r = stream_write(st->s, st->s->tx, st->staged, 1, st->deadline, st->err, st->errlen);
+    int r = stream_write(st->s, st->s->tx, st->staged, !hold, st->deadline, st->err, st->errlen);
     st->staged = 0;
     return r;
 }
 
+/* A send of posted messages only, by the thread that corked the stream: held (send_order held). */
+static int holds(Stream *s, int all_posted)
+{
+    return all_posted && s->corked && s->ssl && pthread_equal(s->corked_by, pthread_self());
+}
+
 /* Write a header (or nothing) and parts. GIL released by caller. */
-static int write_parts(Stream *s, const unsigned char *head, size_t head_len, parts_t *p, int64_t deadline, char *err,
-                       size_t errlen)
+static int write_parts_held(Stream *s, const unsigned char *head, size_t head_len, parts_t *p, int64_t deadline,
+                            char *err, size_t errlen, int hold)
 {
     stage_t st = {.s = s, .staged = 0, .deadline = deadline, .err = err, .errlen = errlen};
     int r = stage_parts(&st, head, head_len, p);
-    return r ? r : stage_flush(&st);
+    return r ? r : stage_end(&st, hold);
+}
+
+static int write_parts(Stream *s, const unsigned char *head, size_t head_len, parts_t *p, int64_t deadline, char *err,
+                       size_t errlen)
+{
+    return write_parts_held(s, head, head_len, p, deadline, err, errlen, 0);
 }
 
 static PyObject *finish_send(Stream *self, int r, const char *err, size_t total)
@@ -954,8 +970,9 @@ static PyObject *Stream_send_message(Stream *self, PyObject *args, PyObject *kwd
     char err[256] = "";
     int r;
     lock_released(&self->send_order);
+    int hold = holds(self, (flags & FRAME_NO_REPLY) != 0);
     Py_BEGIN_ALLOW_THREADS
-    r = write_parts(self, head, sizeof head, &p, deadline, err, sizeof err);
+    r = write_parts_held(self, head, sizeof head, &p, deadline, err, sizeof err, hold);
     Py_END_ALLOW_THREADS
     pthread_mutex_unlock(&self->send_order);
     size_t total = p.total + FRAME_HEADER_SIZE;
@@ -985,6 +1002,7 @@ static PyObject *Stream_send_messages(Stream *self, PyObject *arg)
     unsigned char(*heads)[FRAME_HEADER_SIZE] = PyMem_Calloc((size_t)n, FRAME_HEADER_SIZE);
     Py_ssize_t got = 0;
     size_t total = 0;
+    int all_posted = 1;
     PyObject *result = NULL;
     if (!parts || !heads) {
         PyErr_NoMemory();
@@ -1005,6 +1023,7 @@ static PyObject *Stream_send_messages(Stream *self, PyObject *arg)
         }
         frame_encode(heads[got], (uint16_t)msg_id, (uint16_t)command,
                      (uint32_t)(parts[got].total + FRAME_HEADER_SIZE), flags, 0);
+        all_posted &= (flags & FRAME_NO_REPLY) != 0;
         total += parts[got].total + FRAME_HEADER_SIZE;
     }
     char err[256] = "";
@@ -1012,11 +1031,12 @@ static PyObject *Stream_send_messages(Stream *self, PyObject *arg)
     stage_t st = {.s = self, .staged = 0, .deadline = deadline_after(self->send_timeout), .err = err,
                   .errlen = sizeof err};
     lock_released(&self->send_order);
+    int hold = holds(self, all_posted);
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; !r && i < n; i++)
         r = stage_parts(&st, heads[i], FRAME_HEADER_SIZE, &parts[i]);
     if (!r)
-        r = stage_flush(&st);
+        r = stage_end(&st, hold);
     Py_END_ALLOW_THREADS
     pthread_mutex_unlock(&self->send_order);
     result = finish_send(self, r, err, total);
@@ -1029,6 +1049,46 @@ done:
     PyMem_Free(heads);
     Py_DECREF(seq);
     return result;
+}
+
+/* cork(): from now on the posted messages this thread sends stay in the TLS write buffer
+ * (encrypted: their buffers may change after the call), and leave together with whatever is
+ * sent next that does not stay (a request, a reply, another thread's message: stream order is
+ * kept for all of them) or at uncork(); a full buffer (256 KiB) still writes out. A device's
+ * DMA writes and the interrupt after them are one write(2) then, not one each: on veth every
+ * write runs the peer's TCP receive and wakes its reader. No effect on plain TCP. */
+static PyObject *Stream_cork(Stream *self, PyObject *unused)
+{
+    lock_released(&self->send_order);
+    self->corked = 1;
+    self->corked_by = pthread_self();
+    pthread_mutex_unlock(&self->send_order);
+    Py_RETURN_NONE;
+}
+
+/* uncork(): what the cork held leaves now (ClosedError, TimeoutError as a send's). */
+static PyObject *Stream_uncork(Stream *self, PyObject *unused)
+{
+    char err[256] = "";
+    int r = 0;
+    lock_released(&self->send_order);
+    int was = self->corked;
+    self->corked = 0;
+    if (was && self->ssl) {
+        Py_BEGIN_ALLOW_THREADS
+        r = stream_write(self, self->tx, 0, 1, deadline_after(self->send_timeout), err, sizeof err);
+        Py_END_ALLOW_THREADS
+    }
+    pthread_mutex_unlock(&self->send_order);
+    if (r == IO_TIMEOUT) {
+        PyErr_SetString(PyExc_TimeoutError, "link send timed out: the peer does not read");
+        return NULL;
+    }
+    if (r) {
+        PyErr_SetString(ClosedError, err);
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 /* exchange(msg_id, command, flags, payload, timeout) -> the next message received, or None:
@@ -1223,6 +1283,9 @@ static PyMethodDef Stream_methods[] = {
      "send_message(msg_id, command, flags, payload=b'', error=0): frame and send one message."},
     {"exchange", (PyCFunction)Stream_exchange, METH_VARARGS,
      "exchange(msg_id, command, flags, payload, timeout): send a message, return the next one received (or None)."},
+    {"cork", (PyCFunction)Stream_cork, METH_NOARGS,
+     "cork(): this thread's posted messages stay in the TLS buffer until the next send that does not, or uncork()."},
+    {"uncork", (PyCFunction)Stream_uncork, METH_NOARGS, "uncork(): what cork() held leaves now."},
     {"has_message", (PyCFunction)Stream_has_message, METH_NOARGS, "A whole message is buffered."},
     {"pending", (PyCFunction)Stream_pending, METH_NOARGS, "TLS holds decrypted bytes nobody read yet."},
     {"readable", (PyCFunction)Stream_readable, METH_VARARGS, "readable(timeout=None): bytes can be read."},

@@ -157,6 +157,18 @@ class NativeConnection:
         except (self._closed_exc, TimeoutError) as exc:
             raise ConnectionClosed(str(exc)) from exc
 
+    def cork(self) -> None:
+        """This thread's posted messages stay in the TLS buffer until the next send that
+        does not, or :meth:`uncork` (``Stream_cork`` in fastlink.c says why)."""
+        self.stream.cork()
+
+    def uncork(self) -> None:
+        """What :meth:`cork` held leaves now."""
+        try:
+            self.stream.uncork()
+        except (self._closed_exc, TimeoutError) as exc:
+            raise ConnectionClosed(str(exc)) from exc
+
     def receive(self, timeout: float | None = None) -> Message:
         """The next whole message; ReceiveTimeout after ``timeout`` (default: the one
         :meth:`settimeout` set), what arrived so far staying buffered."""

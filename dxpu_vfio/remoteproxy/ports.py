@@ -14,7 +14,7 @@ link goes on (its framing is intact).
 from __future__ import annotations
 
 import collections
-from typing import Callable
+from typing import Callable, ContextManager
 
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
 from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, MAX_READV_RANGES, MAX_WRITEV_BYTES, LinkCommand,
@@ -219,6 +219,11 @@ class LinkDmaPort:
 
     def write(self, addr: int, data: bytes) -> None:
         self.write_many([(addr, data)])
+
+    def posted_together(self) -> ContextManager[None]:
+        """The link's :meth:`~LinkEndpoint.posted_together`: DMA writes and interrupts (the
+        IRQ port posts on the same stream) of this thread leave as one write."""
+        return self.endpoint.posted_together()
 
     def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
         file_to_guest(self, pieces, fd, offset)
