@@ -185,3 +185,34 @@ def test_the_backend_benchmark_writes_its_table_and_json(tmp_path):
         assert proc.returncode == 2 and f"required backends did not load: {MISSING[0]}" in proc.stderr
     else:
         assert proc.returncode == 0, proc.stderr
+
+
+FAULT_PROBE = """
+import resource, numpy as np
+from qemu_device import accel_kernels as ak
+backend = ak.numpy_backend() if KEEP else ak.ArrayBackend()
+x = np.ones((64, 1024), np.float32)
+for _ in range(5):
+    backend.gelu(x)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(40):
+    backend.gelu(x)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _gelu_faults(keep: bool) -> int:
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", f"KEEP = {keep}\n" + FAULT_PROBE], capture_output=True, text=True,
+                         timeout=60, check=True)
+    return int(out.stdout.split()[-1])
+
+
+def test_the_numpy_backends_temporaries_reuse_memory_instead_of_faulting_fresh_pages():
+    """A GELU over 64x1024 makes five 256 KiB temporaries: above glibc's first mmap threshold,
+    each a fresh mapping whose pages fault on first touch, unless the backend keeps freed
+    memory (each process alone: the setting is process-wide)."""
+    kept = _gelu_faults(True)
+    assert kept < 40, f"{kept} page faults in 40 GELUs with freed memory kept"
+    assert _gelu_faults(False) > 10 * max(kept, 40), "the probe no longer shows the faults it guards against"
