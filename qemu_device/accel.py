@@ -31,7 +31,7 @@ from .accel_kernels import KernelBackend, from_bf16, get_backend, to_bf16
 from .bars import BarSpec
 from .device import BegunFetch, IrqConfig, PciFunction
 from .header import PciIdentity
-from .ports import DmaError
+from .ports import DmaError, Ring
 from .registers import read_registers, write_registers
 from .sparse_memory import SparseMemory
 from .worker import DeviceWorker
@@ -350,6 +350,7 @@ class AccelDevice(PciFunction):
         self._scheduled = False
         self._fetch_begun: BegunFetch | None = None   # the first fetch, begun by the doorbell
         self._idle.notify_all()
+        self.dma_watch_ring(0, None)
 
     def bar_read(self, index: int, offset: int, size: int) -> int | bytes:
         if index == VRAM_BAR:
@@ -431,6 +432,8 @@ class AccelDevice(PciFunction):
             return
         self._enabled = True
         self._head = self._tail = 0
+        # on a box the host then sends a doorbell's entries with it: the fetch waits for no round trip
+        self.dma_watch_ring(0, Ring(0, REG_DOORBELL, base, ENTRY_SIZE, size))
 
     def _doorbell(self, tail: int) -> None:
         self.counters["doorbells"] += 1

@@ -28,7 +28,7 @@ from .capabilities import CAP_ID_MSI, MSI_VECTOR_COUNTS, CapabilityList
 from .config_space import ConfigSpace, overlaps
 from .header import PciIdentity
 from .msix import MsixTable, pba_bytes, table_bytes
-from .ports import DmaError, DmaPort, IrqPort, NullDmaPort, NullIrqPort, Sink
+from .ports import DmaError, DmaPort, IrqPort, NullDmaPort, NullIrqPort, Ring, Sink
 
 # vfio-user / VFIO region numbering
 REGION_BAR0 = 0
@@ -395,6 +395,10 @@ class PciFunction:
     def dma_read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
         """The pieces DMA-read into a file (see :meth:`DmaPort.read_into_file`)."""
         self._dma_port_checked().read_into_file(pieces, fd, offset)
+
+    def dma_watch_ring(self, slot: int, ring: Ring | None) -> None:
+        """Declare or withdraw a doorbell-announced ring (see :meth:`DmaPort.watch_ring`)."""
+        self.dma.watch_ring(slot, ring)
 
     def dma_posted_together(self) -> ContextManager[None]:
         """This thread's posted DMA writes and interrupts inside leave together (see

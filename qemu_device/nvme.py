@@ -44,7 +44,7 @@ from .backing import punch_hole, write_all, zero_range
 from .bars import BarSpec
 from .device import BegunFetch, IrqConfig, PciFunction
 from .header import PciIdentity
-from .ports import DmaError
+from .ports import DmaError, Ring
 from .worker import DeviceWorker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -284,10 +284,14 @@ class NvmeController(PciFunction):
         self._not_started: dict[tuple[int, int], IoJob] = {}  # (sqid, cid) -> a job no thread has started
         self._tickets = itertools.count()  # I/O commands in the order they were taken
         self._ns_pending: dict[int, set[int]] = {}  # nsid -> tickets of its commands in flight
+        self.sqs: dict[int, Queue] = {}
         self.reset_registers()
 
     # --- registers -----------------------------------------------------------------------
     def reset_registers(self) -> None:
+        for qid in self.sqs:  # the I/O SQs' doorbells announce nothing any more
+            if qid:
+                self.dma_watch_ring(qid, None)
         self.cc = self.csts = self.aqa = self.asq = self.acq = self.intms = 0
         self.sqs: dict[int, Queue] = {}
         self.cqs: dict[int, Queue] = {}
@@ -903,6 +907,8 @@ class NvmeController(PciFunction):
         with self.lock:
             self.sqs[qid] = Queue(qid, base & ~0xFFF, size, cqid=cqid)
             self.cqs[cqid].sq_ids.add(qid)
+            # on a box the host then sends a doorbell's commands with it: no round trip to fetch them
+            self.dma_watch_ring(qid, Ring(0, DOORBELLS + 8 * qid, base & ~0xFFF, 64, size))
 
     def _delete_queue(self, qid: int, cq: bool) -> None:
         with self.lock:
@@ -924,6 +930,7 @@ class NvmeController(PciFunction):
             queue = table.pop(qid)
             if not cq:
                 self.cqs.get(queue.cqid, Queue(0, 0, 1)).sq_ids.discard(qid)
+                self.dma_watch_ring(qid, None)
 
     # --- I/O commands --------------------------------------------------------------------------
     def _io(self, opcode: int, sqe: memoryview, lists: dict[tuple[int, int], bytes] | None = None,

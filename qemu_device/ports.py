@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Callable, ContextManager, Protocol
+from typing import Callable, ContextManager, NamedTuple, Protocol
 
 from qemu_device.backing import write_all
 
@@ -22,6 +22,19 @@ class DmaError(Exception):
 
 Sink = Callable[[int, memoryview], None]
 """Where :meth:`DmaPort.read_into` hands a read's bytes: (position in the read, bytes)."""
+
+
+class Ring(NamedTuple):
+    """A ring of entries in guest memory whose new tail index the driver writes to a doorbell
+    register (4 bytes at ``doorbell`` of BAR ``region``): an accelerator's command ring, an
+    NVMe submission queue. ``tail``: where the device stands now."""
+
+    region: int
+    doorbell: int
+    base: int
+    entry_size: int
+    entries: int
+    tail: int = 0
 
 
 class DmaPort(Protocol):
@@ -78,6 +91,13 @@ class DmaPort(Protocol):
         back, written at ``offset``, all of them or OSError (DmaError for the DMA)."""
         ...
 
+    def watch_ring(self, slot: int, ring: Ring | None) -> None:
+        """Declare the ring ``slot`` (or, with None, withdraw it): on a network the host may
+        then send a doorbell's entries with the doorbell, and the device's fetch of them
+        costs no round trip; the fetch is the same call either way. Only the device's own
+        ring fetches may read a declared ring's memory. Local memory: nothing to do."""
+        ...
+
     def posted_together(self) -> ContextManager[None]:
         """A block whose posted DMA writes and interrupts (this thread's) may reach the
         guest together when it ends: a command's data, its completion and its interrupt
@@ -114,6 +134,9 @@ class ScatterByPieces:
 
     def posted_together(self) -> ContextManager[None]:
         return contextlib.nullcontext()   # local memory: each write is already done
+
+    def watch_ring(self, slot: int, ring: Ring | None) -> None:
+        pass   # local memory: a fetch is a copy, there is no round trip to save
 
     def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
         file_to_guest(self, pieces, fd, offset)  # type: ignore[arg-type]

@@ -252,6 +252,25 @@ def test_selftest_and_mlp_from_a_box_over_tls(remote):
     assert forwarder.stats()["dma_bytes_read"] > 1 << 20   # the box fetched the data from "guest" memory
 
 
+def test_a_boxs_ring_fetches_come_with_their_doorbells(remote, box):
+    """The host's C forwarder sends each doorbell's new entries just before it (DMA_PUSH), so
+    the box's ring fetches wait for no round trip; the results are still exact."""
+    dev, function = remote
+    if not function.endpoint.native:
+        pytest.fail("the native link stream is not built: run scripts/setup.sh")
+    box_before = box.stats()["devices"]["acc0"]
+    ptr = dev.malloc(4096)
+    for i in range(20):
+        data = np.full(1024, i, np.float32)
+        dev.memcpy_htod(ptr, data)
+        assert (np.frombuffer(dev.memcpy_dtoh(ptr, 4096), np.float32) == i).all()
+    native = function.stats()["link"]["native"]
+    box_after = box.stats()["devices"]["acc0"]
+    assert native["pushes"] >= 40 and native["pushes_empty"] == 0, native
+    assert box_after["pushed_reads"] - box_before["pushed_reads"] >= 40, box_after
+    assert box_after["dma_read_requests"] == box_before["dma_read_requests"], "a ring fetch went to the network"
+
+
 def test_the_runtimes_own_mlp_checks_itself(local):
     dev, device = local
     result = rt.mlp_inference(dev, batch=8, width=64, layers=3, repeat=3)

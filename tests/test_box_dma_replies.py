@@ -12,11 +12,13 @@ import threading
 import pytest
 
 from dxpu_vfio.link.endpoint import LinkEndpoint
-from dxpu_vfio.link.protocol import MAX_READV_RANGES, MAX_WRITEV_BYTES, LinkCommand, unpack_readv, unpack_writev
+from dxpu_vfio.link.protocol import (MAX_READV_RANGES, MAX_WRITEV_BYTES, LinkCommand, RingWatch, pack_push,
+                                    unpack_readv, unpack_writev)
+from dxpu_vfio.procs import wait_until
 from dxpu_vfio.remoteproxy.ports import LinkDmaPort
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
-from qemu_device.ports import DmaError
+from qemu_device.ports import DmaError, Ring
 
 
 class HostileHost:
@@ -29,6 +31,7 @@ class HostileHost:
         self.answer_v = lambda ranges: b"".join(page_marks(a, n) for a, n in ranges)
         self.readv_asked: list[list[tuple[int, int]]] = []
         self.written: list[tuple[str, list[tuple[int, int]], bytes]] = []  # (command, ranges, bytes) posted
+        self.watches: list[RingWatch] = []
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -47,6 +50,8 @@ class HostileHost:
                 elif msg.header.command == LinkCommand.DMA_WRITEV:
                     ranges, data = unpack_writev(msg.payload)
                     self.written.append(("DMA_WRITEV", ranges, bytes(data)))
+                elif msg.header.command == LinkCommand.RING_WATCH:
+                    self.watches.append(RingWatch.unpack(msg.payload))
                 elif msg.header.command == LinkCommand.DMA_READV and not msg.header.is_reply:
                     ranges = unpack_readv(msg.payload)
                     self.readv_asked.append(ranges)
@@ -339,3 +344,74 @@ def test_a_scatter_list_of_writes_goes_as_few_dma_writev_messages_in_order(link,
             merged.append([a, n])
     assert [tuple(m) for m in merged] == pieces
     assert port.bytes_written == sum(n for _, n in pieces)
+
+
+# --- ring entries pushed with their doorbell (RING_WATCH / DMA_PUSH) ---------------------------
+RING, ENTRIES, ES = 0x40000, 16, 64
+
+
+def ring_port(endpoint, host) -> LinkDmaPort:
+    """A port whose host offered ring-push, watching a 16-entry ring at RING (slot 3)."""
+    port = LinkDmaPort(endpoint, readv=True, ring_push=True)
+    port.watch_ring(3, Ring(0, 0x3C, RING, ES, ENTRIES, 0))
+    return port
+
+
+def push(port, first: int, count: int, mark: int) -> bytes:
+    """What the host sends before a doorbell: entries [first, first + count), each byte ``mark``."""
+    data = bytes([mark]) * (count * ES)
+    port.pushed(memoryview(pack_push(3, [(RING + first * ES, count * ES)]) + data))
+    return data
+
+
+def test_a_watched_rings_pushed_entries_are_read_without_a_round_trip(link):
+    _port, host, endpoint = link
+    port = ring_port(endpoint, host)
+    data = push(port, 2, 5, 0x11)
+    assert [bytes(d) for d in port.read_many_begin([(RING + 2 * ES, 3 * ES)])()] == [data[:3 * ES]]
+    got = bytearray()
+    port.read_into([(RING + 5 * ES, 2 * ES)], lambda pos, d: got.extend(d))     # the rest: a second fetch
+    assert bytes(got) == data[3 * ES:]
+    assert port.requests == 0 and port.pushed_reads == 2
+    # read once, gone: the driver may rewrite those entries now, so the same read is the network's
+    assert port.read_many([(RING + 2 * ES, ES)]) == [page_marks(RING + 2 * ES, ES)]
+    assert port.requests == 1 and host.readv_asked == [[(RING + 2 * ES, ES)]]
+    assert host.watches == [RingWatch(3, 0, 0x3C, RING, ES, ENTRIES, 0)]
+
+
+def test_pushed_entries_are_never_served_stale(link):
+    """An empty push (the host could not push) forgets every entry; a read that is not wholly
+    pushed goes to the network and forgets what it covered; a push outside the ring is refused."""
+    _port, host, endpoint = link
+    port = ring_port(endpoint, host)
+    push(port, 0, 4, 0x22)
+    port.pushed(memoryview(pack_push(3, [])))
+    assert port.read_many([(RING, ES)]) == [page_marks(RING, ES)] and port.pushed_reads == 0
+    push(port, 0, 4, 0x33)
+    assert port.read_many([(RING + 2 * ES, 4 * ES)]) == [page_marks(RING + 2 * ES, 4 * ES)]  # entries 4, 5 unpushed
+    assert port.read_many([(RING + 3 * ES, ES)]) == [page_marks(RING + 3 * ES, ES)]           # forgotten by that read
+    assert port.read_many([(RING, 2 * ES)]) == [b"\x33" * 2 * ES]                             # untouched: still pushed
+    port.pushed(memoryview(pack_push(3, [(RING + ENTRIES * ES, ES)]) + b"\x44" * ES))          # past the ring's end
+    port.pushed(memoryview(pack_push(3, [(RING + 8, ES)]) + b"\x44" * ES))                     # not entry-aligned
+    assert port.read_many([(RING + 8 * ES, ES)]) == [page_marks(RING + 8 * ES, ES)]
+    assert port.pushes == 3 and endpoint.up     # the two pushes and the empty one
+
+
+def test_a_withdrawn_ring_takes_no_pushes_and_a_host_without_the_feature_is_not_asked(link):
+    _port, host, endpoint = link
+    port = ring_port(endpoint, host)
+    port.watch_ring(3, None)
+    push(port, 0, 2, 0x55)
+    assert port.read_many([(RING, ES)]) == [page_marks(RING, ES)] and port.pushes == 0
+    plain = LinkDmaPort(endpoint, readv=True)
+    plain.watch_ring(1, Ring(0, 0x3C, RING, ES, ENTRIES, 0))
+    port.watch_ring(4, None)                            # a marker behind it on the stream
+    assert wait_until(lambda: len(host.watches) >= 3, 5)
+    assert host.watches == [RingWatch(3, 0, 0x3C, RING, ES, ENTRIES, 0), RingWatch(3), RingWatch(4)]
+
+
+def test_a_bad_ring_is_refused_before_it_reaches_the_host(link):
+    _port, host, endpoint = link
+    port = LinkDmaPort(endpoint, readv=True, ring_push=True)
+    with pytest.raises(vp.ProtocolError):
+        port.watch_ring(2, Ring(0, 0x3C, RING, ES, ENTRIES, ENTRIES))     # a tail past the ring

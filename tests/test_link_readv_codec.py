@@ -9,8 +9,10 @@ import struct
 
 import pytest
 
-from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, MAX_READV_BYTES, MAX_READV_RANGES, READV_HEAD, READV_RANGE,
-                                     MAX_WRITEV_BYTES, Hello, pack_readv, pack_writev, unpack_readv, unpack_writev)
+from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, MAX_PUSH_BYTES, MAX_READV_BYTES, MAX_READV_RANGES,
+                                     MAX_RING_ENTRIES, MAX_RING_SLOTS, MAX_WRITEV_BYTES, READV_HEAD, READV_RANGE, Hello,
+                                     RingWatch, pack_push, pack_readv, pack_writev, unpack_push, unpack_readv,
+                                     unpack_writev)
 from dxpu_vfio.vfio_user.protocol import ProtocolError
 
 
@@ -116,3 +118,51 @@ def test_random_bytes_are_a_writev_or_a_protocol_error():
         except ProtocolError:
             continue
         assert len(data) == sum(n for _, n in ranges)
+
+
+# --- RING_WATCH and DMA_PUSH ------------------------------------------------------------------
+
+def test_a_ring_watch_and_a_push_round_trip():
+    watch = RingWatch(5, 0, 0x1028, 0x7000_0000, 64, 1024, 17)
+    assert RingWatch.unpack(watch.pack()) == watch
+    assert RingWatch.unpack(RingWatch(5).pack()) == RingWatch(5)          # withdrawn: nothing else counts
+    slot, ranges, data = unpack_push(pack_push(5, [(0x7000_0000, 128), (0x7000_1000, 64)]) + bytes(192))
+    assert (slot, ranges, len(data)) == (5, [(0x7000_0000, 128), (0x7000_1000, 64)], 192)
+    assert unpack_push(pack_push(1, []))[1] == []                           # empty: forget what was pushed
+
+
+@pytest.mark.parametrize("watch, why", [
+    (RingWatch(MAX_RING_SLOTS, 0, 0, 0, 64, 8), "slot"),
+    (RingWatch(0, 0, 0, 0, 0, 8), "entries of 0 bytes"),
+    (RingWatch(0, 0, 0, 0, 64, 8, 8), "tail 8"),
+    (RingWatch(0, 0, 0, (1 << 64) - 64, 64, 8), "entries of 64 bytes"),
+    (RingWatch(0, 0, 0, 0, 64, MAX_RING_ENTRIES + 1), "entries of 64 bytes"),
+])
+def test_a_ring_the_host_cannot_watch_is_refused_naming_what_is_wrong(watch, why):
+    with pytest.raises(ProtocolError, match=why):
+        RingWatch.unpack(watch.pack())
+
+
+@pytest.mark.parametrize("payload, why", [
+    (b"\0" * 7, "shorter than its head"),
+    (pack_push(MAX_RING_SLOTS, []), "slot"),
+    (struct.pack("<II", 0, 3) + bytes(48), "3 ranges"),
+    (pack_push(0, [(0, 64)]) + bytes(63), "carries 63"),
+    (pack_push(0, [(0, 64)])[:20], "in 20 bytes"),
+    (pack_push(0, [(0, MAX_PUSH_BYTES + 64)]) + bytes(MAX_PUSH_BYTES + 64), "of 262208 bytes"),
+    (pack_push(0, [((1 << 64) - 8, 64)]) + bytes(64), "range 0"),
+])
+def test_a_malformed_push_is_a_protocol_error_naming_what_is_wrong(payload, why):
+    with pytest.raises(ProtocolError, match=why):
+        unpack_push(payload)
+
+
+def test_random_bytes_are_a_push_or_a_watch_or_a_protocol_error():
+    rng = random.Random(13)
+    for _ in range(20000):
+        blob = rng.randbytes(rng.choice((8, 24, 40, 41, rng.randrange(100))))
+        for parse in (unpack_push, RingWatch.unpack):
+            try:
+                parse(blob)
+            except ProtocolError:
+                pass

@@ -7,7 +7,9 @@ resets, SYNC, heartbeats, IRQ/DMA messages a host never sends, replies to nothin
 again, headers with mutated flags, and now and then a framing breaker (after which the box
 must close the link and serve the next HELLO); the box's own DMA reads (DMA_READ, or
 DMA_READV on the half of the links whose HELLO offered it) are answered, now and then
-wrongly; its DMA writes come as DMA_WRITE or, on half the links, DMA_WRITEV. One unit in ten is a fresh connection whose first message is a mutated
+wrongly; its DMA writes come as DMA_WRITE or, on half the links, DMA_WRITEV; on half the links
+the HELLO offers ring pushes, and DMA_PUSH messages (whole, lying, mutated) come as units. One
+unit in ten is a fresh connection whose first message is a mutated
 HELLO, INVENTORY or SCREENSHOT (or garbage).
 """
 
@@ -24,8 +26,8 @@ from dxpu_vfio.fuzz.child import ChildTarget
 from dxpu_vfio.fuzz.mutate import edge, mutate_bytes, mutate_json
 from dxpu_vfio.fuzz.peer import Gone, Hang, Peer
 from dxpu_vfio.fuzz.vfio_user import PROBE_ID, framing_breaker, header
-from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, FEATURE_DMA_WRITEV, LINK_VERSION, Hello, LinkCommand,
-                                    hello_proof, pack_irq, unpack_challenge, unpack_readv)
+from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, FEATURE_DMA_WRITEV, FEATURE_RING_PUSH, LINK_VERSION, Hello,
+                                    LinkCommand, hello_proof, pack_irq, pack_push, unpack_challenge, unpack_readv)
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 from dxpu_vfio.vfio_user import protocol as p
 
@@ -76,8 +78,8 @@ class LinkTarget(ChildTarget):
         self._close()
         self.broken = False
         self.device = device
-        features = tuple(f for f in (FEATURE_DMA_READV, FEATURE_DMA_WRITEV)  # both DMA paths each way
-                         if self.answers.random() < 0.5)
+        features = tuple(f for f in (FEATURE_DMA_READV, FEATURE_DMA_WRITEV, FEATURE_RING_PUSH)  # each way, and
+                         if self.answers.random() < 0.5)  # ring entries pushed (DMA_PUSH) or fetched
         first = p.message(1, L.HELLO, Hello(device, features=features).pack())
         while True:
             self.peer = Peer(self._connect(), self._answer)
@@ -239,7 +241,7 @@ class LinkTarget(ChildTarget):
             yield framing_breaker(rng)[0], True
             return
         kind = rng.choice(("read", "read", "read", "write", "write", "write", "batch", "batch", "reset", "sync",
-                           "beat", "host_only", "reply", "hello", "flip", "dma_engine"))
+                           "beat", "host_only", "reply", "hello", "flip", "dma_engine", "push"))
         yield from getattr(self, f"_{kind}")(rng)
 
     def _where(self, rng: random.Random) -> tuple[int, int, int]:
@@ -273,6 +275,22 @@ class LinkTarget(ChildTarget):
         if rng.random() < 0.2:
             payload = mutate_bytes(rng, payload, 65536)
         yield header(rng, L.WRITE_BATCH, payload, no_reply=rng.random() < 0.9), False
+
+    def _push(self, rng: random.Random):
+        """A DMA_PUSH: ring entries for a slot the box may or may not watch (an NVMe SQ's, when
+        the box created one), whole entries or not, ranges that lie or a length that does."""
+        slot = rng.choice((0, 1, 1, 2, 63, 64, edge(rng, 32)))
+        ranges = [(rng.choice((0x1000, 0x10000, 0x200000, edge(rng))), rng.choice((64, 128, 4096, 0, edge(rng, 32))))
+                  for _ in range(rng.choice((0, 1, 1, 2, 3)))]
+        try:
+            head = pack_push(slot & 0xFFFFFFFF, [(a & (1 << 64) - 1, n & 0xFFFFFFFF) for a, n in ranges])
+        except struct.error:
+            head = rng.randbytes(8)
+        data = bytes(min(sum(n for _, n in ranges), 1 << 18))
+        payload = head + data
+        if rng.random() < 0.2:
+            payload = mutate_bytes(rng, payload, 1 << 18)
+        yield header(rng, L.DMA_PUSH, payload, no_reply=rng.random() < 0.9), False
 
     def _reset(self, rng: random.Random):
         yield header(rng, L.DEVICE_RESET, rng.randbytes(rng.choice((0, 0, 8)))), False

@@ -33,9 +33,9 @@ from dxpu_vfio.hostproxy.coalescer import DEFAULT_COALESCE_DELAY, PostedCoalesce
 from dxpu_vfio.hostproxy.description import check_description
 from dxpu_vfio.hostproxy.shadow import DEFAULT_RATE_HZ, ShadowBar
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
-from dxpu_vfio.link.protocol import (HOST_FEATURES, IRQ_INTX, IRQ_MSI, IRQ_MSIX, DeviceDescription, Hello,
-                                    LinkCommand, hello_proof, unpack_challenge, unpack_irq, unpack_readv,
-                                    unpack_writev)
+from dxpu_vfio.link.protocol import (FEATURE_RING_PUSH, HOST_FEATURES, IRQ_INTX, IRQ_MSI, IRQ_MSIX,
+                                    DeviceDescription, Hello, LinkCommand, RingWatch, hello_proof, unpack_challenge,
+                                    unpack_irq, unpack_readv, unpack_writev)
 from dxpu_vfio.link.transport import TlsFiles, connect, connect_native, peer_certificate
 from dxpu_vfio.native import stream as native
 from dxpu_vfio.vfio_user import protocol as vp
@@ -94,6 +94,7 @@ class RemoteFunction:
             LinkCommand.DMA_WRITE: self._dma_write,
             LinkCommand.DMA_WRITEV: self._dma_writev,
             LinkCommand.IRQ: self._irq,
+            LinkCommand.RING_WATCH: self._ring_watch,
         }, heartbeat=heartbeat, dead_after=dead_after, on_down=self._link_down, waiters_serve=True)
         # a box that stops reading fails the send of a posted write as a read would time out:
         # the read queued behind it is answered all-ones within the completion timeout
@@ -103,6 +104,7 @@ class RemoteFunction:
         self.conn = conn
         self._posted_since_sync = self._posted_bytes_since_sync = 0
         self._forwarder = None  # the native Forwarder serving this device now, if any
+        self.rings: dict[int, RingWatch] = {}  # rings the box watches (RING_WATCH), by slot
         self._forwarded: dict[str, int] = {}  # counters of forwarders that ended
         self.attach_error: str | None = None  # why QEMU cannot have this device (the box refused its windows)
         # --- host-mapped BARs (hostproxy/shadow.py): the shadows QEMU maps, written back to the box
@@ -142,6 +144,9 @@ class RemoteFunction:
     def forwarding(self, forwarder) -> None:
         if forwarder is None and self._forwarder is not None:
             self._forwarded = self._native_counters()  # keep what it did
+        if forwarder is not None:  # the rings watched so far; their tails since are not known to it
+            for w in self.rings.values():
+                forwarder.set_ring(w.slot, w.region, w.offset, w.base, w.entry_size, w.entries, -1)
         self._forwarder = forwarder
 
     def deliver(self, messages: list[tuple]) -> None:
@@ -456,6 +461,20 @@ class RemoteFunction:
         finally:
             self.counters["dma_bytes_written"] += at
 
+    def _ring_watch(self, msg) -> None:
+        """The box watches a ring (or stops): checked here (a malformed one fails with its
+        reason), kept for the C forwarders of later QEMU sessions, and handed to the one
+        serving now, which pushes the entries each doorbell announces (forward.c). The box
+        has the feature only from a host whose C forwarder sees its posted writes."""
+        watch = RingWatch.unpack(msg.payload)
+        if watch.entries:
+            self.rings[watch.slot] = watch
+        else:
+            self.rings.pop(watch.slot, None)
+        if self._forwarder is not None:
+            self._forwarder.set_ring(watch.slot, watch.region, watch.offset, watch.base, watch.entry_size,
+                                     watch.entries, watch.tail)
+
     def _irq(self, msg) -> None:
         kind, vector, level = unpack_irq(msg.payload)
         self.counters["irqs"] += 1
@@ -491,8 +510,11 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
     except (OSError, ConnectionClosed) as exc:
         raise RemoteAttachError(f"cannot reach remote proxy {address}: {exc}", getattr(exc, "errno", 0) or errno.EIO) from exc
     conn.sock.settimeout(timeout)
+    # ring entries pushed with their doorbells (RING_WATCH): only the C forwarder does it, so
+    # not where posted writes will be coalesced in Python
+    features = HOST_FEATURES + ((FEATURE_RING_PUSH,) if conn.native and coalesce is not True else ())
     try:
-        reply = _hello(conn, device, lease, box_sha256)
+        reply = _hello(conn, device, lease, box_sha256, features)
     except RemoteAttachError:
         conn.close()
         raise
@@ -529,10 +551,10 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
     return function
 
 
-def _hello(conn: Connection, device: str, token: str, box_sha256: str | None):
+def _hello(conn: Connection, device: str, token: str, box_sha256: str | None, features: tuple[str, ...]):
     """HELLO, the box's nonce, HELLO with the proof (docs/link-protocol.md): the box's
     last reply (an error, or the device description)."""
-    conn.send(vp.message(1, LinkCommand.HELLO, Hello(device, features=HOST_FEATURES).pack()))
+    conn.send(vp.message(1, LinkCommand.HELLO, Hello(device, features=features).pack()))
     reply = conn.receive()
     if reply.header.is_error:
         return reply
@@ -543,5 +565,6 @@ def _hello(conn: Connection, device: str, token: str, box_sha256: str | None):
             raise RemoteAttachError(f"the box presented another certificate (sha256 {(seen or 'none')[:16]}..., "
                                     f"registered {box_sha256[:16]}...): no proof sent", errno.EACCES)
     nonce = unpack_challenge(reply.payload)
-    conn.send(vp.message(2, LinkCommand.HELLO, Hello(device, nonce, hello_proof(token, device, nonce), features=HOST_FEATURES).pack()))
+    proof = hello_proof(token, device, nonce)
+    conn.send(vp.message(2, LinkCommand.HELLO, Hello(device, nonce, proof, features=features).pack()))
     return conn.receive()

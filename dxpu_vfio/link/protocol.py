@@ -48,6 +48,10 @@ class LinkCommand(enum.IntEnum):
     # back. Only to a host whose HELLO offered FEATURE_DMA_READV.
     DMA_WRITEV = 0x10B  # remote -> host, posted: a scatter list and its bytes (pack_writev). Only to a host
     # whose HELLO offered FEATURE_DMA_WRITEV.
+    RING_WATCH = 0x10C  # remote -> host, posted: a doorbell register that announces a ring's new tail
+    # (RingWatch); entries 0 withdraws it. Only to a host whose HELLO offered FEATURE_RING_PUSH.
+    DMA_PUSH = 0x10D  # host -> remote, posted: the ring entries a watched doorbell announced, sent just
+    # before it (pack_push); no ranges: none were pushed, forget what was
 
 
 IRQ_MSG = struct.Struct("<III")  # kind, vector, level
@@ -60,6 +64,7 @@ NONCE_BYTES = 32
 # (never probed), so either side may be older than the other.
 FEATURE_DMA_READV = "dma-readv"
 FEATURE_DMA_WRITEV = "dma-writev"
+FEATURE_RING_PUSH = "ring-push"  # offered only by the host's C forwarder, which serves RING_WATCH
 HOST_FEATURES = (FEATURE_DMA_READV, FEATURE_DMA_WRITEV)
 
 
@@ -233,3 +238,78 @@ def unpack_writev(payload: bytes | memoryview) -> tuple[list[tuple[int, int]], m
     if len(view) - head != total:
         raise ProtocolError(f"DMA_WRITEV of {total} bytes carries {len(view) - head}")
     return ranges, view[head:]
+
+
+# --- RING_WATCH / DMA_PUSH: ring entries that travel with their doorbell -------------------
+RING_WATCH_MSG = struct.Struct("<IIQQIIII")  # slot, region, doorbell offset, base, entry size, entries, tail, 0
+PUSH_HEAD = struct.Struct("<II")  # slot, ranges (0..2)
+MAX_RING_SLOTS = 64  # watched rings per device (an NVMe controller's I/O queues)
+MAX_RING_ENTRIES = 1 << 16
+MAX_ENTRY_SIZE = 4096
+MAX_PUSH_BYTES = 256 << 10  # a doorbell announcing more is pushed empty (the box fetches it)
+
+
+@dataclass(frozen=True)
+class RingWatch:
+    """A ring in guest memory whose new tail the guest writes to a doorbell register (a 4-byte
+    posted write of the tail index at ``offset`` of BAR ``region``): the host, seeing that
+    write, sends the entries from the tail it saw last to the new one as a DMA_PUSH just
+    before it, so the device's fetch of them is not a round trip. ``entries`` 0: no ring."""
+
+    slot: int
+    region: int = 0
+    offset: int = 0
+    base: int = 0
+    entry_size: int = 0
+    entries: int = 0
+    tail: int = 0
+
+    def pack(self) -> bytes:
+        return RING_WATCH_MSG.pack(self.slot, self.region, self.offset, self.base, self.entry_size, self.entries,
+                                   self.tail, 0)
+
+    @classmethod
+    def unpack(cls, payload: bytes | memoryview) -> "RingWatch":
+        """Checked as the host's forwarder checks it (forward.c, ring_watch)."""
+        if len(payload) != RING_WATCH_MSG.size:
+            raise ProtocolError(f"RING_WATCH of {len(payload)} bytes (want {RING_WATCH_MSG.size})")
+        watch = cls(*RING_WATCH_MSG.unpack(payload)[:7])
+        if watch.slot >= MAX_RING_SLOTS:
+            raise ProtocolError(f"RING_WATCH slot {watch.slot} (at most {MAX_RING_SLOTS - 1})")
+        if watch.entries and not (0 < watch.entry_size <= MAX_ENTRY_SIZE and watch.entries <= MAX_RING_ENTRIES
+                                  and watch.tail < watch.entries
+                                  and watch.base + watch.entries * watch.entry_size <= 1 << 64):
+            raise ProtocolError(f"RING_WATCH of {watch.entries} entries of {watch.entry_size} bytes at "
+                                f"{watch.base:#x}, tail {watch.tail}")
+        return watch
+
+
+def pack_push(slot: int, ranges: list[tuple[int, int]]) -> bytes:
+    """The head of a DMA_PUSH: ``slot``, then ``ranges`` as a DMA_READV lists them; their
+    bytes follow back to back."""
+    return PUSH_HEAD.pack(slot, len(ranges)) + b"".join(READV_RANGE.pack(a, n, 0) for a, n in ranges)
+
+
+def unpack_push(payload: bytes | memoryview) -> tuple[int, list[tuple[int, int]], memoryview]:
+    """(slot, ranges, their bytes) of a DMA_PUSH, checked: at most two ranges (a ring's
+    interval wraps once), none empty or wrapping, at most MAX_PUSH_BYTES, and exactly their
+    total of bytes after them. Whether they lie in the watched ring is the box's check."""
+    view = memoryview(payload)
+    if len(view) < PUSH_HEAD.size:
+        raise ProtocolError(f"DMA_PUSH of {len(view)} bytes: shorter than its head")
+    slot, count = PUSH_HEAD.unpack_from(view)
+    if slot >= MAX_RING_SLOTS or count > 2:
+        raise ProtocolError(f"DMA_PUSH for slot {slot} with {count} ranges")
+    head = PUSH_HEAD.size + count * READV_RANGE.size
+    if len(view) < head:
+        raise ProtocolError(f"DMA_PUSH of {count} ranges in {len(view)} bytes")
+    ranges = []
+    for i in range(count):
+        address, length, _ = READV_RANGE.unpack_from(view, PUSH_HEAD.size + i * READV_RANGE.size)
+        if length == 0 or address + length > 1 << 64:
+            raise ProtocolError(f"DMA_PUSH range {i}: {length} bytes at {address:#x}")
+        ranges.append((address, length))
+    total = sum(n for _, n in ranges)
+    if total > MAX_PUSH_BYTES or len(view) - head != total:
+        raise ProtocolError(f"DMA_PUSH of {total} bytes carries {len(view) - head}")
+    return slot, ranges, view[head:]

@@ -39,6 +39,7 @@
 #define CMD_SYNC 0x106
 #define CMD_DMA_READV 0x10A
 #define CMD_DMA_WRITEV 0x10B
+#define CMD_DMA_PUSH 0x10D
 #define READV_HEAD 8   /* ranges (u32), reserved (u32) */
 #define READV_RANGE 16 /* address (u64), length (u32), reserved (u32) */
 #define MAX_READV_RANGES 256
@@ -54,6 +55,22 @@
 #define MAX_VECTORS 2048
 
 enum { WINDOW_MEMORY = 0, WINDOW_FD = 1, WINDOW_PYTHON = 2 };
+
+/* Rings the box watches (link/protocol.py, RingWatch; Python takes the RING_WATCH and calls
+ * set_ring): a posted 4-byte write of a new tail to the doorbell at (region, offset) is preceded
+ * by a DMA_PUSH of the entries from the tail seen last, so the device's fetch of them waits for
+ * no round trip. A forwarder that did not see the doorbells before it (a new QEMU session on
+ * the same link) starts unsynced: its first push is empty, which makes the box forget. */
+#define MAX_RING_SLOTS 64
+#define MAX_RING_ENTRIES (1u << 16)
+#define MAX_ENTRY_SIZE 4096u
+#define MAX_PUSH_BYTES (256u << 10)
+#define PUSH_HEAD 8 /* slot (u32), ranges (u32), then DMA_READV's ranges and the bytes */
+typedef struct {
+    uint64_t offset, base;
+    uint32_t region, entry_size, entries, tail; /* entries 0: no ring in this slot */
+    int synced; /* tail is the last doorbell's: else the next push is empty (the box forgets) */
+} ring_t;
 
 typedef struct {
     uint64_t iova, size, offset; /* offset: of iova in the mapping (MEMORY) or the file (FD) */
@@ -74,6 +91,9 @@ typedef struct {
     int posted_since_sync;
     size_t posted_bytes_since_sync;
     unsigned char *dma_buf; /* a DMA_READ(V) completion read from a pread window: header + data */
+    ring_t rings[MAX_RING_SLOTS];
+    int n_rings; /* slots in use: 0 skips the doorbell check */
+    unsigned long long pushes, push_bytes, pushes_empty;
     unsigned long long reads, writes_posted, writes_nonposted, dma_read_bytes, dma_write_bytes, dma_refused,
         irqs, bad_completions, to_python, read_wait_ns, write_wait_ns, syncs, error_completions;
 } Forwarder;
@@ -277,6 +297,86 @@ static int dma_writev(Forwarder *f, const frame_header *hdr, const unsigned char
         data += n;
     }
     return HANDLED;
+}
+
+/* Before QEMU's posted write `pl` (a REGION_WRITE payload of 4 bytes) goes to the box: if it
+ * is a watched ring's doorbell, the entries it announces (from the tail seen last) go first as
+ * a DMA_PUSH, from guest memory, inside QEMU's windows and their read rights; when they cannot
+ * (too many, outside the windows, a tail past the ring) the push is empty and the box forgets
+ * what it was pushed before, so it never serves entries it might not have fresh. Nothing is
+ * sent for a doorbell that announces nothing new. 0, or -1 when the link failed. */
+static int push_ring(Forwarder *f, const unsigned char *pl, char *err, size_t errlen)
+{
+    uint64_t offset = le64(pl);
+    uint32_t region = frame_le32(pl + 8), tail = frame_le32(pl + 16);
+    for (uint32_t slot = 0; slot < MAX_RING_SLOTS; slot++) {
+        ring_t *r = &f->rings[slot];
+        if (!r->entries || r->region != region || r->offset != offset)
+            continue;
+        unsigned char head[PUSH_HEAD + 2 * READV_RANGE];
+        struct iovec iov[3];
+        int n = 1;
+        uint32_t ranges = 0;
+        uint64_t total = 0;
+        if (tail < r->entries && !r->synced) {
+            r->tail = tail;
+            r->synced = 1;
+        } else if (tail < r->entries) {
+            uint32_t count = (tail + r->entries - r->tail) % r->entries;
+            if (count == 0)
+                return 0;
+            uint32_t first = r->entries - r->tail < count ? r->entries - r->tail : count;
+            uint64_t addr[2] = {r->base + (uint64_t)r->tail * r->entry_size, r->base};
+            uint64_t size[2] = {(uint64_t)first * r->entry_size, (uint64_t)(count - first) * r->entry_size};
+            int ok = size[0] + size[1] <= MAX_PUSH_BYTES;
+            size_t at = 0;
+            for (int i = 0; i < 2 && ok && size[i]; i++) {
+                const window_t *w = find_window(f, addr[i], size[i], DMA_FLAG_READ);
+                if (!w || w->kind == WINDOW_PYTHON) {
+                    ok = 0;
+                    break;
+                }
+                unsigned char *from = f->dma_buf + at;
+                if (w->kind == WINDOW_MEMORY) {
+                    from = w->memory + w->offset + (addr[i] - w->iova);
+                } else {
+                    ssize_t got;
+                    Py_BEGIN_ALLOW_THREADS
+                    got = pread(w->fd, from, size[i], (off_t)(w->offset + (addr[i] - w->iova)));
+                    Py_END_ALLOW_THREADS
+                    ok = got == (ssize_t)size[i];
+                    at += size[i];
+                }
+                unsigned char *range = head + PUSH_HEAD + ranges * READV_RANGE;
+                frame_put32(range, (uint32_t)addr[i]);
+                frame_put32(range + 4, (uint32_t)(addr[i] >> 32));
+                frame_put32(range + 8, (uint32_t)size[i]);
+                frame_put32(range + 12, 0);
+                iov[n++] = (struct iovec){from, size[i]};
+                ranges++;
+                total += size[i];
+            }
+            if (!ok) {
+                n = 1;
+                ranges = 0;
+                total = 0;
+            }
+            r->tail = tail;
+        }
+        frame_put32(head, slot);
+        frame_put32(head + 4, ranges);
+        iov[0] = (struct iovec){head, PUSH_HEAD + ranges * READV_RANGE};
+        if (send_pieces(f->link, (uint16_t)(0x8000 | (f->next_id++ & 0x7FFF)), CMD_DMA_PUSH, FRAME_NO_REPLY, 0,
+                        iov, n, err, errlen))
+            return -1;
+        f->pushes++;
+        f->push_bytes += total;
+        f->pushes_empty += ranges == 0;
+        f->posted_since_sync++;
+        f->posted_bytes_since_sync += PUSH_HEAD + ranges * READV_RANGE + total;
+        return 0;
+    }
+    return 0;
 }
 
 /* Handle one message from the box in C if it is one of the hot ones. */
@@ -533,6 +633,12 @@ static PyObject *Forwarder_serve(Forwarder *f, PyObject *unused)
                 break;
             }
             if (hdr.command == CMD_REGION_WRITE && (hdr.flags & FRAME_NO_REPLY)) {
+                if (f->n_rings && count == 4 && push_ring(f, pl, err, sizeof err)) {
+                    out = Py_BuildValue("(ss)", "link-closed", err);
+                    rx_consume(&f->qemu->rx, hdr.size);
+                    f->qemu->messages_in++;
+                    break;
+                }
                 if (send_frame(f->link, (uint16_t)(0x8000 | (f->next_id++ & 0x7FFF)), CMD_REGION_WRITE,
                                FRAME_NO_REPLY, 0, pl, len, NULL, 0, err, sizeof err)) {
                     out = Py_BuildValue("(ss)", "link-closed", err); /* QEMU's write is dropped, as by Python */
@@ -687,9 +793,30 @@ static PyObject *Forwarder_set_irqs(Forwarder *f, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* set_ring(slot, region, offset, base, entry_size, entries, tail): watch a ring (entries 0: stop);
+ * tail -1: not known (the first doorbell's push is empty). Checked by RingWatch.unpack first. */
+static PyObject *Forwarder_set_ring(Forwarder *f, PyObject *args)
+{
+    unsigned int slot, region, entry_size, entries;
+    unsigned long long offset, base;
+    long long tail;
+    if (!PyArg_ParseTuple(args, "IIKKIIL", &slot, &region, &offset, &base, &entry_size, &entries, &tail))
+        return NULL;
+    if (slot >= MAX_RING_SLOTS ||
+        (entries && (entry_size == 0 || entry_size > MAX_ENTRY_SIZE || entries > MAX_RING_ENTRIES ||
+                     tail >= (long long)entries || base + (uint64_t)entries * entry_size < base)))
+        return PyErr_Format(PyExc_ValueError, "ring %u: %u entries of %u bytes, tail %lld", slot, entries, entry_size,
+                            tail);
+    f->n_rings += (entries != 0) - (f->rings[slot].entries != 0);
+    f->rings[slot] = (ring_t){.region = region, .offset = offset, .base = base, .entry_size = entry_size,
+                              .entries = entries, .tail = tail < 0 ? 0 : (uint32_t)tail, .synced = tail >= 0};
+    Py_RETURN_NONE;
+}
+
 static PyObject *Forwarder_counters(Forwarder *f, PyObject *unused)
 {
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsK}", "reads", f->reads, "writes_posted", f->writes_posted,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "pushes", f->pushes, "push_bytes", f->push_bytes,
+                         "pushes_empty", f->pushes_empty, "reads", f->reads, "writes_posted", f->writes_posted,
                          "writes_nonposted", f->writes_nonposted, "dma_bytes_read", f->dma_read_bytes,
                          "dma_bytes_written", f->dma_write_bytes, "dma_refused", f->dma_refused, "irqs", f->irqs,
                          "bad_completions", f->bad_completions, "to_python", f->to_python, "read_wait_ns",
@@ -737,6 +864,8 @@ static PyMethodDef Forwarder_methods[] = {
      "set_windows([(iova, size, flags, fd, file_offset)]): QEMU's DMA windows, sorted; fds borrowed."},
     {"set_irqs", (PyCFunction)Forwarder_set_irqs, METH_VARARGS,
      "set_irqs(msi: {vector: eventfd}, msix: {vector: eventfd}): borrowed eventfds."},
+    {"set_ring", (PyCFunction)Forwarder_set_ring, METH_VARARGS,
+     "set_ring(slot, region, offset, base, entry_size, entries, tail): push a ring's entries with its doorbell."},
     {"counters", (PyCFunction)Forwarder_counters, METH_NOARGS, "What was forwarded in C."},
     {NULL},
 };

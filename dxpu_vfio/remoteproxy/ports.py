@@ -14,15 +14,16 @@ link goes on (its framing is intact).
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Callable, ContextManager
 
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
 from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, MAX_READV_RANGES, MAX_WRITEV_BYTES, LinkCommand,
-                                    pack_irq, pack_readv, pack_writev)
+                                    RingWatch, pack_irq, pack_readv, pack_writev, unpack_push)
 from dxpu_vfio.remoteproxy.faults import FaultTable
 from dxpu_vfio.vfio_user import protocol as vp
 from qemu_device.backing import write_all
-from qemu_device.ports import DmaError, Sink, file_to_guest, guest_to_file
+from qemu_device.ports import DmaError, Ring, Sink, file_to_guest, guest_to_file
 
 DMA_TIMEOUT = 2.0
 CHUNK = vp.MAX_DATA_XFER
@@ -40,6 +41,65 @@ def check_range(addr: int, length: int) -> None:
         raise DmaError(f"DMA of {length} bytes at {addr:#x} runs past the 64-bit address space")
 
 
+class RingMirror:
+    """What the host pushed of one watched ring (DMA_PUSH): each entry's bytes as they were
+    when the doorbell that announced it was rung, valid until the device reads it.
+
+    Why it is never stale: the driver rewrites an entry only after the device has read it,
+    every read of ring entries (served here or by the network) makes them invalid, and an
+    entry becomes valid again only with the push of the doorbell that announces it anew;
+    a push the host could not make comes empty and makes every entry invalid."""
+
+    def __init__(self, watch: RingWatch) -> None:
+        self.watch = watch
+        self.start, self.end = watch.base, watch.base + watch.entries * watch.entry_size
+        self.data = bytearray(self.end - self.start)
+        self.valid = bytearray(watch.entries)  # 1: pushed, not read since
+
+    def overlaps(self, addr: int, length: int) -> bool:
+        return addr < self.end and addr + length > self.start
+
+    def _entries(self, addr: int, length: int) -> range | None:
+        """The entries [addr, addr+length) covers exactly, or None if it is not whole entries of the ring."""
+        size = self.watch.entry_size
+        if addr < self.start or addr + length > self.end or (addr - self.start) % size or length % size:
+            return None
+        first = (addr - self.start) // size
+        return range(first, first + length // size)
+
+    def push(self, ranges: list[tuple[int, int]], data: memoryview) -> bool:
+        """Take a push; False (and every entry invalid) if it is not whole entries of this ring."""
+        at, spans = 0, []
+        for addr, length in ranges:
+            entries = self._entries(addr, length)
+            if entries is None:
+                self.forget()
+                return False
+            spans.append((addr - self.start, length, entries))
+        if not ranges:
+            self.forget()
+        for offset, length, entries in spans:
+            self.data[offset:offset + length] = data[at:at + length]
+            self.valid[entries.start:entries.stop] = b"\1" * len(entries)
+            at += length
+        return True
+
+    def take(self, addr: int, length: int) -> bytes | None:
+        """The range's bytes if every entry in it was pushed and not read since (they are
+        read now: invalid after); else None, and the entries it covers are invalid too
+        (the device reads them from guest memory)."""
+        size = self.watch.entry_size
+        first = max(0, (addr - self.start) // size)
+        last = min(self.watch.entries, -(-(addr + length - self.start) // size))
+        entries = self._entries(addr, length)
+        hit = entries is not None and all(self.valid[entries.start:entries.stop])
+        self.valid[first:last] = bytes(last - first)
+        return bytes(self.data[addr - self.start:addr - self.start + length]) if hit else None
+
+    def forget(self) -> None:
+        self.valid[:] = bytes(len(self.valid))
+
+
 Deliver = Callable[[list[tuple[int, int, int]], memoryview], None]
 """What a read does with a completion: (its request's pieces, their bytes back to back)."""
 
@@ -54,10 +114,15 @@ class LinkDmaPort:
     reads_wait_on_network = True
 
     def __init__(self, endpoint: LinkEndpoint, faults: FaultTable | None = None, device: str = "", *,
-                 readv: bool = False, writev: bool = False) -> None:
+                 readv: bool = False, writev: bool = False, ring_push: bool = False) -> None:
         self.endpoint = endpoint
         self.readv = readv  # the host offered DMA_READV in its HELLO
         self.writev = writev  # and DMA_WRITEV
+        self.ring_push = ring_push  # and RING_WATCH / DMA_PUSH (and the device takes posted writes one by one)
+        self._mirrors: dict[int, RingMirror] = {}  # watched rings by slot
+        self._mirror_lock = threading.Lock()  # pushes come on the link reader, reads on any thread
+        self.pushed_reads = 0  # reads served from pushed ring entries: no round trip
+        self.pushes = 0
         self.requests = 0  # DMA read requests sent (one per piece, or per scatter list with readv)
         self.early_reads = 0  # reads begun by read_many_begin (on the thread that took a doorbell)
         self.bytes_read = 0
@@ -74,6 +139,48 @@ class LinkDmaPort:
     def read(self, addr: int, length: int) -> bytes:
         return self.read_many([(addr, length)])[0]
 
+    def watch_ring(self, slot: int, ring: Ring | None) -> None:
+        """Ask the host to push the entries of a ring with the doorbell that announces them
+        (RING_WATCH), or with None to stop; nothing where the host did not offer it."""
+        if not self.ring_push:
+            return
+        watch = RingWatch(slot) if ring is None else RingWatch(slot, ring.region, ring.doorbell, ring.base,
+                                                                ring.entry_size, ring.entries, ring.tail)
+        watch = RingWatch.unpack(watch.pack())  # the host's checks: a bad ring is the device's bug, said here
+        with self._mirror_lock:
+            if watch.entries:
+                self._mirrors[slot] = RingMirror(watch)
+            else:
+                self._mirrors.pop(slot, None)
+        self.endpoint.post(LinkCommand.RING_WATCH, watch.pack())
+
+    def pushed(self, payload: memoryview) -> None:
+        """A DMA_PUSH from the host (on the link reader, just before the doorbell it goes with)."""
+        slot, ranges, data = unpack_push(payload)
+        with self._mirror_lock:
+            mirror = self._mirrors.get(slot)
+            if mirror is not None and mirror.push(ranges, data):
+                self.pushes += 1
+
+    def _from_pushes(self, ranges: list[tuple[int, int]]) -> list[bytes] | None:
+        """The ranges' bytes if each lies in a watched ring's pushed entries (then nothing
+        goes on the network); else None, every ring entry the ranges cover forgotten."""
+        if not self._mirrors:
+            return None
+        with self._mirror_lock:
+            out: list[bytes | None] = []
+            for addr, length in ranges:
+                got = None
+                for mirror in self._mirrors.values():
+                    if mirror.overlaps(addr, length):
+                        got = mirror.take(addr, length)
+                        break
+                out.append(got)
+        if any(got is None for got in out):
+            return None
+        self.pushed_reads += 1
+        return out  # type: ignore[return-value]
+
     def read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
         """Pipelined: up to READ_WINDOW_BYTES (and READ_WINDOW_PIECES) in flight across all
         ranges, each piece at most READ_PIECE, requests sent a windowful per call, so a
@@ -83,6 +190,9 @@ class LinkDmaPort:
         copied again: on an accelerator's 16 MiB copy batches that copy and its fresh
         pages' faults were a tenth of the box's CPU per byte)."""
         self._check_read(ranges)
+        pushed = self._from_pushes(ranges)
+        if pushed is not None:
+            return pushed
         return self._finish_read(ranges, self._requests(ranges), collections.deque())
 
     def read_many_begin(self, ranges: list[tuple[int, int]]) -> Callable[[], list[bytes]]:
@@ -91,6 +201,9 @@ class LinkDmaPort:
         (:meth:`read_many`'s rules). A larger read, or one refused, starts when finished."""
         try:
             self._check_read(ranges)
+            pushed = self._from_pushes(ranges)
+            if pushed is not None:
+                return lambda: pushed
             requests = self._requests(ranges)
             if len(requests) > READ_WINDOW_PIECES or sum(map(_size, requests)) > READ_WINDOW_BYTES:
                 return lambda: self.read_many(ranges)
@@ -133,6 +246,13 @@ class LinkDmaPort:
         the stream's message (a DMA_READV's pieces are consecutive in the read, so one
         call each): no buffer of the whole read, no scatter copy into one."""
         self._check_read(ranges)
+        pushed = self._from_pushes(ranges)
+        if pushed is not None:
+            at = 0
+            for data in pushed:
+                sink(at, memoryview(data))
+                at += len(data)
+            return
         starts, at = [], 0
         for _, length in ranges:
             starts.append(at)

@@ -28,8 +28,8 @@ import time
 
 from dxpu_vfio.deadline import Deadline
 from dxpu_vfio.link.endpoint import LinkEndpoint
-from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, FEATURE_DMA_WRITEV, DeviceDescription, Hello, LinkCommand,
-                                    challenge, new_nonce, proof_matches)
+from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, FEATURE_DMA_WRITEV, FEATURE_RING_PUSH, DeviceDescription,
+                                    Hello, LinkCommand, challenge, new_nonce, proof_matches)
 from dxpu_vfio.link.transport import TlsFiles, server_context
 from dxpu_vfio.native import stream as native
 from dxpu_vfio.remoteproxy.admission import MAX_ADMITTING, Admission, check_hello
@@ -115,6 +115,9 @@ class Slot:
                 "link": self.endpoint.stats() if self.endpoint else None,
                 "dma_bytes_read": self.dma.bytes_read if self.dma else 0,
                 "dma_bytes_written": self.dma.bytes_written if self.dma else 0,
+                "dma_read_requests": self.dma.requests if self.dma else 0,
+                "ring_pushes": self.dma.pushes if self.dma else 0,  # DMA_PUSHes taken, and the reads
+                "pushed_reads": self.dma.pushed_reads if self.dma else 0,  # they served with no round trip
                 "irqs_sent": self.irq.sent if self.irq else 0,
                 "device": self.device.stats()}
 
@@ -299,14 +302,17 @@ class RemoteProxy:
         if getattr(conn, "native", False) and self.config.spin_us:
             conn.stream.spin_us = self.config.spin_us
         slot.links_served += 1
+        description = describe(slot.spec.model, slot.device)
+        # ring entries pushed with their doorbells: only where the host offered it, which it
+        # does when its C forwarder sees every posted write (not coalesced, no shadowed BAR)
+        ring_push = FEATURE_RING_PUSH in hello.features and not description.coalesce and not description.mappable
         slot.dma = LinkDmaPort(slot.endpoint, self.faults, slot.spec.id, readv=FEATURE_DMA_READV in hello.features,
-                               writev=FEATURE_DMA_WRITEV in hello.features)
+                               writev=FEATURE_DMA_WRITEV in hello.features, ring_push=ring_push)
         slot.irq = LinkIrqPort(slot.endpoint)
         with slot.device.lock:
             slot.device.vmm_masks_msix = True  # the host's QEMU keeps the MSI-X table
             slot.device.attach(slot.dma, slot.irq)
-        conn.send(vp.message(msg.header.msg_id, msg.header.command,
-                             describe(slot.spec.model, slot.device).pack(), reply=True))
+        conn.send(vp.message(msg.header.msg_id, msg.header.command, description.pack(), reply=True))
         slot.endpoint.start()
 
     def _revoked(self, device: str, lease: str) -> None:
@@ -387,8 +393,13 @@ class RemoteProxy:
 
         windows = {LinkCommand.DMA_MAP: dma_map, LinkCommand.DMA_UNMAP: dma_unmap} \
             if device.wants_dma_windows else {}
+        def dma_push(msg):  # ring entries, just before the doorbell that announces them
+            if slot.dma is not None:
+                slot.dma.pushed(msg.payload)
+
         return {**windows, LinkCommand.REGION_READ: region_read, LinkCommand.REGION_WRITE: region_write,
-                LinkCommand.WRITE_BATCH: write_batch, LinkCommand.DEVICE_RESET: reset, LinkCommand.SYNC: sync}
+                LinkCommand.WRITE_BATCH: write_batch, LinkCommand.DEVICE_RESET: reset, LinkCommand.SYNC: sync,
+                LinkCommand.DMA_PUSH: dma_push}
 
     def _region_access(self, slot: Slot) -> tuple:
         """(read, write) for the native reader (native/serve.c): the same work as the
