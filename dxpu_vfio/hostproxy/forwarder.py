@@ -145,7 +145,7 @@ class RemoteFunction:
         if forwarder is None and self._forwarder is not None:
             self._forwarded = self._native_counters()  # keep what it did
         if forwarder is not None:  # the rings watched so far; their tails since are not known to it
-            for w in self.rings.values():
+            for w in list(self.rings.values()):  # a copy: the link's reader may add one meanwhile
                 forwarder.set_ring(w.slot, w.region, w.offset, w.base, w.entry_size, w.entries, -1)
         self._forwarder = forwarder
 
