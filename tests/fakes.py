@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -77,3 +78,29 @@ def map_guest_memory(client, address: int, size: int) -> mmap.mmap:
     finally:
         os.close(fd)
     return ram
+
+
+class PostedBlocks:
+    """Mixin for a fake DMA port: logs the device's posted-together blocks around its writes
+    ("begin", "write", "end"; "write alone" outside a block), as the box's port turns each
+    block into one network write."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[str] = []
+        self.inside = False
+
+    @contextlib.contextmanager
+    def posted_together(self):
+        assert not self.inside, "a posted-together block inside another"
+        self.inside = True
+        self.log.append("begin")
+        try:
+            yield
+        finally:
+            self.inside = False
+            self.log.append("end")
+
+    def write(self, addr: int, data: bytes) -> None:
+        self.log.append("write" if self.inside else "write alone")
+        super().write(addr, data)  # type: ignore[misc]

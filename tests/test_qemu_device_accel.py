@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import random
-import contextlib
 import struct
 import threading
 
 import numpy as np
 import pytest
-from fakes import RAM_BASE, FakeGuestRam, RecordingIrqPort
+from fakes import RAM_BASE, FakeGuestRam, PostedBlocks, RecordingIrqPort
 
 from qemu_device import accel as ac
 from qemu_device import accel_kernels as ak
@@ -823,29 +822,8 @@ def test_a_gemm_that_accumulates_loads_three_operands_apart(drv):
         np.testing.assert_allclose(drv.download(D, (48, 32)), c0 + a @ b, rtol=1e-5, atol=1e-5)
 
 
-class GatheringRam(CountingRam):
-    """Guest RAM that records the device's posted-together blocks around its writes, as the
-    box's port turns each block into one network write."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.log: list[str] = []
-        self.inside = False
-
-    @contextlib.contextmanager
-    def posted_together(self):
-        assert not self.inside, "a posted-together block inside another"
-        self.inside = True
-        self.log.append("begin")
-        try:
-            yield
-        finally:
-            self.inside = False
-            self.log.append("end")
-
-    def write(self, addr, data):
-        self.log.append("write" if self.inside else "write alone")
-        super().write(addr, data)
+class GatheringRam(PostedBlocks, CountingRam):
+    """Guest RAM that logs posted-together blocks (tests/fakes.py)."""
 
 
 def test_a_copy_back_and_its_fence_leave_together_and_a_kernel_ends_the_run():

@@ -2,7 +2,6 @@
 (FakeGuestRam: a unit-test stand-in; the real path is tested with Linux's nvme driver
 in tests/test_nvme.py)."""
 
-import contextlib
 import os
 import struct
 import subprocess
@@ -10,7 +9,7 @@ import threading
 import time
 
 import pytest
-from fakes import RAM_BASE, FakeGuestRam, RecordingIrqPort
+from fakes import RAM_BASE, FakeGuestRam, PostedBlocks, RecordingIrqPort
 
 from qemu_device import nvme
 from qemu_device.capabilities import CAP_ID_MSI
@@ -1009,28 +1008,8 @@ def test_log_page_offset_and_unknown_cs_identify(ctrl):
     assert drv.submit(0, 0x06, prp1=BUF, cdw=(6, 2 << 24, 0, 0, 0, 0))[0] == nvme.Status.INVALID_FIELD  # ZNS
 
 
-class GatheringRam(CountingRam):
-    """Guest RAM that logs the controller's posted-together blocks around its writes (on a
-    box each block is one network write)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.log: list[str] = []
-        self.inside = False
-
-    @contextlib.contextmanager
-    def posted_together(self):
-        self.inside = True
-        self.log.append("begin")
-        try:
-            yield
-        finally:
-            self.inside = False
-            self.log.append("end")
-
-    def write(self, addr, data):
-        self.log.append("write" if self.inside else "write alone")
-        super().write(addr, data)
+class GatheringRam(PostedBlocks, CountingRam):
+    """Guest RAM that logs posted-together blocks (tests/fakes.py)."""
 
 
 def test_a_reads_data_and_its_completion_leave_together(tmp_path):

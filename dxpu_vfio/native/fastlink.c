@@ -913,16 +913,20 @@ static int write_parts(Stream *s, const unsigned char *head, size_t head_len, pa
     return write_parts_held(s, head, head_len, p, deadline, err, errlen, 0);
 }
 
+/* A write's failure as the Python exception (TimeoutError, ClosedError): -1, else 0. */
+static int write_failed(int r, const char *err)
+{
+    if (r == IO_TIMEOUT)
+        PyErr_SetString(PyExc_TimeoutError, "link send timed out: the peer does not read");
+    else if (r)
+        PyErr_SetString(ClosedError, err);
+    return r ? -1 : 0;
+}
+
 static PyObject *finish_send(Stream *self, int r, const char *err, size_t total)
 {
-    if (r == IO_TIMEOUT) {
-        PyErr_SetString(PyExc_TimeoutError, "link send timed out: the peer does not read");
+    if (write_failed(r, err))
         return NULL;
-    }
-    if (r) {
-        PyErr_SetString(ClosedError, err);
-        return NULL;
-    }
     self->bytes_out += total;
     self->messages_out++;
     Py_RETURN_NONE;
@@ -1080,14 +1084,8 @@ static PyObject *Stream_uncork(Stream *self, PyObject *unused)
         Py_END_ALLOW_THREADS
     }
     pthread_mutex_unlock(&self->send_order);
-    if (r == IO_TIMEOUT) {
-        PyErr_SetString(PyExc_TimeoutError, "link send timed out: the peer does not read");
+    if (write_failed(r, err))
         return NULL;
-    }
-    if (r) {
-        PyErr_SetString(ClosedError, err);
-        return NULL;
-    }
     Py_RETURN_NONE;
 }
 
