@@ -21,6 +21,7 @@ from dxpu_vfio.lab.accel_workloads import MlpTrainStep, TransformerBlock
 from dxpu_vfio.hostproxy.forwarder import connect_remote
 from dxpu_vfio.link.transport import TlsFiles, make_certs
 from dxpu_vfio.paths import VM_IMAGES_DIR
+from dxpu_vfio.procs import wait_until
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import VfioUserClient
@@ -269,6 +270,31 @@ def test_a_boxs_ring_fetches_come_with_their_doorbells(remote, box):
     assert native["pushes"] >= 40 and native["pushes_empty"] == 0, native
     assert box_after["pushed_reads"] - box_before["pushed_reads"] >= 40, box_after
     assert box_after["dma_read_requests"] == box_before["dma_read_requests"], "a ring fetch went to the network"
+
+
+def test_a_second_qemu_session_gets_its_own_entries_not_the_first_ones(tmp_path, box, certs):
+    """QEMU's session ending resets the device, which withdraws its ring from the host; the
+    next session's guest memory is another memfd whose ring holds other entries at the same
+    addresses, and its copies come back exact: nothing pushed for the first is served."""
+    function = connect_remote(box.address, "acc0", "lease-acc0", TlsFiles.in_dir(certs, "host"))
+    server = VfioUserServer(function, tmp_path / "host.sock", name="fwd").start()
+    try:
+        for session in range(2):
+            client = VfioUserClient(server.socket_path)
+            dev, ram = open_runtime(client)
+            ptr = dev.malloc(4096)
+            for i in range(5 + 3 * session):        # the sessions' tails differ
+                dev.memcpy_htod(ptr, np.full(1024, 10 * session + i, np.float32))
+                assert (np.frombuffer(dev.memcpy_dtoh(ptr, 4096), np.float32) == 10 * session + i).all()
+            assert set(function.rings) == {0}, "the enabled ring is not watched"
+            handle = [dev]
+            del dev
+            client.close()
+            close_ram(handle, ram)
+            assert server.wait_idle(5), "the first session did not end"
+            assert wait_until(lambda: not function.rings, 5), "the reset ring is still watched"
+    finally:
+        server.stop()
 
 
 def test_the_runtimes_own_mlp_checks_itself(local):
