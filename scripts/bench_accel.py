@@ -45,8 +45,8 @@ def breakdown(run: dict, rtt_s: float) -> dict:
     entry, the last entry to the fence seen, plus one round trip per copy batch), moving
     bytes (the copies' DMA time beyond their round trips), computing (the kernels), the
     device's own dispatch (operand loads from VRAM, checks); and the serialized round
-    trips counted: the ring fetch and the doorbell/fence legs of each launch, one per copy
-    batch read (the host's status reads overlap with the device's work: apart)."""
+    trips counted: the ring fetch (unless its entries came pushed with the doorbell) and the
+    doorbell/fence legs of each launch, one per copy batch read (the host's status reads overlap with the device's work: apart)."""
     per = run["per_pass"]
     mean = run["mean_s"]
     span = run["span_mean_s"]
@@ -56,7 +56,7 @@ def breakdown(run: dict, rtt_s: float) -> dict:
     waits = max(0.0, mean - span) + min(copies, copy_trips)
     return {"round_trips_s": waits, "bytes_s": max(0.0, copies - copy_trips), "compute_s": compute,
             "device_other_s": max(0.0, span - compute - copies),
-            "round_trips_counted": per["fetches"] + per["copy_reads"] + per["doorbells"],
+            "round_trips_counted": per["fetches"] - per.get("pushed_reads", 0) + per["copy_reads"] + per["doorbells"],
             "status_reads": per["host_reads"],
             "launches": per["doorbells"],
             "copy_batches": per["copy_reads"] + per["copy_writes"] + per["inline_copies"],

@@ -23,11 +23,11 @@ def test_short_accel_sweep_counts_fits_and_predicts(tmp_path):
     zero, far = w["runs"]
     assert far["rtt_s"] > zero["rtt_s"] + 600e-6            # 2 x 400 µs were added
     assert far["runtime_s"] > 0.8 * far["round_trips"] * far["rtt_s"]   # it waited on the round trips counted
-    # one launch a pass: its ring fetch + the doorbell/fence legs; one copy in (32 KiB: in
-    # the ring, COPY_INLINE, no round trip of its own), one copy out (posted); the host's
-    # status reads (one per 20 ms) apart
+    # one launch a pass: the doorbell/fence legs, its ring entries pushed with the doorbell
+    # (no fetch round trip); one copy in (32 KiB: in the ring, COPY_INLINE, no round trip of
+    # its own), one copy out (posted); the host's status reads (one per 20 ms) apart
     assert zero["launches"] == 1 and zero["copy_batches"] == 2 and zero["round_trips_per_copy"] == 0
-    assert zero["round_trips_per_launch"] == 2 and zero["round_trips"] == 2
+    assert zero["round_trips_per_launch"] == 1 and zero["round_trips"] == 1
     assert 0 <= zero["status_reads"] <= zero["runtime_raw_s"] / 0.02 + 1
     assert zero["bytes_moved"] == 2 * 8 * 1024 * 4 and zero["compute_s"] > 0 and zero["max_abs_error"] < 1e-3
     for point in (zero, far):                              # the local run beside it scales it

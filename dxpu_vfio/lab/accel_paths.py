@@ -90,7 +90,7 @@ class Served:
         """Cumulative counters (see the module docstring); zeros for the link when local."""
         stats = self.proxy.stats()["device"]
         out: dict = {"host_reads": 0, "host_read_wait_us": 0.0, "box_dma_read_msgs": 0, "box_dma_wait_us": 0.0,
-                     "box_dma_write_msgs": 0}
+                     "box_dma_write_msgs": 0, "pushed_reads": 0}
         link = stats.get("link")
         if link is None:        # served here: the device's own counters
             device = stats
@@ -102,6 +102,7 @@ class Served:
             out["box_dma_read_msgs"], out["box_dma_wait_us"] = dma_read_requests(box["link"]["requests"])
             posted = box["link"]["posted"]
             out["box_dma_write_msgs"] = posted.get("DMA_WRITE", 0) + posted.get("DMA_WRITEV", 0)
+            out["pushed_reads"] = box["pushed_reads"]   # ring fetches that came with their doorbell
             device = box["device"]
         out.update({k: device.get(k, 0) for k in DEVICE_KEYS})
         return out

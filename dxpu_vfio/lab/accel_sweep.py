@@ -4,8 +4,8 @@ the AI workloads of :mod:`dxpu_vfio.lab.accel_workloads`, driven from the host s
 
 Per point it records what the performance model's accelerator terms need (the
 docs/perfmodel.md section on AI workloads): the pass's run time; the serialized round
-trips, counted per launch (the ring fetch, and one for the doorbell and the fence, which
-go one way each) and per copy (one per DMA batch read from host memory; copies to the
+trips, counted per launch (the ring fetch unless its entries came pushed with the
+doorbell, and one for the doorbell and the fence, which go one way each) and per copy (one per DMA batch read from host memory; copies to the
 host are posted); the host's status reads apart (one per 20 ms of waiting: they overlap
 with the device's work, so they are not on the critical path: a sweep at 8 ms of added
 delay showed passes shorter than they would be if they were); the bytes the copies moved; the device's compute
@@ -35,7 +35,8 @@ def names() -> list[str]:
 def _point(run: dict) -> dict:
     per = run["per_pass"]
     launches = per["doorbells"]
-    launch_trips = per["fetches"] + launches
+    # a fetch served from the entries pushed with the doorbell costs no round trip
+    launch_trips = per["fetches"] - per.get("pushed_reads", 0) + launches
     batches = per["copy_reads"] + per["copy_writes"] + per["inline_copies"]   # an inline copy: no round trip
     return {"runtime_s": run["median_s"], "round_trips": round(launch_trips + per["copy_reads"]),
             "launches": launches, "copy_batches": batches, "status_reads": per["host_reads"],
