@@ -335,3 +335,29 @@ def test_uncork_on_a_closed_peer_says_so(certs):
     with pytest.raises(ConnectionClosed):
         client.uncork()
     client.close()
+
+
+def test_two_threads_corking_at_once_lose_nothing_and_keep_their_order(certs):
+    """NVMe's I/O threads each gather their command's writes: however their corks interleave,
+    every message arrives, each thread's in its order (holding is only ever deferred sending)."""
+    client, server = native_pair(certs)
+    per_thread, start = 200, threading.Barrier(2)
+
+    def work(base: int) -> None:
+        start.wait(5)
+        for i in range(per_thread):
+            client.cork()
+            client.send_message(base + 2 * i, 12, vp.FLAG_NO_REPLY, b"d" * 700)
+            client.send_message(base + 2 * i + 1, 0x101, vp.FLAG_NO_REPLY, b"irq")
+            client.uncork()
+
+    threads = [threading.Thread(target=work, args=(base,)) for base in (0, 1000)]
+    for t in threads:
+        t.start()
+    got = [server.receive(timeout=10).header.msg_id for _ in range(4 * per_thread)]
+    for t in threads:
+        t.join(10)
+    assert [i for i in got if i < 1000] == list(range(2 * per_thread))
+    assert [i for i in got if i >= 1000] == list(range(1000, 1000 + 2 * per_thread))
+    client.close()
+    server.close()
