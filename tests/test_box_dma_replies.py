@@ -8,6 +8,7 @@ import os
 import select
 import socket
 import threading
+import time
 
 import pytest
 
@@ -415,3 +416,18 @@ def test_a_bad_ring_is_refused_before_it_reaches_the_host(link):
     port = LinkDmaPort(endpoint, readv=True, ring_push=True)
     with pytest.raises(vp.ProtocolError):
         port.watch_ring(2, Ring(0, 0x3C, RING, ES, ENTRIES, ENTRIES))     # a tail past the ring
+
+
+def test_an_armed_stall_holds_a_read_that_came_pushed_too(link):
+    """`stall dma-read` delays the device's next DMA read wherever its bytes came from: a
+    ring fetch served from a push waits as one from the network would."""
+    from dxpu_vfio.remoteproxy.faults import FaultTable
+    _port, host, endpoint = link
+    faults = FaultTable(["acc0"])
+    port = LinkDmaPort(endpoint, faults, "acc0", readv=True, ring_push=True)
+    port.watch_ring(3, Ring(0, 0x3C, RING, ES, ENTRIES, 0))
+    push(port, 0, 2, 0x66)
+    faults.arm("acc0", "stall", "dma-read", ms=150, count=1)
+    started = time.monotonic()
+    assert port.read_many([(RING, 2 * ES)]) == [b"\x66" * 2 * ES]
+    assert time.monotonic() - started >= 0.14 and port.pushed_reads == 1

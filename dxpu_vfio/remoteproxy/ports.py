@@ -179,7 +179,14 @@ class LinkDmaPort:
         if any(got is None for got in out):
             return None
         self.pushed_reads += 1
+        self._take_stall()  # a read is a read: an armed stall holds it even when it came pushed
         return out  # type: ignore[return-value]
+
+    def _take_stall(self) -> None:
+        if self.faults is not None and self.faults.armed:
+            stall = self.faults.take(self.device, "stall", "dma-read")
+            if stall is not None:  # the completion came; the device gets it late
+                self.faults.hold(stall)
 
     def read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
         """Pipelined: up to READ_WINDOW_BYTES (and READ_WINDOW_PIECES) in flight across all
@@ -289,10 +296,7 @@ class LinkDmaPort:
         except LinkDown as exc:
             raise DmaError(f"link down during DMA read: {exc}") from exc
         self.bytes_read += sum(n for _, n in ranges)
-        if self.faults is not None and self.faults.armed:
-            stall = self.faults.take(self.device, "stall", "dma-read")
-            if stall is not None:  # the completion came; the device gets it late
-                self.faults.hold(stall)
+        self._take_stall()
 
     def _pipeline(self, deliver: Deliver, requests: list, in_flight: collections.deque) -> None:
         """Keep a window of ``requests`` in flight (some may be already: ``in_flight``)
