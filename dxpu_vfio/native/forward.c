@@ -481,6 +481,9 @@ static PyObject *forward_nonposted(Forwarder *f, const frame_header *qhdr, const
     size_t qlen = qhdr ? qhdr->size - FRAME_HEADER_SIZE : 0;
     uint32_t count = qhdr ? frame_le32(qpl + 12) : 0;
     int is_read = qhdr && qhdr->command == CMD_REGION_READ;
+    /* a doorbell written non-posted announces its entries all the same */
+    if (qhdr && !is_read && f->n_rings && count == 4 && push_ring(f, qpl, err, sizeof err))
+        return Py_BuildValue("(ss)", "link-closed", err);
     uint16_t id = (uint16_t)(0x8000 | (f->next_id++ & 0x7FFF)); /* Python's own requests count from 1 */
     if (send_frame(f->link, id, qhdr ? qhdr->command : CMD_SYNC, 0, 0, qpl, is_read ? 16 : qlen, NULL, 0, err,
                    sizeof err))

@@ -118,11 +118,11 @@ class LinkDmaPort:
         self.endpoint = endpoint
         self.readv = readv  # the host offered DMA_READV in its HELLO
         self.writev = writev  # and DMA_WRITEV
-        self.ring_push = ring_push  # and RING_WATCH / DMA_PUSH (and the device takes posted writes one by one)
+        self.ring_push = ring_push  # and pushes ring entries with their doorbells (RING_WATCH / DMA_PUSH)
         self._mirrors: dict[int, RingMirror] = {}  # watched rings by slot
         self._mirror_lock = threading.Lock()  # pushes come on the link reader, reads on any thread
         self.pushed_reads = 0  # reads served from pushed ring entries: no round trip
-        self.pushes = 0
+        self.pushes = 0  # DMA_PUSHes taken into a watched ring (an empty one too)
         self.requests = 0  # DMA read requests sent (one per piece, or per scatter list with readv)
         self.early_reads = 0  # reads begun by read_many_begin (on the thread that took a doorbell)
         self.bytes_read = 0
