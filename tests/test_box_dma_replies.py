@@ -431,3 +431,20 @@ def test_an_armed_stall_holds_a_read_that_came_pushed_too(link):
     started = time.monotonic()
     assert port.read_many([(RING, 2 * ES)]) == [b"\x66" * 2 * ES]
     assert time.monotonic() - started >= 0.14 and port.pushed_reads == 1
+
+
+def test_a_stall_on_a_pushed_fetch_begun_by_the_reader_holds_the_finish_not_the_reader(link):
+    """A doorbell's fetch begins on the link reader: a stall must not hold that thread (the
+    device's registers would stop answering and the host would take the link down); the
+    worker that finishes the fetch waits instead."""
+    from dxpu_vfio.remoteproxy.faults import FaultTable
+    _port, host, endpoint = link
+    faults = FaultTable(["acc0"])
+    port = LinkDmaPort(endpoint, faults, "acc0", readv=True, ring_push=True)
+    port.watch_ring(3, Ring(0, 0x3C, RING, ES, ENTRIES, 0))
+    push(port, 0, 2, 0x77)
+    faults.arm("acc0", "stall", "dma-read", ms=150, count=1)
+    started = time.monotonic()
+    finish = port.read_many_begin([(RING, 2 * ES)])
+    assert time.monotonic() - started < 0.1, "the reader was held"
+    assert finish() == [b"\x77" * 2 * ES] and time.monotonic() - started >= 0.14

@@ -179,8 +179,14 @@ class LinkDmaPort:
         if any(got is None for got in out):
             return None
         self.pushed_reads += 1
-        self._take_stall()  # a read is a read: an armed stall holds it even when it came pushed
         return out  # type: ignore[return-value]
+
+    def _pushed_read(self, pushed: list[bytes]) -> list[bytes]:
+        """A read served from pushes, as the device gets it: an armed stall holds it as it
+        would a completion from the network (a read is a read wherever its bytes came from).
+        Called by the thread that finishes the read, never by the link reader that began it."""
+        self._take_stall()
+        return pushed
 
     def _take_stall(self) -> None:
         if self.faults is not None and self.faults.armed:
@@ -199,7 +205,7 @@ class LinkDmaPort:
         self._check_read(ranges)
         pushed = self._from_pushes(ranges)
         if pushed is not None:
-            return pushed
+            return self._pushed_read(pushed)
         return self._finish_read(ranges, self._requests(ranges), collections.deque())
 
     def read_many_begin(self, ranges: list[tuple[int, int]]) -> Callable[[], list[bytes]]:
@@ -209,8 +215,8 @@ class LinkDmaPort:
         try:
             self._check_read(ranges)
             pushed = self._from_pushes(ranges)
-            if pushed is not None:
-                return lambda: pushed
+            if pushed is not None:   # the finish, on the device's worker, takes an armed stall
+                return lambda: self._pushed_read(pushed)
             requests = self._requests(ranges)
             if len(requests) > READ_WINDOW_PIECES or sum(map(_size, requests)) > READ_WINDOW_BYTES:
                 return lambda: self.read_many(ranges)
@@ -256,7 +262,7 @@ class LinkDmaPort:
         pushed = self._from_pushes(ranges)
         if pushed is not None:
             at = 0
-            for data in pushed:
+            for data in self._pushed_read(pushed):
                 sink(at, memoryview(data))
                 at += len(data)
             return
