@@ -230,23 +230,19 @@ class LinkEndpoint:
         and the interrupt after them are one write, and one wake-up of the host's reader.
         Nested blocks count as the outer one. Nothing changes on a plain Python stream."""
         depth = getattr(self._together, "depth", 0)
-        if not self.native or depth:
-            self._together.depth = depth + 1
-            try:
-                yield
-            finally:
-                self._together.depth = depth
-            return
-        self._together.depth = 1
-        self.conn.cork()
+        corks = self.native and depth == 0
+        self._together.depth = depth + 1
+        if corks:
+            self.conn.cork()
         try:
             yield
         finally:
-            self._together.depth = 0
-            try:
-                self.conn.uncork()
-            except ConnectionClosed as exc:
-                self.mark_down(f"send failed: {exc}")
+            self._together.depth = depth
+            if corks:
+                try:
+                    self.conn.uncork()
+                except ConnectionClosed as exc:
+                    self.mark_down(f"send failed: {exc}")
 
     def request(self, command: int, payload: bytes, timeout: float) -> memoryview:
         """Send and wait for the completion; LinkDown on timeout (the link goes down)."""
