@@ -64,7 +64,7 @@ NONCE_BYTES = 32
 # (never probed), so either side may be older than the other.
 FEATURE_DMA_READV = "dma-readv"
 FEATURE_DMA_WRITEV = "dma-writev"
-FEATURE_RING_PUSH = "ring-push"  # offered only by the host's C forwarder, which serves RING_WATCH
+FEATURE_RING_PUSH = "ring-push"  # offered only where the host's C forwarder sees every posted write
 HOST_FEATURES = (FEATURE_DMA_READV, FEATURE_DMA_WRITEV)
 
 
@@ -268,20 +268,23 @@ class RingWatch:
         return RING_WATCH_MSG.pack(self.slot, self.region, self.offset, self.base, self.entry_size, self.entries,
                                    self.tail, 0)
 
+    def check(self) -> "RingWatch":
+        """Itself, if the host can watch it (the rules the C forwarder's set_ring enforces
+        again); else ProtocolError naming what is wrong."""
+        if self.slot >= MAX_RING_SLOTS:
+            raise ProtocolError(f"RING_WATCH slot {self.slot} (at most {MAX_RING_SLOTS - 1})")
+        if self.entries and not (0 < self.entry_size <= MAX_ENTRY_SIZE and self.entries <= MAX_RING_ENTRIES
+                                 and self.tail < self.entries
+                                 and self.base + self.entries * self.entry_size <= 1 << 64):
+            raise ProtocolError(f"RING_WATCH of {self.entries} entries of {self.entry_size} bytes at "
+                                f"{self.base:#x}, tail {self.tail}")
+        return self
+
     @classmethod
     def unpack(cls, payload: bytes | memoryview) -> "RingWatch":
-        """Checked as the host's forwarder checks it (forward.c, ring_watch)."""
         if len(payload) != RING_WATCH_MSG.size:
             raise ProtocolError(f"RING_WATCH of {len(payload)} bytes (want {RING_WATCH_MSG.size})")
-        watch = cls(*RING_WATCH_MSG.unpack(payload)[:7])
-        if watch.slot >= MAX_RING_SLOTS:
-            raise ProtocolError(f"RING_WATCH slot {watch.slot} (at most {MAX_RING_SLOTS - 1})")
-        if watch.entries and not (0 < watch.entry_size <= MAX_ENTRY_SIZE and watch.entries <= MAX_RING_ENTRIES
-                                  and watch.tail < watch.entries
-                                  and watch.base + watch.entries * watch.entry_size <= 1 << 64):
-            raise ProtocolError(f"RING_WATCH of {watch.entries} entries of {watch.entry_size} bytes at "
-                                f"{watch.base:#x}, tail {watch.tail}")
-        return watch
+        return cls(*RING_WATCH_MSG.unpack(payload)[:7]).check()
 
 
 def pack_push(slot: int, ranges: list[tuple[int, int]]) -> bytes:
