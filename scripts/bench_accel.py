@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dxpu_vfio.bench import table, write_json  # noqa: E402
 from dxpu_vfio.lab import floors, lab  # noqa: E402
 from dxpu_vfio.lab.accel_paths import BOX, served, topology  # noqa: E402
+from dxpu_vfio.lab.accel_sweep import launch_round_trips  # noqa: E402
 from dxpu_vfio.lab.accel_workloads import WORKLOADS, Passes, copy_bandwidth  # noqa: E402
 from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
 
@@ -56,7 +57,7 @@ def breakdown(run: dict, rtt_s: float) -> dict:
     waits = max(0.0, mean - span) + min(copies, copy_trips)
     return {"round_trips_s": waits, "bytes_s": max(0.0, copies - copy_trips), "compute_s": compute,
             "device_other_s": max(0.0, span - compute - copies),
-            "round_trips_counted": per["fetches"] - per.get("pushed_reads", 0) + per["copy_reads"] + per["doorbells"],
+            "round_trips_counted": launch_round_trips(per) + per["copy_reads"],
             "status_reads": per["host_reads"],
             "launches": per["doorbells"],
             "copy_batches": per["copy_reads"] + per["copy_writes"] + per["inline_copies"],

@@ -32,11 +32,16 @@ def names() -> list[str]:
     return [PREFIX + w for w in WORKLOADS]
 
 
+def launch_round_trips(per: dict) -> float:
+    """The serialized round trips of a pass's launches (per-pass counters): the doorbell
+    and fence legs of each, and each ring fetch that did not come pushed with its doorbell."""
+    return per["fetches"] - per.get("pushed_reads", 0) + per["doorbells"]
+
+
 def _point(run: dict) -> dict:
     per = run["per_pass"]
     launches = per["doorbells"]
-    # a fetch served from the entries pushed with the doorbell costs no round trip
-    launch_trips = per["fetches"] - per.get("pushed_reads", 0) + launches
+    launch_trips = launch_round_trips(per)
     batches = per["copy_reads"] + per["copy_writes"] + per["inline_copies"]   # an inline copy: no round trip
     return {"runtime_s": run["median_s"], "round_trips": round(launch_trips + per["copy_reads"]),
             "launches": launches, "copy_batches": batches, "status_reads": per["host_reads"],
