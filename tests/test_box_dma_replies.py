@@ -16,6 +16,7 @@ from dxpu_vfio.link.endpoint import LinkEndpoint
 from dxpu_vfio.link.protocol import (MAX_READV_RANGES, MAX_WRITEV_BYTES, LinkCommand, RingWatch, pack_push,
                                     unpack_readv, unpack_writev)
 from dxpu_vfio.procs import wait_until
+from dxpu_vfio.remoteproxy.faults import FaultTable
 from dxpu_vfio.remoteproxy.ports import LinkDmaPort
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
@@ -418,16 +419,22 @@ def test_a_bad_ring_is_refused_before_it_reaches_the_host(link):
         port.watch_ring(2, Ring(0, 0x3C, RING, ES, ENTRIES, ENTRIES))     # a tail past the ring
 
 
-def test_an_armed_stall_holds_a_read_that_came_pushed_too(link):
-    """`stall dma-read` delays the device's next DMA read wherever its bytes came from: a
-    ring fetch served from a push waits as one from the network would."""
-    from dxpu_vfio.remoteproxy.faults import FaultTable
-    _port, host, endpoint = link
+def stalled_ring_port(link, mark: int) -> LinkDmaPort:
+    """A ring port with entries 0-1 pushed (each byte ``mark``) and a 150 ms stall of the
+    next DMA read armed."""
+    _port, _host, endpoint = link
     faults = FaultTable(["acc0"])
     port = LinkDmaPort(endpoint, faults, "acc0", readv=True, ring_push=True)
     port.watch_ring(3, Ring(0, 0x3C, RING, ES, ENTRIES, 0))
-    push(port, 0, 2, 0x66)
+    push(port, 0, 2, mark)
     faults.arm("acc0", "stall", "dma-read", ms=150, count=1)
+    return port
+
+
+def test_an_armed_stall_holds_a_read_that_came_pushed_too(link):
+    """`stall dma-read` delays the device's next DMA read wherever its bytes came from: a
+    ring fetch served from a push waits as one from the network would."""
+    port = stalled_ring_port(link, 0x66)
     started = time.monotonic()
     assert port.read_many([(RING, 2 * ES)]) == [b"\x66" * 2 * ES]
     assert time.monotonic() - started >= 0.14 and port.pushed_reads == 1
@@ -437,13 +444,7 @@ def test_a_stall_on_a_pushed_fetch_begun_by_the_reader_holds_the_finish_not_the_
     """A doorbell's fetch begins on the link reader: a stall must not hold that thread (the
     device's registers would stop answering and the host would take the link down); the
     worker that finishes the fetch waits instead."""
-    from dxpu_vfio.remoteproxy.faults import FaultTable
-    _port, host, endpoint = link
-    faults = FaultTable(["acc0"])
-    port = LinkDmaPort(endpoint, faults, "acc0", readv=True, ring_push=True)
-    port.watch_ring(3, Ring(0, 0x3C, RING, ES, ENTRIES, 0))
-    push(port, 0, 2, 0x77)
-    faults.arm("acc0", "stall", "dma-read", ms=150, count=1)
+    port = stalled_ring_port(link, 0x77)
     started = time.monotonic()
     finish = port.read_many_begin([(RING, 2 * ES)])
     assert time.monotonic() - started < 0.1, "the reader was held"
