@@ -156,6 +156,86 @@ def test_receive_timeout_keeps_a_partial_message_for_the_next_call():
     server.close()
 
 
+class RecordClient:
+    """A TLS client whose records the test writes to the socket itself, in any pieces:
+    Python's ssl on memory BIOs, against a native server stream."""
+
+    def __init__(self, certs) -> None:
+        self.sock, server_sock = tcp_pair()
+        out: dict = {}
+        accept = threading.Thread(target=lambda: out.update(conn=accept_native(
+            server_sock, TlsFiles.in_dir(certs, "box"), 5.0)))
+        accept.start()
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls = client_context(TlsFiles.in_dir(certs, "host")).wrap_bio(self.incoming, self.outgoing)
+        self.sock.settimeout(5)
+        while True:
+            try:
+                self.tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self.sock.sendall(self.outgoing.read())
+                self.incoming.write(self.sock.recv(65536))
+        self.sock.sendall(self.outgoing.read())  # the client's Finished
+        accept.join(10)
+        self.server = out["conn"]
+
+    def records(self, *messages: bytes) -> bytes:
+        """The TLS records of ``messages`` (one write each), not yet sent."""
+        for msg in messages:
+            self.tls.write(msg)
+        return self.outgoing.read()
+
+    def close(self) -> None:
+        self.sock.close()
+        self.server.close()
+
+
+def test_part_of_a_tls_record_is_not_pending_so_a_waiting_reader_sleeps_instead_of_spinning(certs):
+    """Read ahead hides whole records from poll(2), so a reader asks the stream what it holds
+    before it sleeps. Part of a record cannot become data without the socket: reported as
+    pending, the host's forwarder spun on read(2) (61 EAGAINs in a row) on the CPU the box
+    needed to send the rest. Whole records behind a message are still pending."""
+    client = RecordClient(certs)
+    try:
+        record = client.records(vp.message(1, 9, b"r" * 8000))
+        client.sock.sendall(record[:3000])
+        with pytest.raises(ReceiveTimeout):
+            client.server.receive(timeout=0.05)
+        assert not client.server.pending(), "part of a record reported as readable without the socket"
+        started = time.monotonic()
+        assert not client.server.readable(0.1), "a wait for the rest of a record returned at once"
+        assert time.monotonic() - started >= 0.09
+        client.sock.sendall(record[3000:])
+        assert bytes(client.server.receive(timeout=5).payload) == b"r" * 8000
+
+        client.sock.sendall(client.records(vp.message(2, 9, b"a" * 100), vp.message(3, 9, b"b" * 100)))
+        assert client.server.receive(timeout=5).header.msg_id == 2
+        assert client.server.has_message() or client.server.pending(), "a whole record behind it was hidden"
+        assert client.server.receive(timeout=0).header.msg_id == 3
+    finally:
+        client.close()
+
+
+def test_writes_count_the_system_calls_that_sent_bytes(certs):
+    """``writes`` counts write(2)s, each of which wakes the peer's reader: a corked thread's
+    two posted messages and the request after them leave in one."""
+    client, server = native_pair(certs)
+    before = client.stats()["writes"]
+    client.send_message(1, 9, vp.TYPE_COMMAND, b"one")
+    assert client.stats()["writes"] == before + 1
+    client.cork()
+    client.send_message(2, 9, vp.FLAG_NO_REPLY, b"posted")
+    client.send_message(3, 9, vp.FLAG_NO_REPLY, b"posted")
+    client.send_message(4, 9, vp.TYPE_COMMAND, b"request")
+    assert client.stats()["writes"] == before + 2
+    client.uncork()
+    assert client.stats()["writes"] == before + 2, "uncork with nothing held wrote"
+    assert [server.receive(timeout=5).header.msg_id for _ in range(4)] == [1, 2, 3, 4]
+    client.close()
+    server.close()
+
+
 @pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
 def test_a_large_message_survives_a_timeout_inside_it_and_takes_nothing_behind_it(certs, tls):
     """A DMA completion's size (300 KB) arriving in two sends with a receive timeout between:

@@ -529,9 +529,9 @@ class LinkEndpoint:
                 if self._driver is None:
                     msg, self._deferred = self._deferred, None
                     served_deferred = msg is not None
-                    if msg is None and self.region_access is not None:
-                        msg = self._serve_region_access()
-                    msg = msg or self._receive(0)
+                    if msg is None:  # C serves the register accesses there and leaves the first other
+                        # message; its None means it read all there was: no second read for nothing
+                        msg = self._serve_region_access() if self.region_access is not None else self._receive(0)
                     if msg is not None:
                         self._dispatch(msg)
             if served_deferred or self._sleepers:
@@ -627,4 +627,5 @@ class LinkEndpoint:
                 "self_received": self.self_received, "handed_over": self.handed_over, "naps": self.naps,
                 "naps_out": self.naps_out,
                 "requests": {k: {"count": c, "wait_us": round(ns / 1000, 1)} for k, (c, ns) in self.requests.items()},
-                "posted": dict(self.posted), "received": dict(self.received), "handled": handled}
+                "posted": dict(self.posted), "received": dict(self.received), "handled": handled,
+                **({"stream": self.conn.stats()} if self.native else {})}

@@ -135,7 +135,8 @@ static int TlsContext_init(TlsContext *self, PyObject *args, PyObject *kwds)
     /* Read ahead: one read(2) takes whatever records are there (up to the buffer), instead of
      * a 5-byte record header, then its body, then an EAGAIN: three system calls per message.
      * Bytes read ahead are invisible to poll(2), so every wait on the fd first asks
-     * SSL_has_pending (processed or not), never SSL_pending (processed only). */
+     * tls_has_pending (SSL_has_pending: processed or not, unless they are only part of a record),
+     * never SSL_pending (processed only). */
     SSL_CTX_set_read_ahead(ctx, 1);
     SSL_CTX_set_default_read_buffer_len(ctx, READ_AHEAD_BYTES);
     if (server)
@@ -203,10 +204,13 @@ typedef struct {
     fd_batch fdq[FDQ_LEN]; /* descriptors from reads, by buffer position, under `reader` */
     int fdq_len;
     unsigned long long bytes_in, bytes_out, messages_in, messages_out;
+    unsigned long long writes; /* write(2)s that sent bytes: what wakes the peer's reader, one each */
     volatile int64_t last_rx_ns; /* when bytes last came (CLOCK_MONOTONIC): the heartbeat's "heard" */
     int drain_on_send; /* the thread that sends also owns `reader` (the forwarder): see stream_write */
     served_t served[4]; /* serve_requests: REGION_READ, REGION_WRITE, SYNC, HEARTBEAT */
     int64_t spin_ns;    /* adaptive polling: spin this long before sleeping for bytes (0: off) */
+    int rx_starved;     /* under `io`: the last SSL_read wanted the socket, so what is buffered is part of
+                           a record at most (tls_has_pending) */
     int corked;         /* posted messages of `corked_by` stay in the TLS buffer (Stream_cork), */
     pthread_t corked_by; /* under `send_order` */
 } Stream;
@@ -214,6 +218,16 @@ typedef struct {
 #define RX_DRAIN_MAX (64u << 20) /* what a sender buffers from a peer that sends while not reading */
 
 enum { IO_ERRNO = -3, IO_TIMEOUT = -2, IO_ERROR = -1, IO_EOF = 0 };
+
+/* Bytes the TLS layer holds that a read can turn into data without the socket (`io` held).
+ * Read ahead leaves them invisible to poll(2). But after an SSL_read that wanted the socket,
+ * what is left is only the start of a record: asking SSL_has_pending alone would then spin on
+ * reads that cannot finish (the forwarder did, 61 EAGAINs in a row while the box still wrote a
+ * 256 KiB DMA write, on the CPU the box needed) instead of sleeping in poll(2). */
+static int tls_has_pending(Stream *s)
+{
+    return s->ssl && s->fd >= 0 && !s->rx_starved && SSL_has_pending(s->ssl);
+}
 
 static void close_fds(const int *fds, int count)
 {
@@ -278,6 +292,7 @@ static ssize_t stream_read(Stream *s, unsigned char *buf, size_t len, int64_t de
             size_t n = 0;
             ERR_clear_error();
             int r = SSL_read_ex(s->ssl, buf, len, &n);
+            s->rx_starved = r != 1 && SSL_get_error(s->ssl, r) == SSL_ERROR_WANT_READ;
             if (r == 1) {
                 pthread_mutex_unlock(&s->io);
                 s->last_rx_ns = now_ns();
@@ -444,6 +459,7 @@ static int stream_write(Stream *s, const unsigned char *buf, size_t len, int flu
             ssize_t n = send(s->fd, buf + pos, len - pos, MSG_NOSIGNAL);
             if (n >= 0) {
                 pos += (size_t)n;
+                s->writes += n > 0;
                 pthread_mutex_unlock(&s->io);
                 continue;
             }
@@ -523,7 +539,17 @@ static int handshake(Stream *s, int64_t deadline, char *errbuf, size_t errlen)
  * was 16 of them. Reads come straight from the socket (SSL's own read-ahead buffers them). */
 #define TLS_WRITE_BUFFER (256u * 1024)
 
-static int set_tls_bios(SSL *ssl, int fd)
+/* The socket BIO's callback: counts the write(2)s that sent bytes (Stream.writes). */
+static long count_writes(BIO *b, int oper, const char *argp, size_t len, int argi, long argl, int ret,
+                         size_t *processed)
+{
+    (void)argp, (void)len, (void)argi, (void)argl, (void)processed;
+    if (oper == (BIO_CB_WRITE | BIO_CB_RETURN) && ret > 0)
+        ++*(unsigned long long *)BIO_get_callback_arg(b);
+    return ret;
+}
+
+static int set_tls_bios(SSL *ssl, int fd, unsigned long long *writes)
 {
     BIO *rbio = BIO_new_socket(fd, BIO_NOCLOSE), *sock = BIO_new_socket(fd, BIO_NOCLOSE);
     BIO *buffer = BIO_new(BIO_f_buffer());
@@ -533,6 +559,8 @@ static int set_tls_bios(SSL *ssl, int fd)
         BIO_free(buffer);
         return -1;
     }
+    BIO_set_callback_ex(sock, count_writes);
+    BIO_set_callback_arg(sock, (char *)writes);
     SSL_set_bio(ssl, rbio, BIO_push(buffer, sock)); /* the SSL owns both chains now */
     return 0;
 }
@@ -598,7 +626,7 @@ static int Stream_init(Stream *self, PyObject *args, PyObject *kwds)
     if (tls != Py_None) {
         TlsContext *ctx = (TlsContext *)tls;
         self->ssl = SSL_new(ctx->ctx);
-        if (!self->ssl || set_tls_bios(self->ssl, fd) != 0) {
+        if (!self->ssl || set_tls_bios(self->ssl, fd, &self->writes) != 0) {
             set_ssl_error(TlsError, "SSL_new");
             return -1;
         }
@@ -1125,8 +1153,7 @@ static PyObject *Stream_pending(Stream *self, PyObject *unused)
 {
     int pending = 0;
     pthread_mutex_lock(&self->io);
-    if (self->ssl && self->fd >= 0)
-        pending = SSL_has_pending(self->ssl);
+    pending = tls_has_pending(self);
     pthread_mutex_unlock(&self->io);
     return PyBool_FromLong(pending);
 }
@@ -1141,8 +1168,7 @@ static PyObject *Stream_readable(Stream *self, PyObject *args)
         return NULL;
     int pending = 0;
     pthread_mutex_lock(&self->io);
-    if (self->ssl && self->fd >= 0)
-        pending = SSL_has_pending(self->ssl);
+    pending = tls_has_pending(self);
     int fd = self->fd;
     pthread_mutex_unlock(&self->io);
     if (pending || self->shut || fd < 0)
@@ -1200,8 +1226,8 @@ static PyObject *Stream_close(Stream *self, PyObject *unused)
 
 static PyObject *Stream_stats(Stream *self, PyObject *unused)
 {
-    return Py_BuildValue("{sKsKsKsKsn}", "bytes_in", self->bytes_in, "bytes_out", self->bytes_out, "messages_in",
-                         self->messages_in, "messages_out", self->messages_out, "buffered",
+    return Py_BuildValue("{sKsKsKsKsKsn}", "bytes_in", self->bytes_in, "bytes_out", self->bytes_out, "messages_in",
+                         self->messages_in, "messages_out", self->messages_out, "writes", self->writes, "buffered",
                          (Py_ssize_t)(self->rx.end - self->rx.start));
 }
 
@@ -1290,7 +1316,7 @@ static PyMethodDef Stream_methods[] = {
     {"fileno", (PyCFunction)Stream_fileno, METH_NOARGS, "The socket's descriptor (-1 once closed)."},
     {"shutdown", (PyCFunction)Stream_shutdown, METH_NOARGS, "Shut both directions down; wakes waiters."},
     {"close", (PyCFunction)Stream_close, METH_NOARGS, "Shut down and free the descriptor."},
-    {"stats", (PyCFunction)Stream_stats, METH_NOARGS, "Byte and message counters."},
+    {"stats", (PyCFunction)Stream_stats, METH_NOARGS, "Byte, message and write(2) counters."},
     {"peer_certificate", (PyCFunction)Stream_peer_certificate, METH_NOARGS,
      "The peer's certificate (DER bytes), None on plain TCP."},
     {NULL},

@@ -105,9 +105,11 @@ static PyTypeObject ForwarderType;
 /* Frame and send one message whose payload is `n` pieces (at most MAX_READV_RANGES + 1), written from
  * where they are: the stream stages the small ones, and a large one (a DMA read's 256 KiB of guest
  * memory) goes to TLS without a copy. The GIL is released for the write; guest memory read then stays
- * mapped, because windows are removed only on the session thread, which is the one running here. */
-static int send_pieces(Stream *s, uint16_t id, uint16_t cmd, uint32_t flags, uint32_t error, const struct iovec *iov,
-                       int n, char *err, size_t errlen)
+ * mapped, because windows are removed only on the session thread, which is the one running here. With
+ * `hold` the TLS records stay in the stream's buffer and leave with the next send that does not hold
+ * (a ring push and its doorbell: one write(2), one wake-up of the box's reader, not two). */
+static int send_pieces_held(Stream *s, uint16_t id, uint16_t cmd, uint32_t flags, uint32_t error,
+                            const struct iovec *iov, int n, int hold, char *err, size_t errlen)
 {
     Py_buffer views[MAX_READV_RANGES + 1];
     parts_t p = {.count = 0, .total = 0};
@@ -125,7 +127,7 @@ static int send_pieces(Stream *s, uint16_t id, uint16_t cmd, uint32_t flags, uin
     int64_t deadline = deadline_after(s->send_timeout);
     lock_released(&s->send_order);
     Py_BEGIN_ALLOW_THREADS
-    r = write_parts(s, head, sizeof head, &p, deadline, err, errlen);
+    r = write_parts_held(s, head, sizeof head, &p, deadline, err, errlen, hold);
     Py_END_ALLOW_THREADS
     pthread_mutex_unlock(&s->send_order);
     if (r == IO_TIMEOUT)
@@ -135,6 +137,12 @@ static int send_pieces(Stream *s, uint16_t id, uint16_t cmd, uint32_t flags, uin
         s->messages_out++;
     }
     return r ? -1 : 0;
+}
+
+static int send_pieces(Stream *s, uint16_t id, uint16_t cmd, uint32_t flags, uint32_t error, const struct iovec *iov,
+                       int n, char *err, size_t errlen)
+{
+    return send_pieces_held(s, id, cmd, flags, error, iov, n, 0, err, errlen);
 }
 
 static int send_frame(Stream *s, uint16_t id, uint16_t cmd, uint32_t flags, uint32_t error, const void *a,
@@ -304,7 +312,8 @@ static int dma_writev(Forwarder *f, const frame_header *hdr, const unsigned char
  * a DMA_PUSH, from guest memory, inside QEMU's windows and their read rights; when they cannot
  * (too many, outside the windows, a tail past the ring) the push is empty and the box forgets
  * what it was pushed before, so it never serves entries it might not have fresh. Nothing is
- * sent for a doorbell that announces nothing new. 0, or -1 when the link failed. */
+ * sent for a doorbell that announces nothing new. The push is held in the stream's TLS buffer: the caller
+ * sends the doorbell next, and both leave in one write. 0, or -1 when the link failed. */
 static int push_ring(Forwarder *f, const unsigned char *pl, char *err, size_t errlen)
 {
     uint64_t offset = le64(pl);
@@ -366,8 +375,9 @@ static int push_ring(Forwarder *f, const unsigned char *pl, char *err, size_t er
         frame_put32(head, slot);
         frame_put32(head + 4, ranges);
         iov[0] = (struct iovec){head, PUSH_HEAD + ranges * READV_RANGE};
-        if (send_pieces(f->link, (uint16_t)(0x8000 | (f->next_id++ & 0x7FFF)), CMD_DMA_PUSH, FRAME_NO_REPLY, 0,
-                        iov, n, err, errlen))
+        /* held: the doorbell, sent next by the caller, takes it along */
+        if (send_pieces_held(f->link, (uint16_t)(0x8000 | (f->next_id++ & 0x7FFF)), CMD_DMA_PUSH, FRAME_NO_REPLY,
+                             0, iov, n, 1, err, errlen))
             return -1;
         f->pushes++;
         f->push_bytes += total;
@@ -670,8 +680,7 @@ static PyObject *Forwarder_serve(Forwarder *f, PyObject *unused)
         struct pollfd fds[2] = {{.fd = f->qemu->fd, .events = POLLIN}, {.fd = f->link->fd, .events = POLLIN}};
         int tls_pending = 0, r = 0;
         pthread_mutex_lock(&f->link->io);
-        if (f->link->ssl && f->link->fd >= 0)
-            tls_pending = SSL_has_pending(f->link->ssl);
+        tls_pending = tls_has_pending(f->link);
         pthread_mutex_unlock(&f->link->io);
         if (!tls_pending) {
             int64_t spin = f->link->spin_ns;
