@@ -170,25 +170,37 @@ POSTING_OPS = frozenset({OP_NOP, OP_COPY_D2H, OP_FENCE, OP_TIMESTAMP})
 """Entries that only post to the guest (DMA writes, the interrupts they ask for): a run of
 them leaves together (a copy back, then its fence: one network write on a box)."""
 
+AWAITED_OPS = frozenset({OP_COPY_D2H, OP_FENCE})
+"""Posting entries a driver waits for (data, a fence value); timestamps and NOPs it only
+reads after a fence, so they may wait in a run for the next fence."""
+
 
 class _PostedRuns:
     """The worker's posted-together block over a run of :data:`POSTING_OPS` entries, ended
-    before any other entry (a kernel computes for milliseconds, a copy in waits on the
-    guest: the writes before it must not wait with it) and at the batch's end."""
+    at the batch's end and before any other entry (a kernel computes for milliseconds, a
+    copy in waits on the guest) once the run holds something a driver waits for
+    (:data:`AWAITED_OPS`, an interrupt) or the entry asks for an interrupt itself: those
+    must not wait with it. A run of only timestamps stays open across kernels: on a box a
+    pass's first timestamp then leaves with its copy back and fence, not alone (one write
+    less, and one wake-up less of the host's forwarder while the box computes)."""
 
     def __init__(self, device: PciFunction) -> None:
         self._device = device
         self._block: ContextManager[None] | None = None
+        self._awaited = False   # the open run holds data, a fence or an interrupt
 
-    def before(self, opcode: int) -> None:
-        if opcode not in POSTING_OPS:
-            self.end()
-        elif self._block is None:
+    def before(self, entry: "Entry") -> None:
+        if entry.opcode not in POSTING_OPS:
+            if self._awaited or entry.flags & FLAG_INTERRUPT:
+                self.end()
+            return
+        if self._block is None:
             self._block = self._device.dma_posted_together()
             self._block.__enter__()
+        self._awaited = self._awaited or entry.opcode in AWAITED_OPS or bool(entry.flags & FLAG_INTERRUPT)
 
     def end(self) -> None:
-        block, self._block = self._block, None
+        block, self._block, self._awaited = self._block, None, False
         if block is not None:
             block.__exit__(None, None, None)
 
@@ -534,7 +546,7 @@ class AccelDevice(PciFunction):
                 while i < count:
                     index = (head + i) % size
                     entry = Entry.decode(raw[i * ENTRY_SIZE:(i + 1) * ENTRY_SIZE])
-                    runs.before(entry.opcode)
+                    runs.before(entry)
                     used = 1       # ring entries this command takes: an inline copy's data too
                     try:
                         if entry.opcode == OP_COPY_INLINE:
@@ -543,7 +555,8 @@ class AccelDevice(PciFunction):
                                 if i > 0 or count < MAX_FETCH:
                                     break      # fetch again from this entry: its data is past the batch
                                 raise CommandError(ERR_BAD_INLINE, entry.args[1], "inline data past the fetch")
-                            self._op_copy_inline(entry, raw[(i + 1) * ENTRY_SIZE:(i + used) * ENTRY_SIZE], generation)
+                            self._op_copy_inline(entry, memoryview(raw)[(i + 1) * ENTRY_SIZE:(i + used) * ENTRY_SIZE],
+                                                 generation)   # a view: VRAM takes the only copy
                         else:
                             self._execute(entry, generation)
                     except _Cancelled:
@@ -674,7 +687,7 @@ class AccelDevice(PciFunction):
             raise CommandError(ERR_BAD_INLINE, length, f"an inline copy of {length} bytes (1 to {MAX_INLINE})")
         return -(-length // ENTRY_SIZE)
 
-    def _op_copy_inline(self, entry: Entry, data: bytes, generation: int) -> None:
+    def _op_copy_inline(self, entry: Entry, data: bytes | memoryview, generation: int) -> None:
         """Bytes that came with the ring fetch (I2M, like a GPU's inline-to-memory
         method): a small host-to-VRAM copy without a DMA read of its own, so on a GPU box
         without a round trip of its own."""

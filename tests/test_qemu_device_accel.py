@@ -847,3 +847,32 @@ def test_a_copy_back_and_its_fence_leave_together_and_a_kernel_ends_the_run():
         assert not drv.r32(ac.REG_ERROR_CODE)
     finally:
         dev.close()
+
+
+def test_a_timestamp_waits_across_a_kernel_for_the_copy_back_but_an_interrupt_does_not():
+    """A driver reads timestamps only after a fence, so a pass's first timestamp may stay in
+    the run through its kernels and leave with the copy back and fence (one write on a box,
+    not two); a kernel that asks for an interrupt ends the run first, and its interrupt is
+    not held behind the next kernel."""
+    dev = ac.AccelDevice(vram_size=64 * MiB)
+    ram = GatheringRam()
+    irqs = RecordingIrqPort()
+    dev.attach(ram, irqs)
+    dev.region_write(CONFIG, 4, (0x6).to_bytes(2, "little"))
+    drv = Driver(dev, ram)
+    drv.enable()
+    try:
+        ram.log.clear()
+        drv.run(ac.encode_entry(ac.OP_TIMESTAMP, FENCES + 8),
+                ac.encode_entry(ac.OP_GEMM, 0, 4096, 8192, 8, 8, 8),
+                ac.encode_entry(ac.OP_COPY_D2H, BUF, 256, 8192),
+                ac.encode_entry(ac.OP_TIMESTAMP, FENCES + 16))
+        assert ram.log == ["begin", "write", "write", "write", "write", "end"]
+        ram.log.clear()
+        drv.run(ac.encode_entry(ac.OP_TIMESTAMP, FENCES + 8),
+                ac.encode_entry(ac.OP_GEMM, 0, 4096, 8192, 8, 8, 8, flags=ac.FLAG_INTERRUPT),
+                ac.encode_entry(ac.OP_GEMM, 0, 4096, 8192, 8, 8, 8))
+        assert ram.log == ["begin", "write", "end", "begin", "write", "end"]
+        assert not drv.r32(ac.REG_ERROR_CODE)
+    finally:
+        dev.close()

@@ -94,7 +94,7 @@ class RingMirror:
         entries = self._entries(addr, length)
         hit = entries is not None and all(self.valid[entries.start:entries.stop])
         self.valid[first:last] = bytes(last - first)
-        return bytes(self.data[addr - self.start:addr - self.start + length]) if hit else None
+        return bytes(memoryview(self.data)[addr - self.start:addr - self.start + length]) if hit else None  # one copy
 
     def forget(self) -> None:
         self.valid[:] = bytes(len(self.valid))
