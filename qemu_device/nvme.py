@@ -462,18 +462,45 @@ class NvmeController(PciFunction):
                     jobs = [self._dispatch(sq, sqe, lists, fetched.get(i)) for i, sqe in enumerate(sqes)]
             finally:
                 self._fetch_done()
-            # one interrupt for the batch, after its last completion; not on a box, where a
-            # command may wait on the network up to a completion timeout and the ones
-            # before it must not wait with it
-            batched = self.io_pool is None and len(jobs) > 1 and not self.dma_reads_wait_on_network
-            held: dict[int, Queue] | None = {} if batched else None
+            # one interrupt for the batch, after its last completion (what Linux's handler
+            # reaps in one go); on a box the completions held so far are signalled before a
+            # command that may wait on the network (up to a completion timeout): they must
+            # not wait with it
+            held: dict[int, Queue] | None = {} if self.io_pool is None and len(jobs) > 1 else None
             for job in jobs:  # in ticket order: a Flush is never taken before what it waits for
                 if self.io_pool is None:
+                    if held and self._may_wait_on_network(job):
+                        self._signal(held.values())
+                        held.clear()
                     self._run_io(job, held)  # inline: in order, a Flush after what it waits for
                 else:
                     self.io_pool.submit(lambda job=job: self._run_io(job))
             if held:
                 self._signal(held.values())
+
+    def _may_wait_on_network(self, job: IoJob) -> bool:
+        """Whether running ``job`` may wait on a box for guest memory over the network: a
+        Write whose data was not read ahead with its batch, a Read whose PRP list was not
+        (or spans a second page), a Flush (its fsync takes the disk's time), anything else
+        that reads guest memory. Conservative: False only where nothing can wait."""
+        if not self.dma_reads_wait_on_network:
+            return False
+        opcode = job.sqe[0]
+        if opcode == IoOpcode.WRITE:
+            return job.fetched is None or job.fetched.pieces is None
+        if opcode == IoOpcode.WRITE_ZEROES:
+            return False
+        if opcode != IoOpcode.READ:
+            return True
+        prp1, prp2 = struct.unpack_from("<QQ", job.sqe, 24)
+        length = ((struct.unpack_from("<I", job.sqe, 48)[0] & 0xFFFF) + 1) << LBA_SHIFT
+        left = length - min(length, PAGE - (prp1 % PAGE))
+        if left <= PAGE:
+            return False  # PRP1 and PRP2 are the pages: no list
+        needed = (left + PAGE - 1) // PAGE
+        if needed > (PAGE - prp2 % PAGE) // 8:
+            return True  # the list goes on in a second page, read when the command runs
+        return not job.lists or (prp2, needed * 8) not in job.lists
 
     # --- shadow doorbells (Doorbell Buffer Config) -------------------------------------------
     def _shadow_slots(self, qid: int, cq: bool = False) -> tuple[int, int] | None:
