@@ -492,15 +492,11 @@ class NvmeController(PciFunction):
             return False
         if opcode != IoOpcode.READ:
             return True
-        prp1, prp2 = struct.unpack_from("<QQ", job.sqe, 24)
-        length = ((struct.unpack_from("<I", job.sqe, 48)[0] & 0xFFFF) + 1) << LBA_SHIFT
-        left = length - min(length, PAGE - (prp1 % PAGE))
-        if left <= PAGE:
-            return False  # PRP1 and PRP2 are the pages: no list
-        needed = (left + PAGE - 1) // PAGE
-        if needed > (PAGE - prp2 % PAGE) // 8:
-            return True  # the list goes on in a second page, read when the command runs
-        return not job.lists or (prp2, needed * 8) not in job.lists
+        page = self._prp_list_page(job.sqe)
+        if page is None:
+            return False  # PRP1 and PRP2 are the pages (or the PRPs are refused unread)
+        first, continues = page
+        return continues or not job.lists or first not in job.lists
 
     # --- shadow doorbells (Doorbell Buffer Config) -------------------------------------------
     def _shadow_slots(self, qid: int, cq: bool = False) -> tuple[int, int] | None:
@@ -572,21 +568,26 @@ class NvmeController(PciFunction):
         sq.in_flight += 1
         self._in_flight += 1
 
+    @staticmethod
+    def _prp_list_page(sqe: memoryview) -> tuple[tuple[int, int], bool] | None:
+        """The first PRP list page a Read or Write reads, as (address, length) (what
+        :meth:`_segments` reads first), and whether its list goes on in another page; None
+        for a command without a list, or one :meth:`_segments` refuses before reading."""
+        if sqe[0] not in (IoOpcode.READ, IoOpcode.WRITE):
+            return None
+        prp1, prp2 = struct.unpack_from("<QQ", sqe, 24)
+        length = ((struct.unpack_from("<I", sqe, 48)[0] & 0xFFFF) + 1) << LBA_SHIFT
+        left = length - min(length, PAGE - (prp1 % PAGE))
+        if left <= PAGE or prp2 & 7 or length > (PAGE << MDTS):
+            return None
+        needed, room = (left + PAGE - 1) // PAGE, (PAGE - prp2 % PAGE) // 8
+        return (prp2, min(room, needed) * 8), needed > room
+
     def _prefetch_prp_lists(self, sqes: list[memoryview]) -> dict[tuple[int, int], bytes]:
         """The first PRP list page of every read and write in a batch, fetched together:
         on a remote device one round trip for the batch instead of one per command. Only
         what :meth:`_segments` would read first, keyed by (address, length); it checks them."""
-        wanted = []
-        for sqe in sqes:
-            if sqe[0] not in (IoOpcode.READ, IoOpcode.WRITE):
-                continue
-            prp1, prp2 = struct.unpack_from("<QQ", sqe, 24)
-            length = ((struct.unpack_from("<I", sqe, 48)[0] & 0xFFFF) + 1) << LBA_SHIFT
-            left = length - min(length, PAGE - (prp1 % PAGE))
-            if left <= PAGE or prp2 & 7 or length > (PAGE << MDTS):
-                continue  # no list, or one _segments refuses anyway
-            entries = min((PAGE - prp2 % PAGE) // 8, (left + PAGE - 1) // PAGE)
-            wanted.append((prp2, entries * 8))
+        wanted = [first for first, _ in filter(None, map(self._prp_list_page, sqes))]
         if not wanted:
             return {}
         try:
