@@ -292,13 +292,13 @@ static ssize_t stream_read(Stream *s, unsigned char *buf, size_t len, int64_t de
             size_t n = 0;
             ERR_clear_error();
             int r = SSL_read_ex(s->ssl, buf, len, &n);
-            s->rx_starved = r != 1 && SSL_get_error(s->ssl, r) == SSL_ERROR_WANT_READ;
+            int e = r == 1 ? SSL_ERROR_NONE : SSL_get_error(s->ssl, r);
+            s->rx_starved = e == SSL_ERROR_WANT_READ;
             if (r == 1) {
                 pthread_mutex_unlock(&s->io);
                 s->last_rx_ns = now_ns();
                 return (ssize_t)n;
             }
-            int e = SSL_get_error(s->ssl, r);
             if (e == SSL_ERROR_WANT_READ) {
                 events = POLLIN;
             } else if (e == SSL_ERROR_WANT_WRITE) {
