@@ -38,6 +38,7 @@ import struct
 import tempfile
 import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .backing import punch_hole, write_all, zero_range
@@ -462,21 +463,34 @@ class NvmeController(PciFunction):
                     jobs = [self._dispatch(sq, sqe, lists, fetched.get(i)) for i, sqe in enumerate(sqes)]
             finally:
                 self._fetch_done()
-            # one interrupt for the batch, after its last completion (what Linux's handler
-            # reaps in one go); on a box the completions held so far are signalled before a
-            # command that may wait on the network (up to a completion timeout): they must
-            # not wait with it
-            held: dict[int, Queue] | None = {} if self.io_pool is None and len(jobs) > 1 else None
-            for job in jobs:  # in ticket order: a Flush is never taken before what it waits for
-                if self.io_pool is None:
-                    if held and self._may_wait_on_network(job):
+            if self.io_pool is not None:
+                for job in jobs:  # in ticket order: a Flush is never taken before what it waits for
+                    self.io_pool.submit(lambda job=job: self._run_io(job))
+                continue
+            # inline, in order (a Flush after what it waits for), as runs: one interrupt per
+            # run, after its last completion (what Linux's handler reaps in one go), and on a
+            # box the run's data, completions and interrupt leave as one network write. A run
+            # ends before a command that may wait on the network (up to a completion
+            # timeout): what is done must not wait with it.
+            held: dict[int, Queue] | None = {} if len(jobs) > 1 else None
+            for run in self._runs(jobs):
+                with self.dma_posted_together():
+                    for job in run:
+                        self._run_io(job, held)
+                    if held:
                         self._signal(held.values())
                         held.clear()
-                    self._run_io(job, held)  # inline: in order, a Flush after what it waits for
-                else:
-                    self.io_pool.submit(lambda job=job: self._run_io(job))
-            if held:
-                self._signal(held.values())
+
+    def _runs(self, jobs: list[IoJob]) -> Iterator[list[IoJob]]:
+        """A batch's jobs in order, cut before each that :meth:`_may_wait_on_network`."""
+        run: list[IoJob] = []
+        for job in jobs:
+            if run and self._may_wait_on_network(job):
+                yield run
+                run = []
+            run.append(job)
+        if run:
+            yield run
 
     def _may_wait_on_network(self, job: IoJob) -> bool:
         """Whether running ``job`` may wait on a box for guest memory over the network: a

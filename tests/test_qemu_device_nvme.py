@@ -1030,9 +1030,17 @@ class GatheringRam(PostedBlocks, CountingRam):
     """Guest RAM that logs posted-together blocks (tests/fakes.py)."""
 
 
-def test_a_reads_data_and_its_completion_leave_together(tmp_path):
-    """A Read's pages and its completion entry are one posted-together block each command:
-    on a box one write to the network (and one wake-up of the host's reader), not one each."""
+def blocks(log: list[str]) -> list[list[str]]:
+    """The writes of each posted-together block, in order (a write outside one fails)."""
+    assert "write alone" not in log, log
+    return [b.split()[1:] for b in " ".join(log).split("end") if b.strip()]
+
+
+def test_a_batchs_data_and_completions_leave_together_until_a_command_that_may_wait(tmp_path):
+    """The Reads of one doorbell, their pages and completion entries (and the interrupt
+    after them) are one posted-together block: on a box one write to the network and one
+    wake-up of the host's reader, not one per command. A command that may wait on the
+    network (a Flush here) starts a block of its own: what was done leaves before it."""
     dev, ram, drv = on_a_box(tmp_path, GatheringRam)
     try:
         drv.io_queues(1)
@@ -1041,7 +1049,13 @@ def test_a_reads_data_and_its_completion_leave_together(tmp_path):
             drv.read(1, BUF + i * 8192, lba=16 * i, blocks=16)   # 8 KiB: two pages each
         drv.ring(1)
         assert len(drv.reap(1, 2)) == 2
-        blocks = " ".join(ram.log).split("end")
-        assert [b.split() for b in blocks if b.strip()] == [["begin", "write", "write", "write"]] * 2
+        assert blocks(ram.log) == [["write"] * 6]
+        ram.log.clear()
+        drv.read(1, BUF, blocks=16)
+        drv.post(1, 0x00, nsid=1)                                   # Flush
+        drv.read(1, BUF + 8192, lba=16, blocks=16)
+        drv.ring(1)
+        assert len(drv.reap(1, 3)) == 3
+        assert blocks(ram.log) == [["write"] * 3, ["write"] * 4], "the read before the Flush waited for it"
     finally:
         dev.close()
