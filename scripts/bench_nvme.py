@@ -5,9 +5,11 @@ same full-image VM, measured by fio in the guest with the guest's own nvme drive
 
 Workloads: sequential 128 KiB read and write, random 4 KiB read and write (direct I/O,
 libaio), each at iodepth 1, 4 and 16 (the workload key names the depth, e.g.
-``seq-read-128k-qd16``). QEMU's own nvme is the floor of the device; the network floor
-between the lab's namespaces (TLS ping-pong and bulk, :mod:`dxpu_vfio.lab.floors`) is
-measured in the same run. Prints a table with ratios and the data path's NVMe goals, and
+``seq-read-128k-qd16``), each workload on the three devices one after the other (QEMU's
+own device ran 686-1345 MB/s in runs an hour apart on this shared machine: a ratio is
+only worth the load its two sides shared). QEMU's own nvme is the floor of the device;
+the network floor between the lab's namespaces (TLS ping-pong and bulk,
+:mod:`dxpu_vfio.lab.floors`) is measured in the same run. Prints a table with ratios and the data path's NVMe goals, and
 writes results/bench/nvme.json (``results -> path -> workload -> MBps``, ``floor``, ``goals``).
 
     .venv/bin/python scripts/bench_nvme.py [--runtime 8] [--size-mib 64] [--depths 1,4,16] [--msix]
@@ -86,9 +88,9 @@ def main() -> int:
                                     allow_msix=args.msix)
             devices = {"qemu-nvme": qemu_dev, "local": nvme_disk(vm, local.guest_bdf),
                        "remote": nvme_disk(vm, remote.guest_bdf)}
-            for name, dev in devices.items():
-                results[name] = {}
-                for workload, (rw, bs, depth) in workloads.items():
+            results = {name: {} for name in devices}
+            for workload, (rw, bs, depth) in workloads.items():  # workload by workload, so the three
+                for name, dev in devices.items():                 # devices see the same load
                     results[name][workload] = fio(vm, dev, rw, bs, depth, args.runtime, args.size_mib)
                     print(f"  {name:9} {workload:15} {results[name][workload]['MBps']:8.1f} MB/s", flush=True)
             if not args.msix:  # (QEMU 11.1 aborts on unplugging an MSI-X vfio-user device)
