@@ -9,8 +9,9 @@ libaio), each at iodepth 1, 4 and 16 (the workload key names the depth, e.g.
 own device ran 686-1345 MB/s in runs an hour apart on this shared machine: a ratio is
 only worth the load its two sides shared). QEMU's own nvme is the floor of the device;
 the network floor between the lab's namespaces (TLS ping-pong and bulk,
-:mod:`dxpu_vfio.lab.floors`) is measured in the same run. Prints a table with ratios and the data path's NVMe goals, and
-writes results/bench/nvme.json (``results -> path -> workload -> MBps``, ``floor``, ``goals``).
+:mod:`dxpu_vfio.lab.floors`) is measured in the same run. Prints a table with ratios and
+the data path's NVMe goals, and writes results/bench/nvme.json (``results -> path ->
+workload -> MBps``, ``floor``, ``goals``).
 
     .venv/bin/python scripts/bench_nvme.py [--runtime 8] [--size-mib 64] [--depths 1,4,16] [--msix]
 

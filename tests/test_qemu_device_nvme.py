@@ -531,7 +531,7 @@ def test_on_a_box_a_batch_shares_an_interrupt_until_a_command_that_may_wait_on_t
     drv.ring(1)
     assert len(drv.reap(1, 3)) == 3
     wait_for(lambda: len(irq.events) == 2)
-    assert irq.take() == [("msi", 1)] * 2, "the read before the Flush waited for it"
+    assert irq.take() == [("msi", 1)] * 2, "the read before the Flush did not leave before it"
     assert dev.close()
 
 
@@ -1056,6 +1056,6 @@ def test_a_batchs_data_and_completions_leave_together_until_a_command_that_may_w
         drv.read(1, BUF + 8192, lba=16, blocks=16)
         drv.ring(1)
         assert len(drv.reap(1, 3)) == 3
-        assert blocks(ram.log) == [["write"] * 3, ["write"] * 4], "the read before the Flush waited for it"
+        assert blocks(ram.log) == [["write"] * 3, ["write"] * 4], "the read before the Flush did not leave before it"
     finally:
         dev.close()
