@@ -289,6 +289,11 @@ def test_a_boxs_ring_fetches_come_with_their_doorbells(tmp_path, box, certs, mmi
         assert writes <= pushes + 4, f"{writes} writes for {pushes} pushes and their doorbells"
         assert box_after["pushed_reads"] - box_before["pushed_reads"] >= 40, box_after
         assert box_after["dma_read_requests"] == box_before["dma_read_requests"], "a ring fetch went to the network"
+        # the box's reader took each push in C with the doorbell behind it (native/serve.c),
+        # none went round its Python loop as a message of its own
+        taken = [b["link"]["handled"].get("DMA_PUSH", {}).get("count", 0) for b in (box_before, box_after)]
+        assert taken[1] - taken[0] >= 40, box_after["link"]["handled"]
+        assert box_after["link"]["received"].get("DMA_PUSH", 0) == 0, box_after["link"]["received"]
         handle = [dev]
         del dev
     finally:

@@ -108,14 +108,15 @@ class LinkEndpoint:
     def __init__(self, conn: Connection, name: str, handlers: dict[int, Handler], *,
                  heartbeat: float = 0.25, dead_after: float = 3.0,
                  on_down: Callable[[str], None] | None = None, waiters_serve: bool = False,
-                 region_access: "tuple[Callable, Callable] | None" = None) -> None:
+                 region_access: "tuple[Callable, Callable, Callable] | None" = None) -> None:
         self.native = getattr(conn, "native", False)  # a NativeConnection: framing and TLS in C
         if not self.native and not isinstance(conn.sock, LinkStream):
             conn.sock = LinkStream(conn.sock)
         self.conn = conn
         self.stream = conn.sock
-        # (read, write) callbacks: on the native stream the background reader answers the
-        # peer's REGION_READ/REGION_WRITE (and SYNC) in C through them (native/serve.c)
+        # (read, write, push) callbacks: on the native stream the background reader answers
+        # the peer's REGION_READ/REGION_WRITE (and SYNC), and takes its posted DMA_PUSHes, in
+        # C through them (native/serve.c)
         self.region_access = region_access if self.native else None
         # a peer that stops reading cannot hold a sender longer than a silent one
         self.set_send_timeout(dead_after)
@@ -545,9 +546,9 @@ class LinkEndpoint:
 
     def _serve_region_access(self) -> Message | None:
         """Let C answer the register accesses that are there; the first message it leaves."""
-        read, write = self.region_access
+        read, write, push = self.region_access
         try:
-            got = native.require().serve_requests(self.conn.stream, read, write, 0)
+            got = native.require().serve_requests(self.conn.stream, read, write, 0, push)
         except (native.require().Closed, native.require().BadFrame, TimeoutError) as exc:
             self.mark_down(f"peer closed the link ({exc})" if not self._stop.is_set() else "closed")
             return None

@@ -207,7 +207,7 @@ typedef struct {
     unsigned long long writes; /* write(2)s that sent bytes: what wakes the peer's reader, one each */
     volatile int64_t last_rx_ns; /* when bytes last came (CLOCK_MONOTONIC): the heartbeat's "heard" */
     int drain_on_send; /* the thread that sends also owns `reader` (the forwarder): see stream_write */
-    served_t served[4]; /* serve_requests: REGION_READ, REGION_WRITE, SYNC, HEARTBEAT */
+    served_t served[5]; /* serve_requests: REGION_READ, REGION_WRITE, SYNC, HEARTBEAT, DMA_PUSH */
     int64_t spin_ns;    /* adaptive polling: spin this long before sleeping for bytes (0: off) */
     int rx_starved;     /* under `io`: the last SSL_read wanted the socket, so what is buffered is part of
                            a record at most (tls_has_pending) */
@@ -1351,7 +1351,8 @@ static PyTypeObject StreamType = {
 
 static PyMethodDef module_methods[] = {
     {"serve_requests", serve_requests, METH_VARARGS,
-     "serve_requests(stream, read, write, timeout): the box's register accesses in C (serve.c)."},
+     "serve_requests(stream, read, write, timeout, push=None): the box's register accesses (and posted ring "
+     "pushes) in C (serve.c)."},
     {"served", served_counters, METH_O, "served(stream): what serve_requests did on it."},
     {NULL},
 };

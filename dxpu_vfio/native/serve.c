@@ -1,12 +1,15 @@
 /* The remote proxy's hot path in C: the box's reader answers register accesses without
  * building Python messages. (Part of fastlink.c's translation unit.)
  *
- * serve_requests(stream, read, write, timeout) takes the messages that are there (waiting at
- * most `timeout` for the first) and, in stream order:
+ * serve_requests(stream, read, write, timeout, push=None) takes the messages that are there
+ * (waiting at most `timeout` for the first) and, in stream order:
  *  - REGION_READ: read(region, offset, count) -> bytes of that length, or an errno (int),
  *    answered with the vfio-user payload (or an error reply);
  *  - REGION_WRITE: write(region, offset, data, posted) -> None or an errno; answered unless
  *    posted;
+ *  - DMA_PUSH, posted, given a `push`: push(payload) (the ring entries the doorbell right
+ *    behind it announces: served here, the doorbell does not wait for a trip through the
+ *    Python reader's loop); push must not raise (it drops what it cannot take: posted);
  *  - SYNC: answered at once (everything before it is done: this thread did it);
  *  - HEARTBEAT: noted (the stream's last_heard);
  * and returns the first message it does not serve, as (msg_id, command, flags, error,
@@ -28,7 +31,7 @@ static long errno_result(PyObject *r)
 /* Serve one REGION_READ/REGION_WRITE/SYNC/HEARTBEAT at the front of the buffer (copied out
  * first: the callback may run for long, and the buffer is ours only while `reader` is held).
  * 0: served, 1: not one of ours, -1: the stream failed (err), -2: a Python exception. */
-static int serve_one(Stream *s, PyObject *read_cb, PyObject *write_cb, char *err, size_t errlen)
+static int serve_one(Stream *s, PyObject *read_cb, PyObject *write_cb, PyObject *push_cb, char *err, size_t errlen)
 {
     frame_header hdr;
     const unsigned char *msg;
@@ -37,6 +40,22 @@ static int serve_one(Stream *s, PyObject *read_cb, PyObject *write_cb, char *err
     const unsigned char *pl = msg + FRAME_HEADER_SIZE;
     size_t len = hdr.size - FRAME_HEADER_SIZE;
     int is_request = !(hdr.flags & FRAME_TYPE_REPLY);
+    if (is_request && hdr.command == CMD_DMA_PUSH && (hdr.flags & FRAME_NO_REPLY) && push_cb != Py_None) {
+        PyObject *data = PyBytes_FromStringAndSize((const char *)pl, (Py_ssize_t)len); /* the callback's own copy */
+        if (!data)
+            return -2;
+        rx_consume(&s->rx, hdr.size);
+        s->messages_in++;
+        int64_t started = now_ns();
+        PyObject *r = PyObject_CallOneArg(push_cb, data);
+        Py_DECREF(data);
+        s->served[4].count++;
+        s->served[4].ns += (unsigned long long)(now_ns() - started);
+        if (!r)
+            return -2;
+        Py_DECREF(r);
+        return 0;
+    }
     if (is_request && hdr.command == CMD_HEARTBEAT) {
         rx_consume(&s->rx, hdr.size);
         s->messages_in++;
@@ -95,8 +114,8 @@ static int serve_one(Stream *s, PyObject *read_cb, PyObject *write_cb, char *err
 static PyObject *serve_requests(PyObject *module, PyObject *args)
 {
     Stream *s;
-    PyObject *read_cb, *write_cb, *timeout_obj;
-    if (!PyArg_ParseTuple(args, "O!OOO", &StreamType, &s, &read_cb, &write_cb, &timeout_obj))
+    PyObject *read_cb, *write_cb, *timeout_obj, *push_cb = Py_None;
+    if (!PyArg_ParseTuple(args, "O!OOO|O", &StreamType, &s, &read_cb, &write_cb, &timeout_obj, &push_cb))
         return NULL;
     double timeout = timeout_arg(timeout_obj, -1.0);
     if (timeout == -2.0)
@@ -105,7 +124,7 @@ static PyObject *serve_requests(PyObject *module, PyObject *args)
     char err[256] = "";
     for (;;) {
         lock_released(&s->reader);
-        int r = serve_one(s, read_cb, write_cb, err, sizeof err);
+        int r = serve_one(s, read_cb, write_cb, push_cb, err, sizeof err);
         if (r == 1) { /* not ours, or nothing whole buffered */
             frame_header hdr;
             const unsigned char *msg;
@@ -149,8 +168,8 @@ static PyObject *served_counters(PyObject *module, PyObject *arg)
         return NULL;
     }
     Stream *s = (Stream *)arg;
-    return Py_BuildValue("{s{sKsK}s{sKsK}s{sKsK}s{sKsK}}", "REGION_READ", "count", s->served[0].count, "ns",
+    return Py_BuildValue("{s{sKsK}s{sKsK}s{sKsK}s{sKsK}s{sKsK}}", "REGION_READ", "count", s->served[0].count, "ns",
                          s->served[0].ns, "REGION_WRITE", "count", s->served[1].count, "ns", s->served[1].ns, "SYNC",
                          "count", s->served[2].count, "ns", s->served[2].ns, "HEARTBEAT", "count", s->served[3].count,
-                         "ns", s->served[3].ns);
+                         "ns", s->served[3].ns, "DMA_PUSH", "count", s->served[4].count, "ns", s->served[4].ns);
 }

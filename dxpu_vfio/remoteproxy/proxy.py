@@ -402,8 +402,9 @@ class RemoteProxy:
                 LinkCommand.DMA_PUSH: dma_push}
 
     def _region_access(self, slot: Slot) -> tuple:
-        """(read, write) for the native reader (native/serve.c): the same work as the
-        REGION_READ/REGION_WRITE handlers, with an errno instead of an exception."""
+        """(read, write, push) for the native reader (native/serve.c): the same work as the
+        REGION_READ/REGION_WRITE/DMA_PUSH handlers, with an errno instead of an exception
+        (a push is posted: one it cannot take is dropped and logged)."""
         device, name = slot.device, f"{self.config.name}/{slot.spec.id}"
         faults, dev_id = self.faults, slot.spec.id
 
@@ -428,7 +429,14 @@ class RemoteProxy:
                 return getattr(exc, "errno", None) or errno.EIO
             return None
 
-        return read, write
+        def push(payload: bytes) -> None:
+            try:
+                if slot.dma is not None:
+                    slot.dma.pushed(memoryview(payload))
+            except Exception as exc:  # noqa: BLE001 - posted: a bad push is dropped, never raised into C
+                log.info("link %s: DMA_PUSH failed: %s", name, exc)
+
+        return read, write, push
 
     def inventory(self) -> dict:
         return self.control.inventory()
