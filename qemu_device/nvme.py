@@ -583,14 +583,19 @@ class NvmeController(PciFunction):
         self._in_flight += 1
 
     @staticmethod
-    def _prp_list_page(sqe: memoryview) -> tuple[tuple[int, int], bool] | None:
+    def _transfer(sqe: memoryview) -> tuple[int, int, int]:
+        """A Read's or Write's (PRP1, PRP2, length in bytes), unchecked."""
+        prp1, prp2 = struct.unpack_from("<QQ", sqe, 24)
+        return prp1, prp2, ((struct.unpack_from("<I", sqe, 48)[0] & 0xFFFF) + 1) << LBA_SHIFT
+
+    @classmethod
+    def _prp_list_page(cls, sqe: memoryview) -> tuple[tuple[int, int], bool] | None:
         """The first PRP list page a Read or Write reads, as (address, length) (what
         :meth:`_segments` reads first), and whether its list goes on in another page; None
         for a command without a list, or one :meth:`_segments` refuses before reading."""
         if sqe[0] not in (IoOpcode.READ, IoOpcode.WRITE):
             return None
-        prp1, prp2 = struct.unpack_from("<QQ", sqe, 24)
-        length = ((struct.unpack_from("<I", sqe, 48)[0] & 0xFFFF) + 1) << LBA_SHIFT
+        prp1, prp2, length = cls._transfer(sqe)
         left = length - min(length, PAGE - (prp1 % PAGE))
         if left <= PAGE or prp2 & 7 or length > (PAGE << MDTS):
             return None
@@ -621,8 +626,7 @@ class NvmeController(PciFunction):
         for i, sqe in enumerate(sqes):
             if sqe[0] != IoOpcode.WRITE:
                 continue
-            prp1, prp2 = struct.unpack_from("<QQ", sqe, 24)
-            length = ((struct.unpack_from("<I", sqe, 48)[0] & 0xFFFF) + 1) << LBA_SHIFT
+            prp1, prp2, length = self._transfer(sqe)
             if length > (PAGE << MDTS) or total + length > PREFETCH_BYTES:
                 continue
             try:
