@@ -14,9 +14,12 @@
  *  - HEARTBEAT: noted (the stream's last_heard);
  * and returns the first message it does not serve, as (msg_id, command, flags, error,
  * payload), for the Python endpoint (a DMA completion for a waiting device thread, a batch of
- * writes, a reset...), or None when nothing more is there. The callbacks run with the GIL,
- * under no lock of the stream's: they may take the device's lock, and a device thread
- * waiting for its DMA is not held up by them. Counts and time per command: served(stream).
+ * writes, a reset...), or None when nothing more is there. The callbacks run with the GIL
+ * and with the stream's `reader` lock held, so no other thread reads the stream meanwhile
+ * (a device thread waiting for its DMA completion waits for them to return). So they must
+ * be short and must never wait on this stream themselves; they may take the device's
+ * lock, which no device thread holds while it waits for DMA (qemu_device/device.py's
+ * rule). Counts and time per command: served(stream).
  */
 
 /* An errno a callback returned, or -1 if it returned something else (then an exception may be set). */
@@ -29,7 +32,7 @@ static long errno_result(PyObject *r)
 }
 
 /* Serve one REGION_READ/REGION_WRITE/SYNC/HEARTBEAT at the front of the buffer (copied out
- * first: the callback may run for long, and the buffer is ours only while `reader` is held).
+ * first: the callback gets its own bytes, which may outlive the buffer).
  * 0: served, 1: not one of ours, -1: the stream failed (err), -2: a Python exception. */
 static int serve_one(Stream *s, PyObject *read_cb, PyObject *write_cb, PyObject *push_cb, char *err, size_t errlen)
 {
