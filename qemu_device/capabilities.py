@@ -233,6 +233,12 @@ class CapabilityList:
         bits = self.config.get_u32(where)
         self.config.set_u32(where, bits | 1 << vector if pending else bits & ~(1 << vector))
 
+    def msi_enabled(self) -> bool:
+        """MSI Enable: one read of Message Control, where :meth:`msi_state` makes six (an
+        interrupt's path asks this once per completion)."""
+        return CAP_ID_MSI in self.offsets and bool(
+            self.config.get_u16(self.offsets[CAP_ID_MSI] + MSI_CONTROL) & MSI_CTRL_ENABLE)
+
     def msix_enabled(self) -> bool:
         return bool(self._msix_control() & MSIX_CTRL_ENABLE)
 

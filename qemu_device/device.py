@@ -328,7 +328,7 @@ class PciFunction:
                         self.suppressed_interrupts += 1
                 else:
                     self._raise_msix(vector)
-            elif self.caps.has(CAP_ID_MSI) and self.caps.msi_state().enabled:
+            elif self.caps.msi_enabled():
                 self._raise_msi(vector)
             elif self.irq_config.intx:
                 header.set_status_bits(self.config, header.STATUS_INTX, True)
@@ -339,9 +339,7 @@ class PciFunction:
     def intx_in_use(self) -> bool:
         """Would :meth:`raise_interrupt` assert INTx (neither MSI-X nor MSI enabled)?"""
         with self.lock:
-            if self.msix is not None and self.caps.msix_enabled():
-                return False
-            return not (self.caps.has(CAP_ID_MSI) and self.caps.msi_state().enabled)
+            return not self._message_interrupts_enabled()
 
     def lower_interrupt(self) -> None:
         """Clear Status.Interrupt and deassert INTx (the IRQ port sees only level changes)."""
@@ -472,7 +470,7 @@ class PciFunction:
     def _message_interrupts_enabled(self) -> bool:
         if self.msix is not None and self.caps.msix_enabled():
             return True
-        return self.caps.has(CAP_ID_MSI) and self.caps.msi_state().enabled
+        return self.caps.msi_enabled()
 
     def _on_config_write(self, offset: int, size: int) -> None:
         """React to Command, MSI and MSI-X control writes (cheap enough to run always)."""

@@ -188,10 +188,12 @@ def test_msi_vectors_gated_by_multiple_message_enable():
 def test_msi_disabled_falls_back_to_intx():
     dev = RegisterFile(IrqConfig(intx=True, msi_vectors=4))
     irq = attached(dev)
+    assert dev.intx_in_use()
     dev.raise_interrupt(2)
     assert irq.take() == [("intx", True)]
     enable_msi(dev, mme=0)                        # enabling MSI releases the INTx pin
     assert irq.take() == [("intx", False)]
+    assert not dev.intx_in_use()                  # what NVMe asks before each completion
     dev.raise_interrupt(0)
     assert irq.take() == [("msi", 0)]
 
