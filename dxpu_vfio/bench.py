@@ -19,6 +19,12 @@ def summary(samples: Sequence[float]) -> dict[str, float]:
             "max": max(samples), "mean": statistics.fmean(samples)}
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of process ``pid`` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(h) for h in headers]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]

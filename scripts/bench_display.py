@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dxpu_vfio.bench import table, write_json  # noqa: E402
+from dxpu_vfio.bench import cpu_seconds, table, write_json  # noqa: E402
 from dxpu_vfio.lab import lab  # noqa: E402
 from dxpu_vfio.lab import hotplug
 from dxpu_vfio.lab import kms as guest_kms  # noqa: E402
@@ -70,12 +69,6 @@ def counters(att: hotplug.Attachment) -> dict:
         out.update(writes_posted=dev["writes_posted"], link_posted_msgs=dev["posted_messages"],
                    link_posted=dev["link"]["posted"])
     return out
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:

@@ -11,7 +11,9 @@ only worth the load its two sides shared). QEMU's own nvme is the floor of the d
 the network floor between the lab's namespaces (TLS ping-pong and bulk,
 :mod:`dxpu_vfio.lab.floors`) is measured in the same run. Prints a table with ratios and
 the data path's NVMe goals, and writes results/bench/nvme.json (``results -> path ->
-workload -> MBps``, ``floor``, ``goals``).
+workload -> MBps`` and ``cpu_us_per_io`` of QEMU, the host proxy and the box, ``floor``,
+``remote_ceiling_vs_qemu``, ``goals``). The CPU per I/O is the budget the goals are judged
+by: on two cores the guest's vCPUs and both proxies share them.
 
     .venv/bin/python scripts/bench_nvme.py [--runtime 8] [--size-mib 64] [--depths 1,4,16] [--msix]
 
@@ -33,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dxpu_vfio.bench import table, write_json  # noqa: E402
+from dxpu_vfio.bench import cpu_seconds, table, write_json  # noqa: E402
 from dxpu_vfio.lab import hotplug  # noqa: E402
 from dxpu_vfio.lab import floors, lab  # noqa: E402
 from dxpu_vfio.lab.guest_devices import nvme_disk  # noqa: E402
@@ -44,14 +46,21 @@ WORKLOADS = {"seq-read-128k": ("read", "128k"), "seq-write-128k": ("write", "128
              "rand-read-4k": ("randread", "4k"), "rand-write-4k": ("randwrite", "4k")}
 
 
-def fio(vm: Vm, dev: str, rw: str, bs: str, depth: int, runtime: int, size_mib: int) -> dict:
+def fio(vm: Vm, dev: str, rw: str, bs: str, depth: int, runtime: int, size_mib: int,
+        processes: dict[str, int]) -> dict:
+    """One fio run, and the CPU each of ``processes`` (name -> pid) spent per I/O during it
+    (the whole fio command: its few ms of start-up are in it too)."""
+    before = {name: cpu_seconds(pid) for name, pid in processes.items()}
     out = vm.run(f"fio --name=b --filename=/dev/{dev} --direct=1 --ioengine=libaio --iodepth={depth} --rw={rw} "
                  f"--bs={bs} --size={size_mib}M --runtime={runtime} --time_based --output-format=json",
                  timeout=runtime * 10 + 120).stdout
+    spent = {name: cpu_seconds(pid) - before[name] for name, pid in processes.items()}
     job = json.loads(out[out.index("{"):])["jobs"][0]
     side = job["read"] if "read" in rw else job["write"]
+    ios = max(side["total_ios"], 1)
     return {"MBps": side["bw_bytes"] / 1e6, "iops": side["iops"],
-            "lat_mean_us": side["lat_ns"]["mean"] / 1000}
+            "lat_mean_us": side["lat_ns"]["mean"] / 1000,
+            "cpu_us_per_io": {name: seconds / ios * 1e6 for name, seconds in spent.items()}}
 
 
 def main() -> int:
@@ -89,10 +98,14 @@ def main() -> int:
                                     allow_msix=args.msix)
             devices = {"qemu-nvme": qemu_dev, "local": nvme_disk(vm, local.guest_bdf),
                        "remote": nvme_disk(vm, remote.guest_bdf)}
+            processes = {"qemu-nvme": {"qemu": vm.pid}, "local": {"qemu": vm.pid, "host proxy": local.server.pid},
+                         "remote": {"qemu": vm.pid, "host proxy": remote.server.pid,
+                                    "box": state.box("box1").proxy_pid}}
             results = {name: {} for name in devices}
             for workload, (rw, bs, depth) in workloads.items():  # workload by workload, so the three
                 for name, dev in devices.items():                 # devices see the same load
-                    results[name][workload] = fio(vm, dev, rw, bs, depth, args.runtime, args.size_mib)
+                    results[name][workload] = fio(vm, dev, rw, bs, depth, args.runtime, args.size_mib,
+                                                       processes[name])
                     print(f"  {name:9} {workload:15} {results[name][workload]['MBps']:8.1f} MB/s", flush=True)
             if not args.msix:  # (QEMU 11.1 aborts on unplugging an MSI-X vfio-user device)
                 hotplug.detach(remote)
@@ -107,9 +120,28 @@ def main() -> int:
     print()
     print(table(["workload", "QEMU nvme MB/s", "local MB/s", "remote MB/s", "local/QEMU", "remote/QEMU",
                  "remote/local"], rows))
+    print("\nCPU per I/O (µs, user + system, whole processes) and the cores they kept busy:")
+    cpu_rows = []
+    for workload in workloads:
+        for device in devices:
+            got = results[device][workload]
+            per_io = got["cpu_us_per_io"]
+            total = sum(per_io.values())
+            cpu_rows.append([workload, device, f"{got['iops']:.0f}"]
+                            + [f"{per_io[p]:.0f}" if p in per_io else "-" for p in ("qemu", "host proxy", "box")]
+                            + [f"{total:.0f}", total * got["iops"] / 1e6])
+    print(table(["workload", "device", "IOPS", "QEMU", "host proxy", "box", "total", "cores"], cpu_rows))
+    bulk = floor["tls"]["bulk"]
     print(f"\nnetwork floor (same run): TLS ping-pong {floor['tls']['ping_pong']['median_us']:.1f} µs, TLS bulk "
-          f"{floor['tls']['bulk']['to_box_MBps']:.0f}/{floor['tls']['bulk']['from_box_MBps']:.0f} MB/s")
+          f"{bulk['to_box_MBps']:.0f}/{bulk['from_box_MBps']:.0f} MB/s (to/from the box)")
     deepest = max(depths)
+    # The most a remote sequential stream can move: one TLS connection's bulk rate between
+    # the same namespaces with nothing else running (the guest and both proxies then share
+    # the same two cores), as a share of QEMU's own device in this run.
+    ceilings = {f"seq-read-128k-qd{deepest}": bulk["from_box_MBps"], f"seq-write-128k-qd{deepest}": bulk["to_box_MBps"]}
+    ceilings = {w: min(1.0, mbps / results["qemu-nvme"][w]["MBps"]) for w, mbps in ceilings.items()}
+    print("remote ceiling (TLS bulk / QEMU's nvme, same run): "
+          + ", ".join(f"{w} = {v:.2f}" for w, v in ceilings.items()))
 
     def ratio(path: str, workload: str) -> float:
         return results[path][workload]["MBps"] / results["qemu-nvme"][workload]["MBps"]
@@ -119,7 +151,8 @@ def main() -> int:
     print("goals (want remote >= 0.5, local >= 0.8 of QEMU): " + ", ".join(f"{k} = {v:.2f}" for k, v in goals.items()))
     path = write_json("nvme", {"runtime_s": args.runtime, "size_mib": args.size_mib, "depths": depths,
                                "io_workers": args.io_workers, "msix": args.msix,
-                               "results": results, "floor": floor, "goals": goals}, args.out)
+                               "results": results, "floor": floor, "remote_ceiling_vs_qemu": ceilings,
+                               "goals": goals}, args.out)
     print(f"\nJSON: {path}")
     return 0
 
