@@ -496,6 +496,32 @@ def test_completions_of_one_batch_share_one_interrupt(tmp_path):
     assert drv.dev.close()
 
 
+def test_a_batch_rung_while_another_runs_shares_its_interrupt(tmp_path):
+    """A doorbell that comes while the worker runs a batch: the first batch's interrupt
+    waits for the second (its entries are already in the queue), and one MSI follows the
+    last completion of both, not one each (TCG pays for every interrupt the guest takes).
+    Once the queue is dry the interrupt goes at once."""
+    drv, irq = enabled_controller(tmp_path, io_workers=0)
+    drv.dev.region_write(REGION_CONFIG, drv.dev.caps.offsets[CAP_ID_MSI] + 2, (3 << 4 | 1).to_bytes(2, "little"))
+    drv.io_queues(1)
+    irq.take()
+    a, b, c = bufs(3)
+    reached, release = drv.ram.hold(a)
+    first = [drv.read(1, a), drv.read(1, b, lba=8)]
+    drv.ring(1)
+    assert reached.wait(5)                 # the first batch is running
+    second = [drv.read(1, c, lba=16)]
+    drv.ring(1)
+    release.set()
+    assert [cid for cid, *_ in drv.reap(1, 3)] == first + second
+    wait_for(lambda: irq.events)
+    time.sleep(0.1)                        # an interrupt per batch would be here by now
+    assert irq.take() == [("msi", 1)]
+    drv.submit(1, 0x02, nsid=1, prp1=a, cdw=(0, 0, 7, 0, 0, 0))
+    assert irq.take() == [("msi", 1)]
+    assert drv.dev.close()
+
+
 def test_on_a_box_a_batch_shares_an_interrupt_until_a_command_that_may_wait_on_the_network(tmp_path):
     """On a box reads whose pages need nothing from the network share one interrupt, as
     locally (a TCG guest pays for each). A command that may wait for guest memory over the
