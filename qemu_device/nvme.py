@@ -218,6 +218,7 @@ class Queue:
     begun: BegunFetch | None = None  # SQ on a network: the fetch its doorbell began
     sq_ids: set = field(default_factory=set)  # CQ: SQs that post here
     in_flight: int = 0  # SQ: commands taken from it that have not ended yet
+    scheduled: bool = False  # SQ: a _process of it is queued and has not started yet
 
 
 @dataclass(eq=False)
@@ -393,7 +394,7 @@ class NvmeController(PciFunction):
             if self._shadow_slots(qid) is not None:
                 # only a kick: the worker reads the tail from the shadow, which the guest
                 # wrote first, so a late MMIO value can never move the tail back
-                self.worker.submit(lambda: self._process(qid))
+                self._schedule(sq)
                 return
             sq.tail = value % sq.size
             if sq.begun is None and sq.head != sq.tail:
@@ -401,7 +402,16 @@ class NvmeController(PciFunction):
                 # doorbell: the worker's wake-up overlaps its round trip instead of preceding it
                 first, count = sq.head, min((sq.tail - sq.head) % sq.size, sq.size - sq.head)
                 sq.begun = self.dma_fetch_begin(first, count, [(sq.base + first * 64, count * 64)])
-            self.worker.submit(lambda: self._process(qid))
+            self._schedule(sq)
+
+    def _schedule(self, sq: Queue) -> None:
+        """Have the worker take what ``sq`` holds (lock held). One queued :meth:`_process`
+        per SQ is enough: it starts after this doorbell and reads the tail then, so the
+        doorbells that come while it waits in line add nothing (on a busy box a doorbell
+        per command each cost the reader a queue put and the worker an empty round)."""
+        if not sq.scheduled:
+            sq.scheduled = True
+            self.worker.submit(lambda: self._process(sq.qid))
 
     # --- the command loop (worker thread, I/O pool) -------------------------------------------
     def _process(self, qid: int) -> None:
@@ -411,6 +421,10 @@ class NvmeController(PciFunction):
         run here, in order; I/O commands go to the pool, or run here as runs whose
         interrupts may wait in ``held`` for the next batch (:meth:`_process_batches`);
         whatever way this ends, an interrupt owed is raised."""
+        with self.lock:
+            sq = self.sqs.get(qid)
+            if sq is not None:
+                sq.scheduled = False  # a doorbell from now on queues another round
         held: dict[int, Queue] = {}  # CQs owed an interrupt for completions already written
         try:
             self._process_batches(qid, held)

@@ -477,6 +477,31 @@ def test_io_inline_by_default_runs_commands_in_order(tmp_path):
     assert drv.dev.close()
 
 
+def test_doorbells_while_the_worker_is_busy_queue_one_more_round_not_one_each(tmp_path):
+    """Four doorbells that come while the worker runs a command: the worker takes their
+    entries when it is free, and one more round of the queue is queued for all of them
+    (it finds the queue empty), not one round per doorbell."""
+    drv, _ = enabled_controller(tmp_path, io_workers=0)
+    drv.io_queues(1)
+    rounds = []
+    process = drv.dev._process
+    drv.dev._process = lambda qid: (rounds.append(qid), process(qid))
+    first, *rest = bufs(5)
+    reached, release = drv.ram.hold(first)
+    cids = [drv.read(1, first)]
+    drv.ring(1)
+    assert reached.wait(5)
+    for i, buf in enumerate(rest):
+        cids.append(drv.read(1, buf, lba=8 * (i + 1)))
+        drv.ring(1)
+    release.set()
+    assert [cid for cid, *_ in drv.reap(1, 5)] == cids
+    wait_for(lambda: len(rounds) >= 2)
+    time.sleep(0.2)                        # a round per doorbell would be here by now
+    assert rounds == [1, 1]
+    assert drv.dev.close()
+
+
 def test_completions_of_one_batch_share_one_interrupt(tmp_path):
     """Three reads rung with one doorbell run one after another on the worker: each
     completion is in the CQ as it finishes, one MSI follows the last (what Linux's handler
