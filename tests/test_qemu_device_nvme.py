@@ -502,6 +502,22 @@ def test_doorbells_while_the_worker_is_busy_queue_one_more_round_not_one_each(tm
     assert drv.dev.close()
 
 
+def test_a_disable_waits_for_a_completion_entry_still_being_written(tmp_path):
+    """RDY must not fall (the host then frees the queues) while a completion entry is
+    still being written: a command counts in flight until its entry is out."""
+    drv, _ = enabled_controller(tmp_path, io_workers=0)
+    drv.io_queues(1)
+    reached, release = drv.ram.hold(cq_base(1))    # where the first completion goes
+    drv.read(1, bufs(1)[0])
+    drv.ring(1)
+    assert reached.wait(5)
+    drv.w32(nvme.CC, 0)
+    assert drv.r32(nvme.CSTS) & 1, "RDY fell while a completion entry was being written"
+    release.set()
+    wait_for(lambda: not drv.r32(nvme.CSTS) & 1)
+    assert drv.dev.close()
+
+
 def test_completions_of_one_batch_share_one_interrupt(tmp_path):
     """Three reads rung with one doorbell run one after another on the worker: each
     completion is in the CQ as it finishes, one MSI follows the last (what Linux's handler
