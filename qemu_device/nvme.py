@@ -1131,18 +1131,21 @@ class NvmeController(PciFunction):
                 else:
                     entries.extend(chunk)
                     break
-            if len(entries) != needed or any(addr % PAGE for addr in entries):
+            if len(entries) != needed:
                 raise CommandError(Status.INVALID_PRP_OFFSET)
-            for addr in entries:
-                n = min(PAGE, left)
-                pages.append((addr, n))
-                left -= n
-        merged: list[tuple[int, int]] = []
-        for addr, n in pages:
-            if merged and merged[-1][0] + merged[-1][1] == addr:
-                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            pages.extend((addr, PAGE) for addr in entries)  # whole pages but the last:
+            pages[-1] = (pages[-1][0], left - (needed - 1) * PAGE)  # left covers them all
+            if any(addr % PAGE for addr in entries):
+                raise CommandError(Status.INVALID_PRP_OFFSET)
+        merged: list[tuple[int, int]] = [pages[0]]
+        start, size = pages[0]
+        for addr, n in pages[1:]:  # one pass: a 128 KiB transfer is up to 32 pieces
+            if start + size == addr:
+                size += n
+                merged[-1] = (start, size)
             else:
-                merged.append((addr, n))
+                start, size = addr, n
+                merged.append((start, size))
         return merged
 
     def _read_prp(self, prp1: int, prp2: int, length: int) -> bytes:

@@ -77,3 +77,23 @@ def test_rights_are_checked_for_the_direction_of_the_transfer(backing):
         table.write_from_file([(BASE, 4096)], backing, 0)
     table.read_into_file([(BASE, 4096)], backing, 0)  # reading it is fine
     table.clear()
+
+
+def test_a_list_across_two_windows_is_checked_in_each_and_split_at_their_border(backing):
+    """Pieces are looked up in the window of the piece before first; one that leaves it
+    (or runs across its end) is checked against the next window's own rights."""
+    table, ram = guest_ram()
+    fd = os.memfd_create("more-ram", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, SIZE)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    table.add(BASE + SIZE, SIZE, DMA_FLAG_READ, os.dup(fd), 0)     # adjacent, read-only
+    across = [(BASE + 0x1000, 4096), (BASE + SIZE - 2048, 4096)]   # the second runs across
+    table.read_into_file(across, backing, 8192)                     # (the file keeps its first 8 KiB)
+    assert [n for _, _, n in table._pieces_many(across, DMA_FLAG_READ)] == [4096, 2048, 2048]
+    with pytest.raises(DmaError, match="not allowed"):
+        table.write_from_file(across, backing, 0)                  # its second half may not be written
+    assert os.pread(ram, 4096, 0x1000) == bytes(4096)              # and the first was not either
+    table.write_from_file([(BASE + 0x1000, 4096), (BASE + 0x4000, 4096)], backing, 0)
+    assert os.pread(ram, 4096, 0x4000) == (bytes(range(256)) * 64)[4096:8192]
+    table.clear()
+    os.close(fd)
