@@ -723,12 +723,12 @@ class NvmeController(PciFunction):
                 del self._not_started[job.key]
             if job.cancelled:  # its completion (if any) is posted and it has ended
                 return
-            gone = self.sqs.get(sq.qid) is not sq
-            if not gone and job.sqe[0] == IoOpcode.FLUSH:  # after the commands of its namespace taken before it
-                self._ended.wait_for(lambda: min(self._ns_pending[job.nsid]) == job.ticket)
-        try:
-            if gone:
-                return
+        try:  # from here the command ends whatever happens (_end)
+            with self.lock:
+                if self.sqs.get(sq.qid) is not sq:
+                    return
+                if job.sqe[0] == IoOpcode.FLUSH:  # after the commands of its namespace taken before it
+                    self._ended.wait_for(lambda: min(self._ns_pending[job.nsid]) == job.ticket)
             if held is not None:
                 self._execute(sq, job.sqe, job.lists, job.fetched, held)
                 return
