@@ -510,7 +510,8 @@ class NvmeController(PciFunction):
                     for job in run:
                         self._run_io(job, held)
                     held_bytes += sum(map(self._data_bytes, run))
-                    if held and (i < len(runs) - 1 or held_bytes > HOLD_BYTES or not self._more_waiting(sq)):
+                    if held and (i < len(runs) - 1 or held_bytes > HOLD_BYTES
+                                 or not self._has_entries(qid, publish=False)):
                         self._signal(held.values())
                         held.clear()
                         held_bytes = 0
@@ -519,24 +520,6 @@ class NvmeController(PciFunction):
     def _data_bytes(cls, job: IoJob) -> int:
         """The bytes a Read or Write moves through guest memory (0 for other commands)."""
         return cls._transfer(job.sqe)[2] if job.sqe[0] in (IoOpcode.READ, IoOpcode.WRITE) else 0
-
-    def _more_waiting(self, sq: Queue) -> bool:
-        """Whether ``sq`` holds entries not taken yet: its doorbell (or shadow doorbell) has
-        moved past the head. Only reads: the event index is the idle worker's business
-        (:meth:`_has_entries`). On a box the next batch is served from the host's pushes,
-        or, where the host could not push it, costs a round trip the held interrupt waits."""
-        with self.lock:
-            if self.sqs.get(sq.qid) is not sq or not self.csts & CSTS_RDY:
-                return False
-            if sq.head != sq.tail:
-                return True
-            slots = self._shadow_slots(sq.qid)
-        if slots is None:
-            return False
-        try:
-            return self._read_shadow_tail(sq, slots[0])
-        except DmaError:
-            return False
 
     def _runs(self, jobs: list[IoJob]) -> Iterator[list[IoJob]]:
         """A batch's jobs in order, cut before each that :meth:`_may_wait_on_network`."""
@@ -579,12 +562,15 @@ class NvmeController(PciFunction):
         offset = qid * 8 + (4 if cq else 0)
         return dbbuf[0] + offset, dbbuf[1] + offset
 
-    def _has_entries(self, qid: int) -> bool:
+    def _has_entries(self, qid: int, publish: bool = True) -> bool:
         """Does SQ ``qid`` hold entries not taken yet (worker)? With a shadow doorbell the
         guest rings the MMIO doorbell only when the event index asks, so the tail is read
         from the shadow; before going idle the worker publishes the tail it has seen as
         the event index (the guest's next entry then rings) and reads the shadow once more,
-        for an entry written in between."""
+        for an entry written in between. Without ``publish`` (a run asking whether to hold
+        its interrupt, not a worker going idle) it only reads. On a box the next batch is
+        served from the host's pushes, or, where the host could not push it, costs a round
+        trip a held interrupt waits."""
         with self.lock:
             sq = self.sqs.get(qid)
             if sq is None or not self.csts & CSTS_RDY:
@@ -598,6 +584,8 @@ class NvmeController(PciFunction):
         try:
             if self._read_shadow_tail(sq, doorbell):
                 return True
+            if not publish:
+                return False
             self.dma_write(event_index, struct.pack("<I", sq.tail))
             return self._read_shadow_tail(sq, doorbell)
         except DmaError:

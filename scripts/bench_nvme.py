@@ -138,8 +138,8 @@ def main() -> int:
     # The most a remote sequential stream can move: one TLS connection's bulk rate between
     # the same namespaces with nothing else running (the guest and both proxies then share
     # the same two cores), as a share of QEMU's own device in this run.
-    ceilings = {f"seq-read-128k-qd{deepest}": bulk["from_box_MBps"], f"seq-write-128k-qd{deepest}": bulk["to_box_MBps"]}
-    ceilings = {w: min(1.0, mbps / results["qemu-nvme"][w]["MBps"]) for w, mbps in ceilings.items()}
+    bulk_for = {f"seq-read-128k-qd{deepest}": bulk["from_box_MBps"], f"seq-write-128k-qd{deepest}": bulk["to_box_MBps"]}
+    ceilings = {w: min(1.0, mbps / results["qemu-nvme"][w]["MBps"]) for w, mbps in bulk_for.items()}
     print("remote ceiling (TLS bulk / QEMU's nvme, same run): "
           + ", ".join(f"{w} = {v:.2f}" for w, v in ceilings.items()))
 
