@@ -119,6 +119,16 @@ static inline int rx_next(rxbuf *rx, uint32_t max_size, frame_header *hdr, const
     return st;
 }
 
+/* rx_next for the message after the first `skip` bytes (a whole message the caller holds). */
+static inline int rx_next_after(rxbuf *rx, size_t skip, uint32_t max_size, frame_header *hdr,
+                                const unsigned char **msg)
+{
+    int st = frame_parse(rx->data + rx->start + skip, rx->end - rx->start - skip, max_size, hdr);
+    if (st == FRAME_OK)
+        *msg = rx->data + rx->start + skip;
+    return st;
+}
+
 static inline void rx_consume(rxbuf *rx, size_t size)
 {
     rx->start += size;
