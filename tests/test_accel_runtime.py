@@ -279,11 +279,9 @@ def test_selftest_and_mlp_from_a_box_over_tls(remote):
     assert forwarder.stats()["dma_bytes_read"] > 1 << 20   # the box fetched the data from "guest" memory
 
 
-@pytest.mark.parametrize("mmio", [ClientMmio, NonPostedMmio], ids=["posted", "non-posted"])
-def test_a_boxs_ring_fetches_come_with_their_doorbells(tmp_path, box, certs, mmio):
-    """The host's C forwarder sends each doorbell's new entries just before it (DMA_PUSH),
-    whether the doorbell write is posted or not, so the box's ring fetches wait for no round
-    trip; the results are still exact."""
+def through_the_forwarder(tmp_path, box, certs, mmio: type, body) -> None:
+    """``body(function, dev)`` with the runtime driving the box's acc0 through a host proxy's
+    C forwarder (QEMU's place taken by our client), then everything closed."""
     function = connect_remote(box.address, "acc0", "lease-acc0", TlsFiles.in_dir(certs, "host"))
     if not function.endpoint.native:
         pytest.fail("the native link stream is not built: run scripts/setup.sh")
@@ -291,6 +289,21 @@ def test_a_boxs_ring_fetches_come_with_their_doorbells(tmp_path, box, certs, mmi
     client = VfioUserClient(server.socket_path)
     try:
         dev, ram = open_runtime(client, mmio)
+        body(function, dev)
+        handle = [dev]
+        del dev
+    finally:
+        client.close()
+        server.stop()
+    close_ram(handle, ram)
+
+
+@pytest.mark.parametrize("mmio", [ClientMmio, NonPostedMmio], ids=["posted", "non-posted"])
+def test_a_boxs_ring_fetches_come_with_their_doorbells(tmp_path, box, certs, mmio):
+    """The host's C forwarder sends each doorbell's new entries just before it (DMA_PUSH),
+    whether the doorbell write is posted or not, so the box's ring fetches wait for no round
+    trip; the results are still exact."""
+    def body(function, dev) -> None:
         box_before = box.stats()["devices"]["acc0"]
         link_before = function.stats()["link"]
         ptr = dev.malloc(4096)
@@ -313,23 +326,14 @@ def test_a_boxs_ring_fetches_come_with_their_doorbells(tmp_path, box, certs, mmi
         taken = [b["link"]["handled"].get("DMA_PUSH", {}).get("count", 0) for b in (box_before, box_after)]
         assert taken[1] - taken[0] >= 40, box_after["link"]["handled"]
         assert box_after["link"]["received"].get("DMA_PUSH", 0) == 0, box_after["link"]["received"]
-        handle = [dev]
-        del dev
-    finally:
-        client.close()
-        server.stop()
-    close_ram(handle, ram)
+    through_the_forwarder(tmp_path, box, certs, mmio, body)
 
 
 def test_a_burst_of_doorbells_is_one_push_and_one_doorbell_on_the_link(tmp_path, box, certs):
     """A ring's doorbell carries its tail: when the host finds doorbells buffered one behind
     the other, only the last goes to the box, after one push of every entry they announce
     (the box's reader takes one of each, not five); every command of the burst runs."""
-    function = connect_remote(box.address, "acc0", "lease-acc0", TlsFiles.in_dir(certs, "host"))
-    server = VfioUserServer(function, tmp_path / "host.sock", name="fwd").start()
-    client = VfioUserClient(server.socket_path)
-    try:
-        dev, ram = open_runtime(client, BurstMmio)
+    def body(function, dev) -> None:
         ptr = dev.malloc(4 * 4096)
         dev.synchronize()
         native_before = function.stats()["link"]["native"]
@@ -351,12 +355,7 @@ def test_a_burst_of_doorbells_is_one_push_and_one_doorbell_on_the_link(tmp_path,
         assert native["doorbells_merged"] - native_before.get("doorbells_merged", 0) == 4, native
         for i in range(4):
             assert dev.memcpy_dtoh(ptr + i * 4096, 4096) == bytes([i + 1]) * 4096
-        handle = [dev]
-        del dev
-    finally:
-        client.close()
-        server.stop()
-    close_ram(handle, ram)
+    through_the_forwarder(tmp_path, box, certs, BurstMmio, body)
 
 
 def test_a_second_qemu_session_gets_its_own_entries_not_the_first_ones(tmp_path, box, certs):
