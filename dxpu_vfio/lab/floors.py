@@ -122,14 +122,21 @@ def bulk(address: str, tls: TlsFiles | None, total: int) -> dict:
 
 
 def measure(address: str, tls: TlsFiles | None, round_trips: int = 3000, bulk_bytes: int = 64 << 20) -> dict:
-    return {"ping_pong": ping_pong(address, tls, round_trips), "bulk": bulk(address, tls, bulk_bytes)}
+    """The ping-pong, and the bulk transfer unless ``bulk_bytes`` is 0."""
+    out = {"ping_pong": ping_pong(address, tls, round_trips)}
+    if bulk_bytes:
+        out["bulk"] = bulk(address, tls, bulk_bytes)
+    return out
 
 
-def measure_lab(state, box: str, round_trips: int = 3000, bulk_bytes: int = 64 << 20) -> dict:
-    """Floors between ``state``'s host namespace and ``box``: plain TCP and TLS, same run."""
+def measure_lab(state, box: str, round_trips: int = 3000, bulk_bytes: int = 64 << 20,
+                kinds: tuple[str, ...] = ("tcp", "tls")) -> dict:
+    """Floors between ``state``'s host namespace and ``box``: plain TCP and TLS (``kinds``), same run."""
     b = state.box(box)
     out = {}
     for label, tls_args, port in (("tcp", [], FLOOR_PORT), ("tls", ["--tls-dir", str(state.certs)], FLOOR_PORT + 1)):
+        if label not in kinds:
+            continue
         server = subprocess.Popen(["ip", "netns", "exec", b.netns, sys.executable, "-m", "dxpu_vfio.lab.floors",
                                    "serve", "--listen", b.box_ip, "--port", str(port), "--role", box, *tls_args],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
