@@ -188,8 +188,11 @@ def main() -> int:
                     row["host_link_wait_us_per_read"] = wait_us / n
                     if stream == "native" and delay == 0 and args.paired_rounds:
                         local_att = hotplug.attach(vm, "testdev")
-                        results["paired_reads"] = paired_reads(vm, state, local_att, att, args.reads, args.paired_rounds)
-                        hotplug.detach(local_att)
+                        try:
+                            results["paired_reads"] = paired_reads(vm, state, local_att, att, args.reads,
+                                                                   args.paired_rounds)
+                        finally:
+                            hotplug.detach(local_att)
                     hotplug.detach(att)
                     results[row_key(stream, delay)] = row
                     print(f"  remote ({stream} stream) at {delay:g} µs ({box.delay_mode}): read {row['read_median_us']:.1f} µs", flush=True)
