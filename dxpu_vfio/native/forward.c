@@ -307,6 +307,20 @@ static int dma_writev(Forwarder *f, const frame_header *hdr, const unsigned char
     return HANDLED;
 }
 
+/* The slot of the watched ring whose doorbell QEMU's write `pl` (a REGION_WRITE payload)
+ * writes, or -1. */
+static int watched_slot(const Forwarder *f, const unsigned char *pl)
+{
+    uint64_t offset = le64(pl);
+    uint32_t region = frame_le32(pl + 8);
+    for (int slot = 0; slot < MAX_RING_SLOTS; slot++) {
+        const ring_t *r = &f->rings[slot];
+        if (r->entries && r->region == region && r->offset == offset)
+            return slot;
+    }
+    return -1;
+}
+
 /* Is QEMU's posted write `pl` (4 bytes) a watched ring's doorbell, and `next` (the message
  * after it, already buffered) a posted 4-byte write of the same doorbell? Then `pl` need not
  * go: a ring's doorbell carries its tail, the next one's push announces every entry from the
@@ -322,14 +336,8 @@ static int superseded_doorbell(const Forwarder *f, const unsigned char *pl, cons
     const unsigned char *npl = next_msg + FRAME_HEADER_SIZE;
     if (frame_le32(npl + 12) != 4 || memcmp(pl, npl, 12)) /* offset, region */
         return 0;
-    uint64_t offset = le64(pl);
-    uint32_t region = frame_le32(pl + 8);
-    for (uint32_t slot = 0; slot < MAX_RING_SLOTS; slot++) {
-        const ring_t *r = &f->rings[slot];
-        if (r->entries && r->region == region && r->offset == offset)
-            return frame_le32(pl + 16) < r->entries; /* a tail past the ring goes on, to be refused */
-    }
-    return 0;
+    int slot = watched_slot(f, pl);
+    return slot >= 0 && frame_le32(pl + 16) < f->rings[slot].entries; /* a tail past the ring goes on, to be refused */
 }
 
 /* Before QEMU's posted write `pl` (a REGION_WRITE payload of 4 bytes) goes to the box: if it
@@ -341,76 +349,73 @@ static int superseded_doorbell(const Forwarder *f, const unsigned char *pl, cons
  * sends the doorbell next, and both leave in one write. 0, or -1 when the link failed. */
 static int push_ring(Forwarder *f, const unsigned char *pl, char *err, size_t errlen)
 {
-    uint64_t offset = le64(pl);
-    uint32_t region = frame_le32(pl + 8), tail = frame_le32(pl + 16);
-    for (uint32_t slot = 0; slot < MAX_RING_SLOTS; slot++) {
-        ring_t *r = &f->rings[slot];
-        if (!r->entries || r->region != region || r->offset != offset)
-            continue;
-        unsigned char head[PUSH_HEAD + 2 * READV_RANGE];
-        struct iovec iov[3];
-        int n = 1;
-        uint32_t ranges = 0;
-        uint64_t total = 0;
-        if (tail < r->entries && !r->synced) {
-            r->tail = tail;
-            r->synced = 1;
-        } else if (tail < r->entries) {
-            uint32_t count = (tail + r->entries - r->tail) % r->entries;
-            if (count == 0)
-                return 0;
-            uint32_t first = r->entries - r->tail < count ? r->entries - r->tail : count;
-            uint64_t addr[2] = {r->base + (uint64_t)r->tail * r->entry_size, r->base};
-            uint64_t size[2] = {(uint64_t)first * r->entry_size, (uint64_t)(count - first) * r->entry_size};
-            int ok = size[0] + size[1] <= MAX_PUSH_BYTES;
-            size_t at = 0;
-            for (int i = 0; i < 2 && ok && size[i]; i++) {
-                const window_t *w = find_window(f, addr[i], size[i], DMA_FLAG_READ);
-                if (!w || w->kind == WINDOW_PYTHON) {
-                    ok = 0;
-                    break;
-                }
-                unsigned char *from = f->dma_buf + at;
-                if (w->kind == WINDOW_MEMORY) {
-                    from = w->memory + w->offset + (addr[i] - w->iova);
-                } else {
-                    ssize_t got;
-                    Py_BEGIN_ALLOW_THREADS
-                    got = pread(w->fd, from, size[i], (off_t)(w->offset + (addr[i] - w->iova)));
-                    Py_END_ALLOW_THREADS
-                    ok = got == (ssize_t)size[i];
-                    at += size[i];
-                }
-                unsigned char *range = head + PUSH_HEAD + ranges * READV_RANGE;
-                frame_put32(range, (uint32_t)addr[i]);
-                frame_put32(range + 4, (uint32_t)(addr[i] >> 32));
-                frame_put32(range + 8, (uint32_t)size[i]);
-                frame_put32(range + 12, 0);
-                iov[n++] = (struct iovec){from, size[i]};
-                ranges++;
-                total += size[i];
-            }
-            if (!ok) {
-                n = 1;
-                ranges = 0;
-                total = 0;
-            }
-            r->tail = tail;
-        }
-        frame_put32(head, slot);
-        frame_put32(head + 4, ranges);
-        iov[0] = (struct iovec){head, PUSH_HEAD + ranges * READV_RANGE};
-        /* held: the doorbell, sent next by the caller, takes it along */
-        if (send_pieces_held(f->link, (uint16_t)(0x8000 | (f->next_id++ & 0x7FFF)), CMD_DMA_PUSH, FRAME_NO_REPLY,
-                             0, iov, n, 1, err, errlen))
-            return -1;
-        f->pushes++;
-        f->push_bytes += total;
-        f->pushes_empty += ranges == 0;
-        f->posted_since_sync++;
-        f->posted_bytes_since_sync += PUSH_HEAD + ranges * READV_RANGE + total;
+    int slot = watched_slot(f, pl);
+    if (slot < 0)
         return 0;
+    ring_t *r = &f->rings[slot];
+    uint32_t tail = frame_le32(pl + 16);
+    unsigned char head[PUSH_HEAD + 2 * READV_RANGE];
+    struct iovec iov[3];
+    int n = 1;
+    uint32_t ranges = 0;
+    uint64_t total = 0;
+    if (tail < r->entries && !r->synced) {
+        r->tail = tail;
+        r->synced = 1;
+    } else if (tail < r->entries) {
+        uint32_t count = (tail + r->entries - r->tail) % r->entries;
+        if (count == 0)
+            return 0;
+        uint32_t first = r->entries - r->tail < count ? r->entries - r->tail : count;
+        uint64_t addr[2] = {r->base + (uint64_t)r->tail * r->entry_size, r->base};
+        uint64_t size[2] = {(uint64_t)first * r->entry_size, (uint64_t)(count - first) * r->entry_size};
+        int ok = size[0] + size[1] <= MAX_PUSH_BYTES;
+        size_t at = 0;
+        for (int i = 0; i < 2 && ok && size[i]; i++) {
+            const window_t *w = find_window(f, addr[i], size[i], DMA_FLAG_READ);
+            if (!w || w->kind == WINDOW_PYTHON) {
+                ok = 0;
+                break;
+            }
+            unsigned char *from = f->dma_buf + at;
+            if (w->kind == WINDOW_MEMORY) {
+                from = w->memory + w->offset + (addr[i] - w->iova);
+            } else {
+                ssize_t got;
+                Py_BEGIN_ALLOW_THREADS
+                got = pread(w->fd, from, size[i], (off_t)(w->offset + (addr[i] - w->iova)));
+                Py_END_ALLOW_THREADS
+                ok = got == (ssize_t)size[i];
+                at += size[i];
+            }
+            unsigned char *range = head + PUSH_HEAD + ranges * READV_RANGE;
+            frame_put32(range, (uint32_t)addr[i]);
+            frame_put32(range + 4, (uint32_t)(addr[i] >> 32));
+            frame_put32(range + 8, (uint32_t)size[i]);
+            frame_put32(range + 12, 0);
+            iov[n++] = (struct iovec){from, size[i]};
+            ranges++;
+            total += size[i];
+        }
+        if (!ok) {
+            n = 1;
+            ranges = 0;
+            total = 0;
+        }
+        r->tail = tail;
     }
+    frame_put32(head, slot);
+    frame_put32(head + 4, ranges);
+    iov[0] = (struct iovec){head, PUSH_HEAD + ranges * READV_RANGE};
+    /* held: the doorbell, sent next by the caller, takes it along */
+    if (send_pieces_held(f->link, (uint16_t)(0x8000 | (f->next_id++ & 0x7FFF)), CMD_DMA_PUSH, FRAME_NO_REPLY,
+                         0, iov, n, 1, err, errlen))
+        return -1;
+    f->pushes++;
+    f->push_bytes += total;
+    f->pushes_empty += ranges == 0;
+    f->posted_since_sync++;
+    f->posted_bytes_since_sync += PUSH_HEAD + ranges * READV_RANGE + total;
     return 0;
 }
 
@@ -671,9 +676,10 @@ static PyObject *Forwarder_serve(Forwarder *f, PyObject *unused)
                 break;
             }
             if (hdr.command == CMD_REGION_WRITE && (hdr.flags & FRAME_NO_REPLY)) {
+                int may_be_doorbell = f->n_rings && count == 4;
                 frame_header next_hdr;
                 const unsigned char *next_msg;
-                if (f->n_rings && count == 4 &&
+                if (may_be_doorbell &&
                     rx_next_after(&f->qemu->rx, hdr.size, f->qemu->max_message, &next_hdr, &next_msg) == FRAME_OK &&
                     superseded_doorbell(f, pl, &next_hdr, next_msg)) { /* the next one announces it too */
                     rx_consume(&f->qemu->rx, hdr.size);
@@ -682,7 +688,7 @@ static PyObject *Forwarder_serve(Forwarder *f, PyObject *unused)
                     f->doorbells_merged++;
                     continue;
                 }
-                if (f->n_rings && count == 4 && push_ring(f, pl, err, sizeof err)) {
+                if (may_be_doorbell && push_ring(f, pl, err, sizeof err)) {
                     out = Py_BuildValue("(ss)", "link-closed", err);
                     rx_consume(&f->qemu->rx, hdr.size);
                     f->qemu->messages_in++;
