@@ -380,6 +380,27 @@ def test_a_corked_threads_posted_messages_wait_for_uncork_and_keep_their_order(c
     server.close()
 
 
+def test_a_corked_run_of_small_messages_is_sealed_as_one_tls_write(certs):
+    """A box's worker sends a command's data, then its completion, then the next command's:
+    corked, they wait as plaintext and are sealed together when they leave, so both ends
+    pay for one TLS record of the run, not one per send (seals were 1 per send before)."""
+    client, server = native_pair(certs)
+    posted = vp.FLAG_NO_REPLY
+    before = client.stats()["seals"]
+    client.cork()
+    for i in range(8):
+        client.send_message(i, 12, posted, bytes([i]) * 4096)
+        client.send_messages([(100 + i, 12, posted, b"cqe" * 5)])
+    assert client.stats()["seals"] == before, "a held send was sealed before the run left"
+    client.uncork()
+    assert client.stats()["seals"] - before <= 3, "the run took a TLS write per send"  # 33 KiB: 16 KiB records
+    got = [server.receive(timeout=5) for _ in range(16)]
+    assert [m.header.msg_id for m in got] == [i for j in range(8) for i in (j, 100 + j)]
+    assert [bytes(m.payload) for m in got[::2]] == [bytes([i]) * 4096 for i in range(8)]
+    client.close()
+    server.close()
+
+
 def test_another_threads_message_takes_the_held_ones_first(certs):
     """A reply from the link reader (a register read answered while the worker holds DMA
     writes) must not pass them: PCIe's read completions push posted writes."""

@@ -205,14 +205,17 @@ typedef struct {
     int fdq_len;
     unsigned long long bytes_in, bytes_out, messages_in, messages_out;
     unsigned long long writes; /* write(2)s that sent bytes: what wakes the peer's reader, one each */
+    unsigned long long seals;  /* SSL_write calls: each seals at least one TLS record, opened by the peer */
     volatile int64_t last_rx_ns; /* when bytes last came (CLOCK_MONOTONIC): the heartbeat's "heard" */
     int drain_on_send; /* the thread that sends also owns `reader` (the forwarder): see stream_write */
     served_t served[5]; /* serve_requests: REGION_READ, REGION_WRITE, SYNC, HEARTBEAT, DMA_PUSH */
     int64_t spin_ns;    /* adaptive polling: spin this long before sleeping for bytes (0: off) */
     int rx_starved;     /* under `io`: the last SSL_read wanted the socket, so what is buffered is part of
                            a record at most (tls_has_pending) */
-    int corked;         /* posted messages of `corked_by` stay in the TLS buffer (Stream_cork), */
+    int corked;         /* posted messages of `corked_by` stay in the stream (Stream_cork), */
     pthread_t corked_by; /* under `send_order` */
+    size_t held;        /* bytes at the start of `tx` that held sends left there, not yet given to TLS
+                           (under `send_order`): the next send's stage begins after them */
 } Stream;
 
 #define RX_DRAIN_MAX (64u << 20) /* what a sender buffers from a peer that sends while not reading */
@@ -437,6 +440,7 @@ static int stream_write(Stream *s, const unsigned char *buf, size_t len, int flu
             int r = SSL_write_ex(s->ssl, buf + pos, len - pos, &n);
             if (r == 1) {
                 pos += n;
+                s->seals++;
                 pthread_mutex_unlock(&s->io);
                 continue;
             }
@@ -872,7 +876,8 @@ static int parts_get(PyObject *payload, parts_t *p)
 }
 
 /* Staged output: small pieces are gathered into one write (one TLS record, one segment),
- * large ones written from where they are, after what was staged before them. */
+ * large ones written from where they are, after what was staged before them. A stage begins
+ * after what held sends left in `tx` (stage_begin), so those go first, whoever sends next. */
 typedef struct {
     Stream *s;
     size_t staged;
@@ -880,6 +885,14 @@ typedef struct {
     char *err;
     size_t errlen;
 } stage_t;
+
+/* A send's stage (send_order held): it takes over the bytes held sends left in `tx`. */
+static stage_t stage_begin(Stream *s, int64_t deadline, char *err, size_t errlen)
+{
+    stage_t st = {.s = s, .staged = s->held, .deadline = deadline, .err = err, .errlen = errlen};
+    s->held = 0;
+    return st;
+}
 
 static int stage_put(stage_t *st, const unsigned char *data, size_t len)
 {
@@ -911,11 +924,19 @@ static int stage_parts(stage_t *st, const unsigned char *head, size_t head_len, 
 }
 
 /* The end of a send: what is staged, and every TLS record of the send (and of the posted
- * messages held before it), leave now; unless `hold`: then the records stay in the buffer BIO
- * (which still writes out whenever it fills) for the next send that does not hold. */
+ * messages held before it), leave now; unless `hold`: then what is staged stays in `tx` as
+ * plaintext (records already made stay in the buffer BIO, which still writes out whenever it
+ * fills) for the next send that does not hold. Held plaintext is what makes a corked run of
+ * small messages (a command's data, its completion, the next command's...) one TLS record for
+ * both ends to seal and open, not one per send. */
 static int stage_end(stage_t *st, int hold)
 {
-    int r = stream_write(st->s, st->s->tx, st->staged, !hold, st->deadline, st->err, st->errlen);
+    if (hold) {
+        st->s->held = st->staged;
+        st->staged = 0;
+        return 0;
+    }
+    int r = stream_write(st->s, st->s->tx, st->staged, 1, st->deadline, st->err, st->errlen);
     st->staged = 0;
     return r;
 }
@@ -930,7 +951,7 @@ static int holds(Stream *s, int all_posted)
 static int write_parts_held(Stream *s, const unsigned char *head, size_t head_len, parts_t *p, int64_t deadline,
                             char *err, size_t errlen, int hold)
 {
-    stage_t st = {.s = s, .staged = 0, .deadline = deadline, .err = err, .errlen = errlen};
+    stage_t st = stage_begin(s, deadline, err, errlen);
     int r = stage_parts(&st, head, head_len, p);
     return r ? r : stage_end(&st, hold);
 }
@@ -1060,9 +1081,8 @@ static PyObject *Stream_send_messages(Stream *self, PyObject *arg)
     }
     char err[256] = "";
     int r = 0;
-    stage_t st = {.s = self, .staged = 0, .deadline = deadline_after(self->send_timeout), .err = err,
-                  .errlen = sizeof err};
     lock_released(&self->send_order);
+    stage_t st = stage_begin(self, deadline_after(self->send_timeout), err, sizeof err);
     int hold = holds(self, all_posted);
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; !r && i < n; i++)
@@ -1083,8 +1103,10 @@ done:
     return result;
 }
 
-/* cork(): from now on the posted messages this thread sends stay in the TLS write buffer
- * (encrypted: their buffers may change after the call), and leave together with whatever is
+/* cork(): from now on the posted messages this thread sends stay in the stream (copied into
+ * `tx`, sealed into one TLS record when they leave: their buffers may change after the call;
+ * one larger than the stage is sealed at once and waits in the TLS write buffer), and leave
+ * together with whatever is
  * sent next that does not stay (a request, a reply, another thread's message: stream order is
  * kept for all of them) or at uncork(); a full buffer (256 KiB) still writes out. A device's
  * DMA writes and the interrupt after them are one write(2) then, not one each: on veth every
@@ -1106,9 +1128,11 @@ static PyObject *Stream_uncork(Stream *self, PyObject *unused)
     lock_released(&self->send_order);
     int was = self->corked;
     self->corked = 0;
-    if (was && self->ssl) {
+    if ((was || self->held) && self->ssl) {
+        size_t held = self->held;
+        self->held = 0;
         Py_BEGIN_ALLOW_THREADS
-        r = stream_write(self, self->tx, 0, 1, deadline_after(self->send_timeout), err, sizeof err);
+        r = stream_write(self, self->tx, held, 1, deadline_after(self->send_timeout), err, sizeof err);
         Py_END_ALLOW_THREADS
     }
     pthread_mutex_unlock(&self->send_order);
@@ -1226,9 +1250,9 @@ static PyObject *Stream_close(Stream *self, PyObject *unused)
 
 static PyObject *Stream_stats(Stream *self, PyObject *unused)
 {
-    return Py_BuildValue("{sKsKsKsKsKsn}", "bytes_in", self->bytes_in, "bytes_out", self->bytes_out, "messages_in",
-                         self->messages_in, "messages_out", self->messages_out, "writes", self->writes, "buffered",
-                         (Py_ssize_t)(self->rx.end - self->rx.start));
+    return Py_BuildValue("{sKsKsKsKsKsKsn}", "bytes_in", self->bytes_in, "bytes_out", self->bytes_out,
+                         "messages_in", self->messages_in, "messages_out", self->messages_out, "writes", self->writes,
+                         "seals", self->seals, "buffered", (Py_ssize_t)(self->rx.end - self->rx.start));
 }
 
 static PyObject *Stream_get_send_timeout(Stream *self, void *closure)
@@ -1316,7 +1340,7 @@ static PyMethodDef Stream_methods[] = {
     {"fileno", (PyCFunction)Stream_fileno, METH_NOARGS, "The socket's descriptor (-1 once closed)."},
     {"shutdown", (PyCFunction)Stream_shutdown, METH_NOARGS, "Shut both directions down; wakes waiters."},
     {"close", (PyCFunction)Stream_close, METH_NOARGS, "Shut down and free the descriptor."},
-    {"stats", (PyCFunction)Stream_stats, METH_NOARGS, "Byte, message and write(2) counters."},
+    {"stats", (PyCFunction)Stream_stats, METH_NOARGS, "Byte, message, write(2) and TLS write (seals) counters."},
     {"peer_certificate", (PyCFunction)Stream_peer_certificate, METH_NOARGS,
      "The peer's certificate (DER bytes), None on plain TCP."},
     {NULL},

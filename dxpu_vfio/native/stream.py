@@ -158,8 +158,9 @@ class NativeConnection:
             raise ConnectionClosed(str(exc)) from exc
 
     def cork(self) -> None:
-        """This thread's posted messages stay in the TLS buffer until the next send that
-        does not, or :meth:`uncork` (``Stream_cork`` in fastlink.c says why)."""
+        """This thread's posted messages stay in the stream until the next send that does
+        not, or :meth:`uncork`, and then leave as one write and as few TLS records as they
+        fit (``Stream_cork`` in fastlink.c says why)."""
         self.stream.cork()
 
     def uncork(self) -> None:
