@@ -386,9 +386,11 @@ class PciFunction:
         """Several DMA writes in order (scatter lists): sent together on a remote port."""
         self._dma_port_checked().write_many(pieces)
 
-    def dma_write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
-        """A file's bytes DMA-written to the pieces (see :meth:`DmaPort.write_from_file`)."""
-        self._dma_port_checked().write_from_file(pieces, fd, offset)
+    def dma_write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int,
+                            then: Sequence[tuple[int, bytes]] = ()) -> None:
+        """A file's bytes DMA-written to the pieces, then ``then``'s writes (see
+        :meth:`DmaPort.write_from_file`)."""
+        self._dma_port_checked().write_from_file(pieces, fd, offset, then)
 
     def dma_read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
         """The pieces DMA-read into a file (see :meth:`DmaPort.read_into_file`)."""

@@ -107,7 +107,8 @@ def command(config: ConfigSpace) -> int:
 
 
 def bus_master_enabled(config: ConfigSpace) -> bool:
-    return bool(command(config) & CMD_BUS_MASTER)
+    """Bus Master Enable (Command bit 2). Read from the byte itself: every DMA asks."""
+    return bool(config.data[COMMAND] & CMD_BUS_MASTER)
 
 
 def intx_disabled(config: ConfigSpace) -> bool:

@@ -37,7 +37,7 @@ import struct
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .backing import punch_hole, write_all, zero_range
@@ -193,6 +193,19 @@ class CommandError(Exception):
     def __init__(self, status: Status) -> None:
         super().__init__(f"status {status.name} ({status:#x})")
         self.status = status
+
+
+@dataclass(frozen=True)
+class ReadData:
+    """A Read's transfer, checked and not yet made: the file's bytes from ``offset`` to the
+    PRP ``segments``. :meth:`NvmeController._complete` moves them together with the command's
+    completion entry, so on a box the data and the entry are one DMA write (one message and
+    one call into the link, not two), in that order: the entry never passes its data."""
+
+    segments: list[tuple[int, int]]
+    fd: int
+    offset: int
+    length: int
 
 
 @dataclass
@@ -780,7 +793,7 @@ class NvmeController(PciFunction):
     def _execute(self, sq: Queue, sqe: memoryview, lists: dict[tuple[int, int], bytes] | None = None,
                  fetched: WriteData | None = None, held: dict[int, Queue] | None = None) -> None:
         opcode, cid = sqe[0], struct.unpack_from("<H", sqe, 2)[0]
-        result: int | Deferred = 0
+        result: int | Deferred | ReadData = 0
         status = Status.SUCCESS
         try:
             result = (self._admin(opcode, sqe) if sq.qid == 0 else self._io(opcode, sqe, lists, fetched)) or 0
@@ -795,24 +808,33 @@ class NvmeController(PciFunction):
             status = Status.INTERNAL_ERROR
         if result is Deferred.HELD:
             return
+        if isinstance(result, ReadData):
+            if held is not None:  # a run on the worker: nothing completes between slot and entry
+                self._complete(sq, cid, status, 0, held, result)
+                return
+            # on a pool the slot is taken once the data is there: a slow transfer must not
+            # keep the completions of the commands beside it from the guest
+            status, result = self._move_read(result) or Status.SUCCESS, 0
         if sq.qid == 0 and status in REFUSED:  # what a driver asked that is not served: worth knowing
             log.info("NVMe admin opcode %#x (CDW10 %#x) refused: %s", opcode,
                      struct.unpack_from("<I", sqe, 40)[0], status.name)
             self._count("admin_refused")
         self._complete(sq, cid, status, result, held)
 
-    def _complete(self, sq: Queue, cid: int, status: Status, result: int, held: dict[int, Queue] | None = None) -> None:
+    def _complete(self, sq: Queue, cid: int, status: Status, result: int, held: dict[int, Queue] | None = None,
+                  data: ReadData | None = None) -> None:
         """Post a completion: the CQ slot, phase and the SQ head it reports are taken under
-        the lock (several threads complete at once); the entry is written without it."""
+        the lock (several threads complete at once); the entry is written without it. A
+        Read's ``data`` is moved first, in the same DMA write; if that fails, the entry
+        alone says so (Unrecovered Read Error for the file, Data Transfer Error for DMA)."""
         with self.lock:
             cq = self.cqs.get(sq.cqid)
             if self.sqs.get(sq.qid) is not sq or cq is None:
                 return  # the queue pair was deleted or the controller reset
             self.stats_counters["commands"] += 1
             self.stats_counters["errors"] += status != Status.SUCCESS
-            field = status | DNR if status in NO_RETRY else status
-            entry = struct.pack("<IIHHHH", result & 0xFFFFFFFF, 0, sq.head, sq.qid, cid,
-                                (field << 1) | cq.phase)
+            head, phase = sq.head, cq.phase
+            entry = self._entry(result, head, sq.qid, cid, status, phase)
             addr = cq.base + cq.tail * 16
             cq.tail = (cq.tail + 1) % cq.size
             if cq.tail == 0:
@@ -822,7 +844,11 @@ class NvmeController(PciFunction):
                 slots = None
             event = (cq.tail - 1) % cq.size
         try:
-            self.dma_write(addr, entry)
+            if data is None:
+                self.dma_write(addr, entry)
+            elif (failed := self._move_read(data, [(addr, entry)])) is not None:
+                self._count("errors")
+                self.dma_write(addr, self._entry(0, head, sq.qid, cid, failed, phase))
             if slots is not None:  # INTx stays asserted until every CQ is consumed: the
                 # guest must ring the head doorbell once it has taken this entry
                 self.dma_write(slots[1], struct.pack("<I", event))
@@ -832,6 +858,26 @@ class NvmeController(PciFunction):
             held[cq.qid] = cq
         else:
             self._signal((cq,))
+
+    @staticmethod
+    def _entry(result: int, sq_head: int, sqid: int, cid: int, status: Status, phase: int) -> bytes:
+        field = status | DNR if status in NO_RETRY else status
+        return struct.pack("<IIHHHH", result & 0xFFFFFFFF, 0, sq_head, sqid, cid, (field << 1) | phase)
+
+    def _move_read(self, data: ReadData, then: Sequence[tuple[int, bytes]] = ()) -> Status | None:
+        """A Read's file bytes into guest memory, then ``then`` (its completion entry): one
+        DMA write. None if it was all written, else the status the command completes with
+        instead (the file's error, or the DMA's, which is checked whole before the file is
+        read)."""
+        try:
+            with _FileErrors(Status.UNRECOVERED_READ_ERROR):
+                self.dma_write_from_file(data.segments, data.fd, data.offset, then)
+        except CommandError as exc:
+            return exc.status
+        except DmaError:
+            return Status.DATA_TRANSFER_ERROR
+        self._count("bytes_read", data.length)
+        return None
 
     def _signal(self, cqs) -> None:
         """Raise the interrupt of each CQ that still exists and asked for one."""
@@ -1031,7 +1077,7 @@ class NvmeController(PciFunction):
 
     # --- I/O commands --------------------------------------------------------------------------
     def _io(self, opcode: int, sqe: memoryview, lists: dict[tuple[int, int], bytes] | None = None,
-            fetched: WriteData | None = None) -> int:
+            fetched: WriteData | None = None) -> int | ReadData:
         nsid = struct.unpack_from("<I", sqe, 4)[0]
         ns = self.namespaces.get(nsid)
         if ns is None:
@@ -1050,11 +1096,8 @@ class NvmeController(PciFunction):
             offset, length = slba << LBA_SHIFT, nlb << LBA_SHIFT
             if opcode != IoOpcode.WRITE_ZEROES and length > (PAGE << MDTS):
                 raise CommandError(Status.INVALID_FIELD)
-            if opcode == IoOpcode.READ:
-                segments = self._segments(prp1, prp2, length, lists)  # the PRPs are checked before the file is read
-                with _FileErrors(Status.UNRECOVERED_READ_ERROR):  # a DmaError passes: Data Transfer Error
-                    self.dma_write_from_file(segments, ns.fd, offset)  # locally: preadv into guest memory
-                self._count("bytes_read", length)
+            if opcode == IoOpcode.READ:  # the PRPs are checked here; the data moves with the completion
+                return ReadData(self._segments(prp1, prp2, length, lists), ns.fd, offset, length)
             elif opcode == IoOpcode.WRITE:
                 with _FileErrors(Status.WRITE_FAULT):  # all of it on the file, or a write fault
                     if fetched is not None and fetched.pieces is not None:  # read with the rest of its batch

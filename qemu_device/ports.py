@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Callable, ContextManager, NamedTuple, Protocol
+from typing import Callable, ContextManager, NamedTuple, Protocol, Sequence
 
 from qemu_device.backing import write_all
 
@@ -79,11 +79,14 @@ class DmaPort(Protocol):
         (an accelerator's copy to VRAM, a storage write)."""
         ...
 
-    def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
+    def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int,
+                        then: Sequence[tuple[int, bytes]] = ()) -> None:
         """Device-to-guest DMA of a file's bytes (a storage read): the pieces, in order,
-        get the file's bytes from ``offset`` (zeroes past its end). OSError for the file,
-        DmaError for the DMA, which is checked whole before the file is read. On local
-        memory the file is read straight into guest memory (one preadv, no copy between)."""
+        get the file's bytes from ``offset`` (zeroes past its end), and then the writes of
+        ``then`` are made, in order (a read's completion entry: on a network one message
+        with its data). OSError for the file, DmaError for the DMA, which is checked whole
+        before the file is read; neither leaves ``then`` written. On local memory the file
+        is read straight into guest memory (one preadv, no copy between)."""
         ...
 
     def read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
@@ -108,16 +111,18 @@ class DmaPort(Protocol):
         ...
 
 
-def file_to_guest(port: DmaPort, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
+def file_to_guest(port: DmaPort, pieces: list[tuple[int, int]], fd: int, offset: int,
+                  then: Sequence[tuple[int, bytes]] = ()) -> None:
     """:meth:`DmaPort.write_from_file` through a buffer: the file read whole, then the
-    port's ``write_many`` (for ports that cannot place file data in guest memory)."""
+    port's ``write_many`` of its pieces and ``then`` (for ports that cannot place file data
+    in guest memory; on a network that is one message)."""
     total = sum(n for _, n in pieces)
     data = memoryview(os.pread(fd, total, offset).ljust(total, b"\0"))
     out, pos = [], 0
     for addr, n in pieces:
         out.append((addr, data[pos:pos + n]))
         pos += n
-    port.write_many(out)
+    port.write_many(out + list(then))
 
 
 def guest_to_file(port: DmaPort, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
@@ -138,8 +143,9 @@ class ScatterByPieces:
     def watch_ring(self, slot: int, ring: Ring | None) -> None:
         pass   # local memory: a fetch is a copy, there is no round trip to save
 
-    def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
-        file_to_guest(self, pieces, fd, offset)  # type: ignore[arg-type]
+    def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int,
+                        then: Sequence[tuple[int, bytes]] = ()) -> None:
+        file_to_guest(self, pieces, fd, offset, then)  # type: ignore[arg-type]
 
     def read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
         guest_to_file(self, pieces, fd, offset)  # type: ignore[arg-type]

@@ -348,6 +348,21 @@ def test_a_scatter_list_of_writes_goes_as_few_dma_writev_messages_in_order(link,
     assert port.bytes_written == sum(n for _, n in pieces)
 
 
+def test_a_files_bytes_and_the_writes_after_them_are_one_dma_writev(link, tmp_path):
+    """An NVMe Read on a box: the file's bytes for the PRP pages, then the completion entry
+    (``then``), as one posted DMA_WRITEV in that order, not a message for each."""
+    _port, host, endpoint = link
+    port = LinkDmaPort(endpoint, writev=True)
+    backing = tmp_path / "disk"
+    backing.write_bytes(os.urandom(3 * 4096))
+    entry = bytes(range(16))
+    with open(backing, "rb") as f:
+        port.write_from_file([(0x20000, 1024), (0x31000, 4096)], f.fileno(), 4096, then=[(0x8000, entry)])
+    assert port.read(0x1000, 8) == b"\xab" * 8  # non-posted: what was posted before it has arrived
+    assert host.written == [("DMA_WRITEV", [(0x20000, 1024), (0x31000, 4096), (0x8000, 16)],
+                             backing.read_bytes()[4096:4096 + 5120] + entry)]
+
+
 # --- ring entries pushed with their doorbell (RING_WATCH / DMA_PUSH) ---------------------------
 RING, ENTRIES, ES = 0x40000, 16, 64
 

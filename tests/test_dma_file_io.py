@@ -46,6 +46,8 @@ def test_a_scattered_read_lands_page_by_page_and_past_the_end_is_zeroes(backing)
     assert os.pread(ram, 12288, 0x8000) == pattern[8192:] + bytes(4096)
     assert os.pread(ram, 4096, 0x2000) == b"\xee" * 4096  # between the pieces: untouched
     assert table.bytes_written == 20480
+    table.write_from_file([(BASE + 0x3000, 512)], backing, 512, then=[(BASE + 0x20, b"entry")])  # a read's completion
+    assert os.pread(ram, 512, 0x3000) == pattern[512:1024] and os.pread(ram, 5, 0x20) == b"entry"
     table.clear()  # no view left on the mapping: it closes
 
 

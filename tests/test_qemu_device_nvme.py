@@ -477,6 +477,30 @@ def test_io_inline_by_default_runs_commands_in_order(tmp_path):
     assert drv.dev.close()
 
 
+def test_a_reads_data_and_its_completion_entry_are_one_dma_write_on_the_worker(tmp_path):
+    """On the worker a Read's file bytes and then its completion entry go to the port as one
+    scatter list (on a box: one DMA_WRITEV, not one for the data and one for the entry), the
+    entry after its data; a Read whose PRP is refused still completes, its entry alone."""
+    drv, _ = enabled_controller(tmp_path, io_workers=0)
+    drv.io_queues(1)
+    batches: list[list[tuple[int, int]]] = []
+    write_many = drv.ram.write_many
+    drv.ram.write_many = lambda pieces: (batches.append([(a, len(d)) for a, d in pieces]), write_many(pieces))
+    a, b = bufs(2)
+    os.pwrite(drv.dev.namespaces[1].fd, b"\x5a" * 4096, 8 * 512)
+    bad = BUF - 0x10000000  # not guest RAM
+    cids = [drv.read(1, a), drv.read(1, b, lba=8), drv.read(1, bad)]
+    drv.ring(1)
+    got = drv.reap(1, 3)
+    assert [cid for cid, *_ in got] == cids
+    assert [status for _, status, *_ in got] == [0, 0, nvme.Status.DATA_TRANSFER_ERROR]
+    cq = cq_base(1)
+    assert batches == [[(a, 4096), (cq, 16)], [(b, 4096), (cq + 16, 16)], [(bad, 4096), (cq + 32, 16)]]
+    assert drv.ram.calls[-1] == ("write", cq + 32, 16), "the refused Read's entry was not written alone"
+    assert bytes(drv.ram.ram[b - RAM_BASE:b - RAM_BASE + 4096]) == b"\x5a" * 4096
+    assert drv.dev.close()
+
+
 def test_doorbells_while_the_worker_is_busy_queue_one_more_round_not_one_each(tmp_path):
     """Four doorbells that come while the worker runs a command: the worker takes their
     entries when it is free, and one more round of the queue is queued for all of them

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Sequence
 
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
 from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, MAX_READV_RANGES, MAX_WRITEV_BYTES, LinkCommand,
@@ -355,8 +355,9 @@ class LinkDmaPort:
         IRQ port posts on the same stream) of this thread leave as one write."""
         return self.endpoint.posted_together()
 
-    def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
-        file_to_guest(self, pieces, fd, offset)
+    def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int,
+                        then: Sequence[tuple[int, bytes]] = ()) -> None:
+        file_to_guest(self, pieces, fd, offset, then)  # data and ``then``: one DMA_WRITEV
 
     def read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
         """A read that is one DMA_READV request (an NVMe Write of up to 128 KiB) goes to the

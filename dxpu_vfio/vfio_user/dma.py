@@ -26,7 +26,7 @@ import os
 import stat
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from dxpu_vfio.vfio_user.protocol import DMA_FLAG_READ, DMA_FLAG_WRITE, PAGE_SIZE
 from qemu_device.backing import write_all
@@ -177,10 +177,14 @@ class DmaTable(ScatterByPieces):
         scatter list that is written whole or not at all."""
         self._pieces_many(ranges, DMA_FLAG_WRITE)
 
-    def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
-        """The file read straight into guest memory: one preadv over the mapped pieces."""
+    def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int,
+                        then: Sequence[tuple[int, bytes]] = ()) -> None:
+        """The file read straight into guest memory: one preadv over the mapped pieces,
+        then ``then``'s writes."""
         if not self._file_io(pieces, fd, offset, DMA_FLAG_WRITE):
-            super().write_from_file(pieces, fd, offset)
+            super().write_from_file(pieces, fd, offset, then)
+        elif then:
+            self.write_many(then)
 
     def read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
         """Guest memory written to the file straight from the mapping: one pwritev."""
