@@ -199,6 +199,37 @@ def test_dma_without_fd_uses_messages(server):
     client.close()
 
 
+@pytest.mark.parametrize("reply", ["short data", "another count"])
+def test_a_message_dma_read_answered_wrong_is_a_dma_error_for_the_device(server, reply):
+    """Found by scripts/fuzz.py: a client answered an NVMe queue fetch's DMA_READ with 2
+    bytes and the controller's worker died parsing them. A reply that does not answer
+    what was asked is a DMA error for the device (the copy engine's status 3), and the
+    server goes on."""
+    client = connect(server)
+    client.dma_map(GUEST_BASE, 65536)  # no fd: the server asks us by message
+    enable_bus_master(client)
+    send = client.conn.send
+
+    def answer_wrong(data: bytes, *rest) -> None:
+        header = p.Header.unpack(data[:p.HEADER_SIZE])
+        if header.command == p.Command.DMA_READ and header.is_reply and not header.is_error:
+            body = data[p.HEADER_SIZE:]
+            address, count = p.DMA_RW.unpack_from(body)
+            cut = 2 if reply == "another count" else count
+            body = p.DMA_RW.pack(address, cut) + body[p.DMA_RW.size:p.DMA_RW.size + 2]
+            data = p.message(header.msg_id, header.command, body, reply=True)
+        send(data, *rest)
+
+    client.conn.send = answer_wrong
+    for reg, value in ((0x20, GUEST_BASE), (0x28, GUEST_BASE + 8192), (0x30, 64), (0x34, 1)):
+        client.write32(BAR0, reg, value)
+    assert wait_dma(client) == 3
+    client.conn.send = send
+    client.write32(BAR0, 0x34, 1)
+    assert wait_dma(client) == 2  # the same copy, answered right
+    client.close()
+
+
 def test_dma_outside_the_windows_is_refused_and_counted(server, guest_ram):
     fd, ram = guest_ram
     client = connect(server)
