@@ -405,6 +405,17 @@ class DmaAccess:
                 raise ProtocolError(f"DMA data of {len(data)} bytes, expected {count}")
         return cls(address, count, data)
 
+    @classmethod
+    def answer(cls, payload: bytes | memoryview, address: int, count: int) -> memoryview:
+        """The data of a DMA_READ reply, if it answers the read of ``count`` bytes at
+        ``address`` (that address, that many bytes); else ProtocolError. A device must never
+        get a short buffer to parse (scripts/fuzz.py found one: 2 bytes for a 64-byte fetch)."""
+        got = cls.unpack(payload, with_data=True)
+        if got.address != address or got.count != count:
+            raise ProtocolError(f"a DMA read of {count} bytes at {address:#x} answered with "
+                                f"{got.count} bytes at {got.address:#x}")
+        return got.data  # type: ignore[return-value]
+
     def pack(self) -> bytes:
         return DMA_RW.pack(self.address, self.count) + self.data
 
