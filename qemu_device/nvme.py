@@ -54,6 +54,8 @@ LBA_SHIFT = 9  # 512-byte blocks
 MAX_QUEUES = 8  # I/O queue pairs
 MQES = 1023  # max queue entries - 1
 MDTS = 5  # max transfer 2^5 pages = 128 KiB
+PRP2_OFFSET = 32  # in a submission queue entry
+PRP_LIST_PUSH = 8 << MDTS  # the most of a PRP list a transfer of MDTS reads (one entry a page, one more unaligned)
 IO_WORKERS = 0  # I/O commands on the worker itself, in order; N > 0: a pool of N threads
 PREFETCH_BYTES = 4 << 20  # the most write data one batch reads ahead (16 commands of 128 KiB: 2 MiB)
 # An interrupt waits for the next batch only while the completions it covers moved at most
@@ -1050,8 +1052,10 @@ class NvmeController(PciFunction):
         with self.lock:
             self.sqs[qid] = Queue(qid, base & ~0xFFF, size, cqid=cqid)
             self.cqs[cqid].sq_ids.add(qid)
-            # on a box the host then sends a doorbell's commands with it: no round trip to fetch them
-            self.dma_watch_ring(qid, Ring(0, DOORBELLS + 8 * qid, base & ~0xFFF, 64, size))
+            # on a box the host then sends a doorbell's commands with it, and the PRP list each
+            # one's PRP2 may point to: no round trip to fetch them
+            self.dma_watch_ring(qid, Ring(0, DOORBELLS + 8 * qid, base & ~0xFFF, 64, size,
+                                          pointer_offset=PRP2_OFFSET, pointer_bytes=PRP_LIST_PUSH))
 
     def _delete_queue(self, qid: int, cq: bool) -> None:
         with self.lock:

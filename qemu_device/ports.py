@@ -27,7 +27,10 @@ Sink = Callable[[int, memoryview], None]
 class Ring(NamedTuple):
     """A ring of entries in guest memory whose new tail index the driver writes to a doorbell
     register (4 bytes at ``doorbell`` of BAR ``region``): an accelerator's command ring, an
-    NVMe submission queue. ``tail``: where the device stands now."""
+    NVMe submission queue. ``tail``: where the device stands now. With ``pointer_bytes``:
+    each entry's little-endian u64 at ``pointer_offset`` names memory the device reads next,
+    up to that many bytes within its 4 KiB page (an NVMe command's PRP list), which a port
+    may send along with the entry."""
 
     region: int
     doorbell: int
@@ -35,6 +38,8 @@ class Ring(NamedTuple):
     entry_size: int
     entries: int
     tail: int = 0
+    pointer_offset: int = 0
+    pointer_bytes: int = 0
 
 
 class DmaPort(Protocol):

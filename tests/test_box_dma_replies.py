@@ -414,6 +414,50 @@ def test_pushed_entries_are_never_served_stale(link):
     assert port.pushes == 3 and endpoint.up     # the two pushes and the empty one
 
 
+def prp_port(endpoint) -> LinkDmaPort:
+    """A ring port whose entries point (u64 at 32) to 256 bytes the device reads next: an NVMe SQ's PRP2."""
+    port = LinkDmaPort(endpoint, readv=True, ring_push=True)
+    port.watch_ring(3, Ring(0, 0x3C, RING, ES, ENTRIES, 0, pointer_offset=32, pointer_bytes=256))
+    return port
+
+
+def test_what_pushed_entries_point_to_is_read_once_without_a_round_trip(link):
+    """A 128 KiB NVMe Read's PRP list comes with its command: the device's read of it (or of
+    its first part) is served from the push, once; the next read of it is the network's."""
+    _port, host, endpoint = link
+    port = prp_port(endpoint)
+    lists = b"\x61" * 256 + b"\x62" * 16
+    port.pushed(memoryview(pack_push(3, [(RING, 2 * ES)], [(0x9000, 256), (0xAFF0, 16)]) + bytes(2 * ES) + lists))
+    assert port.read_many([(0x9000, 248), (0xAFF0, 16)]) == [b"\x61" * 248, b"\x62" * 16]
+    assert port.requests == 0 and port.pointed_reads == 2
+    assert port.read_many([(0x9000, 248)]) == [page_marks(0x9000, 248)] and port.requests == 1
+    assert port.read_many([(0xAFF0, 32)]) == [page_marks(0xAFF0, 32)]    # more than was pushed: the network's
+    assert host.watches == [RingWatch(3, 0, 0x3C, RING, ES, ENTRIES, 0, 32, 256)]
+
+
+def test_what_entries_point_to_is_never_served_stale(link):
+    """A newer push's bytes replace an older one's at the same address; an empty range (the
+    host could not read there) forgets that address; POINTED_UNKNOWN, an empty push and a
+    push that breaks the ring's rules forget them all."""
+    _port, host, endpoint = link
+    port = prp_port(endpoint)
+
+    def pointed(ranges, marks, unknown=False):
+        data = b"".join(bytes([m]) * n for (_, n), m in zip(ranges, marks))
+        port.pushed(memoryview(pack_push(3, [(RING, ES)], ranges, unknown) + bytes(ES) + data))
+
+    pointed([(0x9000, 64), (0xA000, 64)], [1, 2])
+    pointed([(0x9000, 64), (0xA000, 0)], [3, 0])
+    assert port.read_many([(0x9000, 64)]) == [b"\x03" * 64]
+    assert port.read_many([(0xA000, 64)]) == [page_marks(0xA000, 64)]
+    for forget in (lambda: pointed([], [], unknown=True), lambda: port.pushed(memoryview(pack_push(3, []))),
+                   lambda: port.pushed(memoryview(pack_push(3, [(RING + 8, ES)]) + bytes(ES)))):
+        pointed([(0xB000, 64)], [4])
+        forget()
+        assert port.read_many([(0xB000, 64)]) == [page_marks(0xB000, 64)]
+    assert port.pointed_reads == 1 and endpoint.up
+
+
 def test_a_withdrawn_ring_takes_no_pushes_and_a_host_without_the_feature_is_not_asked(link):
     _port, host, endpoint = link
     port = ring_port(endpoint, host)

@@ -126,9 +126,22 @@ def test_a_ring_watch_and_a_push_round_trip():
     watch = RingWatch(5, 0, 0x1028, 0x7000_0000, 64, 1024, 17)
     assert RingWatch.unpack(watch.pack()) == watch
     assert RingWatch.unpack(RingWatch(5).pack()) == RingWatch(5)          # withdrawn: nothing else counts
-    slot, ranges, data = unpack_push(pack_push(5, [(0x7000_0000, 128), (0x7000_1000, 64)]) + bytes(192))
-    assert (slot, ranges, len(data)) == (5, [(0x7000_0000, 128), (0x7000_1000, 64)], 192)
-    assert unpack_push(pack_push(1, []))[1] == []                           # empty: forget what was pushed
+    slot, ranges, data, pointed, unknown = unpack_push(pack_push(5, [(0x7000_0000, 128), (0x7000_1000, 64)])
+                                                       + bytes(192))
+    assert (slot, ranges, len(data), pointed, unknown) == (5, [(0x7000_0000, 128), (0x7000_1000, 64)], 192, [], False)
+    assert unpack_push(pack_push(1, [])).ranges == []                       # empty: forget what was pushed
+
+
+def test_a_ring_watch_with_a_pointer_and_a_push_with_what_entries_point_to_round_trip():
+    """An NVMe SQ's watch names PRP2 (offset 32) and 256 bytes; its push carries the entries,
+    then for each entry's pointer the bytes there (empty: the host could not read them)."""
+    watch = RingWatch(2, 0, 0x1010, 0x7000_0000, 64, 32, 3, pointer_offset=32, pointer_bytes=256)
+    assert RingWatch.unpack(watch.pack()) == watch
+    entries, lists = bytes(range(128)), b"\xaa" * 256 + b"\xbb" * 16
+    push = unpack_push(pack_push(2, [(0x7000_0000, 128)], [(0x5000, 256), (0x6FF0, 16), (0x9000, 0)], True)
+                       + entries + lists)
+    assert (push.slot, push.ranges, bytes(push.data), push.pointed_unknown) == (2, [(0x7000_0000, 128)], entries, True)
+    assert [(a, bytes(d)) for a, d in push.pointed] == [(0x5000, b"\xaa" * 256), (0x6FF0, b"\xbb" * 16), (0x9000, b"")]
 
 
 @pytest.mark.parametrize("watch, why", [
@@ -137,6 +150,8 @@ def test_a_ring_watch_and_a_push_round_trip():
     (RingWatch(0, 0, 0, 0, 64, 8, 8), "tail 8"),
     (RingWatch(0, 0, 0, (1 << 64) - 64, 64, 8), "entries of 64 bytes"),
     (RingWatch(0, 0, 0, 0, 64, MAX_RING_ENTRIES + 1), "entries of 64 bytes"),
+    (RingWatch(0, 0, 0, 0, 64, 8, pointer_offset=60, pointer_bytes=256), "pointer of 256 bytes at offset 60"),
+    (RingWatch(0, 0, 0, 0, 64, 8, pointer_offset=32, pointer_bytes=4097), "pointer of 4097 bytes"),
 ])
 def test_a_ring_the_host_cannot_watch_is_refused_naming_what_is_wrong(watch, why):
     with pytest.raises(ProtocolError, match=why):
@@ -146,11 +161,17 @@ def test_a_ring_the_host_cannot_watch_is_refused_naming_what_is_wrong(watch, why
 @pytest.mark.parametrize("payload, why", [
     (b"\0" * 7, "shorter than its head"),
     (pack_push(MAX_RING_SLOTS, []), "slot"),
-    (struct.pack("<II", 0, 3) + bytes(48), "3 ranges"),
+    (struct.pack("<II", 0, 3) + struct.pack("<QII", 0, 64, 0) * 3 + bytes(192), "range 2: 64 bytes"),  # 3 ring ranges
     (pack_push(0, [(0, 64)]) + bytes(63), "carries 63"),
     (pack_push(0, [(0, 64)])[:20], "in 20 bytes"),
     (pack_push(0, [(0, MAX_PUSH_BYTES + 64)]) + bytes(MAX_PUSH_BYTES + 64), "of 262208 bytes"),
     (pack_push(0, [((1 << 64) - 8, 64)]) + bytes(64), "range 0"),
+    (pack_push(0, [(0, 64)], [(0x1F00, 512)]) + bytes(576), "range 1: 512 bytes at 0x1f00"),  # crosses a page
+    (struct.pack("<II", 0, 2) + struct.pack("<QII", 0x1000, 8, 1) + struct.pack("<QII", 0, 64, 0)
+     + bytes(72), "range 1: 64 bytes at 0x0, kind 0"),                                        # ring after pointed
+    (pack_push(0, [(0, 64)])[:8] + struct.pack("<QII", 0, 64, 2) + bytes(64), "kind 2"),
+    (pack_push(0, [(0, 64)], [(0x1000, 8)] * 65) + bytes(64 + 65 * 8), "65 pointed ranges"),
+    (pack_push(0, [(0, 64)], [(0x1000, 8)]) + bytes(64 + 7), "carries 71"),
 ])
 def test_a_malformed_push_is_a_protocol_error_naming_what_is_wrong(payload, why):
     with pytest.raises(ProtocolError, match=why):

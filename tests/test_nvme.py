@@ -97,7 +97,7 @@ def test_shadow_doorbells_locally_an_mmio_doorbell_per_command_on_a_box(vm, plug
     shadow read would be a network round trip, it is not offered and every command rings."""
     att, ns1, _ = plugged
     before = mmio_writes(att.server)
-    pushes = pushed(att.server)
+    pushes, lists = pushed(att.server), pushed(att.server, "pointed")
     assert round_trip(vm, ns1, "bs=128k count=48", "oflag=direct", "iflag=direct")
     doorbells = mmio_writes(att.server) - before
     if served == "local":  # 96 commands of 128 KiB (MDTS) at depth 1: each finds the worker
@@ -108,11 +108,14 @@ def test_shadow_doorbells_locally_an_mmio_doorbell_per_command_on_a_box(vm, plug
         assert doorbells >= 96, f"only {doorbells} MMIO writes for 96 commands on a box"
         # and each SQ doorbell took its command along (DMA_PUSH): the box fetched none itself
         assert pushed(att.server) - pushes >= 96, "the host pushed no SQ entries with their doorbells"
+        # and each 128 KiB command's PRP list (32 pages) with it: the box read none of them itself
+        assert pushed(att.server, "pointed") - lists >= 96, "the host pushed no PRP lists with their commands"
 
 
-def pushed(server) -> int:
-    """SQ doorbells whose commands the host's C forwarder sent along (0 for a local device)."""
-    return server.stats()["device"].get("link", {}).get("native", {}).get("pushes", 0)
+def pushed(server, what: str = "pushes") -> int:
+    """SQ doorbells whose commands the host's C forwarder sent along (``pointed``: the PRP
+    lists it sent with them), 0 for a local device."""
+    return server.stats()["device"].get("link", {}).get("native", {}).get(what, 0)
 
 
 def queue_interrupts(vm, ctrl: str) -> dict[str, int]:

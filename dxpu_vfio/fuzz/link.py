@@ -278,15 +278,19 @@ class LinkTarget(ChildTarget):
 
     def _push(self, rng: random.Random):
         """A DMA_PUSH: ring entries for a slot the box may or may not watch (an NVMe SQ's, when
-        the box created one), whole entries or not, ranges that lie or a length that does."""
+        the box created one), whole entries or not, ranges that lie or a length that does; with
+        what the entries point to (PRP lists: empty, crossing a page, too many) or not."""
         slot = rng.choice((0, 1, 1, 2, 63, 64, edge(rng, 32)))
         ranges = [(rng.choice((0x1000, 0x10000, 0x200000, edge(rng))), rng.choice((64, 128, 4096, 0, edge(rng, 32))))
                   for _ in range(rng.choice((0, 1, 1, 2, 3)))]
+        pointed = [(rng.choice((0x3000, 0x3F80, 0x200000, edge(rng))), rng.choice((0, 8, 256, 4096, edge(rng, 32))))
+                   for _ in range(rng.choice((0, 0, 1, 4, 65)))]
         try:
-            head = pack_push(slot & 0xFFFFFFFF, [(a & (1 << 64) - 1, n & 0xFFFFFFFF) for a, n in ranges])
+            head = pack_push(slot & 0xFFFFFFFF, [(a & (1 << 64) - 1, n & 0xFFFFFFFF) for a, n in ranges],
+                             [(a & (1 << 64) - 1, n & 0xFFFFFFFF) for a, n in pointed], rng.random() < 0.1)
         except struct.error:
             head = rng.randbytes(8)
-        data = bytes(min(sum(n for _, n in ranges), 1 << 18))
+        data = bytes(min(sum(n for _, n in ranges + pointed), 1 << 18))
         payload = head + data
         if rng.random() < 0.2:
             payload = mutate_bytes(rng, payload, 1 << 18)

@@ -146,7 +146,8 @@ class RemoteFunction:
             self._forwarded = self._native_counters()  # keep what it did
         if forwarder is not None:  # the rings watched so far; their tails since are not known to it
             for w in list(self.rings.values()):  # a copy: the link's reader may add one meanwhile
-                forwarder.set_ring(w.slot, w.region, w.offset, w.base, w.entry_size, w.entries, -1)
+                forwarder.set_ring(w.slot, w.region, w.offset, w.base, w.entry_size, w.entries, -1,
+                                   w.pointer_offset, w.pointer_bytes)
         self._forwarder = forwarder
 
     def deliver(self, messages: list[tuple]) -> None:
@@ -473,7 +474,7 @@ class RemoteFunction:
             self.rings.pop(watch.slot, None)
         if self._forwarder is not None:
             self._forwarder.set_ring(watch.slot, watch.region, watch.offset, watch.base, watch.entry_size,
-                                     watch.entries, watch.tail)
+                                     watch.entries, watch.tail, watch.pointer_offset, watch.pointer_bytes)
 
     def _irq(self, msg) -> None:
         kind, vector, level = unpack_irq(msg.payload)

@@ -17,6 +17,7 @@ import json
 import secrets
 import struct
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from dxpu_vfio.vfio_user.protocol import MAX_DATA_XFER, ProtocolError
 
@@ -241,20 +242,30 @@ def unpack_writev(payload: bytes | memoryview) -> tuple[list[tuple[int, int]], m
 
 
 # --- RING_WATCH / DMA_PUSH: ring entries that travel with their doorbell -------------------
-RING_WATCH_MSG = struct.Struct("<IIQQIIII")  # slot, region, doorbell offset, base, entry size, entries, tail, 0
-PUSH_HEAD = struct.Struct("<II")  # slot, ranges (0..2)
+RING_WATCH_MSG = struct.Struct("<IIQQIIII")  # slot, region, doorbell offset, base, entry size, entries, tail,
+# pointer (offset in the entry, low 16 bits; bytes to push at it, high 16 bits; 0: none)
+PUSH_HEAD = struct.Struct("<II")  # slot, ranges (ring ranges 0..2, then pointed ones) | POINTED_UNKNOWN
 MAX_RING_SLOTS = 64  # watched rings per device (an NVMe controller's I/O queues)
 MAX_RING_ENTRIES = 1 << 16
 MAX_ENTRY_SIZE = 4096
 MAX_PUSH_BYTES = 256 << 10  # a doorbell announcing more is pushed empty (the box fetches it)
+POINTED_PAGE = 4096  # pointed bytes never cross this boundary (an NVMe PRP list page's)
+MAX_POINTED = 64  # pointed ranges a push carries at most (more: POINTED_UNKNOWN)
+RANGE_RING, RANGE_POINTED = 0, 1  # a push range's third field: entries of the ring, or bytes an entry points to
+POINTED_UNKNOWN = 1 << 31  # in the ranges count: this push's entries point to bytes it does not carry
 
 
 @dataclass(frozen=True)
 class RingWatch:
-    """A ring in guest memory whose new tail the guest writes to a doorbell register (a 4-byte
+    """A ring in guest memory whose new tail the driver writes to a doorbell register (a 4-byte
     posted write of the tail index at ``offset`` of BAR ``region``): the host, seeing that
     write, sends the entries from the tail it saw last to the new one as a DMA_PUSH just
-    before it, so the device's fetch of them is not a round trip. ``entries`` 0: no ring."""
+    before it, so the device's fetch of them is not a round trip. ``entries`` 0: no ring.
+
+    With ``pointer_bytes``, each entry's little-endian u64 at ``pointer_offset`` names memory
+    the device reads next (an NVMe command's PRP list): the push carries up to that many bytes
+    there too (not past the end of their 4 KiB page; nothing for a null pointer), so that
+    read is no round trip either."""
 
     slot: int
     region: int = 0
@@ -263,10 +274,12 @@ class RingWatch:
     entry_size: int = 0
     entries: int = 0
     tail: int = 0
+    pointer_offset: int = 0
+    pointer_bytes: int = 0
 
     def pack(self) -> bytes:
         return RING_WATCH_MSG.pack(self.slot, self.region, self.offset, self.base, self.entry_size, self.entries,
-                                   self.tail, 0)
+                                   self.tail, self.pointer_bytes << 16 | self.pointer_offset)
 
     def check(self) -> "RingWatch":
         """Itself, if the host can watch it (the rules the C forwarder's set_ring enforces
@@ -278,41 +291,77 @@ class RingWatch:
                                  and self.base + self.entries * self.entry_size <= 1 << 64):
             raise ProtocolError(f"RING_WATCH of {self.entries} entries of {self.entry_size} bytes at "
                                 f"{self.base:#x}, tail {self.tail}")
+        if self.pointer_bytes and not (self.pointer_bytes <= POINTED_PAGE
+                                       and self.pointer_offset + 8 <= self.entry_size):
+            raise ProtocolError(f"RING_WATCH pointer of {self.pointer_bytes} bytes at offset "
+                                f"{self.pointer_offset} of {self.entry_size}-byte entries")
         return self
 
     @classmethod
     def unpack(cls, payload: bytes | memoryview) -> "RingWatch":
         if len(payload) != RING_WATCH_MSG.size:
             raise ProtocolError(f"RING_WATCH of {len(payload)} bytes (want {RING_WATCH_MSG.size})")
-        return cls(*RING_WATCH_MSG.unpack(payload)[:7]).check()
+        *fields, pointer = RING_WATCH_MSG.unpack(payload)
+        return cls(*fields, pointer_offset=pointer & 0xFFFF, pointer_bytes=pointer >> 16).check()
 
 
-def pack_push(slot: int, ranges: list[tuple[int, int]]) -> bytes:
-    """The head of a DMA_PUSH: ``slot``, then ``ranges`` as a DMA_READV lists them; their
-    bytes follow back to back."""
-    return PUSH_HEAD.pack(slot, len(ranges)) + b"".join(READV_RANGE.pack(a, n, 0) for a, n in ranges)
+class Push(NamedTuple):
+    """A DMA_PUSH, checked: ``ranges`` of ring entries and their ``data``; ``pointed``, the
+    bytes those entries point to as (address, bytes), empty bytes where the host could not
+    read them (forget what was pushed there before); ``pointed_unknown``: the entries point
+    to bytes the push does not carry (forget every pointed range of the ring)."""
+
+    slot: int
+    ranges: list[tuple[int, int]]
+    data: memoryview
+    pointed: list[tuple[int, memoryview]]
+    pointed_unknown: bool
 
 
-def unpack_push(payload: bytes | memoryview) -> tuple[int, list[tuple[int, int]], memoryview]:
-    """(slot, ranges, their bytes) of a DMA_PUSH, checked: at most two ranges (a ring's
-    interval wraps once), none empty or wrapping, at most MAX_PUSH_BYTES, and exactly their
-    total of bytes after them. Whether they lie in the watched ring is the box's check."""
+def pack_push(slot: int, ranges: list[tuple[int, int]], pointed: list[tuple[int, int]] = (),
+              pointed_unknown: bool = False) -> bytes:
+    """The head of a DMA_PUSH: ``slot``, then ``ranges`` and ``pointed`` (address, length) as a
+    DMA_READV lists them (the third field RANGE_RING or RANGE_POINTED); their bytes follow
+    back to back, the ring's first."""
+    count = len(ranges) + len(pointed) | (POINTED_UNKNOWN if pointed_unknown else 0)
+    return PUSH_HEAD.pack(slot, count) + b"".join(READV_RANGE.pack(a, n, RANGE_RING) for a, n in ranges) + \
+        b"".join(READV_RANGE.pack(a, n, RANGE_POINTED) for a, n in pointed)
+
+
+def unpack_push(payload: bytes | memoryview) -> Push:
+    """A DMA_PUSH, checked: at most two ring ranges (a ring's interval wraps once), none
+    empty, then at most MAX_POINTED pointed ranges (empty allowed: not readable), none of
+    them wrapping the address space or a pointed one crossing a 4 KiB page, at most
+    MAX_PUSH_BYTES of ring entries, and exactly the ranges' total of bytes after them.
+    Whether the ring ranges lie in the watched ring is the box's check."""
     view = memoryview(payload)
     if len(view) < PUSH_HEAD.size:
         raise ProtocolError(f"DMA_PUSH of {len(view)} bytes: shorter than its head")
-    slot, count = PUSH_HEAD.unpack_from(view)
-    if slot >= MAX_RING_SLOTS or count > 2:
+    slot, word = PUSH_HEAD.unpack_from(view)
+    count = word & ~POINTED_UNKNOWN
+    if slot >= MAX_RING_SLOTS or count > 2 + MAX_POINTED:
         raise ProtocolError(f"DMA_PUSH for slot {slot} with {count} ranges")
     head = PUSH_HEAD.size + count * READV_RANGE.size
     if len(view) < head:
         raise ProtocolError(f"DMA_PUSH of {count} ranges in {len(view)} bytes")
-    ranges = []
+    ranges: list[tuple[int, int]] = []
+    spans: list[tuple[int, int]] = []
     for i in range(count):
-        address, length, _ = READV_RANGE.unpack_from(view, PUSH_HEAD.size + i * READV_RANGE.size)
-        if length == 0 or address + length > 1 << 64:
-            raise ProtocolError(f"DMA_PUSH range {i}: {length} bytes at {address:#x}")
-        ranges.append((address, length))
+        address, length, kind = READV_RANGE.unpack_from(view, PUSH_HEAD.size + i * READV_RANGE.size)
+        if address + length > 1 << 64 or kind not in (RANGE_RING, RANGE_POINTED) or (
+                kind == RANGE_RING and (length == 0 or spans or len(ranges) == 2)) or (
+                kind == RANGE_POINTED and length and (address % POINTED_PAGE) + length > POINTED_PAGE):
+            raise ProtocolError(f"DMA_PUSH range {i}: {length} bytes at {address:#x}, kind {kind}")
+        (ranges if kind == RANGE_RING else spans).append((address, length))
+    if len(spans) > MAX_POINTED:
+        raise ProtocolError(f"DMA_PUSH with {len(spans)} pointed ranges (at most {MAX_POINTED})")
     total = sum(n for _, n in ranges)
-    if total > MAX_PUSH_BYTES or len(view) - head != total:
-        raise ProtocolError(f"DMA_PUSH of {total} bytes carries {len(view) - head}")
-    return slot, ranges, view[head:]
+    pointed_total = sum(n for _, n in spans)
+    if total > MAX_PUSH_BYTES or len(view) - head != total + pointed_total:
+        raise ProtocolError(f"DMA_PUSH of {total + pointed_total} bytes carries {len(view) - head}")
+    at = head + total
+    pointed = []
+    for address, length in spans:
+        pointed.append((address, view[at:at + length]))
+        at += length
+    return Push(slot, ranges, view[head:head + total], pointed, bool(word & POINTED_UNKNOWN))

@@ -66,9 +66,17 @@ enum { WINDOW_MEMORY = 0, WINDOW_FD = 1, WINDOW_PYTHON = 2 };
 #define MAX_ENTRY_SIZE 4096u
 #define MAX_PUSH_BYTES (256u << 10)
 #define PUSH_HEAD 8 /* slot (u32), ranges (u32), then DMA_READV's ranges and the bytes */
+/* What a watched ring's entries point to (RingWatch.pointer_bytes: an NVMe command's PRP list)
+ * travels in the same push: a range of kind RANGE_POINTED per entry with a pointer, empty where
+ * it cannot be read; more than MAX_POINTED of them, and the push says POINTED_UNKNOWN instead. */
+#define POINTED_PAGE 4096u
+#define MAX_POINTED 64
+#define RANGE_POINTED 1u
+#define POINTED_UNKNOWN (1u << 31)
 typedef struct {
     uint64_t offset, base;
     uint32_t region, entry_size, entries, tail; /* entries 0: no ring in this slot */
+    uint32_t pointer_offset, pointer_bytes;     /* pointer_bytes 0: the entries point to nothing pushed */
     int synced; /* tail is the last doorbell's: else the next push is empty (the box forgets) */
 } ring_t;
 
@@ -93,7 +101,7 @@ typedef struct {
     unsigned char *dma_buf; /* a DMA_READ(V) completion read from a pread window: header + data */
     ring_t rings[MAX_RING_SLOTS];
     int n_rings; /* slots in use: 0 skips the doorbell check */
-    unsigned long long pushes, push_bytes, pushes_empty;
+    unsigned long long pushes, push_bytes, pushes_empty, pointed;
     unsigned long long reads, writes_posted, writes_nonposted, dma_read_bytes, dma_write_bytes, dma_refused,
         irqs, bad_completions, to_python, read_wait_ns, write_wait_ns, syncs, error_completions, doorbells_merged;
 } Forwarder;
@@ -340,6 +348,73 @@ static int superseded_doorbell(const Forwarder *f, const unsigned char *pl, cons
     return slot >= 0 && frame_le32(pl + 16) < f->rings[slot].entries; /* a tail past the ring goes on, to be refused */
 }
 
+static void put_range(unsigned char *range, uint64_t addr, uint32_t len, uint32_t kind)
+{
+    frame_put32(range, (uint32_t)addr);
+    frame_put32(range + 4, (uint32_t)(addr >> 32));
+    frame_put32(range + 8, len);
+    frame_put32(range + 12, kind);
+}
+
+/* Guest bytes [addr, addr+len) inside one of QEMU's windows with read rights: a pointer into the
+ * mapping, or into dma_buf at *at (a file's window: read there, *at advanced); NULL and *ok 0
+ * where they cannot be read. */
+static const unsigned char *window_bytes(Forwarder *f, uint64_t addr, uint64_t len, size_t *at, int *ok)
+{
+    const window_t *w = find_window(f, addr, len, DMA_FLAG_READ);
+    if (!w || w->kind == WINDOW_PYTHON || (w->kind == WINDOW_FD && *at + len > MAX_DATA)) {
+        *ok = 0;
+        return NULL;
+    }
+    if (w->kind == WINDOW_MEMORY)
+        return w->memory + w->offset + (addr - w->iova);
+    unsigned char *to = f->dma_buf + *at;
+    ssize_t got;
+    Py_BEGIN_ALLOW_THREADS
+    got = pread(w->fd, to, len, (off_t)(w->offset + (addr - w->iova)));
+    Py_END_ALLOW_THREADS
+    *ok = got == (ssize_t)len;
+    *at += len;
+    return to;
+}
+
+/* The pointed ranges of a push whose ring ranges are iov[1..ranges]: for each entry's non-null
+ * pointer, up to pointer_bytes there, not past its 4 KiB page; an empty range where they cannot
+ * be read (the box forgets that address). 0, or POINTED_UNKNOWN (nothing added) when there are
+ * more than MAX_POINTED. The entries are read where the push reads them from, so the pointers
+ * are the ones the box gets. */
+static uint32_t push_pointed(Forwarder *f, const ring_t *r, unsigned char *head, struct iovec *iov, int *n,
+                             uint32_t *ranges, uint64_t *total, size_t *at)
+{
+    uint64_t pointers[MAX_POINTED];
+    int count = 0;
+    for (uint32_t i = 0; i < *ranges; i++) {
+        const unsigned char *entries = iov[1 + i].iov_base;
+        for (size_t e = 0; e + r->entry_size <= iov[1 + i].iov_len; e += r->entry_size) {
+            uint64_t p = le64(entries + e + r->pointer_offset);
+            if (!p)
+                continue;
+            if (count == MAX_POINTED)
+                return POINTED_UNKNOWN;
+            pointers[count++] = p;
+        }
+    }
+    for (int i = 0; i < count; i++) {
+        uint64_t room = POINTED_PAGE - pointers[i] % POINTED_PAGE;
+        uint64_t len = r->pointer_bytes < room ? r->pointer_bytes : room;
+        int ok = pointers[i] + len > pointers[i]; /* not past 2^64 */
+        const unsigned char *from = ok ? window_bytes(f, pointers[i], len, at, &ok) : NULL;
+        if (!ok)
+            len = 0; /* could not be read: the box forgets what it had there */
+        put_range(head + PUSH_HEAD + *ranges * READV_RANGE, pointers[i], (uint32_t)len, RANGE_POINTED);
+        iov[(*n)++] = (struct iovec){(void *)from, len};
+        (*ranges)++;
+        *total += len;
+        f->pointed += len != 0;
+    }
+    return 0;
+}
+
 /* Before QEMU's posted write `pl` (a REGION_WRITE payload of 4 bytes) goes to the box: if it
  * is a watched ring's doorbell, the entries it announces (from the tail seen last) go first as
  * a DMA_PUSH, from guest memory, inside QEMU's windows and their read rights; when they cannot
@@ -354,46 +429,28 @@ static int push_ring(Forwarder *f, const unsigned char *pl, char *err, size_t er
         return 0;
     ring_t *r = &f->rings[slot];
     uint32_t tail = frame_le32(pl + 16);
-    unsigned char head[PUSH_HEAD + 2 * READV_RANGE];
-    struct iovec iov[3];
+    unsigned char head[PUSH_HEAD + (2 + MAX_POINTED) * READV_RANGE];
+    struct iovec iov[3 + MAX_POINTED];
     int n = 1;
-    uint32_t ranges = 0;
+    uint32_t ranges = 0, count = 0;
     uint64_t total = 0;
+    size_t at = 0; /* of dma_buf: what came from files */
     if (tail < r->entries && !r->synced) {
         r->tail = tail;
         r->synced = 1;
     } else if (tail < r->entries) {
-        uint32_t count = (tail + r->entries - r->tail) % r->entries;
+        count = (tail + r->entries - r->tail) % r->entries;
         if (count == 0)
             return 0;
         uint32_t first = r->entries - r->tail < count ? r->entries - r->tail : count;
         uint64_t addr[2] = {r->base + (uint64_t)r->tail * r->entry_size, r->base};
         uint64_t size[2] = {(uint64_t)first * r->entry_size, (uint64_t)(count - first) * r->entry_size};
         int ok = size[0] + size[1] <= MAX_PUSH_BYTES;
-        size_t at = 0;
         for (int i = 0; i < 2 && ok && size[i]; i++) {
-            const window_t *w = find_window(f, addr[i], size[i], DMA_FLAG_READ);
-            if (!w || w->kind == WINDOW_PYTHON) {
-                ok = 0;
-                break;
-            }
-            unsigned char *from = f->dma_buf + at;
-            if (w->kind == WINDOW_MEMORY) {
-                from = w->memory + w->offset + (addr[i] - w->iova);
-            } else {
-                ssize_t got;
-                Py_BEGIN_ALLOW_THREADS
-                got = pread(w->fd, from, size[i], (off_t)(w->offset + (addr[i] - w->iova)));
-                Py_END_ALLOW_THREADS
-                ok = got == (ssize_t)size[i];
-                at += size[i];
-            }
+            const unsigned char *from = window_bytes(f, addr[i], size[i], &at, &ok);
             unsigned char *range = head + PUSH_HEAD + ranges * READV_RANGE;
-            frame_put32(range, (uint32_t)addr[i]);
-            frame_put32(range + 4, (uint32_t)(addr[i] >> 32));
-            frame_put32(range + 8, (uint32_t)size[i]);
-            frame_put32(range + 12, 0);
-            iov[n++] = (struct iovec){from, size[i]};
+            put_range(range, addr[i], (uint32_t)size[i], 0);
+            iov[n++] = (struct iovec){(void *)from, size[i]};
             ranges++;
             total += size[i];
         }
@@ -401,11 +458,13 @@ static int push_ring(Forwarder *f, const unsigned char *pl, char *err, size_t er
             n = 1;
             ranges = 0;
             total = 0;
+            count = 0;
         }
         r->tail = tail;
     }
+    uint32_t unknown = ranges && r->pointer_bytes ? push_pointed(f, r, head, iov, &n, &ranges, &total, &at) : 0;
     frame_put32(head, slot);
-    frame_put32(head + 4, ranges);
+    frame_put32(head + 4, ranges | unknown);
     iov[0] = (struct iovec){head, PUSH_HEAD + ranges * READV_RANGE};
     /* held: the doorbell, sent next by the caller, takes it along */
     if (send_pieces_held(f->link, (uint16_t)(0x8000 | (f->next_id++ & 0x7FFF)), CMD_DMA_PUSH, FRAME_NO_REPLY,
@@ -847,29 +906,34 @@ static PyObject *Forwarder_set_irqs(Forwarder *f, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* set_ring(slot, region, offset, base, entry_size, entries, tail): watch a ring (entries 0: stop);
- * tail -1: not known (the first doorbell's push is empty). Checked by RingWatch.unpack first. */
+/* set_ring(slot, region, offset, base, entry_size, entries, tail[, pointer_offset, pointer_bytes]): watch a
+ * ring (entries 0: stop); tail -1: not known (the first doorbell's push is empty). Checked by
+ * RingWatch.unpack first. */
 static PyObject *Forwarder_set_ring(Forwarder *f, PyObject *args)
 {
-    unsigned int slot, region, entry_size, entries;
+    unsigned int slot, region, entry_size, entries, pointer_offset = 0, pointer_bytes = 0;
     unsigned long long offset, base;
     long long tail;
-    if (!PyArg_ParseTuple(args, "IIKKIIL", &slot, &region, &offset, &base, &entry_size, &entries, &tail))
+    if (!PyArg_ParseTuple(args, "IIKKIIL|II", &slot, &region, &offset, &base, &entry_size, &entries, &tail,
+                          &pointer_offset, &pointer_bytes))
         return NULL;
     if (slot >= MAX_RING_SLOTS ||
         (entries && (entry_size == 0 || entry_size > MAX_ENTRY_SIZE || entries > MAX_RING_ENTRIES ||
-                     tail >= (long long)entries || base + (uint64_t)entries * entry_size < base)))
-        return PyErr_Format(PyExc_ValueError, "ring %u: %u entries of %u bytes, tail %lld", slot, entries, entry_size,
-                            tail);
+                     tail >= (long long)entries || base + (uint64_t)entries * entry_size < base)) ||
+        (pointer_bytes && (pointer_bytes > POINTED_PAGE || (uint64_t)pointer_offset + 8 > entry_size)))
+        return PyErr_Format(PyExc_ValueError, "ring %u: %u entries of %u bytes, tail %lld, pointer %u at %u", slot,
+                            entries, entry_size, tail, pointer_bytes, pointer_offset);
     f->n_rings += (entries != 0) - (f->rings[slot].entries != 0);
     f->rings[slot] = (ring_t){.region = region, .offset = offset, .base = base, .entry_size = entry_size,
-                              .entries = entries, .tail = tail < 0 ? 0 : (uint32_t)tail, .synced = tail >= 0};
+                              .entries = entries, .tail = tail < 0 ? 0 : (uint32_t)tail, .synced = tail >= 0,
+                              .pointer_offset = pointer_offset, .pointer_bytes = pointer_bytes};
     Py_RETURN_NONE;
 }
 
 static PyObject *Forwarder_counters(Forwarder *f, PyObject *unused)
 {
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "pushes", f->pushes, "push_bytes", f->push_bytes,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "pushes", f->pushes, "push_bytes", f->push_bytes,
+                         "pointed", f->pointed,
                          "pushes_empty", f->pushes_empty, "reads", f->reads, "writes_posted", f->writes_posted,
                          "writes_nonposted", f->writes_nonposted, "dma_bytes_read", f->dma_read_bytes,
                          "dma_bytes_written", f->dma_write_bytes, "dma_refused", f->dma_refused, "irqs", f->irqs,

@@ -19,7 +19,7 @@ from typing import Callable, ContextManager, Sequence
 
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
 from dxpu_vfio.link.protocol import (IRQ_INTX, IRQ_MSI, IRQ_MSIX, MAX_READV_RANGES, MAX_WRITEV_BYTES, LinkCommand,
-                                    RingWatch, pack_irq, pack_readv, pack_writev, unpack_push)
+                                    Push, RingWatch, pack_irq, pack_readv, pack_writev, unpack_push)
 from dxpu_vfio.remoteproxy.faults import FaultTable
 from dxpu_vfio.vfio_user import protocol as vp
 from qemu_device.backing import write_all
@@ -43,18 +43,24 @@ def check_range(addr: int, length: int) -> None:
 
 class RingMirror:
     """What the host pushed of one watched ring (DMA_PUSH): each entry's bytes as they were
-    when the doorbell that announced it was rung, valid until the device reads it.
+    when the doorbell that announced it was rung, valid until the device reads it; and the
+    bytes the entries point to (RingWatch.pointer_bytes), each range until it is read once.
 
     Why it is never stale: the driver rewrites an entry only after the device has read it,
     every read of ring entries (served here or by the network) makes them invalid, and an
     entry becomes valid again only with the push of the doorbell that announces it anew;
-    a push the host could not make comes empty and makes every entry invalid."""
+    a push the host could not make comes empty and makes every entry invalid. A pointed
+    range is as fresh as the newest entry that points to it: each push carries the bytes of
+    every entry's pointer (or an empty range where it could not read them, which forgets
+    that address, or says it carries none, which forgets them all), and the driver does not
+    rewrite what a command points to (its PRP list) while the command is the device's."""
 
     def __init__(self, watch: RingWatch) -> None:
         self.watch = watch
         self.start, self.end = watch.base, watch.base + watch.entries * watch.entry_size
         self.data = bytearray(self.end - self.start)
         self.valid = bytearray(watch.entries)  # 1: pushed, not read since
+        self.pointed: dict[int, bytes] = {}  # address -> the bytes pushed there, oldest first
 
     def overlaps(self, addr: int, length: int) -> bool:
         return addr < self.end and addr + length > self.start
@@ -67,21 +73,31 @@ class RingMirror:
         first = (addr - self.start) // size
         return range(first, first + length // size)
 
-    def push(self, ranges: list[tuple[int, int]], data: memoryview) -> bool:
-        """Take a push; False (and every entry invalid) if it is not whole entries of this ring."""
+    def push(self, push: Push) -> bool:
+        """Take a push; False (and every entry and pointed range forgotten) if its ranges are
+        not whole entries of this ring."""
         at, spans = 0, []
-        for addr, length in ranges:
+        for addr, length in push.ranges:
             entries = self._entries(addr, length)
             if entries is None:
                 self.forget()
                 return False
             spans.append((addr - self.start, length, entries))
-        if not ranges:
+        if not push.ranges:
             self.forget()
         for offset, length, entries in spans:
-            self.data[offset:offset + length] = data[at:at + length]
+            self.data[offset:offset + length] = push.data[at:at + length]
             self.valid[entries.start:entries.stop] = b"\1" * len(entries)
             at += length
+        if push.pointed_unknown or not self.watch.pointer_bytes:
+            self.pointed.clear()
+        else:
+            for addr, data in push.pointed:
+                self.pointed.pop(addr, None)  # the newest goes last: the first to be dropped is the oldest
+                if data:
+                    self.pointed[addr] = bytes(data)
+            while len(self.pointed) > self.watch.entries:  # one per entry is all a driver can have lent
+                del self.pointed[next(iter(self.pointed))]
         return True
 
     def take(self, addr: int, length: int) -> bytes | None:
@@ -96,8 +112,18 @@ class RingMirror:
         self.valid[first:last] = bytes(last - first)
         return bytes(memoryview(self.data)[addr - self.start:addr - self.start + length]) if hit else None  # one copy
 
+    def take_pointed(self, addr: int, length: int) -> bytes | None:
+        """The first ``length`` bytes pushed at ``addr`` if there are that many (read once:
+        forgotten now), else None."""
+        data = self.pointed.get(addr)
+        if data is None or len(data) < length:
+            return None
+        del self.pointed[addr]
+        return data[:length]
+
     def forget(self) -> None:
         self.valid[:] = bytes(len(self.valid))
+        self.pointed.clear()
 
 
 Deliver = Callable[[list[tuple[int, int, int]], memoryview], None]
@@ -123,6 +149,7 @@ class LinkDmaPort:
         self._mirror_lock = threading.Lock()  # pushes come on the link reader, reads on any thread
         self.pushed_reads = 0  # reads served from pushed ring entries: no round trip
         self.pushes = 0  # DMA_PUSHes taken into a watched ring (an empty one too)
+        self.pointed_reads = 0  # ranges read from the bytes pushed entries point to (PRP lists)
         self.requests = 0  # DMA read requests sent (one per piece, or per scatter list with readv)
         self.early_reads = 0  # reads begun by read_many_begin (on the thread that took a doorbell)
         self.bytes_read = 0
@@ -145,7 +172,8 @@ class LinkDmaPort:
         if not self.ring_push:
             return
         watch = RingWatch(slot) if ring is None else RingWatch(slot, ring.region, ring.doorbell, ring.base,
-                                                                ring.entry_size, ring.entries, ring.tail)
+                                                                ring.entry_size, ring.entries, ring.tail,
+                                                                ring.pointer_offset, ring.pointer_bytes)
         watch.check()  # the host's rules: a bad ring is the device's bug, said here
         with self._mirror_lock:
             if watch.entries:
@@ -156,10 +184,10 @@ class LinkDmaPort:
 
     def pushed(self, payload: memoryview) -> None:
         """A DMA_PUSH from the host (on the link reader, just before the doorbell it goes with)."""
-        slot, ranges, data = unpack_push(payload)
+        push = unpack_push(payload)
         with self._mirror_lock:
-            mirror = self._mirrors.get(slot)
-            if mirror is not None and mirror.push(ranges, data):
+            mirror = self._mirrors.get(push.slot)
+            if mirror is not None and mirror.push(push):
                 self.pushes += 1
 
     def _from_pushes(self, ranges: list[tuple[int, int]]) -> list[bytes] | None:
@@ -175,6 +203,11 @@ class LinkDmaPort:
                     if mirror.overlaps(addr, length):
                         got = mirror.take(addr, length)
                         break
+                else:  # not ring memory: perhaps what an entry points to
+                    for mirror in self._mirrors.values():
+                        if (got := mirror.take_pointed(addr, length)) is not None:
+                            self.pointed_reads += 1
+                            break
                 out.append(got)
         if any(got is None for got in out):
             return None

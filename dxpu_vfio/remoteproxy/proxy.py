@@ -118,6 +118,7 @@ class Slot:
                 "dma_read_requests": self.dma.requests if self.dma else 0,
                 "ring_pushes": self.dma.pushes if self.dma else 0,  # DMA_PUSHes taken, and the reads
                 "pushed_reads": self.dma.pushed_reads if self.dma else 0,  # they served with no round trip
+                "pointed_reads": self.dma.pointed_reads if self.dma else 0,  # of them PRP lists (pointed ranges)
                 "irqs_sent": self.irq.sent if self.irq else 0,
                 "device": self.device.stats()}
 
