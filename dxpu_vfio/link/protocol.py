@@ -11,6 +11,7 @@ earlier write and an interrupt never passes the DMA writes before it.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import hmac
 import json
@@ -225,7 +226,13 @@ def pack_writev(ranges: list[tuple[int, int]]) -> bytes:
     from the bytes that follow it."""
     if not 0 < len(ranges) <= MAX_READV_RANGES or sum(n for _, n in ranges) > MAX_WRITEV_BYTES:
         raise ValueError(f"a DMA_WRITEV takes 1..{MAX_READV_RANGES} ranges of {MAX_WRITEV_BYTES} bytes in all")
-    return READV_HEAD.pack(len(ranges), 0) + b"".join(READV_RANGE.pack(a, n, 0) for a, n in ranges)
+    return _ranges_struct(len(ranges)).pack(len(ranges), 0, *(x for a, n in ranges for x in (a, n, 0)))
+
+
+@functools.lru_cache(maxsize=MAX_READV_RANGES + 1)
+def _ranges_struct(count: int) -> struct.Struct:
+    """READV_HEAD and ``count`` READV_RANGEs as one struct: a scatter list packed in one call."""
+    return struct.Struct("<II" + "QII" * count)
 
 
 def unpack_writev(payload: bytes | memoryview) -> tuple[list[tuple[int, int]], memoryview]:

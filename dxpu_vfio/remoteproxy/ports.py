@@ -14,6 +14,7 @@ link goes on (its framing is intact).
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from typing import Callable, ContextManager, Sequence
 
@@ -386,7 +387,26 @@ class LinkDmaPort:
 
     def write_from_file(self, pieces: list[tuple[int, int]], fd: int, offset: int,
                         then: Sequence[tuple[int, bytes]] = ()) -> None:
-        file_to_guest(self, pieces, fd, offset, then)  # data and ``then``: one DMA_WRITEV
+        """The file's bytes and ``then``: one DMA_WRITEV. Where they fit one message (an NVMe
+        Read of up to 128 KiB: 32 pages and its completion entry) the file is read whole and
+        sent as it is, behind the ranges that split it: no slice and no loop per page (for
+        32 pages that was 62 µs of the box's Python per command, the read 6). Anything else
+        goes through ``write_many``."""
+        ranges = list(pieces) + [(addr, len(data)) for addr, data in then]
+        total = sum(n for _, n in pieces)
+        if not (self.writev and len(ranges) <= MAX_READV_RANGES
+                and total + sum(len(data) for _, data in then) <= MAX_WRITEV_BYTES
+                and all(0 <= addr and 0 < n <= READ_PIECE and addr + n <= 1 << 64 for addr, n in ranges)):
+            file_to_guest(self, pieces, fd, offset, then)  # (which refuses a range past 2^64 by name)
+            return
+        if not self.endpoint.up:
+            raise DmaError(f"link down: {self.endpoint.down_reason}")
+        self._refused("dma-write")
+        data = os.pread(fd, total, offset)
+        if len(data) < total:  # past the file's end: zeroes (a namespace shorter than its size)
+            data = data.ljust(total, b"\0")
+        self.endpoint.post_many(LinkCommand.DMA_WRITEV, [(pack_writev(ranges), data, *(d for _, d in then))])
+        self.bytes_written += total + sum(len(d) for _, d in then)
 
     def read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
         """A read that is one DMA_READV request (an NVMe Write of up to 128 KiB) goes to the
