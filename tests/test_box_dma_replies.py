@@ -363,6 +363,22 @@ def test_a_files_bytes_and_the_writes_after_them_are_one_dma_writev(link, tmp_pa
                              backing.read_bytes()[4096:4096 + 5120] + entry)]
 
 
+
+def test_a_files_bytes_past_its_end_are_zeroes_and_a_range_past_2_64_is_a_dma_error(link, tmp_path):
+    """A namespace file shorter than its size reads as zeroes past its end; a piece past the
+    64-bit address space is refused as a DmaError, nothing sent."""
+    _port, host, endpoint = link
+    port = LinkDmaPort(endpoint, writev=True)
+    backing = tmp_path / "disk"
+    backing.write_bytes(b"\x5a" * 1000)
+    with open(backing, "rb") as f:
+        port.write_from_file([(0x40000, 4096)], f.fileno(), 0, then=[(0x8000, b"\x01" * 16)])
+        with pytest.raises(DmaError, match="64-bit"):
+            port.write_from_file([((1 << 64) - 2048, 4096)], f.fileno(), 0)
+    assert port.read(0x1000, 8) == b"\xab" * 8  # non-posted: what was posted before it has arrived
+    assert host.written == [("DMA_WRITEV", [(0x40000, 4096), (0x8000, 16)],
+                             b"\x5a" * 1000 + bytes(3096) + b"\x01" * 16)]
+
 # --- ring entries pushed with their doorbell (RING_WATCH / DMA_PUSH) ---------------------------
 RING, ENTRIES, ES = 0x40000, 16, 64
 
