@@ -64,16 +64,22 @@ def _timed(vm: Vm, command: str, repeats: int = 1) -> float:
 
 
 class _Counters:
-    """Serialized round trips of one device, from both proxies' counters."""
+    """Serialized round trips of one device, from both proxies' counters. With
+    ``interrupts``, each interrupt the host delivered counts one too: an NVMe command at
+    depth 1 is a posted doorbell out and its completion's interrupt back, a round trip the
+    guest waits for although no message waits for a reply (its entries and PRP list travel
+    with the doorbell; a Write's data read is the box's DMA read, counted apart)."""
 
-    def __init__(self, att: hotplug.Attachment, box_pid: int | None, box_device: str | None) -> None:
-        self.att, self.box_pid, self.box_device = att, box_pid, box_device
+    def __init__(self, att: hotplug.Attachment, box_pid: int | None, box_device: str | None,
+                 interrupts: bool = False) -> None:
+        self.att, self.box_pid, self.box_device, self.interrupts = att, box_pid, box_device, interrupts
 
     def snapshot(self) -> tuple[int, float, int]:
-        link = self.att.server.stats()["device"].get("link")
+        device = self.att.server.stats()["device"]
+        link = device.get("link")
         if link is None:  # a local device: no link, no round trips
             return 0, 0.0, 0
-        host = sum(r["count"] for r in link["requests"].values())
+        host = sum(r["count"] for r in link["requests"].values()) + (device.get("irqs", 0) if self.interrupts else 0)
         wait = link["requests"].get("REGION_READ", {"wait_us": 0.0})["wait_us"]
         reads = link["requests"].get("REGION_READ", {"count": 0})["count"]
         box = 0
@@ -192,7 +198,7 @@ def _guest_runs(delays_us: list[float], names: list[str], sizes: dict[str, int],
                                                 netns=state.host_netns)
                            for kind, dev in (("testdev", "td0"), ("nvme", "nv0"))}
                 counters = {"testdev": _Counters(devices["testdev"], box.proxy_pid, "td0"),
-                            "nvme": _Counters(devices["nvme"], box.proxy_pid, "nv0")}
+                            "nvme": _Counters(devices["nvme"], box.proxy_pid, "nv0", interrupts=True)}
                 _, wait0, reads0 = counters["testdev"].snapshot()
                 vm.run(f"dxpu-mmio {devices['testdev'].guest_bdf} enable >/dev/null; "
                        f"dxpu-mmio {devices['testdev'].guest_bdf} 0 time-read 8 500 >/dev/null")
