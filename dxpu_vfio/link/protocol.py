@@ -183,7 +183,18 @@ def pack_readv(ranges: list[tuple[int, int]]) -> bytes:
     """A DMA_READV request: ``ranges`` of (guest address, length), read in order."""
     if not 0 < len(ranges) <= MAX_READV_RANGES or sum(n for _, n in ranges) > MAX_READV_BYTES:
         raise ValueError(f"a DMA_READV takes 1..{MAX_READV_RANGES} ranges of {MAX_READV_BYTES} bytes in all")
-    return READV_HEAD.pack(len(ranges), 0) + b"".join(READV_RANGE.pack(a, n, 0) for a, n in ranges)
+    return READV_HEAD.pack(len(ranges), 0) + _pack_ranges(ranges)
+
+
+def _pack_ranges(ranges: list[tuple[int, int]] | tuple, kind: int = 0) -> bytes:
+    """(address, length) ranges as READV_RANGEs (the third field ``kind``), packed in one
+    call: DMA_READV's, DMA_WRITEV's and DMA_PUSH's lists."""
+    return _ranges_struct(len(ranges)).pack(*(x for a, n in ranges for x in (a, n, kind)))
+
+
+@functools.lru_cache(maxsize=MAX_READV_RANGES + 1)
+def _ranges_struct(count: int) -> struct.Struct:
+    return struct.Struct("<" + "QII" * count)
 
 
 def unpack_readv(payload: bytes | memoryview) -> list[tuple[int, int]]:
@@ -226,13 +237,7 @@ def pack_writev(ranges: list[tuple[int, int]]) -> bytes:
     from the bytes that follow it."""
     if not 0 < len(ranges) <= MAX_READV_RANGES or sum(n for _, n in ranges) > MAX_WRITEV_BYTES:
         raise ValueError(f"a DMA_WRITEV takes 1..{MAX_READV_RANGES} ranges of {MAX_WRITEV_BYTES} bytes in all")
-    return _ranges_struct(len(ranges)).pack(len(ranges), 0, *(x for a, n in ranges for x in (a, n, 0)))
-
-
-@functools.lru_cache(maxsize=MAX_READV_RANGES + 1)
-def _ranges_struct(count: int) -> struct.Struct:
-    """READV_HEAD and ``count`` READV_RANGEs as one struct: a scatter list packed in one call."""
-    return struct.Struct("<II" + "QII" * count)
+    return READV_HEAD.pack(len(ranges), 0) + _pack_ranges(ranges)
 
 
 def unpack_writev(payload: bytes | memoryview) -> tuple[list[tuple[int, int]], memoryview]:
@@ -331,8 +336,7 @@ def pack_push(slot: int, ranges: list[tuple[int, int]], pointed: list[tuple[int,
     DMA_READV lists them (the third field RANGE_RING or RANGE_POINTED); their bytes follow
     back to back, the ring's first."""
     count = len(ranges) + len(pointed) | (POINTED_UNKNOWN if pointed_unknown else 0)
-    return PUSH_HEAD.pack(slot, count) + b"".join(READV_RANGE.pack(a, n, RANGE_RING) for a, n in ranges) + \
-        b"".join(READV_RANGE.pack(a, n, RANGE_POINTED) for a, n in pointed)
+    return PUSH_HEAD.pack(slot, count) + _pack_ranges(ranges, RANGE_RING) + _pack_ranges(pointed, RANGE_POINTED)
 
 
 def unpack_push(payload: bytes | memoryview) -> Push:

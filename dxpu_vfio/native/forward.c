@@ -71,6 +71,7 @@ enum { WINDOW_MEMORY = 0, WINDOW_FD = 1, WINDOW_PYTHON = 2 };
  * it cannot be read; more than MAX_POINTED of them, and the push says POINTED_UNKNOWN instead. */
 #define POINTED_PAGE 4096u
 #define MAX_POINTED 64
+#define RANGE_RING 0u
 #define RANGE_POINTED 1u
 #define POINTED_UNKNOWN (1u << 31)
 typedef struct {
@@ -432,14 +433,14 @@ static int push_ring(Forwarder *f, const unsigned char *pl, char *err, size_t er
     unsigned char head[PUSH_HEAD + (2 + MAX_POINTED) * READV_RANGE];
     struct iovec iov[3 + MAX_POINTED];
     int n = 1;
-    uint32_t ranges = 0, count = 0;
+    uint32_t ranges = 0;
     uint64_t total = 0;
     size_t at = 0; /* of dma_buf: what came from files */
     if (tail < r->entries && !r->synced) {
         r->tail = tail;
         r->synced = 1;
     } else if (tail < r->entries) {
-        count = (tail + r->entries - r->tail) % r->entries;
+        uint32_t count = (tail + r->entries - r->tail) % r->entries;
         if (count == 0)
             return 0;
         uint32_t first = r->entries - r->tail < count ? r->entries - r->tail : count;
@@ -449,7 +450,7 @@ static int push_ring(Forwarder *f, const unsigned char *pl, char *err, size_t er
         for (int i = 0; i < 2 && ok && size[i]; i++) {
             const unsigned char *from = window_bytes(f, addr[i], size[i], &at, &ok);
             unsigned char *range = head + PUSH_HEAD + ranges * READV_RANGE;
-            put_range(range, addr[i], (uint32_t)size[i], 0);
+            put_range(range, addr[i], (uint32_t)size[i], RANGE_RING);
             iov[n++] = (struct iovec){(void *)from, size[i]};
             ranges++;
             total += size[i];
@@ -458,7 +459,6 @@ static int push_ring(Forwarder *f, const unsigned char *pl, char *err, size_t er
             n = 1;
             ranges = 0;
             total = 0;
-            count = 0;
         }
         r->tail = tail;
     }

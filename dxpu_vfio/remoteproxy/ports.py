@@ -394,8 +394,9 @@ class LinkDmaPort:
         goes through ``write_many``."""
         ranges = list(pieces) + [(addr, len(data)) for addr, data in then]
         total = sum(n for _, n in pieces)
+        then_bytes = sum(len(data) for _, data in then)
         if not (self.writev and len(ranges) <= MAX_READV_RANGES
-                and total + sum(len(data) for _, data in then) <= MAX_WRITEV_BYTES
+                and total + then_bytes <= MAX_WRITEV_BYTES
                 and all(0 <= addr and 0 < n <= READ_PIECE and addr + n <= 1 << 64 for addr, n in ranges)):
             file_to_guest(self, pieces, fd, offset, then)  # (which refuses a range past 2^64 by name)
             return
@@ -406,7 +407,7 @@ class LinkDmaPort:
         if len(data) < total:  # past the file's end: zeroes (a namespace shorter than its size)
             data = data.ljust(total, b"\0")
         self.endpoint.post_many(LinkCommand.DMA_WRITEV, [(pack_writev(ranges), data, *(d for _, d in then))])
-        self.bytes_written += total + sum(len(d) for _, d in then)
+        self.bytes_written += total + then_bytes
 
     def read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
         """A read that is one DMA_READV request (an NVMe Write of up to 128 KiB) goes to the
