@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import operator
 import os
 import struct
 import tempfile
@@ -50,6 +51,7 @@ from .worker import DeviceWorker, WorkerPool
 log = logging.getLogger(__name__)
 
 PAGE = 4096
+PAGE_MASK = PAGE - 1
 LBA_SHIFT = 9  # 512-byte blocks
 MAX_QUEUES = 8  # I/O queue pairs
 MQES = 1023  # max queue entries - 1
@@ -1168,13 +1170,20 @@ class NvmeController(PciFunction):
                     break
             if len(entries) != needed:
                 raise CommandError(Status.INVALID_PRP_OFFSET)
-            pages.extend((addr, PAGE) for addr in entries)  # whole pages but the last:
-            pages[-1] = (pages[-1][0], left - (needed - 1) * PAGE)  # left covers them all
-            if any(addr % PAGE for addr in entries):
+            if any(map(PAGE_MASK.__and__, entries)):
                 raise CommandError(Status.INVALID_PRP_OFFSET)
+            if prp1 + first != entries[0] and PAGE not in map(operator.sub, entries[1:], entries):
+                # no two pages adjacent (a guest's pages mostly are not): the pieces as they
+                # are, built by builtins (this walk is per command; 32 pages in a Python loop
+                # were a tenth of a box's Python per 128 KiB Read)
+                pages.extend(zip(entries, itertools.repeat(PAGE)))  # whole pages but the last:
+                pages[-1] = (pages[-1][0], left - (needed - 1) * PAGE)  # left covers them all
+                return pages
+            pages.extend((addr, PAGE) for addr in entries)
+            pages[-1] = (pages[-1][0], left - (needed - 1) * PAGE)
         merged: list[tuple[int, int]] = [pages[0]]
         start, size = pages[0]
-        for addr, n in pages[1:]:  # one pass: a 128 KiB transfer is up to 32 pieces
+        for addr, n in pages[1:]:  # adjacent pages merged, in one pass
             if start + size == addr:
                 size += n
                 merged[-1] = (start, size)

@@ -756,6 +756,27 @@ def test_invalid_prps_complete_with_invalid_prp_offset(ctrl, prp1, prp2, entries
     assert rw_through_list(drv, 0x02, 0, 4 * PAGE) == 0  # the next command is served
 
 
+@pytest.mark.parametrize("frames, expected", [
+    ([9, 3, 7, 5], [(0x200, 0xE00), (9, 1), (3, 1), (7, 1), (5, 0.25)]),  # scattered: as listed
+    ([1, 2, 3, 4], [(0x200, 0xE00 + 3.25 * PAGE)]),                    # PRP1's page and the list adjacent
+    ([8, 2, 3, 6], [(0x200, 0xE00), (8, 1), (2, 2), (6, 0.25)]),         # adjacent pages in the list merged
+], ids=["scattered", "contiguous", "partly-adjacent"])
+def test_prp_segments_merge_adjacent_pages_only(tmp_path, frames, expected):
+    """A transfer's (address, length) pieces: the guest's pages as it listed them, adjacent
+    ones merged, the first from PRP1's offset and the last only as long as the transfer
+    (a Read's pieces become the ranges of one DMA_WRITEV, so each extra piece is a range).
+    ``expected``: PRP1's piece in bytes, then (page frame, length in pages)."""
+    dev = nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "ns")}])
+    try:
+        pages = [f * PAGE for f in frames]
+        length = 0xE00 + 3 * PAGE + 0x400  # PRP1 from 0x200 to its page's end, then 3 pages and a quarter
+        lists = {(0x7000, 8 * len(pages)): struct.pack(f"<{len(pages)}Q", *pages)}
+        want = [expected[0]] + [(frame * PAGE, int(n * PAGE)) for frame, n in expected[1:]]
+        assert dev._segments(0x200, 0x7000, length, lists) == [(a, int(n)) for a, n in want]
+    finally:
+        dev.close()
+
+
 def test_prp_list_in_unmapped_memory_is_a_data_transfer_error(ctrl):
     drv, _ = ctrl
     drv.io_queues(1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+from operator import itemgetter
 from typing import Callable, ContextManager, Sequence
 
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
@@ -393,11 +394,13 @@ class LinkDmaPort:
         32 pages that was 62 µs of the box's Python per command, the read 6). Anything else
         goes through ``write_many``."""
         ranges = list(pieces) + [(addr, len(data)) for addr, data in then]
-        total = sum(n for _, n in pieces)
-        then_bytes = sum(len(data) for _, data in then)
-        if not (self.writev and len(ranges) <= MAX_READV_RANGES
-                and total + then_bytes <= MAX_WRITEV_BYTES
-                and all(0 <= addr and 0 < n <= READ_PIECE and addr + n <= 1 << 64 for addr, n in ranges)):
+        lengths = list(map(itemgetter(1), ranges))  # builtins, not a loop per page: this runs per command
+        total = sum(lengths[:len(pieces)])
+        then_bytes = sum(lengths) - total
+        addrs = list(map(itemgetter(0), ranges))  # none ends past 2^64 (stricter: the rest go the long way)
+        if not (self.writev and 0 < len(ranges) <= MAX_READV_RANGES
+                and total + then_bytes <= MAX_WRITEV_BYTES and 0 < min(lengths) and max(lengths) <= READ_PIECE
+                and 0 <= min(addrs) and max(addrs) <= (1 << 64) - READ_PIECE):
             file_to_guest(self, pieces, fd, offset, then)  # (which refuses a range past 2^64 by name)
             return
         if not self.endpoint.up:
