@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 
 PAGE = 4096
 PAGE_MASK = PAGE - 1
+READ_FIELDS = struct.Struct("<I16xQQQI")  # from an entry's NSID: NSID, PRP1, PRP2, SLBA, CDW12
+TRANSFER_FIELDS = struct.Struct("<QQ8xI")  # from its PRP1: PRP1, PRP2, CDW12
 LBA_SHIFT = 9  # 512-byte blocks
 MAX_QUEUES = 8  # I/O queue pairs
 MQES = 1023  # max queue entries - 1
@@ -524,8 +526,7 @@ class NvmeController(PciFunction):
             runs = list(self._runs(jobs))
             for i, run in enumerate(runs):
                 with self.dma_posted_together():
-                    for job in run:
-                        self._run_io(job, held)
+                    self._run_inline(run, held)
                     held_bytes += sum(map(self._data_bytes, run))
                     if held and (i < len(runs) - 1 or held_bytes > HOLD_BYTES
                                  or not self._has_entries(qid, publish=False)):
@@ -647,8 +648,8 @@ class NvmeController(PciFunction):
     @staticmethod
     def _transfer(sqe: memoryview) -> tuple[int, int, int]:
         """A Read's or Write's (PRP1, PRP2, length in bytes), unchecked."""
-        prp1, prp2 = struct.unpack_from("<QQ", sqe, 24)
-        return prp1, prp2, ((struct.unpack_from("<I", sqe, 48)[0] & 0xFFFF) + 1) << LBA_SHIFT
+        prp1, prp2, cdw12 = TRANSFER_FIELDS.unpack_from(sqe, 24)
+        return prp1, prp2, ((cdw12 & 0xFFFF) + 1) << LBA_SHIFT
 
     @classmethod
     def _prp_list_page(cls, sqe: memoryview) -> tuple[tuple[int, int], bool] | None:
@@ -742,6 +743,49 @@ class NvmeController(PciFunction):
         finally:
             self._end(sq, job.nsid, job.ticket)
 
+    def _run_inline(self, run: list[IoJob], held: dict[int, Queue]) -> None:
+        """A run on the worker, in order: each stretch of Reads by :meth:`_run_reads`,
+        anything else by :meth:`_run_io`."""
+        for is_read, stretch in itertools.groupby(run, lambda job: job.sqe[0] == IoOpcode.READ):
+            if is_read:
+                self._run_reads(list(stretch), held)
+            else:
+                for job in stretch:
+                    self._run_io(job, held)
+
+    def _run_reads(self, jobs: list[IoJob], held: dict[int, Queue]) -> None:
+        """Reads of one SQ run on the worker: :meth:`_run_io`'s and :meth:`_execute`'s steps
+        for each, each completed with its data, and all of them ended together after the
+        last. Per Read that is one lock round to take it instead of two, and no lock round
+        and wake-up to end it (the device's Python per command was what a remote 4 KiB read
+        waited for: a third of the box's CPU per read). Ending them together is safe: a
+        Flush, the one command that waits for others to end, is never among them, and a
+        disable or shutdown waiting for the queues to go quiet waits for the run."""
+        taken: list[IoJob] = []
+        try:
+            for job in jobs:
+                sq = job.sq
+                with self.lock:
+                    if self._not_started.get(job.key) is job:
+                        del self._not_started[job.key]
+                    if job.cancelled:  # its completion (if any) is posted and it has ended
+                        continue
+                    taken.append(job)
+                    if self.sqs.get(sq.qid) is not sq:
+                        continue
+                status, data = Status.SUCCESS, None
+                try:
+                    data = self._read_data(job.sqe, job.lists)
+                except Exception as exc:  # noqa: BLE001 - the command completes whatever happened
+                    status = self._failed(exc, IoOpcode.READ, sq.qid)
+                self._complete(sq, job.key[1], status, 0, held, data)
+        finally:
+            with self.lock:
+                for job in taken:
+                    self._end_accounting(job.sq, job.nsid, job.ticket)
+            if taken:
+                self._ended_one()
+
     def _take_back(self, job: IoJob, status: Status) -> bool:
         """Complete a command no thread has started with ``status`` and end it (Abort,
         Delete SQ); the job then does nothing when a thread gets to it. False if a thread
@@ -801,15 +845,8 @@ class NvmeController(PciFunction):
         status = Status.SUCCESS
         try:
             result = (self._admin(opcode, sqe) if sq.qid == 0 else self._io(opcode, sqe, lists, fetched)) or 0
-        except CommandError as exc:
-            status = exc.status
-        except DmaError:
-            status = Status.DATA_TRANSFER_ERROR
-        except OSError:
-            status = Status.INTERNAL_ERROR
-        except Exception:  # a bug or a case not foreseen: the command still completes
-            log.exception("NVMe opcode %#x on queue %d failed", opcode, sq.qid)
-            status = Status.INTERNAL_ERROR
+        except Exception as exc:  # noqa: BLE001 - the command completes whatever happened
+            status = self._failed(exc, opcode, sq.qid)
         if result is Deferred.HELD:
             return
         if isinstance(result, ReadData):
@@ -824,6 +861,17 @@ class NvmeController(PciFunction):
                      struct.unpack_from("<I", sqe, 40)[0], status.name)
             self._count("admin_refused")
         self._complete(sq, cid, status, result, held)
+
+    @staticmethod
+    def _failed(exc: Exception, opcode: int, qid: int) -> Status:
+        """The status a command completes with when running it raised ``exc``."""
+        if isinstance(exc, CommandError):
+            return exc.status
+        if isinstance(exc, DmaError):
+            return Status.DATA_TRANSFER_ERROR
+        if not isinstance(exc, OSError):  # a bug or a case not foreseen: the command still completes
+            log.error("NVMe opcode %#x on queue %d failed", opcode, qid, exc_info=exc)
+        return Status.INTERNAL_ERROR
 
     def _complete(self, sq: Queue, cid: int, status: Status, result: int, held: dict[int, Queue] | None = None,
                   data: ReadData | None = None) -> None:
@@ -1084,6 +1132,8 @@ class NvmeController(PciFunction):
     # --- I/O commands --------------------------------------------------------------------------
     def _io(self, opcode: int, sqe: memoryview, lists: dict[tuple[int, int], bytes] | None = None,
             fetched: WriteData | None = None) -> int | ReadData:
+        if opcode == IoOpcode.READ:
+            return self._read_data(sqe, lists)
         nsid = struct.unpack_from("<I", sqe, 4)[0]
         ns = self.namespaces.get(nsid)
         if ns is None:
@@ -1102,9 +1152,7 @@ class NvmeController(PciFunction):
             offset, length = slba << LBA_SHIFT, nlb << LBA_SHIFT
             if opcode != IoOpcode.WRITE_ZEROES and length > (PAGE << MDTS):
                 raise CommandError(Status.INVALID_FIELD)
-            if opcode == IoOpcode.READ:  # the PRPs are checked here; the data moves with the completion
-                return ReadData(self._segments(prp1, prp2, length, lists), ns.fd, offset, length)
-            elif opcode == IoOpcode.WRITE:
+            if opcode == IoOpcode.WRITE:
                 with _FileErrors(Status.WRITE_FAULT):  # all of it on the file, or a write fault
                     if fetched is not None and fetched.pieces is not None:  # read with the rest of its batch
                         write_all(ns.fd, fetched.pieces, offset)  # from the DMA buffers, not joined first
@@ -1128,6 +1176,21 @@ class NvmeController(PciFunction):
                         punch_hole(ns.fd, start << LBA_SHIFT, nlb << LBA_SHIFT)
             return 0
         raise CommandError(Status.INVALID_OPCODE)
+
+    def _read_data(self, sqe: memoryview, lists: dict[tuple[int, int], bytes] | None) -> ReadData:
+        """A Read checked (namespace, LBA range, MDTS, PRPs, in that order) and its transfer,
+        not yet made: the data moves with the completion (:meth:`_complete`)."""
+        nsid, prp1, prp2, slba, cdw12 = READ_FIELDS.unpack_from(sqe, 4)
+        ns = self.namespaces.get(nsid)
+        if ns is None:
+            raise CommandError(Status.INVALID_NAMESPACE)
+        nlb = (cdw12 & 0xFFFF) + 1
+        if slba + nlb > ns.blocks:
+            raise CommandError(Status.LBA_OUT_OF_RANGE)
+        length = nlb << LBA_SHIFT
+        if length > (PAGE << MDTS):
+            raise CommandError(Status.INVALID_FIELD)
+        return ReadData(self._segments(prp1, prp2, length, lists), ns.fd, slba << LBA_SHIFT, length)
 
     # --- PRPs --------------------------------------------------------------------------------------
     def _segments(self, prp1: int, prp2: int, length: int,

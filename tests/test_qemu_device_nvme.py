@@ -756,6 +756,36 @@ def test_invalid_prps_complete_with_invalid_prp_offset(ctrl, prp1, prp2, entries
     assert rw_through_list(drv, 0x02, 0, 4 * PAGE) == 0  # the next command is served
 
 
+def test_a_batch_on_the_worker_completes_each_command_in_order_and_ends_them_all(tmp_path):
+    """One doorbell, run on the worker (no I/O pool): Reads, bad Reads, a Write, a Flush and
+    a Read after it. Each completes with its own status in order, the Read after the Flush
+    sees the Write, and nothing is left counted in flight: a disable drops RDY at once."""
+    drv, _ = enabled_controller(tmp_path, io_workers=0)
+    try:
+        drv.io_queues(1)
+        data = os.urandom(PAGE)
+        put(drv, DATA + PAGE, data)
+        posted = [
+            drv.read(1, DATA, lba=0),                       # fine
+            drv.read(1, DATA, lba=0, nsid=9),               # no such namespace
+            drv.read(1, DATA, lba=(1 << 20) // 512 - 4),    # runs past the namespace's end
+            drv.write(1, DATA + PAGE, lba=16),              # fine
+            drv.post(1, 0x00, nsid=1),                      # Flush: after the commands before it
+            drv.read(1, DATA + 2 * PAGE, lba=16),           # reads what the Write wrote
+        ]
+        drv.ring(1)
+        got = drv.reap(1, len(posted))
+        assert [cid for cid, *_ in got] == posted
+        assert [status_of(status) for _, status, _, _ in got] == [
+            nvme.Status.SUCCESS, nvme.Status.INVALID_NAMESPACE, nvme.Status.LBA_OUT_OF_RANGE,
+            nvme.Status.SUCCESS, nvme.Status.SUCCESS, nvme.Status.SUCCESS]
+        assert bytes(drv.ram.ram[DATA + 2 * PAGE - RAM_BASE:DATA + 3 * PAGE - RAM_BASE]) == data
+        drv.w32(nvme.CC, 0)
+        assert not drv.r32(nvme.CSTS) & nvme.CSTS_RDY, "a command of the batch is still counted in flight"
+    finally:
+        drv.dev.close()
+
+
 @pytest.mark.parametrize("frames, expected", [
     ([9, 3, 7, 5], [(0x200, 0xE00), (9, 1), (3, 1), (7, 1), (5, 0.25)]),  # scattered: as listed
     ([1, 2, 3, 4], [(0x200, 0xE00 + 3.25 * PAGE)]),                    # PRP1's page and the list adjacent
