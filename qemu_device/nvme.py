@@ -725,9 +725,7 @@ class NvmeController(PciFunction):
         it runs inside its run's posted block; alone it is a block of its own."""
         sq = job.sq
         with self.lock:
-            if self._not_started.get(job.key) is job:
-                del self._not_started[job.key]
-            if job.cancelled:  # its completion (if any) is posted and it has ended
+            if not self._take(job):
                 return
         try:  # from here the command ends whatever happens (_end)
             with self.lock:
@@ -742,6 +740,13 @@ class NvmeController(PciFunction):
                 self._execute(sq, job.sqe, job.lists, job.fetched, held)
         finally:
             self._end(sq, job.nsid, job.ticket)
+
+    def _take(self, job: IoJob) -> bool:
+        """A thread starts ``job`` (lock held): no Abort can take it back from now on. False
+        if one did, or a disable, first (its completion, if any, is posted and it has ended)."""
+        if self._not_started.get(job.key) is job:
+            del self._not_started[job.key]
+        return not job.cancelled
 
     def _run_inline(self, run: list[IoJob], held: dict[int, Queue]) -> None:
         """A run on the worker, in order: each stretch of Reads by :meth:`_run_reads`,
@@ -766,9 +771,7 @@ class NvmeController(PciFunction):
             for job in jobs:
                 sq = job.sq
                 with self.lock:
-                    if self._not_started.get(job.key) is job:
-                        del self._not_started[job.key]
-                    if job.cancelled:  # its completion (if any) is posted and it has ended
+                    if not self._take(job):
                         continue
                     taken.append(job)
                     if self.sqs.get(sq.qid) is not sq:
