@@ -763,9 +763,9 @@ class NvmeController(PciFunction):
         for each, each completed with its data, and all of them ended together after the
         last. Per Read that is one lock round to take it instead of two, and no lock round
         and wake-up to end it (the controller's Python is most of a box's CPU per 4 KiB
-        read). Ending them together is safe: a
-        Flush, the one command that waits for others to end, is never among them, and a
-        disable or shutdown waiting for the queues to go quiet waits for the run."""
+        read). Ending them together is safe: a Flush, the one command that waits for others
+        to end, is never among them, and a disable or shutdown waiting for the queues to go
+        quiet waits for the run."""
         taken: list[IoJob] = []
         try:
             for job in jobs:
@@ -1137,10 +1137,7 @@ class NvmeController(PciFunction):
             fetched: WriteData | None = None) -> int | ReadData:
         if opcode == IoOpcode.READ:
             return self._read_data(sqe, lists)
-        nsid = struct.unpack_from("<I", sqe, 4)[0]
-        ns = self.namespaces.get(nsid)
-        if ns is None:
-            raise CommandError(Status.INVALID_NAMESPACE)
+        ns = self._namespace(struct.unpack_from("<I", sqe, 4)[0])
         if opcode == IoOpcode.FLUSH:  # durable from here on (_run_io waited for earlier writes)
             with _FileErrors(Status.WRITE_FAULT):  # a write lost at writeback shows here
                 os.fsync(ns.fd)
@@ -1148,13 +1145,8 @@ class NvmeController(PciFunction):
             return 0
         prp1, prp2 = struct.unpack_from("<QQ", sqe, 24)
         slba, cdw12 = struct.unpack_from("<QI", sqe, 40)
-        if opcode in (IoOpcode.WRITE, IoOpcode.READ, IoOpcode.WRITE_ZEROES):
-            nlb = (cdw12 & 0xFFFF) + 1
-            if slba + nlb > ns.blocks:
-                raise CommandError(Status.LBA_OUT_OF_RANGE)
-            offset, length = slba << LBA_SHIFT, nlb << LBA_SHIFT
-            if opcode != IoOpcode.WRITE_ZEROES and length > (PAGE << MDTS):
-                raise CommandError(Status.INVALID_FIELD)
+        if opcode in (IoOpcode.WRITE, IoOpcode.WRITE_ZEROES):
+            offset, length = self._extent(ns, slba, cdw12, transfer=opcode == IoOpcode.WRITE)
             if opcode == IoOpcode.WRITE:
                 with _FileErrors(Status.WRITE_FAULT):  # all of it on the file, or a write fault
                     if fetched is not None and fetched.pieces is not None:  # read with the rest of its batch
@@ -1184,16 +1176,29 @@ class NvmeController(PciFunction):
         """A Read checked (namespace, LBA range, MDTS, PRPs, in that order) and its transfer,
         not yet made: the data moves with the completion (:meth:`_complete`)."""
         nsid, prp1, prp2, slba, cdw12 = READ_FIELDS.unpack_from(sqe, 4)
+        ns = self._namespace(nsid)
+        offset, length = self._extent(ns, slba, cdw12, transfer=True)
+        return ReadData(self._segments(prp1, prp2, length, lists), ns.fd, offset, length)
+
+    def _namespace(self, nsid: int) -> Namespace:
+        """The namespace an I/O command names, or Invalid Namespace."""
         ns = self.namespaces.get(nsid)
         if ns is None:
             raise CommandError(Status.INVALID_NAMESPACE)
+        return ns
+
+    @staticmethod
+    def _extent(ns: Namespace, slba: int, cdw12: int, transfer: bool) -> tuple[int, int]:
+        """(offset, length) in the namespace's file of the blocks a Read, Write or Write
+        Zeroes names (SLBA, CDW12's NLB), checked: inside the namespace, and for a
+        ``transfer`` through guest memory within MDTS."""
         nlb = (cdw12 & 0xFFFF) + 1
         if slba + nlb > ns.blocks:
             raise CommandError(Status.LBA_OUT_OF_RANGE)
         length = nlb << LBA_SHIFT
-        if length > (PAGE << MDTS):
+        if transfer and length > (PAGE << MDTS):
             raise CommandError(Status.INVALID_FIELD)
-        return ReadData(self._segments(prp1, prp2, length, lists), ns.fd, slba << LBA_SHIFT, length)
+        return slba << LBA_SHIFT, length
 
     # --- PRPs --------------------------------------------------------------------------------------
     def _segments(self, prp1: int, prp2: int, length: int,

@@ -373,7 +373,7 @@ def unpack_push(payload: bytes | memoryview) -> Push:
     if len(spans) > MAX_POINTED:
         raise ProtocolError(f"DMA_PUSH with {len(spans)} pointed ranges (at most {MAX_POINTED})")
     total = sum(map(operator.itemgetter(1), ranges))
-    pointed_total = sum(n for _, n in spans)
+    pointed_total = sum(map(operator.itemgetter(1), spans))
     if total > MAX_PUSH_BYTES or len(view) - head != total + pointed_total:
         raise ProtocolError(f"DMA_PUSH of {total + pointed_total} bytes carries {len(view) - head}")
     at = head + total
