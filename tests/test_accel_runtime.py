@@ -510,7 +510,8 @@ def test_the_vmm_going_away_with_work_in_flight_leaves_a_clean_device(tmp_path):
                 s.gemm(a, a, a, n, n, n)
             s.flush()
             client.close()
-            assert device.wait_idle(10)
+            assert server.wait_idle(10), "the session did not end after its client left"  # as after device_del:
+            assert device.wait_idle(10)  # the next connection is refused until it has
             del dev, s
             gc.collect()
             ram.close()
