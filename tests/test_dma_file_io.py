@@ -1,19 +1,35 @@
 """A storage device's DMA straight between a file and guest memory (DmaTable's preadv /
 pwritev path), against a real sealed memfd as QEMU's guest RAM is: the bytes land where
-the scatter list says, zeroes past the file's end, and a bad list touches nothing."""
+the scatter list says, zeroes past the file's end, and a bad list touches nothing. Each
+test runs on both paths: the native one (``mapped_io.c``, where a list lies in one
+sealed mapping) and Python's (``DXPU_FASTLINK=0``)."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import random
 
 import pytest
 
+from dxpu_vfio.native import stream as native
 from dxpu_vfio.vfio_user.dma import DmaTable
 from dxpu_vfio.vfio_user.protocol import DMA_FLAG_READ, DMA_FLAG_WRITE
 from qemu_device.ports import DmaError
 
 BASE, SIZE = 0x100000, 1 << 20
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def path(request, monkeypatch):
+    """The DmaTables a test makes use the native file I/O, or Python's."""
+    if request.param == "native":
+        native.require()  # fails naming what to build where it is not built
+        monkeypatch.setenv("DXPU_FASTLINK", "1")
+    else:
+        monkeypatch.setenv("DXPU_FASTLINK", "0")
+    return request.param
 
 
 def guest_ram(flags: int = DMA_FLAG_READ | DMA_FLAG_WRITE) -> tuple[DmaTable, int]:
@@ -99,3 +115,78 @@ def test_a_list_across_two_windows_is_checked_in_each_and_split_at_their_border(
     assert os.pread(ram, 4096, 0x4000) == (bytes(range(256)) * 64)[4096:8192]
     table.clear()
     os.close(fd)
+
+
+def test_a_list_must_lie_wholly_in_the_window_up_to_its_last_byte(backing):
+    """The last byte of the window may be moved; one more byte, or a length that wraps
+    around 2^64, refuses the whole list with nothing touched."""
+    table, ram = guest_ram()
+    table.write_from_file([(BASE + SIZE - 4096, 4096)], backing, 0)
+    assert os.pread(ram, 4096, SIZE - 4096) == (bytes(range(256)) * 64)[:4096]
+    os.pwrite(ram, b"\xee" * SIZE, 0)
+    for bad in ([(BASE + 0x1000, 4096), (BASE + SIZE - 4095, 4096)],
+                [(BASE + 0x1000, 4096), (BASE + 0x2000, (1 << 64) - 0x1000)],
+                [(BASE + 0x1000, 4096), ((1 << 64) - 2048, 4096)]):
+        with pytest.raises(DmaError, match="outside every mapped window"):
+            table.write_from_file(bad, backing, 0)
+        assert os.pread(ram, SIZE, 0) == b"\xee" * SIZE
+    table.clear()
+
+
+def test_a_file_that_takes_no_more_is_an_oserror_not_a_partial_success():
+    table, ram = guest_ram()
+    full = os.open("/dev/full", os.O_WRONLY)
+    try:
+        with pytest.raises(OSError) as caught:
+            table.read_into_file([(BASE, 4096), (BASE + 0x3000, 512)], full, 0)
+        assert caught.value.errno == errno.ENOSPC
+        assert table.bytes_read == 0
+    finally:
+        os.close(full)
+        table.clear()
+
+
+def test_random_lists_move_the_same_bytes_as_a_reference_copy(tmp_path, path):
+    """Fuzz of what reaches the C code from a guest (its PRPs become these lists): random
+    lists, in and out of the window, overlapping, of odd lengths, past the file's end. The
+    table does what a plain Python copy does, or refuses the list with nothing touched."""
+    rng = random.Random(f"mapped-io-{path}")
+    size = 64 * 1024
+    table, ram = guest_ram()
+    fd = os.open(tmp_path / "ns.img", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        for round_ in range(300):
+            content = rng.randbytes(rng.choice([0, 100, 4096, size]))
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, content, 0)
+            memory = rng.randbytes(size)
+            os.pwrite(ram, memory, 0)
+            ranges = []
+            for _ in range(rng.randint(1, 40)):
+                where = rng.choice([rng.randrange(BASE, BASE + size), rng.randrange(0, 1 << 64),
+                                    BASE + SIZE - rng.randrange(0, 64), BASE - rng.randrange(1, 64)])
+                ranges.append((where, rng.choice([rng.randrange(0, 5000), rng.randrange(0, 1 << 64)])))
+            if rng.random() < 0.6:  # mostly lists a guest could make
+                ranges = [(BASE + rng.randrange(0, size - 4096), rng.randrange(1, 4097))
+                          for _ in range(rng.randint(1, 40))]
+            offset = rng.randrange(0, 8192)
+            expect = bytearray(memory)
+            fits = all(BASE <= a and a + n <= BASE + SIZE for a, n in ranges)
+            if fits:  # the reference: pieces back to back from the offset, zeroes past the end
+                at = offset
+                for a, n in ranges:
+                    piece = content[at:at + n]
+                    piece += bytes(n - len(piece))
+                    if a + n <= BASE + size:
+                        expect[a - BASE:a - BASE + n] = piece
+                    at += n
+            try:
+                table.write_from_file(ranges, fd, offset)
+                assert fits, ranges
+            except DmaError:
+                assert not fits, ranges
+            got = os.pread(ram, size, 0)
+            assert got == bytes(expect), (round_, ranges)
+    finally:
+        os.close(fd)
+        table.clear()

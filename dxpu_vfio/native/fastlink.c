@@ -1372,12 +1372,17 @@ static PyTypeObject StreamType = {
 /* The host proxy's forwarder uses the stream's static functions: one translation unit. */
 #include "forward.c"
 #include "serve.c"
+#include "mapped_io.c"
 
 static PyMethodDef module_methods[] = {
     {"serve_requests", serve_requests, METH_VARARGS,
      "serve_requests(stream, read, write, timeout, push=None): the box's register accesses (and posted ring "
      "pushes) in C (serve.c)."},
     {"served", served_counters, METH_O, "served(stream): what serve_requests did on it."},
+    {"mapped_file_io", mapped_file_io, METH_VARARGS,
+     "mapped_file_io(fd, offset, memory, window, skip, ranges, to_memory) -> bool: a file to or from "
+     "guest pages in one mapping with one preadv/pwritev; False (nothing done) when a range leaves the "
+     "window (mapped_io.c)."},
     {NULL},
 };
 

@@ -28,6 +28,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from dxpu_vfio.native import stream as native
 from dxpu_vfio.vfio_user.protocol import DMA_FLAG_READ, DMA_FLAG_WRITE, PAGE_SIZE
 from qemu_device.backing import write_all
 from qemu_device.ports import DmaError, ScatterByPieces
@@ -70,6 +71,8 @@ class DmaTable(ScatterByPieces):
         self.refused_bus_master = 0
         self.bytes_read = 0
         self.bytes_written = 0
+        # a transfer between a file and one sealed mapping in C (DXPU_FASTLINK=0: Python)
+        self._native_file_io = native.require().mapped_file_io if native.enabled() else None
 
     # --- control (from DMA_MAP / DMA_UNMAP) ---------------------------------------
     def add(self, address: int, size: int, flags: int, fd: int | None, offset: int) -> None:
@@ -195,8 +198,18 @@ class DmaTable(ScatterByPieces):
         """preadv (``need`` WRITE: file to guest) or pwritev (READ: guest to file) on views
         of the mappings; False (nothing done) where a piece is not plain mapped memory.
         The table's lock is held throughout, so a DMA_UNMAP waits for the transfer to end
-        before it closes a mapping the views point into (closing it under them would fail)."""
+        before it closes a mapping the views point into (closing it under them would fail).
+        Where the native module is built, a transfer inside one sealed mapping (a guest's
+        pages in its RAM: the common case) is one call into C (``mapped_io.c``); anything
+        else, or anything it finds outside the window, takes the general path below."""
         with self._lock:
+            if self._native_file_io is not None and ranges and self.bus_master:
+                m = self._window_at(ranges[0][0])
+                if m is not None and m.memory is not None and m.fd is None and m.flags & need and \
+                        self._native_file_io(fd, offset, m.memory, m.address, m.map_delta, ranges,
+                                             need == DMA_FLAG_WRITE):
+                    self._count_file_io(ranges, need)
+                    return True
             pieces = self._pieces_many(ranges, need)
             whole: dict[int, memoryview] = {}  # a view of each mapping the pieces lie in
             views: list[memoryview] = []
@@ -218,12 +231,21 @@ class DmaTable(ScatterByPieces):
                     view.release()
                 for view in whole.values():
                     view.release()
+            self._count_file_io(ranges, need)
+        return True
+
+    def _count_file_io(self, ranges: list[tuple[int, int]], need: int) -> None:
         total = sum(n for _, n in ranges)
         if need == DMA_FLAG_WRITE:
             self.bytes_written += total
         else:
             self.bytes_read += total
-        return True
+
+    def _window_at(self, address: int) -> Mapping | None:
+        """The window holding ``address`` (lock held), or None."""
+        i = bisect.bisect_right(self._maps, address, key=_start) - 1
+        m = self._maps[i] if i >= 0 else None
+        return m if m is not None and address < m.end else None
 
     def read(self, address: int, length: int) -> bytes:
         pieces = self._pieces(address, length, DMA_FLAG_READ)
@@ -272,6 +294,10 @@ class DmaTable(ScatterByPieces):
             raise DmaError(f"DMA at {address:#x}: window has no fd and no message path")
         result = self._fallback(address, what, write)
         return result if result is not None else b""
+
+
+def _start(m: Mapping) -> int:
+    return m.address
 
 
 def _fd_mapping(m: Mapping, fd: int, offset: int) -> Mapping:
