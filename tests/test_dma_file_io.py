@@ -170,8 +170,12 @@ def test_random_lists_move_the_same_bytes_as_a_reference_copy(tmp_path, path):
                 ranges = [(BASE + rng.randrange(0, size - 4096), rng.randrange(1, 4097))
                           for _ in range(rng.randint(1, 40))]
             offset = rng.randrange(0, 8192)
+            then = [(rng.choice([BASE + rng.randrange(0, size - 16), BASE + SIZE - rng.randrange(0, 32)]),
+                     rng.choice([bytes, lambda n: memoryview(bytes(n))])(rng.randrange(0, 17)))
+                    for _ in range(rng.choice([0, 0, 1, 2]))]  # a completion entry after the data
             expect = bytearray(memory)
             fits = all(BASE <= a and a + n <= BASE + SIZE for a, n in ranges)
+            then_fits = fits and all(a + len(d) <= BASE + SIZE for a, d in then)
             if fits:  # the reference: pieces back to back from the offset, zeroes past the end
                 at = offset
                 for a, n in ranges:
@@ -180,13 +184,18 @@ def test_random_lists_move_the_same_bytes_as_a_reference_copy(tmp_path, path):
                     if a + n <= BASE + size:
                         expect[a - BASE:a - BASE + n] = piece
                     at += n
+            for a, d in then if fits else ():  # in order, up to the first that does not fit
+                if a + len(d) > BASE + SIZE:
+                    break
+                if a + len(d) <= BASE + size:
+                    expect[a - BASE:a - BASE + len(d)] = d
             try:
-                table.write_from_file(ranges, fd, offset)
-                assert fits, ranges
+                table.write_from_file(ranges, fd, offset, then)
+                assert then_fits, (ranges, then)
             except DmaError:
-                assert not fits, ranges
+                assert not then_fits, (ranges, then)
             got = os.pread(ram, size, 0)
-            assert got == bytes(expect), (round_, ranges)
+            assert got == bytes(expect), (round_, ranges, then)
     finally:
         os.close(fd)
         table.clear()

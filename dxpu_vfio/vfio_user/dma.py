@@ -184,32 +184,39 @@ class DmaTable(ScatterByPieces):
                         then: Sequence[tuple[int, bytes]] = ()) -> None:
         """The file read straight into guest memory: one preadv over the mapped pieces,
         then ``then``'s writes."""
-        if not self._file_io(pieces, fd, offset, DMA_FLAG_WRITE):
+        done = self._file_io(pieces, fd, offset, DMA_FLAG_WRITE, then)
+        if done is None:
             super().write_from_file(pieces, fd, offset, then)
-        elif then:
+        elif done is False and then:
             self.write_many(then)
 
     def read_into_file(self, pieces: list[tuple[int, int]], fd: int, offset: int) -> None:
         """Guest memory written to the file straight from the mapping: one pwritev."""
-        if not self._file_io(pieces, fd, offset, DMA_FLAG_READ):
+        if self._file_io(pieces, fd, offset, DMA_FLAG_READ) is None:
             super().read_into_file(pieces, fd, offset)
 
-    def _file_io(self, ranges: list[tuple[int, int]], fd: int, offset: int, need: int) -> bool:
+    def _file_io(self, ranges: list[tuple[int, int]], fd: int, offset: int, need: int,
+                 then: Sequence[tuple[int, bytes]] = ()) -> bool | None:
         """preadv (``need`` WRITE: file to guest) or pwritev (READ: guest to file) on views
-        of the mappings; False (nothing done) where a piece is not plain mapped memory.
+        of the mappings; None (nothing done) where a piece is not plain mapped memory.
         The table's lock is held throughout, so a DMA_UNMAP waits for the transfer to end
         before it closes a mapping the views point into (closing it under them would fail).
         Where the native module is built, a transfer inside one sealed mapping (a guest's
-        pages in its RAM: the common case) is one call into C (``mapped_io.c``); anything
-        else, or anything it finds outside the window, takes the general path below."""
+        pages in its RAM: the common case) is one call into C (``mapped_io.c``), with
+        ``then``'s writes (True: those are done too); anything else, or anything it finds
+        outside the window, takes the general path below (False: ``then`` is left to the caller)."""
         with self._lock:
             if self._native_file_io is not None and ranges and self.bus_master:
                 m = self._window_at(ranges[0][0])
-                if m is not None and m.memory is not None and m.fd is None and m.flags & need and \
-                        self._native_file_io(fd, offset, m.memory, m.address, m.map_delta, ranges,
-                                             need == DMA_FLAG_WRITE):
-                    self._count_file_io(ranges, need)
-                    return True
+                if m is not None and m.memory is not None and m.fd is None and m.flags & need:
+                    done = self._native_file_io(fd, offset, m.memory, m.address, m.map_delta, ranges,
+                                                need == DMA_FLAG_WRITE, list(then))
+                    if done is not None:
+                        if need == DMA_FLAG_WRITE:
+                            self.bytes_written += done + sum(len(data) for _, data in then)
+                        else:
+                            self.bytes_read += done
+                        return True
             pieces = self._pieces_many(ranges, need)
             whole: dict[int, memoryview] = {}  # a view of each mapping the pieces lie in
             views: list[memoryview] = []
@@ -218,7 +225,7 @@ class DmaTable(ScatterByPieces):
                     mapped = whole.get(id(m))
                     if mapped is None:
                         if m.memory is None or m.fd is not None:
-                            return False  # an fd to pread/pwrite, a size to check, or messages to QEMU
+                            return None  # an fd to pread/pwrite, a size to check, or messages to QEMU
                         mapped = whole[id(m)] = memoryview(m.memory)
                     at = m.map_delta + off
                     views.append(mapped[at:at + n])
@@ -231,15 +238,12 @@ class DmaTable(ScatterByPieces):
                     view.release()
                 for view in whole.values():
                     view.release()
-            self._count_file_io(ranges, need)
-        return True
-
-    def _count_file_io(self, ranges: list[tuple[int, int]], need: int) -> None:
-        total = sum(n for _, n in ranges)
-        if need == DMA_FLAG_WRITE:
-            self.bytes_written += total
-        else:
-            self.bytes_read += total
+            total = sum(n for _, n in ranges)
+            if need == DMA_FLAG_WRITE:
+                self.bytes_written += total
+            else:
+                self.bytes_read += total
+        return False
 
     def _window_at(self, address: int) -> Mapping | None:
         """The window holding ``address`` (lock held), or None."""
