@@ -225,6 +225,16 @@ class CapabilityList:
                         address=address, data=self.config.get_u16(offset + MSI_DATA),
                         masked=masked, pending=pending)
 
+    def msi_vectors_masked(self) -> tuple[int, int]:
+        """(vectors Multiple Message Enable grants, per-vector mask bits): what raising an
+        MSI asks, in one or two config reads where :meth:`msi_state` makes six (a device
+        raises one per batch of completions)."""
+        offset = self._offset(CAP_ID_MSI)
+        control = self.config.get_u16(offset + MSI_CONTROL)
+        vectors = min(1 << ((control & MSI_CTRL_MME) >> MSI_CTRL_MME_SHIFT), self.msi_vectors)
+        masked = self.config.get_u32(offset + MSI_MASK_BITS) if self.msi_per_vector_masking else 0
+        return vectors, masked
+
     def set_msi_pending(self, vector: int, pending: bool) -> None:
         """Device side: hold back (or release) a per-vector-masked MSI message."""
         if not self.msi_per_vector_masking:

@@ -429,10 +429,10 @@ class PciFunction:
             self.irq.msix(vector)
 
     def _raise_msi(self, vector: int) -> None:
-        state = self.caps.msi_state()
-        if vector >= state.vectors:
+        vectors, masked = self.caps.msi_vectors_masked()
+        if vector >= vectors:
             self.suppressed_interrupts += 1
-        elif state.masked >> vector & 1:
+        elif masked >> vector & 1:
             self.caps.set_msi_pending(vector, True)
         else:
             self.irq.msi(vector)

@@ -206,9 +206,9 @@ class DmaTable(ScatterByPieces):
         ``then``'s writes (True: those are done too); anything else, or anything it finds
         outside the window, takes the general path below (False: ``then`` is left to the caller)."""
         with self._lock:
-            if self._native_file_io is not None and ranges and self.bus_master:
-                m = self._window_at(ranges[0][0])
-                if m is not None and m.memory is not None and m.fd is None and m.flags & need:
+            if self._native_file_io is not None and ranges:
+                m = self._sealed_window(ranges[0][0], 0, need)  # (the C code checks every range)
+                if m is not None:
                     done = self._native_file_io(fd, offset, m.memory, m.address, m.map_delta, ranges,
                                                 need == DMA_FLAG_WRITE, list(then))
                     if done is not None:
@@ -251,7 +251,25 @@ class DmaTable(ScatterByPieces):
         m = self._maps[i] if i >= 0 else None
         return m if m is not None and address < m.end else None
 
+    def _sealed_window(self, address: int, length: int, need: int) -> Mapping | None:
+        """The window holding all of [address, address + length) if it is a mapping that
+        cannot shrink and grants ``need``, and Bus Master is on (lock held): there an access
+        is a plain copy, checked here in one look (most DMA is a guest's RAM). Else None,
+        for the general path, which splits, refuses and counts."""
+        if not self.bus_master or length < 0:
+            return None
+        m = self._window_at(address)
+        if m is None or m.memory is None or m.fd is not None or not m.flags & need or address + length > m.end:
+            return None
+        return m
+
     def read(self, address: int, length: int) -> bytes:
+        with self._lock:
+            m = self._sealed_window(address, length, DMA_FLAG_READ)
+            if m is not None:
+                start = m.map_delta + address - m.address
+                self.bytes_read += length
+                return m.memory[start:start + length]  # type: ignore[index]
         pieces = self._pieces(address, length, DMA_FLAG_READ)
         if len(pieces) == 1 and pieces[0][0].memory is not None:  # the common case: one copy
             m, off, n = pieces[0]
@@ -276,6 +294,13 @@ class DmaTable(ScatterByPieces):
         return self._fallback_access(m.address + off, n, False)
 
     def write(self, address: int, data: bytes | memoryview) -> None:
+        with self._lock:
+            m = self._sealed_window(address, len(data), DMA_FLAG_WRITE)
+            if m is not None:
+                start = m.map_delta + address - m.address
+                m.memory[start:start + len(data)] = data  # type: ignore[index]
+                self.bytes_written += len(data)
+                return
         view = memoryview(data)
         done = 0
         for m, off, n in self._pieces(address, len(view), DMA_FLAG_WRITE):
