@@ -199,3 +199,26 @@ def test_random_lists_move_the_same_bytes_as_a_reference_copy(tmp_path, path):
     finally:
         os.close(fd)
         table.clear()
+
+
+def test_plain_reads_and_writes_in_one_window_keep_the_tables_rules():
+    """A read or write inside one sealed window is a plain copy (DmaTable._sealed_window);
+    the rules stay the general path's: rights per direction, the window's end, and Bus
+    Master off refuses (and counts) everything."""
+    table, ram = guest_ram()
+    table.write(BASE + SIZE - 4, b"tail")
+    assert os.pread(ram, 4, SIZE - 4) == b"tail" and table.read(BASE + SIZE - 4, 4) == b"tail"
+    with pytest.raises(DmaError, match="outside every mapped window"):
+        table.write(BASE + SIZE - 2, b"tail")  # runs past the window's end
+    assert os.pread(ram, 4, SIZE - 4) == b"tail"
+    table.bus_master = False
+    for access in (lambda: table.read(BASE, 4), lambda: table.write(BASE, b"x")):
+        with pytest.raises(DmaError, match="Bus Master"):
+            access()
+    assert table.refused_bus_master == 2
+    table.clear()
+    read_only, _ = guest_ram(DMA_FLAG_READ)
+    with pytest.raises(DmaError, match="not allowed"):
+        read_only.write(BASE, b"x")
+    assert read_only.read(BASE, 2) == b"\0\0"
+    read_only.clear()
