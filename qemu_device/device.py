@@ -410,6 +410,11 @@ class PciFunction:
         """Does a DMA read cost a network round trip here (see :class:`DmaPort`)?"""
         return self.dma.reads_wait_on_network
 
+    @property
+    def dma_reads_shadows(self) -> bool:
+        """Does the port's host read a watched ring's shadow doorbell (see :class:`DmaPort`)?"""
+        return self.dma.reads_shadows
+
     def _dma_port_checked(self) -> DmaPort:
         with self.lock:
             if not header.bus_master_enabled(self.config):

@@ -411,10 +411,15 @@ class NvmeController(PciFunction):
         sq = self.sqs.get(qid)
         if sq is not None:
             if self._shadow_slots(qid) is not None:
-                # only a kick: the worker reads the tail from the shadow, which the guest
-                # wrote first, so a late MMIO value can never move the tail back
-                self._schedule(sq)
-                return
+                if not self.dma_reads_wait_on_network:
+                    # only a kick: the worker reads the tail from the shadow, which the guest
+                    # wrote first, so a late MMIO value can never move the tail back
+                    self._schedule(sq)
+                    return
+                # on a box the host read the shadow for us and sent its tail (RingWatch.shadow);
+                # one that would move the tail back (a register write that came late) is stale
+                if (value - sq.head) % sq.size < (sq.tail - sq.head) % sq.size:
+                    return
             sq.tail = value % sq.size
             if sq.begun is None and sq.head != sq.tail:
                 # on a network the fetch's request leaves from the thread that took the
@@ -600,6 +605,13 @@ class NvmeController(PciFunction):
             return False
         doorbell, event_index = slots
         try:
+            if self.dma_reads_wait_on_network:
+                # on a box the host reads the shadow (a round trip here): we publish the tail
+                # we have seen, and after that write the host reads the shadow and rings for
+                # us if the guest went past it meanwhile (RingWatch.shadow)
+                if publish:
+                    self.dma_write(event_index, struct.pack("<I", sq.tail))
+                return False
             if self._read_shadow_tail(sq, doorbell):
                 return True
             if not publish:
@@ -632,13 +644,17 @@ class NvmeController(PciFunction):
             self.dbbuf = (shadow, event_index)
             values = [(qid * 8, sq.tail) for qid, sq in self.sqs.items() if qid] + \
                      [(qid * 8 + 4, cq.head) for qid, cq in self.cqs.items() if qid]
+            for sq in self.sqs.values():  # on a box the host reads their shadows from now on
+                if sq.qid:
+                    self.dma_watch_ring(sq.qid, self._sq_ring(sq))
         self.dma_write_many([(shadow + offset, struct.pack("<I", value)) for offset, value in values])
 
     def _identify_oacs(self) -> int:
-        """Shadow doorbells save the guest its MMIO doorbell writes, but on a GPU box every
-        read of a shadow is a network round trip, where a doorbell is a posted write: there
-        the controller does not offer them."""
-        return 0 if self.dma_reads_wait_on_network else OACS_DBBUF
+        """Shadow doorbells save the guest its MMIO doorbell writes (a trap into QEMU and a
+        message each), but on a GPU box every read of a shadow would be a network round trip:
+        there the controller offers them only where the host reads the shadows for it
+        (``DmaPort.reads_shadows``, the link's RingWatch.shadow)."""
+        return OACS_DBBUF if not self.dma_reads_wait_on_network or self.dma_reads_shadows else 0
 
     def _begin(self, sq: Queue) -> None:
         """Count a command as in flight (lock held)."""
@@ -1107,8 +1123,14 @@ class NvmeController(PciFunction):
             self.cqs[cqid].sq_ids.add(qid)
             # on a box the host then sends a doorbell's commands with it, and the PRP list each
             # one's PRP2 may point to: no round trip to fetch them
-            self.dma_watch_ring(qid, Ring(0, DOORBELLS + 8 * qid, base & ~0xFFF, 64, size,
-                                          pointer_offset=PRP2_OFFSET, pointer_bytes=PRP_LIST_PUSH))
+            self.dma_watch_ring(qid, self._sq_ring(self.sqs[qid]))
+
+    def _sq_ring(self, sq: Queue) -> Ring:
+        """An I/O SQ as its port watches it (lock held): its doorbell, its entries and their
+        PRP lists, and its shadow doorbell while shadows are configured."""
+        shadow, event_index = self._shadow_slots(sq.qid) or (0, 0)
+        return Ring(0, DOORBELLS + 8 * sq.qid, sq.base, 64, sq.size, sq.tail, pointer_offset=PRP2_OFFSET,
+                    pointer_bytes=PRP_LIST_PUSH, shadow=shadow, event_index=event_index)
 
     def _delete_queue(self, qid: int, cq: bool) -> None:
         with self.lock:

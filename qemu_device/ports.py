@@ -30,7 +30,11 @@ class Ring(NamedTuple):
     NVMe submission queue. ``tail``: where the device stands now. With ``pointer_bytes``:
     each entry's little-endian u64 at ``pointer_offset`` names memory the device reads next,
     up to that many bytes within its 4 KiB page (an NVMe command's PRP list), which a port
-    may send along with the entry."""
+    may send along with the entry. With ``shadow``: the driver writes each new tail to that
+    guest address first and rings the register only when the device's event index (a u32 at
+    ``event_index``) asks; a port that :attr:`~DmaPort.reads_shadows` then has every doorbell
+    carry the shadow's tail, and rings for the device when the shadow has moved by the time
+    the device writes its event index."""
 
     region: int
     doorbell: int
@@ -40,6 +44,8 @@ class Ring(NamedTuple):
     tail: int = 0
     pointer_offset: int = 0
     pointer_bytes: int = 0
+    shadow: int = 0
+    event_index: int = 0
 
 
 class DmaPort(Protocol):
@@ -48,6 +54,11 @@ class DmaPort(Protocol):
     reads_wait_on_network: bool
     """True where a read costs a network round trip: a device then reads a batch's data
     ahead in one scatter list; on local memory that would only add a copy."""
+
+    reads_shadows: bool
+    """True where the port's host reads a watched ring's shadow doorbell for the device
+    (:class:`Ring` ``shadow``): a device on a network may then offer shadow doorbells, which
+    it would otherwise read at a round trip each."""
 
     def read(self, addr: int, length: int) -> bytes:
         """Return ``length`` bytes at ``addr`` or raise DmaError."""
@@ -141,6 +152,7 @@ class ScatterByPieces:
     a piece costs no more alone (local memory)."""
 
     reads_wait_on_network = False
+    reads_shadows = False  # local memory: the device reads them itself, at a copy each
 
     def posted_together(self) -> ContextManager[None]:
         return contextlib.nullcontext()   # local memory: each write is already done

@@ -7,20 +7,23 @@ from __future__ import annotations
 
 import mmap
 import os
+import random
 import socket
 import struct
 import threading
 
 import pytest
 
-from dxpu_vfio.link.protocol import MAX_POINTED, LinkCommand, Push, unpack_push
+from dxpu_vfio.link.protocol import MAX_POINTED, MAX_RING_SLOTS, LinkCommand, Push, RingWatch, unpack_push
 from dxpu_vfio.native import stream as native_stream
+from dxpu_vfio.vfio_user.connection import ReceiveTimeout
 from dxpu_vfio.vfio_user import protocol as vp
 
 MEM, FILE, WRITE_ONLY = 0x1_0000_0000, 0x2_0000_0000, 0x3_0000_0000  # the windows' guest addresses
 SIZE = 1 << 20
 RING, ENTRIES, ES, DOORBELL = MEM, 16, 64, 0x1008  # an NVMe-like SQ in the memfd window
 POINTER, BYTES = 32, 256                              # PRP2, a 128 KiB transfer's list
+SHADOW, EVENT = MEM + 0xF000, MEM + 0xF800           # the SQ's shadow doorbell and event index
 
 
 class Harness:
@@ -47,8 +50,16 @@ class Harness:
         self.forwarder.set_windows([(MEM, SIZE, rw, 0, self.ram, 0), (FILE, SIZE, rw, 1, self.file.fileno(), 0),
                                     (WRITE_ONLY, SIZE, vp.DMA_FLAG_WRITE, 0, self.ram, 0)])
         self.forwarder.set_ring(3, 0, DOORBELL, RING, ES, ENTRIES, 0, POINTER, BYTES)
-        self.thread = threading.Thread(target=self.forwarder.serve, daemon=True)
+        self.to_python: list[tuple] = []  # what serve() left to Python (a RING_WATCH after it took it)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
+
+    def _serve(self) -> None:
+        while True:  # as the host's session thread does: Python takes what C leaves to it
+            out = self.forwarder.serve()
+            self.to_python.append(out)
+            if out[0] != "link":
+                return
 
     def entries(self, first: int, pointers: list[int]) -> None:
         for i, p in enumerate(pointers):
@@ -61,6 +72,14 @@ class Harness:
         assert push.header.command == LinkCommand.DMA_PUSH, push.header
         assert self.box_conn.receive(timeout=5).header.command == vp.Command.REGION_WRITE
         return unpack_push(push.payload)
+
+    def send_box(self, command: int, payload: bytes) -> None:
+        """A posted message from the box."""
+        self.box_conn.send_message(0x10, command, vp.FLAG_NO_REPLY, payload)
+
+    def event_write(self, value: int) -> None:
+        """The box's device writes its event index (a posted DMA_WRITE)."""
+        self.send_box(LinkCommand.DMA_WRITE, struct.pack("<QQ", EVENT, 4) + struct.pack("<I", value))
 
     def close(self) -> None:
         self.qemu.close()
@@ -121,3 +140,115 @@ def test_a_ring_watched_without_a_pointer_pushes_entries_only(harness):
 def test_a_pointer_the_forwarder_cannot_honour_is_refused(harness, offset, size):
     with pytest.raises(ValueError, match="pointer"):
         harness.forwarder.set_ring(5, 0, 0x2000, RING, ES, ENTRIES, 0, offset, size)
+
+
+# --- shadow doorbells read for the box (RingWatch.shadow) ----------------------------------------
+
+def shadow_tail(harness, tail: int) -> None:
+    struct.pack_into("<I", harness.ram, SHADOW - MEM, tail)
+
+
+def next_doorbell(harness) -> int:
+    """The tail of the next REGION_WRITE the box gets (after a push, if one comes first)."""
+    msg = harness.box_conn.receive(timeout=5)
+    if msg.header.command == LinkCommand.DMA_PUSH:
+        msg = harness.box_conn.receive(timeout=5)
+    assert msg.header.command == vp.Command.REGION_WRITE, msg.header
+    offset, region, count, tail = struct.unpack("<QIII", bytes(msg.payload))
+    assert (offset, region, count) == (DOORBELL, 0, 4)
+    return tail
+
+
+def test_a_doorbell_of_a_ring_with_a_shadow_carries_the_shadows_tail(harness):
+    """The driver writes the shadow before the register: the newer tail goes to the box, with
+    the entries up to it (QEMU's register write may be older than the shadow already)."""
+    harness.forwarder.set_ring(3, 0, DOORBELL, RING, ES, ENTRIES, 0, POINTER, BYTES, SHADOW, EVENT)
+    shadow_tail(harness, 5)
+    push = harness.doorbell(3)
+    assert push.ranges == [(RING, 5 * ES)]
+    counters = harness.forwarder.counters()
+    assert counters["shadow_tails"] == 1 and counters["shadow_doorbells"] == 0
+    shadow_tail(harness, ENTRIES + 1)  # past the ring: not taken, QEMU's value goes as before
+    payload = struct.pack("<QII", DOORBELL, 0, 4) + struct.pack("<I", 6)
+    harness.qemu.sendall(vp.message(9, vp.Command.REGION_WRITE, payload, no_reply=True))
+    assert next_doorbell(harness) == 6
+
+
+def test_the_box_writing_its_event_index_makes_the_host_ring_when_the_shadow_moved(harness):
+    """The device publishes the tail it has seen and goes idle; the host then reads the shadow
+    (as the device would: write the index, read the shadow) and rings for it if the guest went
+    on without ringing. No move, nothing sent."""
+    harness.doorbell(2)
+    harness.forwarder.set_ring(3, 0, DOORBELL, RING, ES, ENTRIES, 2, POINTER, BYTES, SHADOW, EVENT)
+    shadow_tail(harness, 2)
+    harness.event_write(2)
+    shadow_tail(harness, 4)  # the guest queued two more and did not ring (the index said so)
+    harness.event_write(2)
+    push = unpack_push(harness.box_conn.receive(timeout=5).payload)
+    assert push.ranges == [(RING + 2 * ES, 2 * ES)]
+    assert next_doorbell(harness) == 4
+    assert struct.unpack_from("<I", harness.ram, EVENT - MEM)[0] == 2  # the box's write landed first
+    harness.event_write(4)  # nothing new: nothing sent; QEMU's next doorbell is the next message
+    shadow_tail(harness, 4)
+    payload = struct.pack("<QII", DOORBELL, 0, 4) + struct.pack("<I", 4)
+    harness.qemu.sendall(vp.message(9, vp.Command.REGION_WRITE, payload, no_reply=True))
+    assert next_doorbell(harness) == 4
+    assert harness.forwarder.counters()["shadow_doorbells"] == 1
+
+
+def test_a_ring_watch_from_the_box_is_applied_before_the_writes_behind_it(harness):
+    """The box adds the shadow to a watched ring and goes idle at once: its event index write,
+    right behind the RING_WATCH, already finds the shadow watched (C applies the watch as it
+    takes it, then hands it to Python); the same ring watched again keeps the tail pushed."""
+    harness.doorbell(2)
+    shadow_tail(harness, 3)
+    watch = RingWatch(3, 0, DOORBELL, RING, ES, ENTRIES, 2, POINTER, BYTES, SHADOW, EVENT)
+    harness.send_box(LinkCommand.RING_WATCH, watch.pack())
+    harness.event_write(2)
+    push = unpack_push(harness.box_conn.receive(timeout=5).payload)
+    assert push.ranges == [(RING + 2 * ES, ES)] and next_doorbell(harness) == 3
+    assert any(out[0] == "link" and RingWatch.unpack(out[1][0][4]) == watch for out in harness.to_python)
+
+
+@pytest.mark.parametrize("shadow, event", [(SHADOW, 0), (0, EVENT), (SHADOW + 2, EVENT), (SHADOW, (1 << 64) - 4)])
+def test_a_shadow_the_forwarder_cannot_honour_is_refused(harness, shadow, event):
+    with pytest.raises(ValueError, match="shadow"):
+        harness.forwarder.set_ring(3, 0, DOORBELL, RING, ES, ENTRIES, 0, POINTER, BYTES, shadow, event)
+
+
+def test_random_ring_watches_and_event_writes_never_break_the_forwarder(harness):
+    """A small fuzz of what a box sends the C forwarder about rings (RING_WATCH of both
+    sizes, any fields; event index writes; doorbells): it keeps serving, every push it
+    makes parses, and guest memory outside the box's own writes is untouched."""
+    rng = random.Random(11)
+    harness.ram[0:SIZE] = bytes(SIZE)
+    for _ in range(200):
+        fields = [rng.randrange(MAX_RING_SLOTS + 2), rng.choice([0, 1]), rng.choice([DOORBELL, rng.randrange(1 << 64)]),
+                  rng.choice([RING, WRITE_ONLY, rng.randrange(1 << 64)]), rng.choice([ES, 0, 4097, rng.randrange(1 << 32)]),
+                  rng.choice([ENTRIES, 0, 1 << 17, rng.randrange(1 << 32)]), rng.choice([0, 3, rng.randrange(1 << 32)]),
+                  rng.choice([0, BYTES << 16 | POINTER, rng.randrange(1 << 32)])]
+        shadow = [rng.choice([SHADOW, 0, WRITE_ONLY, rng.randrange(1 << 64)]),
+                  rng.choice([EVENT, 0, rng.randrange(1 << 64)])]
+        payload = struct.pack("<IIQQIIII", *fields) + (struct.pack("<QQ", *shadow) if rng.random() < 0.7 else b"")
+        if rng.random() < 0.1:
+            payload = payload[:rng.randrange(len(payload))]
+        harness.send_box(LinkCommand.RING_WATCH, payload)
+        harness.event_write(rng.randrange(1 << 32))
+        if rng.random() < 0.3:
+            doorbell = struct.pack("<QII", fields[2] if rng.random() < 0.5 else DOORBELL, fields[1], 4)
+            harness.qemu.sendall(vp.message(9, vp.Command.REGION_WRITE,
+                                            doorbell + struct.pack("<I", rng.randrange(ENTRIES + 2)), no_reply=True))
+        struct.pack_into("<I", harness.ram, SHADOW - MEM, rng.randrange(ENTRIES + 2))
+    pushes = 0
+    while True:  # what the forwarder sent the box: every push parses
+        try:
+            msg = harness.box_conn.receive(timeout=1)
+        except ReceiveTimeout:
+            break
+        if msg.header.command == LinkCommand.DMA_PUSH:
+            unpack_push(msg.payload)  # raises if the forwarder built a bad one
+            pushes += 1
+    assert harness.thread.is_alive() and pushes > 0
+    untouched = bytearray(harness.ram[0:SIZE])  # but for the event index the box wrote, and the shadow
+    untouched[EVENT - MEM:EVENT - MEM + 4] = untouched[SHADOW - MEM:SHADOW - MEM + 4] = bytes(4)
+    assert not any(untouched)

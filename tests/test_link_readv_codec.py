@@ -132,6 +132,20 @@ def test_a_ring_watch_and_a_push_round_trip():
     assert unpack_push(pack_push(1, [])).ranges == []                       # empty: forget what was pushed
 
 
+def test_a_ring_watch_with_a_shadow_doorbell_round_trips_and_a_bad_one_is_refused():
+    watch = RingWatch(2, 0, 0x1010, 0x7000_0000, 64, 32, 3, 32, 256, shadow=0x9000_0008, event_index=0x9100_0008)
+    assert len(watch.pack()) == 56 and RingWatch.unpack(watch.pack()) == watch
+    assert len(RingWatch(2, 0, 0x1010, 0x7000_0000, 64, 32).pack()) == 40  # none: the older, shorter message
+    for bad in (dict(shadow=0x9000_0008), dict(event_index=0x9100_0008), dict(shadow=0x9000_0006, event_index=8),
+                dict(shadow=(1 << 64) - 4, event_index=8)):
+        with pytest.raises(ProtocolError, match="shadow"):
+            RingWatch.unpack(RingWatch(2, 0, 0x1010, 0x7000_0000, 64, 32, **bad).pack())
+    with pytest.raises(ProtocolError, match="shadow"):  # only on a ring
+        RingWatch.unpack(RingWatch(2, shadow=8, event_index=16).pack())
+    with pytest.raises(ProtocolError, match="want 40 or 56"):
+        RingWatch.unpack(watch.pack()[:48])
+
+
 def test_a_ring_watch_with_a_pointer_and_a_push_with_what_entries_point_to_round_trip():
     """An NVMe SQ's watch names PRP2 (offset 32) and 256 bytes; its push carries the entries,
     then for each entry's pointer the bytes there (empty: the host could not read them)."""

@@ -701,11 +701,69 @@ def test_doorbell_buffer_config_checks_its_pages_and_ends_with_a_reset(ctrl):
 
 
 def test_a_controller_on_a_gpu_box_offers_no_shadow_doorbells(tmp_path):
-    """On a box a read of a shadow is a network round trip, a doorbell a posted write."""
+    """On a box a read of a shadow is a network round trip, a doorbell a posted write: unless
+    its host reads the shadows for it (below), a box's controller does not offer them."""
     dev, ram, drv = on_a_box(tmp_path)
     assert drv.submit(0, 0x06, prp1=BUF, cdw=(1, 0, 0, 0, 0, 0)) == (0, 0)
     assert not struct.unpack_from("<H", ram.ram, BUF - RAM_BASE + 256)[0] & nvme.OACS_DBBUF
     assert status_of(drv.submit(0, 0x7C, prp1=SHADOW, prp2=EVENT_INDEX)[0]) == nvme.Status.INVALID_OPCODE
+    assert dev.close()
+
+
+class ShadowReadingRam(CountingRam, HoldingRam):
+    """A box's port whose host reads the shadow doorbells (the link's RingWatch.shadow): the
+    rings the device watches are recorded."""
+
+    reads_shadows = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watches: dict[int, object] = {}
+
+    def watch_ring(self, slot, ring) -> None:
+        self.watches[slot] = ring
+
+
+def test_on_a_box_whose_host_reads_the_shadows_the_controller_offers_them_and_never_reads_one(tmp_path):
+    """With a host that reads the shadows, a box's controller offers Doorbell Buffer Config:
+    its SQs are watched again with their shadow and event index, a doorbell's value (the
+    shadow's tail, from the host) is taken when it moves the tail on, an idle worker writes
+    the tail it saw as the event index (the host then reads the shadow for it), and no
+    shadow is ever read over the network."""
+    dev, ram, drv = on_a_box(tmp_path, ShadowReadingRam)
+    drv.io_queues(1)
+    assert ram.watches[1].shadow == 0
+    assert drv.submit(0, 0x06, prp1=BUF, cdw=(1, 0, 0, 0, 0, 0)) == (0, 0)
+    assert struct.unpack_from("<H", ram.ram, BUF - RAM_BASE + 256)[0] & nvme.OACS_DBBUF
+    assert drv.submit(0, nvme.AdminOpcode.DOORBELL_BUFFER_CONFIG, prp1=SHADOW, prp2=EVENT_INDEX) == (0, 0)
+    watch = ram.watches[1]
+    assert (watch.shadow, watch.event_index, watch.doorbell) == (SHADOW + 8, EVENT_INDEX + 8, nvme.DOORBELLS + 8)
+    a, b, c = bufs(3)
+    first = drv.read(1, a)
+    assert shadow_ring(drv, 1)
+    assert drv.reap(1)[0][:2] == (first, 0)
+    wait_for(lambda: shadow_value(drv, EVENT_INDEX, 1) == 1)  # idle: published for the host
+    reached, release = ram.hold(b)
+    held = drv.read(1, b, lba=8)
+    assert shadow_ring(drv, 1), "the event index (1) asks for this one"
+    assert reached.wait(5)
+    later = drv.read(1, c, lba=16)
+    assert not shadow_ring(drv, 1), "the worker is busy: no doorbell is asked for"
+    release.set()
+    assert drv.reap(1)[0][0] == held
+    wait_for(lambda: shadow_value(drv, EVENT_INDEX, 1) == 2)  # idle again at 2: the host reads the shadow now
+    assert drv.nothing_completes(1), "the box cannot know of the entry: the host reads the shadow"
+    drv.w32(nvme.DOORBELLS + 8, 3)  # what the host sends after reading it
+    assert drv.reap(1)[0][0] == later
+    wait_for(lambda: shadow_value(drv, EVENT_INDEX, 1) == 3)
+    last = drv.read(1, a, lba=24)
+    with dev.lock:  # the worker waits: announced, not taken yet
+        drv.w32(nvme.DOORBELLS + 8, 4)
+        drv.w32(nvme.DOORBELLS + 8, 3)  # a register write that came late: behind the tail, stale
+    assert drv.reap(1)[0][0] == last, "a stale doorbell value took an announced entry back"
+    shadows = range(SHADOW, SHADOW + 4096)
+    assert not [c for c in ram.calls if c[0] == "read" and c[1] in shadows], "a shadow was read over the network"
+    assert drv.dev.stats()["shadow_tails"] == 0
     assert dev.close()
 
 

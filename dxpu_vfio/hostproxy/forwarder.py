@@ -33,7 +33,7 @@ from dxpu_vfio.hostproxy.coalescer import DEFAULT_COALESCE_DELAY, PostedCoalesce
 from dxpu_vfio.hostproxy.description import check_description
 from dxpu_vfio.hostproxy.shadow import DEFAULT_RATE_HZ, ShadowBar
 from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
-from dxpu_vfio.link.protocol import (FEATURE_RING_PUSH, HOST_FEATURES, IRQ_INTX, IRQ_MSI, IRQ_MSIX,
+from dxpu_vfio.link.protocol import (FEATURE_RING_PUSH, FEATURE_SHADOW_DOORBELLS, HOST_FEATURES, IRQ_INTX, IRQ_MSI, IRQ_MSIX,
                                     DeviceDescription, Hello, LinkCommand, RingWatch, hello_proof, unpack_challenge,
                                     unpack_irq, unpack_readv, unpack_writev)
 from dxpu_vfio.link.transport import TlsFiles, connect, connect_native, peer_certificate
@@ -147,7 +147,7 @@ class RemoteFunction:
         if forwarder is not None:  # the rings watched so far; their tails since are not known to it
             for w in list(self.rings.values()):  # a copy: the link's reader may add one meanwhile
                 forwarder.set_ring(w.slot, w.region, w.offset, w.base, w.entry_size, w.entries, -1,
-                                   w.pointer_offset, w.pointer_bytes)
+                                   w.pointer_offset, w.pointer_bytes, w.shadow, w.event_index)
         self._forwarder = forwarder
 
     def deliver(self, messages: list[tuple]) -> None:
@@ -474,7 +474,8 @@ class RemoteFunction:
             self.rings.pop(watch.slot, None)
         if self._forwarder is not None:
             self._forwarder.set_ring(watch.slot, watch.region, watch.offset, watch.base, watch.entry_size,
-                                     watch.entries, watch.tail, watch.pointer_offset, watch.pointer_bytes)
+                                     watch.entries, watch.tail, watch.pointer_offset, watch.pointer_bytes,
+                                     watch.shadow, watch.event_index)
 
     def _irq(self, msg) -> None:
         kind, vector, level = unpack_irq(msg.payload)
@@ -511,9 +512,10 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
     except (OSError, ConnectionClosed) as exc:
         raise RemoteAttachError(f"cannot reach remote proxy {address}: {exc}", getattr(exc, "errno", 0) or errno.EIO) from exc
     conn.sock.settimeout(timeout)
-    # ring entries pushed with their doorbells (RING_WATCH): only the C forwarder does it, so
-    # not where posted writes will be coalesced in Python
-    features = HOST_FEATURES + ((FEATURE_RING_PUSH,) if conn.native and coalesce is not True else ())
+    # ring entries pushed with their doorbells (RING_WATCH), and their shadow doorbells read for
+    # the box: only the C forwarder does it, so not where posted writes will be coalesced in Python
+    features = HOST_FEATURES + ((FEATURE_RING_PUSH, FEATURE_SHADOW_DOORBELLS)
+                                if conn.native and coalesce is not True else ())
     try:
         reply = _hello(conn, device, lease, box_sha256, features)
     except RemoteAttachError:

@@ -69,6 +69,9 @@ NONCE_BYTES = 32
 FEATURE_DMA_READV = "dma-readv"
 FEATURE_DMA_WRITEV = "dma-writev"
 FEATURE_RING_PUSH = "ring-push"  # offered only where the host's C forwarder sees every posted write
+# and, with it, a watched ring's shadow doorbell read by the host (RingWatch.shadow): the C
+# forwarder also applies every DMA write of the box, so it sees each event index written
+FEATURE_SHADOW_DOORBELLS = "shadow-doorbells"
 HOST_FEATURES = (FEATURE_DMA_READV, FEATURE_DMA_WRITEV)
 
 
@@ -262,6 +265,8 @@ def unpack_writev(payload: bytes | memoryview) -> tuple[list[tuple[int, int]], m
 # --- RING_WATCH / DMA_PUSH: ring entries that travel with their doorbell -------------------
 RING_WATCH_MSG = struct.Struct("<IIQQIIII")  # slot, region, doorbell offset, base, entry size, entries, tail,
 # pointer (offset in the entry, low 16 bits; bytes to push at it, high 16 bits; 0: none)
+RING_WATCH_SHADOW_MSG = struct.Struct("<IIQQIIIIQQ")  # the same, then the shadow doorbell and event index
+# addresses (only to a host that offered FEATURE_SHADOW_DOORBELLS)
 PUSH_HEAD = struct.Struct("<II")  # slot, ranges (ring ranges 0..2, then pointed ones) | POINTED_UNKNOWN
 MAX_RING_SLOTS = 64  # watched rings per device (an NVMe controller's I/O queues)
 MAX_RING_ENTRIES = 1 << 16
@@ -283,7 +288,18 @@ class RingWatch:
     With ``pointer_bytes``, each entry's little-endian u64 at ``pointer_offset`` names memory
     the device reads next (an NVMe command's PRP list): the push carries up to that many bytes
     there too (not past the end of their 4 KiB page; nothing for a null pointer), so that
-    read is no round trip either."""
+    read is no round trip either.
+
+    With ``shadow`` (and ``event_index``), the driver writes each new tail to that guest
+    address first and rings the register only when the u32 the device keeps at
+    ``event_index`` asks (NVMe's shadow doorbells, Doorbell Buffer Config). The host, which
+    reads guest memory without a round trip, reads the shadow for the device: a doorbell
+    goes to the box carrying the shadow's tail (the driver writes the shadow first, so it
+    is never behind the register's value), and after each DMA write of the box that covers
+    the event index (a device going idle) the host reads the shadow again and, if it moved
+    past the tail sent last, sends a push and a doorbell of its own. So a device on a box
+    learns of every entry without reading the shadow over the network, and the driver rings
+    the register only while the device is idle."""
 
     slot: int
     region: int = 0
@@ -294,10 +310,15 @@ class RingWatch:
     tail: int = 0
     pointer_offset: int = 0
     pointer_bytes: int = 0
+    shadow: int = 0
+    event_index: int = 0
 
     def pack(self) -> bytes:
-        return RING_WATCH_MSG.pack(self.slot, self.region, self.offset, self.base, self.entry_size, self.entries,
-                                   self.tail, self.pointer_bytes << 16 | self.pointer_offset)
+        fields = (self.slot, self.region, self.offset, self.base, self.entry_size, self.entries, self.tail,
+                  self.pointer_bytes << 16 | self.pointer_offset)
+        if self.shadow or self.event_index:
+            return RING_WATCH_SHADOW_MSG.pack(*fields, self.shadow, self.event_index)
+        return RING_WATCH_MSG.pack(*fields)
 
     def check(self) -> "RingWatch":
         """Itself, if the host can watch it (the rules the C forwarder's set_ring enforces
@@ -313,14 +334,25 @@ class RingWatch:
                                        and self.pointer_offset + 8 <= self.entry_size):
             raise ProtocolError(f"RING_WATCH pointer of {self.pointer_bytes} bytes at offset "
                                 f"{self.pointer_offset} of {self.entry_size}-byte entries")
+        if (self.shadow or self.event_index) and not (self.entries and self.shadow and self.event_index
+                                                      and not self.shadow % 4 and not self.event_index % 4
+                                                      and max(self.shadow, self.event_index) < (1 << 64) - 4):
+            raise ProtocolError(f"RING_WATCH shadow doorbell at {self.shadow:#x}, event index at "
+                                f"{self.event_index:#x} (both, dword aligned, of a ring)")
         return self
 
     @classmethod
     def unpack(cls, payload: bytes | memoryview) -> "RingWatch":
-        if len(payload) != RING_WATCH_MSG.size:
-            raise ProtocolError(f"RING_WATCH of {len(payload)} bytes (want {RING_WATCH_MSG.size})")
-        *fields, pointer = RING_WATCH_MSG.unpack(payload)
-        return cls(*fields, pointer_offset=pointer & 0xFFFF, pointer_bytes=pointer >> 16).check()
+        if len(payload) == RING_WATCH_SHADOW_MSG.size:
+            *fields, pointer, shadow, event_index = RING_WATCH_SHADOW_MSG.unpack(payload)
+        elif len(payload) == RING_WATCH_MSG.size:
+            *fields, pointer = RING_WATCH_MSG.unpack(payload)
+            shadow = event_index = 0
+        else:
+            raise ProtocolError(f"RING_WATCH of {len(payload)} bytes (want {RING_WATCH_MSG.size} "
+                                f"or {RING_WATCH_SHADOW_MSG.size})")
+        return cls(*fields, pointer_offset=pointer & 0xFFFF, pointer_bytes=pointer >> 16, shadow=shadow,
+                   event_index=event_index).check()
 
 
 class Push(NamedTuple):

@@ -39,6 +39,7 @@
 #define CMD_SYNC 0x106
 #define CMD_DMA_READV 0x10A
 #define CMD_DMA_WRITEV 0x10B
+#define CMD_RING_WATCH 0x10C
 #define CMD_DMA_PUSH 0x10D
 #define READV_HEAD 8   /* ranges (u32), reserved (u32) */
 #define READV_RANGE 16 /* address (u64), length (u32), reserved (u32) */
@@ -79,6 +80,10 @@ typedef struct {
     uint32_t region, entry_size, entries, tail; /* entries 0: no ring in this slot */
     uint32_t pointer_offset, pointer_bytes;     /* pointer_bytes 0: the entries point to nothing pushed */
     int synced; /* tail is the last doorbell's: else the next push is empty (the box forgets) */
+    /* RingWatch.shadow: the driver's shadow doorbell (u32 tail) and the device's event index;
+     * 0: none. A doorbell then carries the shadow's tail, and a box write of the event index
+     * makes us read the shadow again and ring for the device if it moved (shadow_doorbells). */
+    uint64_t shadow, event;
 } ring_t;
 
 typedef struct {
@@ -101,8 +106,10 @@ typedef struct {
     size_t posted_bytes_since_sync;
     unsigned char *dma_buf; /* a DMA_READ(V) completion read from a pread window: header + data */
     ring_t rings[MAX_RING_SLOTS];
-    int n_rings; /* slots in use: 0 skips the doorbell check */
-    unsigned long long pushes, push_bytes, pushes_empty, pointed;
+    int n_rings;          /* slots in use: 0 skips the doorbell check */
+    int n_shadows;        /* of them with a shadow doorbell: 0 skips the event index check */
+    uint64_t shadow_due;  /* slots whose event index the box wrote: read their shadow next */
+    unsigned long long pushes, push_bytes, pushes_empty, pointed, shadow_tails, shadow_doorbells;
     unsigned long long reads, writes_posted, writes_nonposted, dma_read_bytes, dma_write_bytes, dma_refused,
         irqs, bad_completions, to_python, read_wait_ns, write_wait_ns, syncs, error_completions, doorbells_merged;
 } Forwarder;
@@ -262,6 +269,19 @@ static int dma_readv(Forwarder *f, const frame_header *hdr, const unsigned char 
                       err, errlen) ? BROKEN : HANDLED;
 }
 
+/* The box wrote [addr, addr+n): a watched ring whose event index lies in it has its shadow
+ * read after this message (shadow_doorbells): the device may have gone idle. */
+static void note_event_write(Forwarder *f, uint64_t addr, uint64_t n)
+{
+    if (!f->n_shadows)
+        return;
+    for (int slot = 0; slot < MAX_RING_SLOTS; slot++) {
+        const ring_t *r = &f->rings[slot];
+        if (r->entries && r->event && r->event < addr + n && addr < r->event + 4)
+            f->shadow_due |= 1ull << slot;
+    }
+}
+
 /* Write n bytes at addr of a window (checked by the caller): a copy into a mapping, or a
  * pwrite that never grows the client's file. True if all of it was written. */
 static int window_write(const window_t *w, uint64_t addr, const unsigned char *data, uint64_t n)
@@ -307,9 +327,10 @@ static int dma_writev(Forwarder *f, const frame_header *hdr, const unsigned char
     for (uint32_t i = 0; i < count; i++) {
         const unsigned char *r = pl + READV_HEAD + (size_t)i * READV_RANGE;
         uint64_t addr = le64(r), n = frame_le32(r + 8);
-        if (window_write(ws[i], addr, data, n))
+        if (window_write(ws[i], addr, data, n)) {
             f->dma_write_bytes += n;
-        else
+            note_event_write(f, addr, n);
+        } else
             f->dma_refused++; /* the file shrank */
         data += n;
     }
@@ -416,19 +437,40 @@ static uint32_t push_pointed(Forwarder *f, const ring_t *r, unsigned char *head,
     return 0;
 }
 
+/* The tail in a ring's shadow doorbell, read from guest memory inside QEMU's windows; 0 where
+ * it cannot be read or is past the ring (then nothing is taken from it). */
+static int shadow_tail(Forwarder *f, const ring_t *r, uint32_t *tail)
+{
+    size_t at = 0;
+    int ok = 1;
+    const unsigned char *p = window_bytes(f, r->shadow, 4, &at, &ok);
+    if (!ok)
+        return 0;
+    *tail = frame_le32(p);
+    return *tail < r->entries;
+}
+
 /* Before QEMU's posted write `pl` (a REGION_WRITE payload of 4 bytes) goes to the box: if it
  * is a watched ring's doorbell, the entries it announces (from the tail seen last) go first as
  * a DMA_PUSH, from guest memory, inside QEMU's windows and their read rights; when they cannot
  * (too many, outside the windows, a tail past the ring) the push is empty and the box forgets
  * what it was pushed before, so it never serves entries it might not have fresh. Nothing is
  * sent for a doorbell that announces nothing new. The push is held in the stream's TLS buffer: the caller
- * sends the doorbell next, and both leave in one write. 0, or -1 when the link failed. */
-static int push_ring(Forwarder *f, const unsigned char *pl, char *err, size_t errlen)
+ * sends the doorbell next, and both leave in one write. A ring with a shadow doorbell takes
+ * its tail from the shadow, written into `pl` (the caller's copy, which it sends): the driver
+ * writes the shadow before the register, so it is the newer, and the tails the box gets never
+ * go back however QEMU's writes and our own doorbells interleave. 0, or -1 when the link failed. */
+static int push_ring(Forwarder *f, unsigned char *pl, char *err, size_t errlen)
 {
     int slot = watched_slot(f, pl);
     if (slot < 0)
         return 0;
     ring_t *r = &f->rings[slot];
+    uint32_t shadow;
+    if (r->shadow && shadow_tail(f, r, &shadow)) {
+        frame_put32(pl + 16, shadow);
+        f->shadow_tails++;
+    }
     uint32_t tail = frame_le32(pl + 16);
     unsigned char head[PUSH_HEAD + (2 + MAX_POINTED) * READV_RANGE];
     struct iovec iov[3 + MAX_POINTED];
@@ -478,6 +520,91 @@ static int push_ring(Forwarder *f, const unsigned char *pl, char *err, size_t er
     return 0;
 }
 
+/* After the box wrote the event index of rings with a shadow doorbell (note_event_write): the
+ * device published the tail it has seen, and will not look again until a doorbell. The driver
+ * writes the shadow, then reads the event index; we have written the event index, now read the
+ * shadow: either the driver saw our index and rings, or we see its tail. If the shadow moved
+ * past the tail sent last, its entries go to the box with a doorbell of ours, as QEMU's would.
+ * Called between messages (a send may drain the link's receive buffer). 0, or -1 when the link
+ * failed. */
+static int shadow_doorbells(Forwarder *f, char *err, size_t errlen)
+{
+    uint64_t due = f->shadow_due;
+    f->shadow_due = 0;
+    for (int slot = 0; due; slot++, due >>= 1) {
+        if (!(due & 1))
+            continue;
+        const ring_t *r = &f->rings[slot];
+        uint32_t tail;
+        if (!r->entries || !r->shadow || !shadow_tail(f, r, &tail) || (r->synced && tail == r->tail))
+            continue;
+        unsigned char db[20]; /* a REGION_WRITE payload: offset, region, count, the tail */
+        frame_put32(db, (uint32_t)r->offset);
+        frame_put32(db + 4, (uint32_t)(r->offset >> 32));
+        frame_put32(db + 8, r->region);
+        frame_put32(db + 12, 4);
+        frame_put32(db + 16, tail);
+        if (push_ring(f, db, err, errlen) ||
+            send_frame(f->link, (uint16_t)(0x8000 | (f->next_id++ & 0x7FFF)), CMD_REGION_WRITE, FRAME_NO_REPLY, 0,
+                       db, sizeof db, NULL, 0, err, errlen))
+            return -1;
+        f->shadow_doorbells++;
+        f->posted_since_sync++;
+        f->posted_bytes_since_sync += sizeof db;
+    }
+    return 0;
+}
+
+/* Watch ring `r` in `slot` (entries 0: stop): -1 (nothing changed) unless it is one the host can
+ * watch (RingWatch.check's rules: whole entries of a size we push, a pointer inside an entry, a
+ * shadow and an event index both or neither, dword aligned). The same ring watched again
+ * (the box adds its shadow doorbell; the RING_WATCH we applied coming back through Python)
+ * keeps the tail pushed last: going back to an older one would only push entries again. */
+static int watch_ring(Forwarder *f, unsigned slot, const ring_t *r)
+{
+    if (slot >= MAX_RING_SLOTS ||
+        (r->entries && (r->entry_size == 0 || r->entry_size > MAX_ENTRY_SIZE || r->entries > MAX_RING_ENTRIES ||
+                        r->tail >= r->entries || r->base + (uint64_t)r->entries * r->entry_size < r->base)) ||
+        (r->pointer_bytes && (r->pointer_bytes > POINTED_PAGE || (uint64_t)r->pointer_offset + 8 > r->entry_size)) ||
+        ((r->shadow || r->event) && (!r->entries || !r->shadow || !r->event || r->shadow % 4 || r->event % 4 ||
+                                     r->shadow > UINT64_MAX - 4 || r->event > UINT64_MAX - 4)))
+        return -1;
+    ring_t *old = &f->rings[slot];
+    ring_t next = *r;
+    if (old->entries && old->synced && old->region == r->region && old->offset == r->offset &&
+        old->base == r->base && old->entry_size == r->entry_size && old->entries == r->entries &&
+        old->pointer_offset == r->pointer_offset && old->pointer_bytes == r->pointer_bytes) {
+        next.tail = old->tail;
+        next.synced = 1;
+    }
+    f->n_rings += (r->entries != 0) - (old->entries != 0);
+    f->n_shadows += (r->shadow != 0) - (old->shadow != 0);
+    *old = next;
+    f->shadow_due &= ~(1ull << slot);
+    return 0;
+}
+
+/* A RING_WATCH (link/protocol.py, RingWatch): applied here at once, so that no DMA write the box
+ * sends after it (its event index) is taken before it, and still handed to Python, which keeps
+ * it for the forwarders of later QEMU sessions (and says why a bad one is refused). */
+static int ring_watch_message(Forwarder *f, const unsigned char *pl, size_t len)
+{
+    if (len != 40 && len != 56)
+        return TO_PYTHON;
+    ring_t r = {.region = frame_le32(pl + 4), .offset = le64(pl + 8), .base = le64(pl + 16),
+                .entry_size = frame_le32(pl + 24), .entries = frame_le32(pl + 28), .tail = frame_le32(pl + 32),
+                .pointer_offset = frame_le32(pl + 36) & 0xFFFF, .pointer_bytes = frame_le32(pl + 36) >> 16,
+                .synced = 1};
+    if (len == 56) {
+        r.shadow = le64(pl + 40);
+        r.event = le64(pl + 48);
+    }
+    if (!r.entries)
+        r = (ring_t){0};
+    watch_ring(f, frame_le32(pl), &r);
+    return TO_PYTHON;
+}
+
 /* Handle one message from the box in C if it is one of the hot ones. */
 static int box_message(Forwarder *f, const frame_header *hdr, const unsigned char *msg, char *err, size_t errlen)
 {
@@ -515,9 +642,10 @@ static int box_message(Forwarder *f, const frame_header *hdr, const unsigned cha
         }
         if (w->kind == WINDOW_PYTHON)
             return TO_PYTHON;
-        if (window_write(w, addr, pl + 16, count))
+        if (window_write(w, addr, pl + 16, count)) {
             f->dma_write_bytes += count;
-        else
+            note_event_write(f, addr, count);
+        } else
             f->dma_refused++; /* posted: the box is not told, like an unsupported request */
         return HANDLED;
     }
@@ -556,6 +684,8 @@ static int box_message(Forwarder *f, const frame_header *hdr, const unsigned cha
         return dma_readv(f, hdr, pl, len, err, errlen);
     case CMD_DMA_WRITEV:
         return dma_writev(f, hdr, pl, len);
+    case CMD_RING_WATCH:
+        return hdr->flags & FRAME_NO_REPLY ? ring_watch_message(f, pl, len) : TO_PYTHON;
     default:
         return TO_PYTHON;
     }
@@ -580,9 +710,15 @@ static PyObject *forward_nonposted(Forwarder *f, const frame_header *qhdr, const
     size_t qlen = qhdr ? qhdr->size - FRAME_HEADER_SIZE : 0;
     uint32_t count = qhdr ? frame_le32(qpl + 12) : 0;
     int is_read = qhdr && qhdr->command == CMD_REGION_READ;
-    /* a doorbell written non-posted announces its entries all the same */
-    if (qhdr && !is_read && f->n_rings && count == 4 && push_ring(f, qpl, err, sizeof err))
-        return Py_BuildValue("(ss)", "link-closed", err);
+    /* a doorbell written non-posted announces its entries all the same (a copy: push_ring may
+     * put the shadow's tail in it) */
+    unsigned char db[20];
+    if (qhdr && !is_read && f->n_rings && count == 4 && qlen == sizeof db) {
+        memcpy(db, qpl, sizeof db);
+        if (push_ring(f, db, err, sizeof err))
+            return Py_BuildValue("(ss)", "link-closed", err);
+        qpl = db;
+    }
     uint16_t id = (uint16_t)(0x8000 | (f->next_id++ & 0x7FFF)); /* Python's own requests count from 1 */
     if (send_frame(f->link, id, qhdr ? qhdr->command : CMD_SYNC, 0, 0, qpl, is_read ? 16 : qlen, NULL, 0, err,
                    sizeof err))
@@ -678,6 +814,11 @@ static PyObject *forward_nonposted(Forwarder *f, const frame_header *qhdr, const
         }
         rx_consume(&f->link->rx, hdr.size);
         f->link->messages_in++;
+        if (f->shadow_due && shadow_doorbells(f, err, sizeof err)) {
+            PyObject *out = Py_BuildValue("(ssO)", "link-closed", err, deferred ? deferred : Py_None);
+            Py_XDECREF(deferred);
+            return out;
+        }
     }
 }
 
@@ -697,6 +838,10 @@ static PyObject *Forwarder_serve(Forwarder *f, PyObject *unused)
     while (!out) {
         frame_header hdr;
         const unsigned char *msg;
+        if (f->shadow_due && shadow_doorbells(f, err, sizeof err)) { /* the box's last message asked */
+            out = Py_BuildValue("(ss)", "link-closed", err);
+            break;
+        }
         /* the box first: what it sent before QEMU's next request goes first */
         if (rx_next(&f->link->rx, f->link->max_message, &hdr, &msg) == FRAME_OK) {
             int h = box_message(f, &hdr, msg, err, sizeof err);
@@ -747,7 +892,12 @@ static PyObject *Forwarder_serve(Forwarder *f, PyObject *unused)
                     f->doorbells_merged++;
                     continue;
                 }
-                if (may_be_doorbell && push_ring(f, pl, err, sizeof err)) {
+                unsigned char db[20]; /* a doorbell goes as push_ring leaves it (the shadow's tail) */
+                if (may_be_doorbell && len == sizeof db) {
+                    memcpy(db, pl, sizeof db);
+                    pl = db;
+                }
+                if (may_be_doorbell && push_ring(f, db, err, sizeof err)) {
                     out = Py_BuildValue("(ss)", "link-closed", err);
                     rx_consume(&f->qemu->rx, hdr.size);
                     f->qemu->messages_in++;
@@ -906,34 +1056,31 @@ static PyObject *Forwarder_set_irqs(Forwarder *f, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* set_ring(slot, region, offset, base, entry_size, entries, tail[, pointer_offset, pointer_bytes]): watch a
- * ring (entries 0: stop); tail -1: not known (the first doorbell's push is empty). Checked by
- * RingWatch.unpack first. */
+/* set_ring(slot, region, offset, base, entry_size, entries, tail[, pointer_offset, pointer_bytes[, shadow,
+ * event]]): watch_ring from Python (a RingWatch it took, or one kept for a new forwarder). */
 static PyObject *Forwarder_set_ring(Forwarder *f, PyObject *args)
 {
     unsigned int slot, region, entry_size, entries, pointer_offset = 0, pointer_bytes = 0;
-    unsigned long long offset, base;
+    unsigned long long offset, base, shadow = 0, event = 0;
     long long tail;
-    if (!PyArg_ParseTuple(args, "IIKKIIL|II", &slot, &region, &offset, &base, &entry_size, &entries, &tail,
-                          &pointer_offset, &pointer_bytes))
+    if (!PyArg_ParseTuple(args, "IIKKIIL|IIKK", &slot, &region, &offset, &base, &entry_size, &entries, &tail,
+                          &pointer_offset, &pointer_bytes, &shadow, &event))
         return NULL;
-    if (slot >= MAX_RING_SLOTS ||
-        (entries && (entry_size == 0 || entry_size > MAX_ENTRY_SIZE || entries > MAX_RING_ENTRIES ||
-                     tail >= (long long)entries || base + (uint64_t)entries * entry_size < base)) ||
-        (pointer_bytes && (pointer_bytes > POINTED_PAGE || (uint64_t)pointer_offset + 8 > entry_size)))
-        return PyErr_Format(PyExc_ValueError, "ring %u: %u entries of %u bytes, tail %lld, pointer %u at %u", slot,
-                            entries, entry_size, tail, pointer_bytes, pointer_offset);
-    f->n_rings += (entries != 0) - (f->rings[slot].entries != 0);
-    f->rings[slot] = (ring_t){.region = region, .offset = offset, .base = base, .entry_size = entry_size,
-                              .entries = entries, .tail = tail < 0 ? 0 : (uint32_t)tail, .synced = tail >= 0,
-                              .pointer_offset = pointer_offset, .pointer_bytes = pointer_bytes};
+    ring_t r = {.region = region, .offset = offset, .base = base, .entry_size = entry_size, .entries = entries,
+                .tail = tail < 0 ? 0 : (uint32_t)tail, .synced = tail >= 0, .pointer_offset = pointer_offset,
+                .pointer_bytes = pointer_bytes, .shadow = shadow, .event = event};
+    if (slot >= MAX_RING_SLOTS || (entries && tail >= (long long)entries) || watch_ring(f, slot, &r))
+        return PyErr_Format(PyExc_ValueError, "ring %u: %u entries of %u bytes, tail %lld, pointer %u at %u, "
+                            "shadow %#llx, event index %#llx", slot, entries, entry_size, tail, pointer_bytes,
+                            pointer_offset, shadow, event);
     Py_RETURN_NONE;
 }
 
 static PyObject *Forwarder_counters(Forwarder *f, PyObject *unused)
 {
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "pushes", f->pushes, "push_bytes", f->push_bytes,
-                         "pointed", f->pointed,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "pushes", f->pushes, "push_bytes",
+                         f->push_bytes, "pointed", f->pointed, "shadow_tails", f->shadow_tails,
+                         "shadow_doorbells", f->shadow_doorbells,
                          "pushes_empty", f->pushes_empty, "reads", f->reads, "writes_posted", f->writes_posted,
                          "writes_nonposted", f->writes_nonposted, "dma_bytes_read", f->dma_read_bytes,
                          "dma_bytes_written", f->dma_write_bytes, "dma_refused", f->dma_refused, "irqs", f->irqs,
@@ -983,7 +1130,8 @@ static PyMethodDef Forwarder_methods[] = {
     {"set_irqs", (PyCFunction)Forwarder_set_irqs, METH_VARARGS,
      "set_irqs(msi: {vector: eventfd}, msix: {vector: eventfd}): borrowed eventfds."},
     {"set_ring", (PyCFunction)Forwarder_set_ring, METH_VARARGS,
-     "set_ring(slot, region, offset, base, entry_size, entries, tail): push a ring's entries with its doorbell."},
+     "set_ring(slot, region, offset, base, entry_size, entries, tail[, pointer_offset, pointer_bytes[, shadow, "
+     "event]]): push a ring's entries with its doorbell (and read its shadow doorbell for the box)."},
     {"counters", (PyCFunction)Forwarder_counters, METH_NOARGS, "What was forwarded in C."},
     {NULL},
 };

@@ -142,11 +142,12 @@ class LinkDmaPort:
     reads_wait_on_network = True
 
     def __init__(self, endpoint: LinkEndpoint, faults: FaultTable | None = None, device: str = "", *,
-                 readv: bool = False, writev: bool = False, ring_push: bool = False) -> None:
+                 readv: bool = False, writev: bool = False, ring_push: bool = False, shadows: bool = False) -> None:
         self.endpoint = endpoint
         self.readv = readv  # the host offered DMA_READV in its HELLO
         self.writev = writev  # and DMA_WRITEV
         self.ring_push = ring_push  # and pushes ring entries with their doorbells (RING_WATCH / DMA_PUSH)
+        self.reads_shadows = shadows  # and reads a watched ring's shadow doorbell for us (RingWatch.shadow)
         self._mirrors: dict[int, RingMirror] = {}  # watched rings by slot
         self._mirror_lock = threading.Lock()  # pushes come on the link reader, reads on any thread
         self.pushed_reads = 0  # reads served from pushed ring entries: no round trip
@@ -173,9 +174,10 @@ class LinkDmaPort:
         (RING_WATCH), or with None to stop; nothing where the host did not offer it."""
         if not self.ring_push:
             return
+        shadow = (ring.shadow, ring.event_index) if ring is not None and self.reads_shadows else (0, 0)
         watch = RingWatch(slot) if ring is None else RingWatch(slot, ring.region, ring.doorbell, ring.base,
                                                                 ring.entry_size, ring.entries, ring.tail,
-                                                                ring.pointer_offset, ring.pointer_bytes)
+                                                                ring.pointer_offset, ring.pointer_bytes, *shadow)
         watch.check()  # the host's rules: a bad ring is the device's bug, said here
         with self._mirror_lock:
             if watch.entries:

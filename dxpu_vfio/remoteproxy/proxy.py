@@ -28,7 +28,8 @@ import time
 
 from dxpu_vfio.deadline import Deadline
 from dxpu_vfio.link.endpoint import LinkEndpoint
-from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, FEATURE_DMA_WRITEV, FEATURE_RING_PUSH, DeviceDescription,
+from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, FEATURE_DMA_WRITEV, FEATURE_RING_PUSH,
+                                     FEATURE_SHADOW_DOORBELLS, DeviceDescription,
                                     Hello, LinkCommand, challenge, new_nonce, proof_matches)
 from dxpu_vfio.link.transport import TlsFiles, server_context
 from dxpu_vfio.native import stream as native
@@ -308,7 +309,8 @@ class RemoteProxy:
         # does when its C forwarder sees every posted write (not coalesced, no shadowed BAR)
         ring_push = FEATURE_RING_PUSH in hello.features and not description.coalesce and not description.mappable
         slot.dma = LinkDmaPort(slot.endpoint, self.faults, slot.spec.id, readv=FEATURE_DMA_READV in hello.features,
-                               writev=FEATURE_DMA_WRITEV in hello.features, ring_push=ring_push)
+                               writev=FEATURE_DMA_WRITEV in hello.features, ring_push=ring_push,
+                               shadows=ring_push and FEATURE_SHADOW_DOORBELLS in hello.features)
         slot.irq = LinkIrqPort(slot.endpoint)
         with slot.device.lock:
             slot.device.vmm_masks_msix = True  # the host's QEMU keeps the MSI-X table
