@@ -644,10 +644,11 @@ class NvmeController(PciFunction):
             self.dbbuf = (shadow, event_index)
             values = [(qid * 8, sq.tail) for qid, sq in self.sqs.items() if qid] + \
                      [(qid * 8 + 4, cq.head) for qid, cq in self.cqs.items() if qid]
-            for sq in self.sqs.values():  # on a box the host reads their shadows from now on
+        self.dma_write_many([(shadow + offset, struct.pack("<I", value)) for offset, value in values])
+        with self.lock:  # on a box the host reads the shadows from now on (written first: no old bytes)
+            for sq in self.sqs.values():
                 if sq.qid:
                     self.dma_watch_ring(sq.qid, self._sq_ring(sq))
-        self.dma_write_many([(shadow + offset, struct.pack("<I", value)) for offset, value in values])
 
     def _identify_oacs(self) -> int:
         """Shadow doorbells save the guest its MMIO doorbell writes (a trap into QEMU and a
