@@ -570,15 +570,15 @@ static int watch_ring(Forwarder *f, unsigned slot, const ring_t *r)
                                      r->shadow > UINT64_MAX - 4 || r->event > UINT64_MAX - 4)))
         return -1;
     ring_t *old = &f->rings[slot];
-    ring_t next = *r;
-    if (old->entries && old->synced && old->region == r->region && old->offset == r->offset &&
+    ring_t next = r->entries ? *r : (ring_t){0}; /* withdrawn: nothing else counts */
+    if (next.entries && old->synced && old->region == r->region && old->offset == r->offset &&
         old->base == r->base && old->entry_size == r->entry_size && old->entries == r->entries &&
         old->pointer_offset == r->pointer_offset && old->pointer_bytes == r->pointer_bytes) {
         next.tail = old->tail;
         next.synced = 1;
     }
-    f->n_rings += (r->entries != 0) - (old->entries != 0);
-    f->n_shadows += (r->shadow != 0) - (old->shadow != 0);
+    f->n_rings += (next.entries != 0) - (old->entries != 0);
+    f->n_shadows += (next.shadow != 0) - (old->shadow != 0);
     *old = next;
     f->shadow_due &= ~(1ull << slot);
     return 0;
@@ -599,8 +599,6 @@ static int ring_watch_message(Forwarder *f, const unsigned char *pl, size_t len)
         r.shadow = le64(pl + 40);
         r.event = le64(pl + 48);
     }
-    if (!r.entries)
-        r = (ring_t){0};
     watch_ring(f, frame_le32(pl), &r);
     return TO_PYTHON;
 }
