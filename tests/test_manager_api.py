@@ -69,6 +69,19 @@ def test_wrong_field_types_are_answered_400_naming_the_field(manager, route, bod
     assert client.get("/v1/health")["db"]  # and the service still answers
 
 
+@pytest.mark.parametrize("address", ["10.0.0.1:" + "9" * 30, "10.0.0.1:70000", "10.0.0.1:0", "10.0.0.1:\u0667\u0660",
+                                     ":7000", "10.0.0.1"])
+def test_a_box_address_with_a_bad_port_is_refused_by_name(manager, address):
+    """Found by scripts/fuzz.py (manager, seed 2766665206): a 30-digit port reached the
+    resolver, whose OverflowError became a 500."""
+    client, _ = manager
+    with pytest.raises(ManagerError) as exc:
+        client.request("POST", "/v1/boxes", {"address": address})
+    assert "bad box address" in exc.value.message and "HOST:PORT" in exc.value.message, exc.value.message
+    assert exc.value.status != 500
+    assert client.get("/v1/health")["db"]
+
+
 def test_a_large_body_is_refused_before_it_is_read_and_the_token_checked_first(manager):
     client, _ = manager
     sock = str(client.paths.socket)

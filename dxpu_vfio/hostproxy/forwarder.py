@@ -36,7 +36,7 @@ from dxpu_vfio.link.endpoint import LinkDown, LinkEndpoint, LinkError
 from dxpu_vfio.link.protocol import (FEATURE_RING_PUSH, FEATURE_SHADOW_DOORBELLS, HOST_FEATURES, IRQ_INTX, IRQ_MSI, IRQ_MSIX,
                                     DeviceDescription, Hello, LinkCommand, RingWatch, hello_proof, unpack_challenge,
                                     unpack_irq, unpack_readv, unpack_writev)
-from dxpu_vfio.link.transport import TlsFiles, connect, connect_native, peer_certificate
+from dxpu_vfio.link.transport import TlsFiles, connect, connect_native, peer_certificate, split_address
 from dxpu_vfio.native import stream as native
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
@@ -503,12 +503,14 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
     device's own hint (on for the display adapter). ``map_bars``: shadow the device's
     host-mappable BARs for QEMU to map, written back ``writeback_hz`` times a second
     (False: they stay trapped, every access a message)."""
-    host, _, port = address.rpartition(":")
     try:
+        host, port = split_address(address)
         if native.enabled():
-            conn = connect_native(host, int(port), tls, timeout)
+            conn = connect_native(host, port, tls, timeout)
         else:
-            conn = Connection(connect(host, int(port), tls, timeout))
+            conn = Connection(connect(host, port, tls, timeout))
+    except ValueError as exc:
+        raise RemoteAttachError(str(exc), errno.EINVAL) from exc
     except (OSError, ConnectionClosed) as exc:
         raise RemoteAttachError(f"cannot reach remote proxy {address}: {exc}", getattr(exc, "errno", 0) or errno.EIO) from exc
     conn.sock.settimeout(timeout)

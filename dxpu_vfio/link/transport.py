@@ -68,6 +68,16 @@ def tune(sock: socket.socket) -> socket.socket:
     return sock
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """(host, port) of a box's ``HOST:PORT``; ValueError saying what is wrong otherwise (a
+    port that is not 1-65535 in ASCII digits: int() would take "٧٠٠٠" or a 30-digit number,
+    which the resolver then refuses with an OverflowError)."""
+    host, _, port = address.rpartition(":")
+    if not host or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"bad box address {address!r}: want HOST:PORT with a port 1-65535")
+    return host, int(port)
+
+
 def connect(host: str, port: int, tls: TlsFiles | None, timeout: float = 5.0) -> socket.socket:
     sock = tune(socket.create_connection((host, port), timeout=timeout))
     if tls is not None:

@@ -27,7 +27,7 @@ from pathlib import Path
 from dxpu_vfio.deadline import Deadline
 from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.link.protocol import LINK_VERSION, LinkCommand
-from dxpu_vfio.link.transport import TlsFiles, connect, peer_certificate
+from dxpu_vfio.link.transport import TlsFiles, connect, peer_certificate, split_address
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
 
@@ -54,11 +54,12 @@ def certificate_sha256(conn: Connection) -> str | None:
 
 
 def _open(address: str, tls_dir: str | None, timeout: float) -> Connection:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise BoxUnreachable(f"bad box address {address!r}", hint="give it as HOST:PORT, e.g. 198.18.1.2:7000")
     try:
-        sock = connect(host, int(port), tls_files(tls_dir), timeout)
+        host, port = split_address(address)
+    except ValueError as exc:
+        raise BoxUnreachable(str(exc), hint="give it as HOST:PORT, e.g. 198.18.1.2:7000") from exc
+    try:
+        sock = connect(host, port, tls_files(tls_dir), timeout)
     except ssl.SSLError as exc:
         raise BoxUnreachable(f"TLS with box {address} failed: {exc.reason or exc}",
                              hint=f"the box and {tls_dir} must share one CA (dxpu certs makes them)") from exc
