@@ -211,19 +211,12 @@ class CapabilityList:
 
     def msi_state(self) -> MsiState:
         offset = self._offset(CAP_ID_MSI)
-        control = self.config.get_u16(offset + MSI_CONTROL)
-        # Software must not enable more than offered; if it does, we use what we offer.
-        enabled_vectors = min(1 << ((control & MSI_CTRL_MME) >> MSI_CTRL_MME_SHIFT),
-                              self.msi_vectors)
+        vectors, masked = self.msi_vectors_masked()
         address = (self.config.get_u32(offset + MSI_ADDRESS_HI) << 32
                    | self.config.get_u32(offset + MSI_ADDRESS_LO))
-        masked = pending = 0
-        if self.msi_per_vector_masking:
-            masked = self.config.get_u32(offset + MSI_MASK_BITS)
-            pending = self.config.get_u32(offset + MSI_PENDING_BITS)
-        return MsiState(enabled=bool(control & MSI_CTRL_ENABLE), vectors=enabled_vectors,
-                        address=address, data=self.config.get_u16(offset + MSI_DATA),
-                        masked=masked, pending=pending)
+        pending = self.config.get_u32(offset + MSI_PENDING_BITS) if self.msi_per_vector_masking else 0
+        return MsiState(enabled=self.msi_enabled(), vectors=vectors, address=address,
+                        data=self.config.get_u16(offset + MSI_DATA), masked=masked, pending=pending)
 
     def msi_vectors_masked(self) -> tuple[int, int]:
         """(vectors Multiple Message Enable grants, per-vector mask bits): what raising an
@@ -231,6 +224,7 @@ class CapabilityList:
         raises one per batch of completions)."""
         offset = self._offset(CAP_ID_MSI)
         control = self.config.get_u16(offset + MSI_CONTROL)
+        # Software must not enable more than offered; if it does, we use what we offer.
         vectors = min(1 << ((control & MSI_CTRL_MME) >> MSI_CTRL_MME_SHIFT), self.msi_vectors)
         masked = self.config.get_u32(offset + MSI_MASK_BITS) if self.msi_per_vector_masking else 0
         return vectors, masked
