@@ -152,17 +152,13 @@ class DmaTable(ScatterByPieces):
                 self.refused += 1
                 self.refused_bus_master += 1
                 raise DmaError(f"DMA at {ranges[0][0] if ranges else 0:#x} while the guest has Bus Master Enable off")
-            starts: list[int] | None = None
             m, start, end = None, 0, 0  # the window in use: [start, end)
             for address, length in ranges:
                 pos, left = address, length
                 while left > 0:
                     if not start <= pos < end:
-                        if starts is None:
-                            starts = [w.address for w in self._maps]
-                        i = bisect.bisect_right(starts, pos) - 1
-                        m = self._maps[i] if i >= 0 else None
-                        if m is None or pos >= m.end:
+                        m = self._window_at(pos)
+                        if m is None:
                             self.refused += 1
                             raise DmaError(f"DMA to {pos:#x} is outside every mapped window")
                         if not m.flags & need:
