@@ -36,6 +36,12 @@ between runs; the single ratios stay in ``goals -> single_pass``.
 what the device path reaches once QEMU can unplug MSI-X vfio-user devices. QEMU 11.1
 aborts on that unplug (docs/architecture.md), so with ``--msix`` nothing is unplugged: the
 VM is ended with the devices in it.
+
+``--guest-cpus 1`` boots the guest with one vCPU instead of two. On this 2-core machine a
+2-vCPU guest, the host proxy and the box (which in DxPU is another machine) share two
+cores; a remote read then costs the guest ~90 µs more CPU than a local one (its vCPUs
+preempted by the proxies, the one MSI vector's CPU not the one fio runs on), and with one
+vCPU it does not (docs/benchmarks.md, 2026-12-05 fifth session).
 """
 
 from __future__ import annotations
@@ -86,6 +92,8 @@ def main() -> int:
     parser.add_argument("--depths", default="1,4,16", help="fio iodepths")
     parser.add_argument("--io-workers", type=int, default=0, help="our controllers' I/O threads (0: on the worker)")
     parser.add_argument("--msix", action="store_true", help="our controllers with MSI-X (one queue per vCPU; never unplugged)")
+    parser.add_argument("--guest-cpus", type=int, default=2,
+                        help="the guest's vCPUs (1: the proxies' threads do not preempt a second vCPU; see above)")
     parser.add_argument("--paired-rounds", type=int, default=3,
                         help="rounds of the goal workloads the goals are judged on (1: the first pass alone)")
     parser.add_argument("--qemu-cache", choices=("writeback", "none"), default="writeback",
@@ -114,7 +122,8 @@ def main() -> int:
         floor = floors.measure_lab(state, "box1")
         extra = ["-drive", f"file={qemu_disk},if=none,id=qn,format=raw,cache={args.qemu_cache},aio=threads",
                  "-device", "nvme,drive=qn,serial=QEMUNVME,addr=0x6"]
-        with Vm(VmConfig(image="full", name="bench-nvme", extra_args=extra, boot_timeout=240)) as vm:
+        with Vm(VmConfig(image="full", name="bench-nvme", cpus=args.guest_cpus, extra_args=extra,
+                                  boot_timeout=240)) as vm:
             vm.boot()
             qemu_dev = nvme_disk(vm, "0000:00:06.0")
             local = hotplug.attach(vm, "nvme", settings={"namespaces": [{"size": size, "path": str(work / "local.img")}],
@@ -190,6 +199,7 @@ def main() -> int:
     goals["single_pass"] = {k: ratios(*w)[0] for k, w in wanted.items()}
     path = write_json("nvme", {"runtime_s": args.runtime, "size_mib": args.size_mib, "depths": depths,
                                "io_workers": args.io_workers, "msix": args.msix, "qemu_cache": args.qemu_cache,
+                               "guest_cpus": args.guest_cpus,
                                "images": "written",
                                "results": results, "paired": paired, "floor": floor,
                                "remote_ceiling_vs_qemu": ceilings, "goals": goals}, args.out)
