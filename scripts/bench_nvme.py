@@ -40,8 +40,7 @@ VM is ended with the devices in it.
 ``--guest-cpus 1`` boots the guest with one vCPU instead of two. On this 2-core machine a
 2-vCPU guest, the host proxy and the box (which in DxPU is another machine) share two
 cores; a remote read then costs the guest ~90 µs more CPU than a local one (its vCPUs
-preempted by the proxies, the one MSI vector's CPU not the one fio runs on), and with one
-vCPU it does not (docs/benchmarks.md, 2026-12-05 fifth session).
+preempted by the proxies' threads), and with one vCPU it does not (docs/benchmarks.md, 2026-12-05 fifth session).
 """
 
 from __future__ import annotations
