@@ -1,7 +1,8 @@
-"""The host's C forwarder (native/forward.c) pushing a watched ring's entries and what they
-point to, driven directly: this test is QEMU on one socket and the box on the other, guest
-memory a memfd window (kind 0) and a file window (kind 1). What the box gets is parsed with
-the same ``unpack_push`` the box uses. Runs under ASan/UBSan in ``scripts/sanitize.sh``."""
+"""The host's C forwarder (native/forward.c) driven directly: this test is QEMU on one socket
+and the box on the other, guest memory a memfd window (kind 0) and a file window (kind 1).
+It pushes a watched ring's entries and what they point to (what the box gets is parsed with
+the same ``unpack_push`` the box uses), and it writes the box's DMA_WRITEVs into guest memory
+however their bytes arrive. Runs under ASan/UBSan in ``scripts/sanitize.sh``."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import random
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
-from dxpu_vfio.link.protocol import MAX_POINTED, MAX_RING_SLOTS, LinkCommand, Push, RingWatch, unpack_push
+from dxpu_vfio.link.protocol import (MAX_POINTED, MAX_RING_SLOTS, LinkCommand, Push, RingWatch, pack_writev,
+                                     unpack_push)
 from dxpu_vfio.native import stream as native_stream
 from dxpu_vfio.vfio_user.connection import ReceiveTimeout
 from dxpu_vfio.vfio_user import protocol as vp
@@ -252,3 +255,113 @@ def test_random_ring_watches_and_event_writes_never_break_the_forwarder(harness)
     untouched = bytearray(harness.ram[0:SIZE])  # but for the event index the box wrote, and the shadow
     untouched[EVENT - MEM:EVENT - MEM + 4] = untouched[SHADOW - MEM:SHADOW - MEM + 4] = bytes(4)
     assert not any(untouched)
+
+
+# --- the box's DMA_WRITEVs, however their bytes arrive -----------------------------------
+
+def writev(ranges: list[tuple[int, bytes]], msg_id: int = 0x20) -> bytes:
+    """A posted DMA_WRITEV from the box, framed: its ranges, then their bytes."""
+    return vp.message_parts(msg_id, LinkCommand.DMA_WRITEV,
+                            (pack_writev([(a, len(d)) for a, d in ranges]), *(d for _, d in ranges)), no_reply=True)
+
+
+def send_in_pieces(harness, data: bytes, cuts: list[int], pause: float = 0.02) -> None:
+    """The box's bytes as several sends with pauses between them: the forwarder sees a
+    message's head before its bytes, and the next message's start behind its end."""
+    edges = [0, *sorted(cuts), len(data)]
+    for a, b in zip(edges, edges[1:]):
+        harness.box_conn.stream.send(data[a:b])
+        time.sleep(pause)
+
+
+def wait_written(harness, total: int, timeout: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while (counters := harness.forwarder.counters())["dma_bytes_written"] < total and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return counters
+
+
+def scattered(rng: random.Random, count: int, size: int = 4096, base: int = 0) -> list[tuple[int, bytes]]:
+    """``count`` ranges of ``size`` at distinct page-aligned places of the memfd window."""
+    pages = rng.sample(range(base // 4096, SIZE // 4096 - 1), count)
+    return [(MEM + p * 4096, rng.randbytes(size)) for p in pages]
+
+
+def test_a_large_dma_writev_arriving_in_pieces_lands_in_guest_memory(harness):
+    """An NVMe Read's shape: 32 scattered pages and a completion entry behind them; the head
+    and a little data arrive first. Every byte lands where its range says."""
+    rng = random.Random(1)
+    harness.ram[0:SIZE] = bytes(SIZE)
+    ranges = scattered(rng, 32) + [(MEM + 0xF_F000, rng.randbytes(16))]
+    message = writev(ranges)
+    send_in_pieces(harness, message, [16 + 8 + 33 * 16 + 100, 60_000])
+    total = sum(len(d) for _, d in ranges)
+    counters = wait_written(harness, total)
+    assert counters["dma_bytes_written"] == total and counters["dma_refused"] == 0
+    for addr, data in ranges:
+        assert harness.ram[addr - MEM:addr - MEM + len(data)] == data
+    assert harness.thread.is_alive()
+
+
+def test_dma_writevs_into_a_file_window_outside_the_windows_and_small_ones(harness):
+    """A file window (pwrite), a range outside the windows (the whole message dropped and
+    counted, nothing of it written), and a small one."""
+    rng = random.Random(2)
+    harness.ram[0:SIZE] = bytes(SIZE)
+    to_file = [(FILE + 0x1000 * i, rng.randbytes(4096)) for i in range(1, 17)]
+    refused = scattered(rng, 16) + [(0xDEAD_0000, bytes(4096))]
+    small = scattered(rng, 2, base=0x8_0000)
+    for ranges in (to_file, refused, small):
+        send_in_pieces(harness, writev(ranges), [100])
+    total = sum(len(d) for _, d in to_file + small)
+    counters = wait_written(harness, total)
+    assert counters["dma_bytes_written"] == total and counters["dma_refused"] == 1
+    with open(harness.file.name, "rb") as f:
+        for addr, data in to_file:
+            f.seek(addr - FILE)
+            assert f.read(len(data)) == data
+    for addr, data in small:
+        assert harness.ram[addr - MEM:addr - MEM + len(data)] == data
+    assert not any(any(harness.ram[addr - MEM:addr - MEM + 4096]) for addr, _ in refused[:-1])
+
+
+def test_the_box_closing_in_the_middle_of_a_large_dma_write_ends_the_link_and_writes_none_of_it(harness):
+    harness.ram[0:SIZE] = bytes(SIZE)
+    message = writev(scattered(random.Random(3), 32))
+    harness.box_conn.stream.send(message[:20_000])
+    time.sleep(0.05)
+    harness.box_conn.close()
+    harness.thread.join(5)
+    assert not harness.thread.is_alive()
+    assert harness.to_python[-1][0] == "link-closed" and "closed" in harness.to_python[-1][1]
+    assert not any(harness.ram[0:SIZE])  # a message cut short is not applied
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_messages_cut_anywhere_around_large_dma_writevs_land_in_order(harness, seed):
+    """A run of large and small DMA_WRITEVs and 4-byte DMA_WRITEs over overlapping memory,
+    the bytes cut at random places: guest memory ends as the writes applied in order say."""
+    rng = random.Random(seed)
+    harness.ram[0:SIZE] = bytes(SIZE)
+    want = bytearray(SIZE)
+    stream, total = b"", 0
+    for i in range(12):
+        kind = rng.choice(["large", "small", "word"])
+        if kind == "word":
+            addr = MEM + rng.randrange(0, SIZE - 4, 4)
+            data = rng.randbytes(4)
+            stream += vp.message(0x30 + i, LinkCommand.DMA_WRITE, struct.pack("<QQ", addr, 4) + data, no_reply=True)
+            ranges = [(addr, data)]
+        else:
+            pages = rng.sample(range(SIZE // 4096), rng.randrange(9, 40) if kind == "large" else rng.randrange(1, 4))
+            ranges = [(MEM + p * 4096 + rng.randrange(0, 64, 4), rng.randbytes(rng.randrange(3000, 4033)))
+                      for p in pages]
+            stream += writev(ranges, 0x30 + i)
+        for addr, data in ranges:
+            want[addr - MEM:addr - MEM + len(data)] = data
+            total += len(data)
+    send_in_pieces(harness, stream, rng.sample(range(1, len(stream)), 12), pause=0.005)
+    counters = wait_written(harness, total)
+    assert counters["dma_bytes_written"] == total
+    assert harness.ram[0:SIZE] == bytes(want)
+    assert harness.thread.is_alive()
