@@ -40,7 +40,8 @@ VM is ended with the devices in it.
 ``--guest-cpus 1`` boots the guest with one vCPU instead of two. On this 2-core machine a
 2-vCPU guest, the host proxy and the box (which in DxPU is another machine) share two
 cores; a remote read then costs the guest ~90 µs more CPU than a local one (its vCPUs
-preempted by the proxies' threads), and with one vCPU it does not (docs/benchmarks.md, 2026-12-05 fifth session).
+preempted by the proxies' threads), and with one vCPU it does not (docs/benchmarks.md,
+NVMe, 2026-12-05 fifth session).
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ def main() -> int:
         floor = floors.measure_lab(state, "box1")
         extra = ["-drive", f"file={qemu_disk},if=none,id=qn,format=raw,cache={args.qemu_cache},aio=threads",
                  "-device", "nvme,drive=qn,serial=QEMUNVME,addr=0x6"]
-        with Vm(VmConfig(image="full", name="bench-nvme", cpus=args.guest_cpus, extra_args=extra,
-                                  boot_timeout=240)) as vm:
+        config = VmConfig(image="full", name="bench-nvme", cpus=args.guest_cpus, extra_args=extra, boot_timeout=240)
+        with Vm(config) as vm:
             vm.boot()
             qemu_dev = nvme_disk(vm, "0000:00:06.0")
             local = hotplug.attach(vm, "nvme", settings={"namespaces": [{"size": size, "path": str(work / "local.img")}],
