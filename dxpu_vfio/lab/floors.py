@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from dxpu_vfio.link.transport import TlsFiles, client_context, server_context, tune
+from dxpu_vfio.link.transport import TlsFiles, client_context, server_context, split_address, tune
 from dxpu_vfio.procs import terminate
 
 FLOOR_PORT = 7200
@@ -80,8 +80,7 @@ def serve(listen: str, port: int, tls: TlsFiles | None) -> None:
 
 
 def _connect(address: str, tls: TlsFiles | None) -> socket.socket:
-    host, _, port = address.rpartition(":")
-    sock = tune(socket.create_connection((host, int(port)), timeout=30))
+    sock = tune(socket.create_connection(split_address(address), timeout=30))
     return client_context(tls).wrap_socket(sock) if tls else sock
 
 
