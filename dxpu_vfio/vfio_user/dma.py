@@ -81,7 +81,7 @@ class DmaTable(ScatterByPieces):
             with self._lock:
                 if len(self._maps) >= self.max_maps:
                     raise ValueError(f"more than {self.max_maps} DMA maps")
-                i = bisect.bisect_left([m.address for m in self._maps], address)
+                i = bisect.bisect_left(self._maps, address, key=_start)
                 if (i > 0 and self._maps[i - 1].end > address) or \
                         (i < len(self._maps) and self._maps[i].address < address + size):
                     raise ValueError(f"DMA map {address:#x}+{size:#x} overlaps an existing map")
