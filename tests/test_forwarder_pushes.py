@@ -19,6 +19,7 @@ import pytest
 from dxpu_vfio.link.protocol import (MAX_POINTED, MAX_RING_SLOTS, LinkCommand, Push, RingWatch, pack_writev,
                                      unpack_push)
 from dxpu_vfio.native import stream as native_stream
+from dxpu_vfio.procs import wait_until
 from dxpu_vfio.vfio_user.connection import ReceiveTimeout
 from dxpu_vfio.vfio_user import protocol as vp
 
@@ -275,10 +276,9 @@ def send_in_pieces(harness, data: bytes, cuts: list[int], pause: float = 0.02) -
 
 
 def wait_written(harness, total: int, timeout: float = 5.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while (counters := harness.forwarder.counters())["dma_bytes_written"] < total and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return counters
+    """The forwarder's counters once it has written ``total`` bytes (or the timeout passed)."""
+    wait_until(lambda: harness.forwarder.counters()["dma_bytes_written"] >= total, timeout, 0.005)
+    return harness.forwarder.counters()
 
 
 def scattered(rng: random.Random, count: int, size: int = 4096, base: int = 0) -> list[tuple[int, bytes]]:
