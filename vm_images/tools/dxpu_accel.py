@@ -551,7 +551,10 @@ class Accel:
     def _wait_fence(self, value: int, timeout: float | None = None) -> None:
         """Poll the fence in guest memory (free), the device's status now and then (an MMIO
         read: a round trip), so an error or a vanished device ends the wait. A few hundred
-        polls first, then naps of 50 µs at a timer slack of 1 µs (:class:`FineSleep`)."""
+        polls first, each giving the CPU to whatever else is ready on it (``sched_yield``):
+        the device's server, or the proxy carrying the doorbell, may share this CPU, and a
+        poll that spins keeps them waiting for its time slice. Then naps of 50 µs at a
+        timer slack of 1 µs (:class:`FineSleep`)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         spins, next_check = 0, time.monotonic() + 0.02
         with FineSleep() as nap:
@@ -559,6 +562,8 @@ class Accel:
                 spins += 1
                 if spins > 200:
                     nap(0.00005)
+                else:
+                    os.sched_yield()
                 now = time.monotonic()
                 if now >= next_check:
                     self.check()
