@@ -64,6 +64,12 @@ def entries() -> list[dict]:
     return found
 
 
+def sweep() -> None:
+    """Drop the entries of proxies that are gone: one killed by a signal could not remove
+    its own (a parent calls this after it ended one, so nothing outlives the process)."""
+    entries()
+
+
 def find(pid: int, kind: str | None = None) -> dict | None:
     """The live entry of process ``pid`` (of ``kind``), if it registered."""
     return next((e for e in entries() if e["pid"] == pid and (kind is None or e["kind"] == kind)), None)

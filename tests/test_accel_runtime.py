@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from fakes import map_guest_memory
 
+from dxpu_vfio import registry
 from dxpu_vfio.lab.accel_workloads import MlpTrainStep, TransformerBlock
 from dxpu_vfio.hostproxy.forwarder import connect_remote
 from dxpu_vfio.link.transport import TlsFiles, make_certs
@@ -470,6 +471,18 @@ def test_the_box_killed_mid_kernel_ends_the_wait_with_an_error(remote, box):
     with pytest.raises(rt.DeviceGone):
         event.synchronize(timeout=15)
     assert time.monotonic() - started < 10
+
+
+def test_a_box_killed_by_a_signal_leaves_no_registry_entry_once_stopped(box):
+    """A SIGKILLed box cannot remove its entry in the run directory's registry: the parent
+    that stops it sweeps it, so no test (or lab) leaves one behind for the next."""
+    entry = registry.find(box.pid, "remote")
+    assert entry is not None, "the box did not register"
+    path = registry.entry_path("remote", entry["name"], box.pid)
+    assert path.exists()
+    box.signal(signal.SIGKILL)
+    box.stop()
+    assert not path.exists()
 
 
 def test_reset_while_work_is_queued_cancels_it_and_the_device_works_on(local):

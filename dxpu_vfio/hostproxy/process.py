@@ -130,6 +130,7 @@ class HostProxyProcess(ChildProcess):
         if self.process is None:
             return None
         terminate(self.process, timeout)
+        registry.sweep()  # its entry, if it was killed and could not remove it
         self.socket_path.unlink(missing_ok=True)
         try:
             return json.loads(self.stats_path.read_text())

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from dxpu_vfio import registry
 from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.procs import ChildProcess, request_json, terminate, wait_until
 
@@ -61,6 +62,7 @@ class RemoteProxyProcess(ChildProcess):
 
     def stop(self, timeout: float = 5.0) -> None:
         terminate(self.process, timeout)
+        registry.sweep()  # its entry, if it was killed and could not remove it
 
 
 def freeze(pid: int) -> None:
