@@ -110,7 +110,7 @@ class RingMirror:
         first = max(0, (addr - self.start) // size)
         last = min(self.watch.entries, -(-(addr + length - self.start) // size))
         entries = self._entries(addr, length)
-        hit = entries is not None and all(self.valid[entries.start:entries.stop])
+        hit = entries is not None and self.valid.find(0, entries.start, entries.stop) < 0  # C's scan, not all()'s
         self.valid[first:last] = bytes(last - first)
         return bytes(memoryview(self.data)[addr - self.start:addr - self.start + length]) if hit else None  # one copy
 
