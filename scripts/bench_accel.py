@@ -13,11 +13,14 @@ against numpy. Per workload: run time local and remote, and where the time goes,
 device's timestamps (span of a pass) and counters (kernel, copy and ring-fetch time) and
 both proxies' counters (serialized round trips, the link's round trip): launch + round
 trips, moving bytes, computing, the device's own dispatch. Then host <-> VRAM copy
-bandwidth, and the lab's floors (TLS ping-pong and bulk) of the same run.
+bandwidth, and the lab's floors (TLS ping-pong and bulk, in Python and with OpenSSL in C
+as the proxies' hot paths use it) of the same run.
 
 Table on stdout, JSON in results/bench/accel.json (``results -> workload -> local/remote``,
 ``copy``, ``floor``, ``goals``; per workload ``floor_vs_local``: the least a remote pass
-can take with the same run's TLS floors, see ``floor_pass_s``). Goals: at 0 added delay
+can take with the same run's TLS floors, see ``floor_pass_s``, and ``native_floor_vs_local``
+with the C ones; ``copy_*_c_floor_vs_local``: the C TLS bulk floor against the local copy,
+the most a remote copy can reach here). Goals: at 0 added delay
 MLP inference at batch 64 and the transformer block within 10% of local; copy bandwidth
 remote >= 50% of local.
 
@@ -66,12 +69,13 @@ def breakdown(run: dict, rtt_s: float) -> dict:
             "bytes": per["h2d_bytes"] + per["d2h_bytes"]}
 
 
-def floor_pass_s(local_s: float, remote: dict, floor: dict) -> float:
+def floor_pass_s(local_s: float, remote: dict, floor: dict, kind: str = "tls") -> float:
     """The least a remote pass can take on this machine: the local pass, plus its bytes at
     the same run's TLS bulk rate (each direction at its own) and its serialized round trips
     at the TLS ping-pong. A lower bound (small copies move slower than bulk), so a goal
-    below it cannot be met here whatever the proxies do."""
-    per, tls = remote["per_pass"], floor["tls"]
+    below it cannot be met here whatever the proxies do. ``kind`` "tls-native": the floors
+    of OpenSSL in C, as the proxies' hot paths use it (lower still)."""
+    per, tls = remote["per_pass"], floor[kind]
     return (local_s + per["h2d_bytes"] / (tls["bulk"]["to_box_MBps"] * 1e6)
             + per["d2h_bytes"] / (tls["bulk"]["from_box_MBps"] * 1e6)
             + remote["breakdown"]["round_trips_counted"] * tls["ping_pong"]["median_us"] / 1e6)
@@ -98,7 +102,7 @@ def main() -> int:
     load = os.getloadavg()
     try:
         state = lab.up(topo)
-        floor = floors.measure_lab(state, BOX)
+        floor = floors.measure_lab(state, BOX, kinds=("tcp", "tls", "tls-native"))
         with served("local", None, args.threads, args.inline_max) as (local, lacc), \
                 served("remote", state, args.threads, args.inline_max) as (remote, racc):
             before = remote.counters()
@@ -134,32 +138,39 @@ def main() -> int:
         r["remote_vs_local"] = re["median_s"] / lo["median_s"]
         r["floor_s"] = floor_pass_s(lo["median_s"], re, floor)
         r["floor_vs_local"], r["remote_vs_floor"] = r["floor_s"] / lo["median_s"], re["median_s"] / r["floor_s"]
+        r["native_floor_vs_local"] = floor_pass_s(lo["median_s"], re, floor, "tls-native") / lo["median_s"]
         rows.append([name, lo["median_s"] * 1000, re["median_s"] * 1000, r["remote_vs_local"], r["floor_vs_local"],
-                     r["remote_vs_floor"], re["breakdown"]["round_trips_counted"], re["breakdown"]["bytes"] / 1e6])
+                     r["native_floor_vs_local"], r["remote_vs_floor"], re["breakdown"]["round_trips_counted"],
+                     re["breakdown"]["bytes"] / 1e6])
         for kind in ("local", "remote"):
             b, mean = r[kind]["breakdown"], r[kind]["mean_s"]
             split.append([f"{name} {kind}", mean * 1000, f"{100 * b['round_trips_s'] / mean:.0f}%",
                           f"{100 * b['bytes_s'] / mean:.0f}%", f"{100 * b['compute_s'] / mean:.0f}%",
                           f"{100 * b['device_other_s'] / mean:.0f}%"])
     print()
-    print(table(["workload", "local ms", "remote ms", "remote/local", "floor/local", "remote/floor",
+    print(table(["workload", "local ms", "remote ms", "remote/local", "floor/local", "C floor/local", "remote/floor",
                  "round trips/pass", "MB moved/pass"], rows))
     print("floor: the local pass + its bytes at the TLS bulk floor + its round trips at the TLS ping-pong "
-          "floor (same run): the least a remote pass can take here")
+          "floor (same run): the least a remote pass can take here; C floor: the same with OpenSSL in C")
     print("\nwhere a pass's time goes (mean pass; device timestamps and counters, both proxies' counters):")
     print(table(["workload path", "ms", "launch + round trips", "moving bytes", "computing", "device dispatch"], split))
     copy_ratio = {d: copy["remote"][f"{d}_MBps"] / copy["local"][f"{d}_MBps"] for d in ("h2d", "d2h")}
-    print("\n" + table(["copy", "local MB/s", "remote MB/s", "remote/local"],
-                       [[f"{d} {args.copy_mib} MiB", copy["local"][f"{d}_MBps"], copy["remote"][f"{d}_MBps"], copy_ratio[d]]
-                        for d in ("h2d", "d2h")]))
+    c_bulk = {"h2d": floor["tls-native"]["bulk"]["to_box_MBps"], "d2h": floor["tls-native"]["bulk"]["from_box_MBps"]}
+    print("\n" + table(["copy", "local MB/s", "remote MB/s", "remote/local", "C TLS bulk MB/s", "C floor/local"],
+                       [[f"{d} {args.copy_mib} MiB", copy["local"][f"{d}_MBps"], copy["remote"][f"{d}_MBps"], copy_ratio[d],
+                         c_bulk[d], c_bulk[d] / copy["local"][f"{d}_MBps"]] for d in ("h2d", "d2h")]))
+    print("C floor/local: the most a remote copy can reach here, against the local one (OpenSSL in C, same run)")
     tls_bulk = min(floor["tls"]["bulk"]["to_box_MBps"], floor["tls"]["bulk"]["from_box_MBps"])
     print(f"\nfloors (same run): TLS ping-pong {floor['tls']['ping_pong']['median_us']:.1f} µs, TLS bulk "
-          f"{floor['tls']['bulk']['to_box_MBps']:.0f}/{floor['tls']['bulk']['from_box_MBps']:.0f} MB/s; "
+          f"{floor['tls']['bulk']['to_box_MBps']:.0f}/{floor['tls']['bulk']['from_box_MBps']:.0f} MB/s; in C "
+          f"{floor['tls-native']['ping_pong']['median_us']:.1f} µs, {c_bulk['h2d']:.0f}/{c_bulk['d2h']:.0f} MB/s; "
           f"link round trip {rtt * 1e6:.1f} µs; load average before the run {load[0]:.2f}")
     goals = {f"{w}_remote_vs_local": results[w]["remote_vs_local"] for w in GOAL_WORKLOADS if w in results}
     goals.update({f"{w}_floor_vs_local": results[w]["floor_vs_local"] for w in GOAL_WORKLOADS if w in results})
     goals.update({f"copy_{d}_remote_vs_local": v for d, v in copy_ratio.items()})
     goals.update({f"copy_{d}_remote_vs_tls_bulk": copy["remote"][f"{d}_MBps"] / tls_bulk for d in ("h2d", "d2h")})
+    goals.update({f"copy_{d}_remote_vs_c_tls_bulk": copy["remote"][f"{d}_MBps"] / c_bulk[d] for d in ("h2d", "d2h")})
+    goals.update({f"copy_{d}_c_floor_vs_local": c_bulk[d] / copy["local"][f"{d}_MBps"] for d in ("h2d", "d2h")})
     print("goals (want workloads <= 1.10, copies >= 0.50 of local): "
           + ", ".join(f"{k} = {v:.2f}" for k, v in goals.items()))
     path = write_json("accel", {"passes": args.passes, "threads": args.threads, "inline_max": args.inline_max,

@@ -181,10 +181,20 @@ def test_python_engine_does_the_same(net):
 
 
 def test_rate_limit_with_tbf(net):
+    """The rate holds for plain TCP and for the floor of TLS in C (the native stream's
+    framed messages), which so measures the link and not a shortcut around it."""
     b = lab.set_link(net, "box1", Impairment(rate_bps=100e6))
     assert b.delay_mode in ("tbf", "netem") and b.emulator_pid is None
-    bulk = floors.measure_lab(net, "box1", round_trips=50, bulk_bytes=8 << 20)["tcp"]["bulk"]
-    assert 8 <= bulk["to_box_MBps"] <= 13.5 and 8 <= bulk["from_box_MBps"] <= 13.5, bulk  # 100 Mbit/s = 12.5 MB/s
+    got = floors.measure_lab(net, "box1", round_trips=50, bulk_bytes=8 << 20, kinds=("tcp", "tls-native"))
+    for kind in ("tcp", "tls-native"):
+        bulk = got[kind]["bulk"]
+        assert 8 <= bulk["to_box_MBps"] <= 13.5 and 8 <= bulk["from_box_MBps"] <= 13.5, (kind, bulk)  # 12.5 MB/s
+    assert 0 < got["tls-native"]["ping_pong"]["median_us"] <= got["tls-native"]["ping_pong"]["p99_us"]
+
+
+def test_an_unknown_floor_kind_is_refused_by_name(net):
+    with pytest.raises(ValueError, match="tls-native"):
+        floors.measure_lab(net, "box1", kinds=("quic",))
 
 
 def test_cli_link_and_down_leave_nothing(labs):

@@ -6,11 +6,14 @@ as a benchmark: what the network and the language cost before our proxies add an
 * bulk: 64 MiB each way in 1 MiB ``sendall`` / ``recv_into``, plain TCP and TLS.
 
 Both ends are Python, like the proxies: a ratio of a proxy's number to these says what
-our software costs on top of the same sockets. The server runs in the box's namespace,
-the client in the host's; both are ended by pid.
+our software costs on top of the same sockets. ``--native`` runs the same exchanges as
+framed messages on the native stream (OpenSSL and the framing in C, what the proxies'
+hot paths use; ``tls-native`` in :func:`measure_lab`): where a proxy moves bytes faster
+than Python's TLS can, this is the floor that bounds it. The server runs in the box's
+namespace, the client in the host's; both are ended by pid.
 
-    python -m dxpu_vfio.lab.floors serve --listen IP --port P [--tls-dir D --role box1]
-    python -m dxpu_vfio.lab.floors client --address IP:P [--tls-dir D] [--round-trips N]
+    python -m dxpu_vfio.lab.floors serve --listen IP --port P [--tls-dir D --role box1] [--native]
+    python -m dxpu_vfio.lab.floors client --address IP:P [--tls-dir D] [--round-trips N] [--native]
 """
 
 from __future__ import annotations
@@ -26,13 +29,17 @@ import threading
 import time
 from pathlib import Path
 
-from dxpu_vfio.link.transport import TlsFiles, client_context, server_context, split_address, tune
+from dxpu_vfio.link.transport import (TlsFiles, accept_native, client_context, connect_native, server_context,
+                                     split_address, tune)
+from dxpu_vfio.native import stream as native
 from dxpu_vfio.procs import terminate
 
 FLOOR_PORT = 7200
 PING = 32
 PIECE = 1 << 20
 OP = struct.Struct("<4sQ")  # b"PING"/b"BULK", count or bytes
+KINDS = {"tcp": (FLOOR_PORT, False, False), "tls": (FLOOR_PORT + 1, True, False),
+         "tls-native": (FLOOR_PORT + 2, True, True)}  # kind -> (port, TLS, native stream)
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -67,16 +74,38 @@ def _serve_one(sock: socket.socket) -> None:
                 sock.sendall(view[:min(PIECE, count - pos)])
 
 
-def serve(listen: str, port: int, tls: TlsFiles | None) -> None:
-    ctx = server_context(tls) if tls else None
+def _serve_native(conn) -> None:
+    """:func:`_serve_one` on the native stream: the op in the first message, then each
+    32-byte ping and each piece of a bulk transfer one framed message."""
+    try:
+        op, count = OP.unpack(conn.receive().payload)
+        if op == b"PING":
+            for _ in range(count):
+                conn.send_message(0, 0, 0, conn.receive().payload)
+        elif op == b"BULK":
+            left = count
+            while left > 0:
+                left -= len(conn.receive().payload)
+            conn.send_message(0, 0, 0, b"\0")
+            piece = memoryview(bytes(PIECE))
+            for pos in range(0, count, PIECE):
+                conn.send_message(0, 0, 0, piece[:min(PIECE, count - pos)])
+    finally:
+        conn.close()
+
+
+def serve(listen: str, port: int, tls: TlsFiles | None, native: bool = False) -> None:
+    ctx = server_context(tls) if tls and not native else None
     listener = socket.create_server((listen, port))
     print("serving", flush=True)
     while True:
         sock, _ = listener.accept()
-        tune(sock)
-        if ctx is not None:
-            sock = ctx.wrap_socket(sock, server_side=True)
-        threading.Thread(target=_serve_one, args=(sock,), daemon=True).start()
+        if native:
+            target, arg = _serve_native, accept_native(sock, tls, 5.0)
+        else:
+            tune(sock)
+            target, arg = _serve_one, ctx.wrap_socket(sock, server_side=True) if ctx is not None else sock
+        threading.Thread(target=target, args=(arg,), daemon=True).start()
 
 
 def _connect(address: str, tls: TlsFiles | None) -> socket.socket:
@@ -94,9 +123,7 @@ def ping_pong(address: str, tls: TlsFiles | None, round_trips: int) -> dict:
             sock.sendall(out)
             _recv_exact(sock, back)
             times.append(time.perf_counter_ns() - started)
-    times = times[len(times) // 10:]  # the first ones warm caches and TLS
-    times.sort()
-    return {"median_us": statistics.median(times) / 1000, "p99_us": times[int(len(times) * 0.99)] / 1000}
+    return _latencies(times)
 
 
 def bulk(address: str, tls: TlsFiles | None, total: int) -> dict:
@@ -120,22 +147,73 @@ def bulk(address: str, tls: TlsFiles | None, total: int) -> dict:
     return {"to_box_MBps": total / sent / 1e6, "from_box_MBps": total / received / 1e6}
 
 
-def measure(address: str, tls: TlsFiles | None, round_trips: int = 3000, bulk_bytes: int = 64 << 20) -> dict:
-    """The ping-pong, and the bulk transfer unless ``bulk_bytes`` is 0."""
-    out = {"ping_pong": ping_pong(address, tls, round_trips)}
+def _latencies(times: list[int]) -> dict:
+    times = times[len(times) // 10:]  # the first ones warm caches and TLS
+    times.sort()
+    return {"median_us": statistics.median(times) / 1000, "p99_us": times[int(len(times) * 0.99)] / 1000}
+
+
+def native_ping_pong(address: str, tls: TlsFiles | None, round_trips: int) -> dict:
+    """:func:`ping_pong` as framed messages on the native stream."""
+    conn = connect_native(*split_address(address), tls, timeout=30)
+    try:
+        conn.send_message(0, 0, 0, OP.pack(b"PING", round_trips))
+        out, times = bytes(PING), []
+        for _ in range(round_trips):
+            started = time.perf_counter_ns()
+            conn.send_message(0, 0, 0, out)
+            conn.receive()
+            times.append(time.perf_counter_ns() - started)
+    finally:
+        conn.close()
+    return _latencies(times)
+
+
+def native_bulk(address: str, tls: TlsFiles | None, total: int) -> dict:
+    """:func:`bulk` as 1 MiB framed messages on the native stream (each received one
+    a bytes object: a copy the socket floor does not make, so this floor is a little low)."""
+    piece = memoryview(bytes(PIECE))
+    conn = connect_native(*split_address(address), tls, timeout=30)
+    try:
+        conn.send_message(0, 0, 0, OP.pack(b"BULK", total))
+        started = time.perf_counter()
+        for pos in range(0, total, PIECE):
+            conn.send_message(0, 0, 0, piece[:min(PIECE, total - pos)])
+        conn.receive()
+        sent = time.perf_counter() - started
+        started = time.perf_counter()
+        left = total
+        while left > 0:
+            left -= len(conn.receive().payload)
+        received = time.perf_counter() - started
+    finally:
+        conn.close()
+    return {"to_box_MBps": total / sent / 1e6, "from_box_MBps": total / received / 1e6}
+
+
+def measure(address: str, tls: TlsFiles | None, round_trips: int = 3000, bulk_bytes: int = 64 << 20,
+            native: bool = False) -> dict:
+    """The ping-pong, and the bulk transfer unless ``bulk_bytes`` is 0 (``native``: on the native stream)."""
+    out = {"ping_pong": (native_ping_pong if native else ping_pong)(address, tls, round_trips)}
     if bulk_bytes:
-        out["bulk"] = bulk(address, tls, bulk_bytes)
+        out["bulk"] = (native_bulk if native else bulk)(address, tls, bulk_bytes)
     return out
 
 
 def measure_lab(state, box: str, round_trips: int = 3000, bulk_bytes: int = 64 << 20,
                 kinds: tuple[str, ...] = ("tcp", "tls")) -> dict:
-    """Floors between ``state``'s host namespace and ``box``: plain TCP and TLS (``kinds``), same run."""
+    """Floors between ``state``'s host namespace and ``box``, same run: ``kinds`` of
+    :data:`KINDS` (plain TCP, TLS, TLS on the native stream)."""
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown floor kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+    if "tls-native" in kinds:
+        native.require()  # says what to build where the module is missing
     b = state.box(box)
     out = {}
-    for label, tls_args, port in (("tcp", [], FLOOR_PORT), ("tls", ["--tls-dir", str(state.certs)], FLOOR_PORT + 1)):
-        if label not in kinds:
-            continue
+    for label in kinds:
+        port, tls, on_native = KINDS[label]
+        tls_args = (["--tls-dir", str(state.certs)] if tls else []) + (["--native"] if on_native else [])
         server = subprocess.Popen(["ip", "netns", "exec", b.netns, sys.executable, "-m", "dxpu_vfio.lab.floors",
                                    "serve", "--listen", b.box_ip, "--port", str(port), "--role", box, *tls_args],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -177,17 +255,21 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=FLOOR_PORT)
     s.add_argument("--tls-dir", type=Path)
     s.add_argument("--role", default="box1")
+    s.add_argument("--native", action="store_true", help="framed messages on the native stream (needs --tls-dir)")
     c = sub.add_parser("client")
     c.add_argument("--address", required=True)
     c.add_argument("--tls-dir", type=Path)
     c.add_argument("--round-trips", type=int, default=3000)
     c.add_argument("--bulk-bytes", type=int, default=64 << 20)
+    c.add_argument("--native", action="store_true", help="framed messages on the native stream (needs --tls-dir)")
     args = parser.parse_args(argv)
+    if args.native and not args.tls_dir:
+        parser.error("--native measures TLS on the native stream: give --tls-dir")
     if args.what == "serve":
-        serve(args.listen, args.port, TlsFiles.in_dir(args.tls_dir, args.role) if args.tls_dir else None)
+        serve(args.listen, args.port, TlsFiles.in_dir(args.tls_dir, args.role) if args.tls_dir else None, args.native)
         return 0
     tls = TlsFiles.in_dir(args.tls_dir, "host") if args.tls_dir else None
-    print(json.dumps(measure(args.address, tls, args.round_trips, args.bulk_bytes)))
+    print(json.dumps(measure(args.address, tls, args.round_trips, args.bulk_bytes, args.native)))
     return 0
 
 
