@@ -67,6 +67,16 @@ def terminate(process: subprocess.Popen | None, timeout: float = 5.0) -> None:
             continue
 
 
+def pin_threads(pid: int, cpus: set[int]) -> None:
+    """Pin every thread process ``pid`` has now to ``cpus`` (threads it starts later inherit
+    their creator's CPUs); a thread that ends meanwhile is skipped. For benchmarks."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass
+
+
 def pid_alive(pid: int) -> bool:
     """A process with this pid exists (zombies included: they still hold the pid)."""
     try:

@@ -24,7 +24,7 @@ the most a remote copy can reach here). Goals: at 0 added delay
 MLP inference at batch 64 and the transformer block within 10% of local; copy bandwidth
 remote >= 50% of local.
 
-    .venv/bin/python scripts/bench_accel.py [--passes 51] [--workloads mlp-b1,...] [--copy-mib 64]
+    .venv/bin/python scripts/bench_accel.py [--passes 51] [--workloads mlp-b1,...] [--copy-mib 64] [--device-cpu 1]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from dxpu_vfio.lab import floors, lab  # noqa: E402
 from dxpu_vfio.lab.accel_paths import BOX, served, topology  # noqa: E402
 from dxpu_vfio.lab.accel_sweep import launch_round_trips  # noqa: E402
 from dxpu_vfio.lab.accel_workloads import WORKLOADS, Passes, copy_bandwidth  # noqa: E402
-from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
+from dxpu_vfio.procs import exit_on_sigterm, pin_threads  # noqa: E402
 
 GOAL_WORKLOADS = ("mlp-b64", "transformer-s64", "transformer-s256")
 
@@ -90,8 +90,15 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="the device's BLAS threads (both paths)")
     parser.add_argument("--inline-max", type=int, default=None,
                         help="the runtime's limit for copies in the ring, bytes (0: each copy a DMA read; default 64 KiB)")
+    parser.add_argument("--device-cpu", type=int, default=None,
+                        help="pin the device's server (the local host proxy, the box) to this CPU and the bench and "
+                        "the remote host proxy to the others: the device computes on a CPU of its own, as a GPU "
+                        "does, and the runs are steadier (default: the scheduler places everything)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    cpus = os.sched_getaffinity(0)
+    if args.device_cpu is not None and (args.device_cpu not in cpus or len(cpus) < 2):
+        sys.exit(f"--device-cpu {args.device_cpu}: pick one of CPUs {sorted(cpus)} (and have two at least)")
     names = args.workloads.split(",")
     unknown = set(names) - set(WORKLOADS)
     if unknown:
@@ -105,6 +112,11 @@ def main() -> int:
         floor = floors.measure_lab(state, BOX, kinds=("tcp", "tls", "tls-native"))
         with served("local", None, args.threads, args.inline_max) as (local, lacc), \
                 served("remote", state, args.threads, args.inline_max) as (remote, racc):
+            if args.device_cpu is not None:
+                host_side = cpus - {args.device_cpu}
+                for pid, where in ((local.proxy.pid, {args.device_cpu}), (remote.box_pid, {args.device_cpu}),
+                                   (remote.proxy.pid, host_side), (os.getpid(), host_side)):
+                    pin_threads(pid, where)
             before = remote.counters()
             client_rtt = racc.register_reads(300)
             after = remote.counters()
@@ -174,6 +186,7 @@ def main() -> int:
     print("goals (want workloads <= 1.10, copies >= 0.50 of local): "
           + ", ".join(f"{k} = {v:.2f}" for k, v in goals.items()))
     path = write_json("accel", {"passes": args.passes, "threads": args.threads, "inline_max": args.inline_max,
+                                "device_cpu": args.device_cpu,
                                 "load_average": load,
                                 "link_rtt_s": rtt, "client_read_s": client_rtt, "local_read_s": local_read,
                                 "results": results, "copy": copy, "floor": floor, "goals": goals}, args.out)

@@ -28,20 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dxpu_vfio.bench import table, write_json  # noqa: E402
 from dxpu_vfio.lab import hotplug  # noqa: E402
+from dxpu_vfio.procs import pin_threads  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 EDU = "0000:00:05.0"
 SCRATCH = 0x08
 CPUS = sorted(os.sched_getaffinity(0))
-
-
-def pin(pid: int, cpus: set[int]) -> None:
-    """Pin every thread of a process (QEMU's vCPU and I/O threads included)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except OSError:
-            pass
 
 
 def _echo(sock: socket.socket, cpus: set[int] | None) -> None:
@@ -111,8 +103,8 @@ def main() -> int:
         vm.run(f"dxpu-mmio {att.guest_bdf} enable && dxpu-mmio {EDU} enable")
         for name, (qemu_cpus, server_cpus) in layouts.items():
             all_cpus = set(CPUS)
-            pin(vm.pid, qemu_cpus or all_cpus)
-            pin(att.server.pid, server_cpus or all_cpus)
+            pin_threads(vm.pid, qemu_cpus or all_cpus)  # QEMU's vCPU and I/O threads too
+            pin_threads(att.server.pid, server_cpus or all_cpus)
             before = att.server.stats()["server"]["commands"].get("REGION_READ", {})
             row = measure(vm, att.guest_bdf, args.reads, args.writes)
             after = att.server.stats()["server"]["commands"]["REGION_READ"]
