@@ -32,6 +32,7 @@ from pathlib import Path
 from dxpu_vfio.link.transport import (TlsFiles, accept_native, client_context, connect_native, server_context,
                                      split_address, tune)
 from dxpu_vfio.native import stream as native
+from dxpu_vfio.vfio_user.connection import ConnectionClosed
 from dxpu_vfio.procs import terminate
 
 FLOOR_PORT = 7200
@@ -101,7 +102,10 @@ def serve(listen: str, port: int, tls: TlsFiles | None, native: bool = False) ->
     while True:
         sock, _ = listener.accept()
         if native:
-            target, arg = _serve_native, accept_native(sock, tls, 5.0)
+            try:
+                target, arg = _serve_native, accept_native(sock, tls, 5.0)
+            except ConnectionClosed:  # a client that failed its handshake: the next one may not
+                continue
         else:
             tune(sock)
             target, arg = _serve_one, ctx.wrap_socket(sock, server_side=True) if ctx is not None else sock
