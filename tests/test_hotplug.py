@@ -260,7 +260,7 @@ def test_msix_unplug_still_aborts_this_qemu(vm_factory):
     stderr = vm.stderr_log.read_text()
     record = {"qemu": vm.qemu.version_text, "aborted": not vm.alive(),
               "assertion": "subregion->container == mr" in stderr}
-    (vm.workdir.parent / "msix-unplug.json").write_text(json.dumps(record))
+    (vm.workdir / "msix-unplug.json").write_text(json.dumps(record))  # kept with the VM's logs if this fails
     att.server.stop()
     assert record == {"qemu": vm.qemu.version_text, "aborted": True, "assertion": True}, \
         f"QEMU {vm.qemu.version_text} no longer aborts on MSI-X unplug: {record}"
