@@ -11,6 +11,7 @@ import sys
 import pytest
 from pyroute2 import netns
 
+from dxpu_vfio import registry
 from dxpu_vfio.lab import floors, lab, udp_probe
 from dxpu_vfio.procs import wait_until
 from dxpu_vfio.lab.impairment import (Impairment, ImpairmentError, config_text, netem_args, parse_config_text,
@@ -195,6 +196,19 @@ def test_rate_limit_with_tbf(net):
 def test_an_unknown_floor_kind_is_refused_by_name(net):
     with pytest.raises(ValueError, match="tls-native"):
         floors.measure_lab(net, "box1", kinds=("quic",))
+
+
+def test_down_sweeps_the_registry_entry_of_a_box_that_was_killed(labs):
+    """A box killed by SIGKILL cannot remove its entry from the run directory's registry:
+    taking the lab down does, so no lab leaves one behind."""
+    state = labs.own(lab.Topology.parse(ONE_BOX))
+    pid = state.box("box1").proxy_pid
+    entry = registry.find(pid, "remote")
+    assert entry is not None, "the lab's box did not register"
+    path = registry.entry_path("remote", entry["name"], pid)
+    os.kill(pid, signal.SIGKILL)
+    labs.factory.down(state.name)
+    assert not path.exists()
 
 
 def test_cli_link_and_down_leave_nothing(labs):

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from pyroute2 import IPRoute, netns
 
+from dxpu_vfio import registry
 from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.lab.impairment import Impairment, config_text, netem_args, tbf_args
 from dxpu_vfio.lab.netemu_build import binary as emulator_binary
@@ -222,6 +223,7 @@ def down(name: str) -> list[str]:
         for pid in state.pids:
             terminate_pid(pid)
             removed.append(f"pid {pid}")
+        registry.sweep()  # the entries of its boxes that were killed and could not remove theirs
         for ns in state.namespaces:
             if ns in netns.listnetns():
                 netns.remove(ns)
