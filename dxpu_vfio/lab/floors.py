@@ -32,8 +32,8 @@ from pathlib import Path
 from dxpu_vfio.link.transport import (TlsFiles, accept_native, client_context, connect_native, server_context,
                                      split_address, tune)
 from dxpu_vfio.native import stream as native
-from dxpu_vfio.vfio_user.connection import ConnectionClosed
 from dxpu_vfio.procs import terminate
+from dxpu_vfio.vfio_user.connection import ConnectionClosed
 
 FLOOR_PORT = 7200
 PING = 32
