@@ -118,6 +118,9 @@ class LinkEndpoint:
         # the peer's REGION_READ/REGION_WRITE (and SYNC), and takes its posted DMA_PUSHes, in
         # C through them (native/serve.c)
         self.region_access = region_access if self.native else None
+        # the rings C fills from DMA_PUSHes itself, without the push callback: an object with
+        # mirror_lock, mirrors and pushes (remoteproxy/ports.py LinkDmaPort), set before start()
+        self.push_mirrors: object | None = None
         # a peer that stops reading cannot hold a sender longer than a silent one
         self.set_send_timeout(dead_after)
         self.name = name
@@ -548,7 +551,7 @@ class LinkEndpoint:
         """Let C answer the register accesses that are there; the first message it leaves."""
         read, write, push = self.region_access
         try:
-            got = native.require().serve_requests(self.conn.stream, read, write, 0, push)
+            got = native.require().serve_requests(self.conn.stream, read, write, 0, push, self.push_mirrors)
         except (native.require().Closed, native.require().BadFrame, TimeoutError) as exc:
             self.mark_down(f"peer closed the link ({exc})" if not self._stop.is_set() else "closed")
             return None

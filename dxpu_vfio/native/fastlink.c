@@ -1376,8 +1376,8 @@ static PyTypeObject StreamType = {
 
 static PyMethodDef module_methods[] = {
     {"serve_requests", serve_requests, METH_VARARGS,
-     "serve_requests(stream, read, write, timeout, push=None): the box's register accesses (and posted ring "
-     "pushes) in C (serve.c)."},
+     "serve_requests(stream, read, write, timeout, push=None, mirrors=None): the box's register accesses (and "
+     "posted ring pushes) in C (serve.c)."},
     {"served", served_counters, METH_O, "served(stream): what serve_requests did on it."},
     {"mapped_file_io", mapped_file_io, METH_VARARGS,
      "mapped_file_io(fd, offset, memory, window, skip, ranges, to_memory) -> bool: a file to or from "

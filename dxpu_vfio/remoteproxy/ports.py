@@ -63,6 +63,10 @@ class RingMirror:
         self.data = bytearray(self.end - self.start)
         self.valid = bytearray(watch.entries)  # 1: pushed, not read since
         self.pointed: dict[int, bytes] = {}  # address -> the bytes pushed there, oldest first
+        # what the native reader needs to take a push of entries alone as push() would
+        # (native/serve.c push_mirrored): a ring whose entries point to nothing pushed
+        self.native = None if watch.pointer_bytes else (self.start, watch.entry_size, watch.entries,
+                                                        self.data, self.valid)
 
     def overlaps(self, addr: int, length: int) -> bool:
         return addr < self.end and addr + length > self.start
@@ -148,8 +152,10 @@ class LinkDmaPort:
         self.writev = writev  # and DMA_WRITEV
         self.ring_push = ring_push  # and pushes ring entries with their doorbells (RING_WATCH / DMA_PUSH)
         self.reads_shadows = shadows  # and reads a watched ring's shadow doorbell for us (RingWatch.shadow)
-        self._mirrors: dict[int, RingMirror] = {}  # watched rings by slot
-        self._mirror_lock = threading.Lock()  # pushes come on the link reader, reads on any thread
+        # watched rings by slot, and their lock (pushes come on the link reader, reads on any
+        # thread); the native reader takes pushes into them itself (native/serve.c push_mirrored)
+        self.mirrors: dict[int, RingMirror] = {}
+        self.mirror_lock = threading.Lock()
         self.pushed_reads = 0  # reads served from pushed ring entries: no round trip
         self.pushes = 0  # DMA_PUSHes taken into a watched ring (an empty one too)
         self.pointed_reads = 0  # ranges read from the bytes pushed entries point to (PRP lists)
@@ -179,36 +185,36 @@ class LinkDmaPort:
                                                                 ring.entry_size, ring.entries, ring.tail,
                                                                 ring.pointer_offset, ring.pointer_bytes, *shadow)
         watch.check()  # the host's rules: a bad ring is the device's bug, said here
-        with self._mirror_lock:
+        with self.mirror_lock:
             if watch.entries:
-                self._mirrors[slot] = RingMirror(watch)
+                self.mirrors[slot] = RingMirror(watch)
             else:
-                self._mirrors.pop(slot, None)
+                self.mirrors.pop(slot, None)
         self.endpoint.post(LinkCommand.RING_WATCH, watch.pack())
 
     def pushed(self, payload: memoryview) -> None:
         """A DMA_PUSH from the host (on the link reader, just before the doorbell it goes with)."""
         push = unpack_push(payload)
-        with self._mirror_lock:
-            mirror = self._mirrors.get(push.slot)
+        with self.mirror_lock:
+            mirror = self.mirrors.get(push.slot)
             if mirror is not None and mirror.push(push):
                 self.pushes += 1
 
     def _from_pushes(self, ranges: list[tuple[int, int]]) -> list[bytes] | None:
         """The ranges' bytes if each lies in a watched ring's pushed entries (then nothing
         goes on the network); else None, every ring entry the ranges cover forgotten."""
-        if not self._mirrors:
+        if not self.mirrors:
             return None
-        with self._mirror_lock:
+        with self.mirror_lock:
             out: list[bytes | None] = []
             for addr, length in ranges:
                 got = None
-                for mirror in self._mirrors.values():
+                for mirror in self.mirrors.values():
                     if mirror.overlaps(addr, length):
                         got = mirror.take(addr, length)
                         break
                 else:  # not ring memory: perhaps what an entry points to
-                    for mirror in self._mirrors.values():
+                    for mirror in self.mirrors.values():
                         if (got := mirror.take_pointed(addr, length)) is not None:
                             self.pointed_reads += 1
                             break

@@ -311,6 +311,7 @@ class RemoteProxy:
         slot.dma = LinkDmaPort(slot.endpoint, self.faults, slot.spec.id, readv=FEATURE_DMA_READV in hello.features,
                                writev=FEATURE_DMA_WRITEV in hello.features, ring_push=ring_push,
                                shadows=ring_push and FEATURE_SHADOW_DOORBELLS in hello.features)
+        slot.endpoint.push_mirrors = slot.dma if ring_push else None  # C takes its ring pushes (serve.c)
         slot.irq = LinkIrqPort(slot.endpoint)
         with slot.device.lock:
             slot.device.vmm_masks_msix = True  # the host's QEMU keeps the MSI-X table
