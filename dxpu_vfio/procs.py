@@ -6,6 +6,7 @@ process; these helpers are the one way they are stopped and asked for counters.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -75,6 +76,22 @@ def pin_threads(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except OSError:
             pass
+
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def limit_malloc_arenas(count: int = 2) -> bool:
+    """Cap this process's glibc malloc arenas (``mallopt(M_ARENA_MAX)``); call it before
+    threads start. A thread may get an arena of its own, and an arena keeps what its thread
+    freed, so a server that starts threads for every connection grows by arenas: a box under
+    the link fuzzer's reconnects grew from 24 to 138 MiB in 300 s, and stayed at 66 MiB with
+    one arena (what numpy and BLAS take once). False where malloc is not glibc's."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_ARENA_MAX, count))
 
 
 def pid_alive(pid: int) -> bool:

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +42,27 @@ def test_pin_threads_moves_every_thread_and_new_threads_follow_their_creator():
         assert {allowed(proc.pid, tid) for tid in tids} == {str(cpus[-1])}
     finally:
         terminate(proc)
+
+
+ARENAS = ("import ctypes, sys, threading\n"
+          "from dxpu_vfio.procs import limit_malloc_arenas\n"
+          "if sys.argv[1] == 'capped': assert limit_malloc_arenas(1)\n"
+          "barrier = threading.Barrier(8)\n"
+          "def work():\n"
+          "    barrier.wait()  # all at once: each may be given an arena of its own\n"
+          "    for _ in range(50): bytearray(1 << 20)\n"
+          "threads = [threading.Thread(target=work) for _ in range(8)]\n"
+          "[t.start() for t in threads]; [t.join() for t in threads]\n"
+          "ctypes.CDLL(None).malloc_stats()\n")
+
+
+def test_a_capped_process_keeps_one_malloc_arena_however_many_threads_allocate():
+    """What the box relies on (remoteproxy/main.py): threads it starts for each link share
+    the capped arenas instead of each keeping one (glibc's malloc_stats lists them)."""
+    def arenas(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", ARENAS, mode], capture_output=True, text=True, timeout=60,
+                             cwd=Path(__file__).resolve().parents[1])
+        assert out.returncode == 0, out.stderr
+        return out.stderr.count("Arena ")
+    assert arenas("capped") == 1
+    assert arenas("free") > 1

@@ -1,6 +1,6 @@
 """Fuzzing the remote proxy's link (the box side, :mod:`dxpu_vfio.remoteproxy`): a box
-process with a test device and an NVMe serving plaintext on loopback (TLS only wraps the
-same stream), reached as a host proxy reaches it.
+process with a test device, an NVMe and an accelerator serving plaintext on loopback (TLS
+only wraps the same stream), reached as a host proxy reaches it.
 
 A unit is, on the link a valid HELLO opened: region accesses at the edges, write batches,
 resets, SYNC, heartbeats, IRQ/DMA messages a host never sends, replies to nothing, HELLO
@@ -8,7 +8,8 @@ again, headers with mutated flags, and now and then a framing breaker (after whi
 must close the link and serve the next HELLO); the box's own DMA reads (DMA_READ, or
 DMA_READV on the half of the links whose HELLO offered it) are answered, now and then
 wrongly; its DMA writes come as DMA_WRITE or, on half the links, DMA_WRITEV; on half the links
-the HELLO offers ring pushes, and DMA_PUSH messages (whole, lying, mutated) come as units. One
+the HELLO offers ring pushes, and DMA_PUSH messages (whole, lying, mutated) come as units (on
+such a link to the accelerator its ring is enabled first, and most pushes aim at it). One
 unit in ten is a fresh connection whose first message is a mutated
 HELLO, INVENTORY or SCREENSHOT (or garbage).
 """
@@ -31,8 +32,11 @@ from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, FEATURE_DMA_WRITEV, FEAT
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 from dxpu_vfio.vfio_user import protocol as p
 
-DEVICES = {"td0": "lease-td0", "nv0": "lease-nv0"}
+DEVICES = {"td0": "lease-td0", "nv0": "lease-nv0", "ac0": "lease-ac0"}
 L = LinkCommand
+# the accelerator's ring, enabled on each of its links whose HELLO offered ring pushes: the box
+# watches it, so DMA_PUSHes into it reach the box reader's C copy (native/serve.c push_mirrored)
+ACCEL_RING, ACCEL_ENTRIES, ACCEL_ENTRY = 0x100000, 64, 64
 
 
 class LinkTarget(ChildTarget):
@@ -48,6 +52,7 @@ class LinkTarget(ChildTarget):
         self.answers = random.Random(0)
         self._index = 0
         self._last_beat = 0.0
+        self.ring_watched = False  # this link's accelerator ring is enabled (and pushes offered)
 
     def start(self, workdir: Path) -> None:
         config = workdir / "box.toml"
@@ -55,7 +60,9 @@ class LinkTarget(ChildTarget):
                           '[[device]]\nid = "td0"\nmodel = "testdev"\nlease = "lease-td0"\n'
                           'settings = { memory_size = 16777216 }\n'
                           '[[device]]\nid = "nv0"\nmodel = "nvme"\nlease = "lease-nv0"\n'
-                          f'settings = {{ namespaces = [{{ size = 8388608, path = "{workdir / "nv0.img"}" }}] }}\n')
+                          f'settings = {{ namespaces = [{{ size = 8388608, path = "{workdir / "nv0.img"}" }}] }}\n'
+                          '[[device]]\nid = "ac0"\nmodel = "accel"\nlease = "lease-ac0"\n'
+                          'settings = { vram_size = 1048576 }\n')
         self.log_path = workdir / "box.log"
         self.process = RemoteProxyProcess(config, log_path=self.log_path).start()
         found = re.findall(rb"127\.0\.0\.1:(\d+)", self.log_path.read_bytes())
@@ -90,13 +97,36 @@ class LinkTarget(ChildTarget):
                     second = p.message(2, L.HELLO, Hello(device, nonce, hello_proof(DEVICES[device], device, nonce),
                                                          features=features).pack())
                     if not self.peer.request(second, 2, deadline).is_error:
-                        return [first, second]
+                        return [first, second] + self._enable_ring(device, features, deadline)
             except (Gone, p.ProtocolError):
                 pass
             self._close()
             if time.monotonic() > deadline:
                 raise Hang(f"the box gave no new link to {device} (the last one never let go?)")
             time.sleep(0.02)
+
+    def _enable_ring(self, device: str, features: tuple[str, ...], deadline: float) -> list[bytes]:
+        """On an accelerator's link that offered ring pushes, what its runtime does first: bus
+        mastering on, the ring's base and size, enable (the box then watches the ring)."""
+        self.ring_watched = device == "ac0" and FEATURE_RING_PUSH in features
+        if not self.ring_watched:
+            return []
+        sent = []
+        for i, msg in enumerate(self._ring_writes(3)):
+            assert self.peer is not None
+            self.peer.request(msg, 3 + i, deadline)
+            sent.append(msg)
+        return sent
+
+    @staticmethod
+    def _ring_writes(first_id: int, posted: bool = False) -> list[bytes]:
+        """The register writes that enable the accelerator's ring (again, after a reset or a
+        random write undid it)."""
+        writes = [(p.REGION_CONFIG, 4, (0x6).to_bytes(2, "little")),  # memory space + bus master
+                  (0, 0x028, ACCEL_RING.to_bytes(4, "little")), (0, 0x02C, bytes(4)),  # RING_BASE
+                  (0, 0x030, ACCEL_ENTRIES.to_bytes(4, "little")), (0, 0x020, (1).to_bytes(4, "little"))]
+        return [p.message(first_id + i, L.REGION_WRITE, p.REGION_RW.pack(offset, region, len(data)) + data,
+                          no_reply=posted) for i, (region, offset, data) in enumerate(writes)]
 
     def _answer(self, hdr: p.Header, payload: bytes) -> bytes | None:
         """The box's DMA_READ: mostly the bytes asked for, now and then short, long, for
@@ -285,6 +315,18 @@ class LinkTarget(ChildTarget):
                   for _ in range(rng.choice((0, 1, 1, 2, 3)))]
         pointed = [(rng.choice((0x3000, 0x3F80, 0x200000, edge(rng))), rng.choice((0, 8, 256, 4096, edge(rng, 32))))
                    for _ in range(rng.choice((0, 0, 1, 4, 65)))]
+        if self.ring_watched and rng.random() < 0.7:  # the accelerator's watched ring: mostly whole entries
+            if rng.random() < 0.5:  # enabled again first: resets and random writes turn it off
+                for msg in self._ring_writes(0x7F00, posted=True):
+                    yield msg, False
+            slot, first = rng.choice((0, 0, 0, 1)), rng.randrange(ACCEL_ENTRIES)
+            count = rng.randrange(1, ACCEL_ENTRIES - first + 1) if rng.random() < 0.8 else \
+                rng.choice((ACCEL_ENTRIES, edge(rng, 16)))
+            ranges = [(ACCEL_RING + first * ACCEL_ENTRY + (0 if rng.random() < 0.8 else rng.choice((8, -ACCEL_ENTRY))),
+                       count * ACCEL_ENTRY)]
+            if first and rng.random() < 0.3:  # the wrap back to the ring's start
+                ranges.append((ACCEL_RING, rng.randrange(1, first + 1) * ACCEL_ENTRY))
+            pointed = pointed if rng.random() < 0.2 else []
         try:
             head = pack_push(slot & 0xFFFFFFFF, [(a & (1 << 64) - 1, n & 0xFFFFFFFF) for a, n in ranges],
                              [(a & (1 << 64) - 1, n & 0xFFFFFFFF) for a, n in pointed], rng.random() < 0.1)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from dxpu_vfio.daemon import run_until_terminated
 from dxpu_vfio.errors import DxpuError
+from dxpu_vfio.procs import limit_malloc_arenas
 from dxpu_vfio.remoteproxy.announce import announcer_for
 from dxpu_vfio.remoteproxy.config import BoxConfig
 from dxpu_vfio.remoteproxy.proxy import RemoteProxy
@@ -46,6 +47,7 @@ def serve(config_path: Path, stats_path: Path | None, *, as_json: bool = False) 
     """Run one remote proxy; :class:`BoxConfigError` if the config is bad. ``as_json``: the
     "serving" line is a JSON object (``{"event": "serving", ...}``)."""
     config = load_config(config_path)
+    limit_malloc_arenas()  # every link starts threads: without a cap, each may keep an arena
     proxy = RemoteProxy(config).start()
     try:
         announcer = announcer_for(config, proxy).start() if config.pool else None
