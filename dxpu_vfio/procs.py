@@ -85,8 +85,8 @@ def limit_malloc_arenas(count: int = 2) -> bool:
     """Cap this process's glibc malloc arenas (``mallopt(M_ARENA_MAX)``); call it before
     threads start. A thread may get an arena of its own, and an arena keeps what its thread
     freed, so a server that starts threads for every connection grows by arenas: a box under
-    the link fuzzer's reconnects grew from 24 to 138 MiB in 300 s, and stayed at 66 MiB with
-    one arena (what numpy and BLAS take once). False where malloc is not glibc's."""
+    the link fuzzer's reconnects grew from 24 to 138 MiB in 300 s, and to 66 MiB with one
+    arena (what numpy and BLAS take once), 71 with two. False where malloc is not glibc's."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
