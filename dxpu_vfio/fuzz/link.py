@@ -31,12 +31,13 @@ from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, FEATURE_DMA_WRITEV, FEAT
                                     LinkCommand, hello_proof, pack_irq, pack_push, unpack_challenge, unpack_readv)
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 from dxpu_vfio.vfio_user import protocol as p
+from qemu_device import accel, header as pci
 
 DEVICES = {"td0": "lease-td0", "nv0": "lease-nv0", "ac0": "lease-ac0"}
 L = LinkCommand
 # the accelerator's ring, enabled on each of its links whose HELLO offered ring pushes: the box
 # watches it, so DMA_PUSHes into it reach the box reader's C copy (native/serve.c push_mirrored)
-ACCEL_RING, ACCEL_ENTRIES, ACCEL_ENTRY = 0x100000, 64, 64
+ACCEL_RING, ACCEL_ENTRIES, ACCEL_ENTRY = 0x100000, 64, accel.ENTRY_SIZE
 
 
 class LinkTarget(ChildTarget):
@@ -122,9 +123,10 @@ class LinkTarget(ChildTarget):
     def _ring_writes(first_id: int, posted: bool = False) -> list[bytes]:
         """The register writes that enable the accelerator's ring (again, after a reset or a
         random write undid it)."""
-        writes = [(p.REGION_CONFIG, 4, (0x6).to_bytes(2, "little")),  # memory space + bus master
-                  (0, 0x028, ACCEL_RING.to_bytes(4, "little")), (0, 0x02C, bytes(4)),  # RING_BASE
-                  (0, 0x030, ACCEL_ENTRIES.to_bytes(4, "little")), (0, 0x020, (1).to_bytes(4, "little"))]
+        writes = [(p.REGION_CONFIG, pci.COMMAND, (pci.CMD_MEMORY | pci.CMD_BUS_MASTER).to_bytes(2, "little")),
+                  (0, accel.REG_RING_BASE_LO, ACCEL_RING.to_bytes(4, "little")), (0, accel.REG_RING_BASE_HI, bytes(4)),
+                  (0, accel.REG_RING_SIZE, ACCEL_ENTRIES.to_bytes(4, "little")),
+                  (0, accel.REG_CONTROL, accel.CONTROL_ENABLE.to_bytes(4, "little"))]
         return [p.message(first_id + i, L.REGION_WRITE, p.REGION_RW.pack(offset, region, len(data)) + data,
                           no_reply=posted) for i, (region, offset, data) in enumerate(writes)]
 
