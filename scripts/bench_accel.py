@@ -19,7 +19,8 @@ as the proxies' hot paths use it) of the same run.
 Table on stdout, JSON in results/bench/accel.json (``results -> workload -> local/remote``,
 ``copy``, ``floor``, ``goals``; per workload ``floor_vs_local``: the least a remote pass
 can take with the same run's TLS floors, see ``floor_pass_s``, and ``native_floor_vs_local``
-with the C ones; ``copy_*_c_floor_vs_local``: the C TLS bulk floor against the local copy,
+with the C ones; ``burst_floor_vs_local``: the local pass plus its bytes moved as single
+bursts (``burst_floor_pass_s``); ``copy_*_c_floor_vs_local``: the C TLS bulk floor against the local copy,
 the most a remote copy can reach here). Goals: at 0 added delay
 MLP inference at batch 64 and the transformer block within 10% of local; copy bandwidth
 remote >= 50% of local.
@@ -81,6 +82,27 @@ def floor_pass_s(local_s: float, remote: dict, floor: dict, kind: str = "tls") -
             + remote["breakdown"]["round_trips_counted"] * tls["ping_pong"]["median_us"] / 1e6)
 
 
+BURST_SIZES = (32, 4 << 10, 64 << 10, 256 << 10, 1 << 20)
+
+
+def _bytes_label(n: int) -> str:
+    return f"{n >> 10} KiB" if n >= 1024 else f"{n} B"
+
+
+def burst_floor_pass_s(local_s: float, remote: dict, floor: dict) -> float:
+    """The least a remote pass can take with its bytes moved as a pass moves them: the
+    local pass, plus one way of a burst of its bytes to the box and one way of a burst of
+    its bytes back (half of an echo of that size after idle, OpenSSL in C, same run:
+    :func:`dxpu_vfio.lab.floors.native_bursts`), plus its other serialized round trips at
+    the C ping-pong. A burst costs more than its bytes at the bulk rate: the sender's
+    sealing, both kernels and the receiver's opening run one after the other, and both
+    ends wake from idle; bulk overlaps them across messages."""
+    per, tls = remote["per_pass"], floor["tls-native"]
+    return (local_s + floors.burst_one_way_s(tls["burst"], per["h2d_bytes"])
+            + floors.burst_one_way_s(tls["burst"], per["d2h_bytes"])
+            + max(0.0, remote["breakdown"]["round_trips_counted"] - 1) * tls["ping_pong"]["median_us"] / 1e6)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--passes", type=int, default=51, help="timed passes per workload and path "
@@ -109,7 +131,7 @@ def main() -> int:
     load = os.getloadavg()
     try:
         state = lab.up(topo)
-        floor = floors.measure_lab(state, BOX, kinds=("tcp", "tls", "tls-native"))
+        floor = floors.measure_lab(state, BOX, kinds=("tcp", "tls", "tls-native"), burst_sizes=BURST_SIZES)
         with served("local", None, args.threads, args.inline_max) as (local, lacc), \
                 served("remote", state, args.threads, args.inline_max) as (remote, racc):
             if args.device_cpu is not None:
@@ -151,8 +173,9 @@ def main() -> int:
         r["floor_s"] = floor_pass_s(lo["median_s"], re, floor)
         r["floor_vs_local"], r["remote_vs_floor"] = r["floor_s"] / lo["median_s"], re["median_s"] / r["floor_s"]
         r["native_floor_vs_local"] = floor_pass_s(lo["median_s"], re, floor, "tls-native") / lo["median_s"]
+        r["burst_floor_vs_local"] = burst_floor_pass_s(lo["median_s"], re, floor) / lo["median_s"]
         rows.append([name, lo["median_s"] * 1000, re["median_s"] * 1000, r["remote_vs_local"], r["floor_vs_local"],
-                     r["native_floor_vs_local"], r["remote_vs_floor"], re["breakdown"]["round_trips_counted"],
+                     r["native_floor_vs_local"], r["burst_floor_vs_local"], r["remote_vs_floor"], re["breakdown"]["round_trips_counted"],
                      re["breakdown"]["bytes"] / 1e6])
         for kind in ("local", "remote"):
             b, mean = r[kind]["breakdown"], r[kind]["mean_s"]
@@ -160,10 +183,12 @@ def main() -> int:
                           f"{100 * b['bytes_s'] / mean:.0f}%", f"{100 * b['compute_s'] / mean:.0f}%",
                           f"{100 * b['device_other_s'] / mean:.0f}%"])
     print()
-    print(table(["workload", "local ms", "remote ms", "remote/local", "floor/local", "C floor/local", "remote/floor",
-                 "round trips/pass", "MB moved/pass"], rows))
+    print(table(["workload", "local ms", "remote ms", "remote/local", "floor/local", "C floor/local",
+                 "burst floor/local", "remote/floor", "round trips/pass", "MB moved/pass"], rows))
     print("floor: the local pass + its bytes at the TLS bulk floor + its round trips at the TLS ping-pong "
-          "floor (same run): the least a remote pass can take here; C floor: the same with OpenSSL in C")
+          "floor (same run): the least a remote pass can take here; C floor: the same with OpenSSL in C;\n"
+          "burst floor: the local pass + its bytes each way as one burst echoed after idle (C, same run) + its "
+          "other round trips at the C ping-pong")
     print("\nwhere a pass's time goes (mean pass; device timestamps and counters, both proxies' counters):")
     print(table(["workload path", "ms", "launch + round trips", "moving bytes", "computing", "device dispatch"], split))
     copy_ratio = {d: copy["remote"][f"{d}_MBps"] / copy["local"][f"{d}_MBps"] for d in ("h2d", "d2h")}
@@ -177,8 +202,13 @@ def main() -> int:
           f"{floor['tls']['bulk']['to_box_MBps']:.0f}/{floor['tls']['bulk']['from_box_MBps']:.0f} MB/s; in C "
           f"{floor['tls-native']['ping_pong']['median_us']:.1f} µs, {c_bulk['h2d']:.0f}/{c_bulk['d2h']:.0f} MB/s; "
           f"link round trip {rtt * 1e6:.1f} µs; load average before the run {load[0]:.2f}")
+    print("bursts in C, echoed after idle (same run): " + ", ".join(
+        f"{_bytes_label(int(size))} {row['median_us']:.0f} µs"
+        for size, row in floor["tls-native"]["burst"].items()))
     goals = {f"{w}_remote_vs_local": results[w]["remote_vs_local"] for w in GOAL_WORKLOADS if w in results}
     goals.update({f"{w}_floor_vs_local": results[w]["floor_vs_local"] for w in GOAL_WORKLOADS if w in results})
+    goals.update({f"{w}_burst_floor_vs_local": results[w]["burst_floor_vs_local"]
+                  for w in GOAL_WORKLOADS if w in results})
     goals.update({f"copy_{d}_remote_vs_local": v for d, v in copy_ratio.items()})
     goals.update({f"copy_{d}_remote_vs_tls_bulk": copy["remote"][f"{d}_MBps"] / tls_bulk for d in ("h2d", "d2h")})
     goals.update({f"copy_{d}_remote_vs_c_tls_bulk": copy["remote"][f"{d}_MBps"] / c_bulk[d] for d in ("h2d", "d2h")})

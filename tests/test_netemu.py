@@ -193,6 +193,18 @@ def test_rate_limit_with_tbf(net):
     assert 0 < got["tls-native"]["ping_pong"]["median_us"] <= got["tls-native"]["ping_pong"]["p99_us"]
 
 
+def test_burst_floor_echoes_each_size_whole_after_idle(net):
+    """The burst floor bench_accel measures a pass against: every size comes back whole
+    (the client checks each reply's length), and 256 KiB each way costs more than 32 bytes."""
+    got = floors.measure_lab(net, "box1", round_trips=200, bulk_bytes=0, kinds=("tls-native",),
+                             burst_sizes=(32, 256 << 10))["tls-native"]
+    assert "bulk" not in got and set(got["burst"]) == {"32", str(256 << 10)}, got
+    small, large = got["burst"]["32"]["median_us"], got["burst"][str(256 << 10)]["median_us"]
+    assert 0 < small < large, got
+    with pytest.raises(ValueError, match="native"):
+        floors.measure_lab(net, "box1", kinds=("tcp",), burst_sizes=(32,))
+
+
 def test_an_unknown_floor_kind_is_refused_by_name(net):
     with pytest.raises(ValueError, match="tls-native"):
         floors.measure_lab(net, "box1", kinds=("quic",))

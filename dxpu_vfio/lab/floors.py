@@ -3,7 +3,11 @@ as a benchmark: what the network and the language cost before our proxies add an
 
 * ping-pong: a 32-byte request and a 32-byte reply, blocking, plain TCP and TLS 1.3
   (the link's own security), median and p99 of N round trips;
-* bulk: 64 MiB each way in 1 MiB ``sendall`` / ``recv_into``, plain TCP and TLS.
+* bulk: 64 MiB each way in 1 MiB ``sendall`` / ``recv_into``, plain TCP and TLS;
+* bursts (``--burst-sizes``, native stream only): one message of each size echoed at a
+  time, after an idle gap, median round trip per size. A benchmark's pass moves its bytes
+  that way (a doorbell's inputs, then its outputs, with the ends asleep in between), so
+  bulk, whose stages overlap across messages, is a floor below what a pass can reach.
 
 Both ends are Python, like the proxies: a ratio of a proxy's number to these says what
 our software costs on top of the same sockets. ``--native`` runs the same exchanges as
@@ -38,6 +42,8 @@ from dxpu_vfio.vfio_user.connection import ConnectionClosed
 FLOOR_PORT = 7200
 PING = 32
 PIECE = 1 << 20
+BURST_GAP_S = 0.002  # idle between two bursts, as between a pass's doorbell and the one before
+BURST_COUNT = 200
 OP = struct.Struct("<4sQ")  # b"PING"/b"BULK", count or bytes
 KINDS = {"tcp": (FLOOR_PORT, False, False), "tls": (FLOOR_PORT + 1, True, False),
          "tls-native": (FLOOR_PORT + 2, True, True)}  # kind -> (port, TLS, native stream)
@@ -195,19 +201,65 @@ def native_bulk(address: str, tls: TlsFiles | None, total: int) -> dict:
     return {"to_box_MBps": total / sent / 1e6, "from_box_MBps": total / received / 1e6}
 
 
+def native_bursts(address: str, tls: TlsFiles | None, sizes: tuple[int, ...], count: int = BURST_COUNT,
+                  gap_s: float = BURST_GAP_S) -> dict:
+    """Per size: a message of that many bytes echoed whole, ``count`` times, one at a time
+    after ``gap_s`` of idle (both ends asleep, as around a pass); round-trip latencies."""
+    conn = connect_native(*split_address(address), tls, timeout=30)
+    out = {}
+    try:
+        conn.send_message(0, 0, 0, OP.pack(b"PING", count * len(sizes)))  # the server echoes any size
+        for size in sizes:
+            data, times = bytes(size), []
+            for _ in range(count):
+                time.sleep(gap_s)
+                started = time.perf_counter_ns()
+                conn.send_message(0, 0, 0, data)
+                got = len(conn.receive().payload)
+                times.append(time.perf_counter_ns() - started)
+                if got != size:
+                    raise ConnectionError(f"burst floor: sent {size} bytes, {got} came back")
+            out[str(size)] = _latencies(times)
+    finally:
+        conn.close()
+    return out
+
+
+def burst_one_way_s(bursts: dict, nbytes: float) -> float:
+    """Half the round trip of a burst of ``nbytes``, interpolated linearly between the
+    measured sizes (extrapolated from the two largest beyond them)."""
+    points = sorted((int(size), row["median_us"] / 2e6) for size, row in bursts.items())
+    if len(points) < 2:
+        raise ValueError("burst floor: needs two sizes at least")
+    if nbytes <= points[0][0]:
+        return points[0][1]
+    for (s0, t0), (s1, t1) in zip(points, points[1:]):
+        if nbytes <= s1 or (s1, t1) == points[-1]:
+            return t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0)
+    raise AssertionError("unreachable")
+
+
 def measure(address: str, tls: TlsFiles | None, round_trips: int = 3000, bulk_bytes: int = 64 << 20,
-            native: bool = False) -> dict:
-    """The ping-pong, and the bulk transfer unless ``bulk_bytes`` is 0 (``native``: on the native stream)."""
+            native: bool = False, burst_sizes: tuple[int, ...] = ()) -> dict:
+    """The ping-pong, the bulk transfer unless ``bulk_bytes`` is 0 (``native``: on the
+    native stream), and bursts of ``burst_sizes`` (native only)."""
+    if burst_sizes and not native:
+        raise ValueError("burst floors are measured on the native stream: pass native=True")
     out = {"ping_pong": (native_ping_pong if native else ping_pong)(address, tls, round_trips)}
     if bulk_bytes:
         out["bulk"] = (native_bulk if native else bulk)(address, tls, bulk_bytes)
+    if burst_sizes:
+        out["burst"] = native_bursts(address, tls, burst_sizes)
     return out
 
 
 def measure_lab(state, box: str, round_trips: int = 3000, bulk_bytes: int = 64 << 20,
-                kinds: tuple[str, ...] = ("tcp", "tls")) -> dict:
+                kinds: tuple[str, ...] = ("tcp", "tls"), burst_sizes: tuple[int, ...] = ()) -> dict:
     """Floors between ``state``'s host namespace and ``box``, same run: ``kinds`` of
-    :data:`KINDS` (plain TCP, TLS, TLS on the native stream)."""
+    :data:`KINDS` (plain TCP, TLS, TLS on the native stream); ``burst_sizes`` on the
+    native stream (under ``tls-native -> burst``)."""
+    if burst_sizes and "tls-native" not in kinds:
+        raise ValueError("burst floors are measured on the native stream: add tls-native to kinds")
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown floor kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
@@ -218,6 +270,7 @@ def measure_lab(state, box: str, round_trips: int = 3000, bulk_bytes: int = 64 <
     for label in kinds:
         port, tls, on_native = KINDS[label]
         tls_args = (["--tls-dir", str(state.certs)] if tls else []) + (["--native"] if on_native else [])
+        bursts = ["--burst-sizes", ",".join(map(str, burst_sizes))] if on_native and burst_sizes else []
         server = subprocess.Popen(["ip", "netns", "exec", b.netns, sys.executable, "-m", "dxpu_vfio.lab.floors",
                                    "serve", "--listen", b.box_ip, "--port", str(port), "--role", box, *tls_args],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -228,7 +281,7 @@ def measure_lab(state, box: str, round_trips: int = 3000, bulk_bytes: int = 64 <
             client = subprocess.run(["ip", "netns", "exec", state.host_netns, sys.executable, "-m",
                                      "dxpu_vfio.lab.floors", "client", "--address", f"{b.box_ip}:{port}",
                                      "--round-trips", str(round_trips), "--bulk-bytes", str(bulk_bytes),
-                                     *tls_args], capture_output=True, text=True, timeout=300)
+                                     *tls_args, *bursts], capture_output=True, text=True, timeout=300)
             if client.returncode:
                 raise RuntimeError(f"floor client failed: {client.stderr[-800:]}")
             out[label] = json.loads(client.stdout)
@@ -266,14 +319,22 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--round-trips", type=int, default=3000)
     c.add_argument("--bulk-bytes", type=int, default=64 << 20)
     c.add_argument("--native", action="store_true", help="framed messages on the native stream (needs --tls-dir)")
+    c.add_argument("--burst-sizes", default="", help="comma-separated message sizes echoed one at a time after "
+                   f"{BURST_GAP_S * 1000:g} ms idle (with --native)")
     args = parser.parse_args(argv)
     if args.native and not args.tls_dir:
         parser.error("--native measures TLS on the native stream: give --tls-dir")
+    try:
+        burst_sizes = tuple(int(size) for size in args.burst_sizes.split(",") if size) if args.what == "client" else ()
+    except ValueError:
+        parser.error(f"--burst-sizes wants byte counts separated by commas, not {args.burst_sizes!r}")
+    if burst_sizes and not args.native:
+        parser.error("--burst-sizes measures the native stream: add --native")
     if args.what == "serve":
         serve(args.listen, args.port, TlsFiles.in_dir(args.tls_dir, args.role) if args.tls_dir else None, args.native)
         return 0
     tls = TlsFiles.in_dir(args.tls_dir, "host") if args.tls_dir else None
-    print(json.dumps(measure(args.address, tls, args.round_trips, args.bulk_bytes, args.native)))
+    print(json.dumps(measure(args.address, tls, args.round_trips, args.bulk_bytes, args.native, burst_sizes)))
     return 0
 
 
