@@ -17,9 +17,9 @@ export DXPU_FASTLINK_SO="$so" DXPU_FASTLINK=1
 # (and the host's DMA_READV and DMA_WRITEV parsers in forward.c, driven by a hostile box, and
 # its ring pushes and merged doorbells, driven by the accelerator's runtime and directly; and
 # the local DMA table's file I/O, mapped_io.c, with the random lists of its fuzz test; and the
-# box reader's ring pushes taken in C, serve.c, against Python's with random pushes)
+# box reader's ring pushes taken in C, serve.c, against Python's with random pushes, and its waiting serve)
 exec .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_native_stream.py tests/test_link.py tests/test_hostile_box.py \
-    tests/test_forwarder_pushes.py tests/test_dma_file_io.py tests/test_box_push_mirror.py \
+    tests/test_forwarder_pushes.py tests/test_dma_file_io.py tests/test_box_push_mirror.py tests/test_box_serve_waiting.py \
     tests/test_accel_runtime.py::test_a_burst_of_doorbells_is_one_push_and_one_doorbell_on_the_link \
     tests/test_accel_runtime.py::test_a_boxs_ring_fetches_come_with_their_doorbells \
     -k "not python and (not hostile_box or readv or writev)" "$@"

@@ -216,6 +216,8 @@ typedef struct {
     pthread_t corked_by; /* under `send_order` */
     size_t held;        /* bytes at the start of `tx` that held sends left there, not yet given to TLS
                            (under `send_order`): the next send's stage begins after them */
+    int serve_held;     /* under `reader`: threads that read the stream themselves (hold_serving): while
+                           any does, a serve_requests that waits serves nothing (serve.c) */
 } Stream;
 
 #define RX_DRAIN_MAX (64u << 20) /* what a sender buffers from a peer that sends while not reading */
@@ -1376,8 +1378,11 @@ static PyTypeObject StreamType = {
 
 static PyMethodDef module_methods[] = {
     {"serve_requests", serve_requests, METH_VARARGS,
-     "serve_requests(stream, read, write, timeout, push=None, mirrors=None): the box's register accesses (and "
-     "posted ring pushes) in C (serve.c)."},
+     "serve_requests(stream, read, write, timeout, push=None, mirrors=None, wake_fd=-1): the box's register "
+     "accesses (and posted ring pushes) in C; with a wake_fd, waiting there for them too (serve.c)."},
+    {"hold_serving", hold_serving, METH_VARARGS,
+     "hold_serving(stream, hold): a thread that reads the stream itself begins (True) or ends (False): "
+     "meanwhile a waiting serve_requests leaves every message to the readers (serve.c)."},
     {"served", served_counters, METH_O, "served(stream): what serve_requests did on it."},
     {"mapped_file_io", mapped_file_io, METH_VARARGS,
      "mapped_file_io(fd, offset, memory, window, skip, ranges, to_memory) -> bool: a file to or from "
