@@ -5,9 +5,25 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import socket
 import threading
 
 from qemu_device.ports import DmaError, ScatterByPieces
+
+def host_and_box_streams():
+    """(the host's Python end, the box's native stream) over TCP, as the link is, without
+    TLS: the box's reader code (native/serve.c) is what these tests drive. The host end
+    times out after 5 s, so a reply that never comes fails a test instead of hanging it."""
+    from dxpu_vfio.native import stream as native
+    from dxpu_vfio.vfio_user.connection import Connection
+    if not native.enabled():
+        raise AssertionError("the native stream is not built: run scripts/setup.sh")
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        host_sock = socket.create_connection(listener.getsockname())
+        box_sock, _ = listener.accept()
+    host_sock.settimeout(5)
+    return Connection(host_sock), native.tcp(box_sock, None, server=True, handshake_timeout=5)
+
 
 RAM_BASE = 0x1_0000_0000
 RAM_SIZE = 4 << 20

@@ -7,29 +7,21 @@ their mirrors are compared after each."""
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
+from fakes import host_and_box_streams
 
 from dxpu_vfio.link.protocol import MAX_PUSH_BYTES, LinkCommand, RingWatch, pack_push
 from dxpu_vfio.native import stream as native
 from dxpu_vfio.remoteproxy.ports import LinkDmaPort, RingMirror
 from dxpu_vfio.vfio_user import protocol as vp
-from dxpu_vfio.vfio_user.connection import Connection
 
 RING, ENTRIES, ES = 0x40000, 16, 64
 
 
 @pytest.fixture
 def stream_pair():
-    """(the host's Python end, the box's native stream) over TCP, as the link is."""
-    if not native.enabled():
-        pytest.fail("the native stream is not built: run scripts/setup.sh")
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        host_sock = socket.create_connection(listener.getsockname())
-        box_sock, _ = listener.accept()
-    box = native.tcp(box_sock, None, server=True, handshake_timeout=5)
-    host = Connection(host_sock)
+    host, box = host_and_box_streams()
     yield host, box
     host.close()
     box.close()

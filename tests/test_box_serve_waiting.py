@@ -6,30 +6,22 @@ to the Python reader is never overtaken by a later one."""
 from __future__ import annotations
 
 import os
-import socket
 import struct
 
 import pytest
+from fakes import host_and_box_streams
 
 from dxpu_vfio.link.protocol import LinkCommand
 from dxpu_vfio.native import stream as native
 from dxpu_vfio.vfio_user import protocol as vp
-from dxpu_vfio.vfio_user.connection import Connection
 
 ACCESS = struct.Struct("<QII")  # offset, region, count: vfio-user's REGION_READ/WRITE head
 
 
 @pytest.fixture
 def link():
-    """(the host's Python end, the box's native stream, a wake pipe) over TCP, as the link is."""
-    if not native.enabled():
-        pytest.fail("the native stream is not built: run scripts/setup.sh")
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        host_sock = socket.create_connection(listener.getsockname())
-        box_sock, _ = listener.accept()
-    box = native.tcp(box_sock, None, server=True, handshake_timeout=5)
-    host_sock.settimeout(5)  # a reply that never comes fails the test, not hangs it
-    host = Connection(host_sock)
+    """(the host's Python end, the box's native stream, a wake pipe)."""
+    host, box = host_and_box_streams()
     wake_r, wake_w = os.pipe()
     yield host, box, wake_r, wake_w
     host.close()

@@ -224,6 +224,14 @@ static int serve_one(Stream *s, PyObject *read_cb, PyObject *write_cb, PyObject 
     return rc;
 }
 
+/* serve_one's failure as a Python exception: -1 the stream failed (err), -2 a callback raised. */
+static PyObject *serve_failed(int r, const char *err)
+{
+    if (r == -1)
+        PyErr_SetString(ClosedError, err);
+    return NULL;
+}
+
 /* Sleep until the stream or `wake_fd` is readable, holding nothing (GIL released).
  * 1: the stream, 2: wake_fd, 0: the deadline passed, -1: the stream is shut, -2: poll failed. */
 static int wait_stream_or(Stream *s, int wake_fd, int64_t deadline)
@@ -300,12 +308,8 @@ static PyObject *serve_waiting(Stream *s, PyObject *read_cb, PyObject *write_cb,
             continue;
         }
         pthread_mutex_unlock(&s->reader);
-        if (r == -1) {
-            PyErr_SetString(ClosedError, err);
-            return NULL;
-        }
-        if (r == -2)
-            return NULL;
+        if (r < 0)
+            return serve_failed(r, err);
     }
 }
 
@@ -352,12 +356,8 @@ static PyObject *serve_requests(PyObject *module, PyObject *args)
             continue;
         }
         pthread_mutex_unlock(&s->reader);
-        if (r == -1) {
-            PyErr_SetString(ClosedError, err);
-            return NULL;
-        }
-        if (r == -2)
-            return NULL;
+        if (r < 0)
+            return serve_failed(r, err);
         deadline = deadline_after(0);
     }
 }
