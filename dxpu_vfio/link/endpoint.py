@@ -362,11 +362,13 @@ class LinkEndpoint:
         instead of costing a hand-off (two wake-ups)."""
         with self._parked:
             self._waiters += 1
-        self._hold_serving(True)
         try:
-            yield
+            self._hold_serving(True)
+            try:
+                yield
+            finally:
+                self._hold_serving(False)
         finally:
-            self._hold_serving(False)
             with self._parked:
                 self._waiters -= 1
                 if not self._waiters:
