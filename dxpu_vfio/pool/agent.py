@@ -268,6 +268,8 @@ class HostAgent:
                 continue
             try:
                 for revision, changed in watch:
+                    if self._watch_held.is_set():
+                        break  # held while this batch was on its way: a broken stream delivers no more
                     for lease_id, record in changed:
                         if record is None:
                             self._events.put((lease_id, GONE))
@@ -287,7 +289,9 @@ class HostAgent:
             watch.close()
 
     def hold_watch(self) -> None:
-        """End the watch and keep it down (what a broken stream does; for tests)."""
+        """End the watch and keep it down (what a broken stream does; for tests). Events the
+        closing watch still had on their way are not handed on: the watch starts again just
+        after the revision it had delivered up to, and brings them then."""
         self._watch_held.set()
         self._close_watch()
 
