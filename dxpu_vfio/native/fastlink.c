@@ -70,8 +70,8 @@ static int spin_fds(struct pollfd *fds, nfds_t n, int64_t spin_ns, int64_t deadl
     return 0;
 }
 
-/* 1: ready, 0: deadline passed, -1: poll failed (errno). */
-static int wait_fd(int fd, short events, int64_t deadline)
+/* 1: one of `fds` is ready (see their revents), 0: deadline passed, -1: poll failed (errno). */
+static int wait_fds(struct pollfd *fds, nfds_t n, int64_t deadline)
 {
     for (;;) {
         int ms = -1;
@@ -81,8 +81,7 @@ static int wait_fd(int fd, short events, int64_t deadline)
                 return 0;
             ms = (int)((left + 999999) / 1000000);
         }
-        struct pollfd p = {.fd = fd, .events = events};
-        int r = poll(&p, 1, ms);
+        int r = poll(fds, n, ms);
         if (r > 0)
             return 1;
         if (r < 0 && errno != EINTR)
@@ -90,6 +89,13 @@ static int wait_fd(int fd, short events, int64_t deadline)
         if (r == 0 && deadline >= 0 && now_ns() >= deadline)
             return 0;
     }
+}
+
+/* 1: ready, 0: deadline passed, -1: poll failed (errno). */
+static int wait_fd(int fd, short events, int64_t deadline)
+{
+    struct pollfd p = {.fd = fd, .events = events};
+    return wait_fds(&p, 1, deadline);
 }
 
 /* 1: ready, 0: deadline passed, -1: poll failed (errno). Spins spin_ns first (see spin_fds). */

@@ -26,9 +26,11 @@
  * drained: the caller's), None when the timeout passed. While a thread reads the stream for
  * itself (hold_serving: a device thread waiting for its DMA completion, which may leave a
  * request it read for the Python reader to serve first), it serves nothing and returns True:
- * serving here could run a later register access before that earlier one. The callbacks run with the GIL
- * and with the stream's `reader` lock held, so no other thread reads the stream meanwhile
- * (a device thread waiting for its DMA completion waits for them to return). So they must
+ * serving here could run a later register access before that earlier one.
+ *
+ * The callbacks run with the GIL and with the stream's `reader` lock held, so no other thread
+ * reads the stream meanwhile (a device thread waiting for its DMA completion waits for them
+ * to return). So they must
  * be short and must never wait on this stream themselves; they may take the device's
  * lock, which no device thread holds while it waits for DMA (qemu_device/device.py's
  * rule). Counts and time per command: served(stream).
@@ -244,25 +246,10 @@ static int wait_stream_or(Stream *s, int wake_fd, int64_t deadline)
     struct pollfd p[2] = {{.fd = fd, .events = POLLIN}, {.fd = wake_fd, .events = POLLIN}};
     int r;
     Py_BEGIN_ALLOW_THREADS
-    if (spin_fds(p, 2, s->spin_ns, deadline)) {
-        r = 1;
-    } else {
-        for (;;) {
-            int ms = -1;
-            if (deadline >= 0) {
-                int64_t left = deadline - now_ns();
-                ms = left <= 0 ? 0 : (int)((left + 999999) / 1000000);
-            }
-            r = poll(p, 2, ms);
-            if (r >= 0 || errno != EINTR)
-                break;
-        }
-    }
+    r = spin_fds(p, 2, s->spin_ns, deadline) ? 1 : wait_fds(p, 2, deadline);
     Py_END_ALLOW_THREADS
-    if (r < 0)
-        return -2;
-    if (r == 0)
-        return 0;
+    if (r <= 0)
+        return r < 0 ? -2 : 0;
     return p[1].revents ? 2 : 1; /* a wake-up first: the caller may have to stand aside */
 }
 
