@@ -16,7 +16,7 @@ with the goals of the data-path issue checked against them.
 Table on stdout, JSON in results/bench/remote.json (``results -> local / remote+Nus`` and
 ``results -> floor``).
 
-    .venv/bin/python scripts/bench_remote.py [--delays 0,50,200,1000] [--reads 2000] [--streams native,python]
+    .venv/bin/python scripts/bench_remote.py [--delays 0,50,200,1000] [--reads 2000] [--streams native,python] [--read-spin-us 150]
 
 ``--streams`` compares the link's native stream (C, the default) with the Python one in
 the same run (rows ``remote[python]+Nus``).
@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dxpu_vfio import procs  # noqa: E402
 from dxpu_vfio.bench import table, write_json  # noqa: E402
+from dxpu_vfio.hostproxy.forwarder import DEFAULT_READ_SPIN_US  # noqa: E402
 from dxpu_vfio.lab import hotplug  # noqa: E402
 from dxpu_vfio.lab import floors, lab  # noqa: E402
 from dxpu_vfio.native import stream as native  # noqa: E402
@@ -144,6 +145,9 @@ def main() -> int:
                         help="link streams to compare in this run: native (C) and/or python")
     parser.add_argument("--paired-rounds", type=int, default=5,
                         help="rounds of local read, remote read and TLS ping-pong in turn at no added delay (0: none)")
+    parser.add_argument("--read-spin-us", type=float, default=None,
+                        help="the host proxy's read_spin_us (default: its own, "
+                             f"{DEFAULT_READ_SPIN_US:g}; 0: it sleeps for every completion)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     delays = [float(d) for d in args.delays.split(",")]
@@ -173,8 +177,10 @@ def main() -> int:
                 use_stream(state, stream)
                 for delay in delays:
                     box = lab.set_delay(state, "box1", delay)
-                    att = hotplug.attach(vm, "remote", settings=state.remote_settings("box1", "td0"),
-                                         netns=state.host_netns)
+                    settings = state.remote_settings("box1", "td0")
+                    if args.read_spin_us is not None:
+                        settings["read_spin_us"] = args.read_spin_us
+                    att = hotplug.attach(vm, "remote", settings=settings, netns=state.host_netns)
                     row = {"delay_us": delay, "delay_mode": box.delay_mode,
                            **measure(vm, att, args.reads, args.writes, args.copies, args.irqs)}
                     report = lab.delay_report(state, "box1")
@@ -250,7 +256,9 @@ def main() -> int:
               f"{goals['remote_dma_vs_tls_bulk']:.2f} (want >= 0.8; of the C floor {goals['remote_dma_vs_c_tls_bulk']:.2f}), "
               "remote DMA / local = "
               f"{goals['remote_dma_vs_local']:.2f} (want >= 0.5)")
-    path = write_json("remote", {"results": results, "reads": args.reads, "writes": args.writes}, args.out)
+    read_spin_us = DEFAULT_READ_SPIN_US if args.read_spin_us is None else args.read_spin_us
+    path = write_json("remote", {"results": results, "reads": args.reads, "writes": args.writes,
+                                 "read_spin_us": read_spin_us}, args.out)
     print("\nwhere a remote read's time goes (µs, from both proxies' counters; the first column is the\n"
           "guest's median minus the host proxy's mean link wait):")
     print(table(["path", "QEMU + host proxy", "network + TLS (+ emulator)", "remote proxy + device", "guest read"],

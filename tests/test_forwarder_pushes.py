@@ -1,8 +1,9 @@
 """The host's C forwarder (native/forward.c) driven directly: this test is QEMU on one socket
 and the box on the other, guest memory a memfd window (kind 0) and a file window (kind 1).
 It pushes a watched ring's entries and what they point to (what the box gets is parsed with
-the same ``unpack_push`` the box uses), and it writes the box's DMA_WRITEVs into guest memory
-however their bytes arrive. Runs under ASan/UBSan in ``scripts/sanitize.sh``."""
+the same ``unpack_push`` the box uses), it writes the box's DMA_WRITEVs into guest memory
+however their bytes arrive, and it spins for a read's completion only while reads come back
+quickly. Runs under ASan/UBSan in ``scripts/sanitize.sh``."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ SHADOW, EVENT = MEM + 0xF000, MEM + 0xF800           # the SQ's shadow doorbell 
 class Harness:
     """A Forwarder between this test's ends; ``doorbell(tail)`` returns the push it sent."""
 
-    def __init__(self, tmp_path) -> None:
+    def __init__(self, tmp_path, read_spin_us: float = 0.0) -> None:
         module = native_stream.require()
         qemu_end, proxy_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with socket.create_server(("127.0.0.1", 0)) as listener:
@@ -43,7 +44,8 @@ class Harness:
         self.qemu_conn = native_stream.unix(proxy_end)
         self.link_conn = native_stream.tcp(link_end, None, True, 5.0)
         self.box_conn = native_stream.tcp(self.box, None, False, 5.0)
-        self.forwarder = module.Forwarder(self.qemu_conn.stream, self.link_conn.stream, 1.0)
+        self.forwarder = module.Forwarder(self.qemu_conn.stream, self.link_conn.stream, 1.0,
+                                          read_spin_us=read_spin_us)
         fd = os.memfd_create("guest-ram", os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, SIZE)
         self.ram = mmap.mmap(fd, SIZE)
@@ -77,6 +79,18 @@ class Harness:
         assert self.box_conn.receive(timeout=5).header.command == vp.Command.REGION_WRITE
         return unpack_push(push.payload)
 
+    def read(self, msg_id: int, offset: int, box_delay: float = 0.0) -> bytes:
+        """QEMU reads 4 bytes of BAR0; the box answers after ``box_delay`` s. The data read."""
+        self.qemu.sendall(vp.message(msg_id, vp.Command.REGION_READ, struct.pack("<QII", offset, 0, 4)))
+        request = self.box_conn.receive(timeout=5)
+        assert request.header.command == vp.Command.REGION_READ, request.header
+        time.sleep(box_delay)
+        self.box_conn.send_message(request.header.msg_id, vp.Command.REGION_READ, vp.TYPE_REPLY,
+                                   bytes(request.payload[:16]) + struct.pack("<I", offset ^ 0x5A5A5A5A))
+        header = vp.Header.unpack(_recv_exactly(self.qemu, vp.HEADER_SIZE))
+        assert header.msg_id == msg_id and not header.is_error, header
+        return _recv_exactly(self.qemu, header.size - vp.HEADER_SIZE)[16:]
+
     def send_box(self, command: int, payload: bytes) -> None:
         """A posted message from the box."""
         self.box_conn.send_message(0x10, command, vp.FLAG_NO_REPLY, payload)
@@ -92,6 +106,16 @@ class Harness:
         self.link_conn.close()
         self.qemu_conn.close()
         self.file.close()
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    sock.settimeout(5)
+    data = b""
+    while len(data) < n:
+        got = sock.recv(n - len(data))
+        assert got, "the forwarder closed QEMU's socket"
+        data += got
+    return data
 
 
 @pytest.fixture
@@ -365,3 +389,39 @@ def test_messages_cut_anywhere_around_large_dma_writevs_land_in_order(harness, s
     assert counters["dma_bytes_written"] == total
     assert harness.ram[0:SIZE] == bytes(want)
     assert harness.thread.is_alive()
+
+
+def test_reads_are_spun_for_only_while_their_completions_come_within_the_spin(tmp_path):
+    """The forwarder may spin for a read (QEMU's vCPU is stopped on it), but a link whose
+    reads take longer than the spin must not cost it a spun CPU per read."""
+    if not native_stream.built():
+        pytest.fail("the native link stream is not built: run scripts/setup.sh")
+    h = Harness(tmp_path, read_spin_us=2000)
+    try:
+        spun = lambda: h.forwarder.counters()["reads_spun"]  # noqa: E731
+        for i in range(5):  # quick reads: every one spun for, and answered as the box said
+            assert h.read(100 + i, 4 * i) == struct.pack("<I", 4 * i ^ 0x5A5A5A5A)
+        assert spun() == 5
+        for i in range(30):  # the box takes 20 ms: the average of the waits passes 2 ms
+            h.read(200 + i, 0, box_delay=0.02)
+        assert spun() < 5 + 10, "the forwarder went on spinning for reads that take 10 times its spin"
+        before = spun()
+        h.read(300, 0, box_delay=0.02)
+        assert spun() == before
+        for i in range(60):  # quick again: the average falls under the spin, and it spins again
+            h.read(400 + i, 8)
+        assert spun() > before
+        # (counted just after QEMU's answer left)
+        assert wait_until(lambda: h.forwarder.counters()["reads"] == 96, 5), h.forwarder.counters()
+    finally:
+        h.close()
+
+
+def test_a_forwarder_without_read_spin_never_spins_and_a_bad_spin_is_refused(harness):
+    for i in range(3):
+        assert harness.read(10 + i, 0) == struct.pack("<I", 0x5A5A5A5A)
+    assert harness.forwarder.counters()["reads_spun"] == 0
+    for bad in (-1.0, 2e6, float("nan")):
+        with pytest.raises(ValueError, match="read_spin_us"):
+            native_stream.require().Forwarder(harness.qemu_conn.stream, harness.link_conn.stream, 1.0,
+                                              read_spin_us=bad)

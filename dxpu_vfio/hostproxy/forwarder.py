@@ -46,6 +46,9 @@ from qemu_device.device import RegionInfo
 from qemu_device.ports import DmaError, NullDmaPort, NullIrqPort
 
 DEFAULT_COMPLETION_TIMEOUT = 1.0  # far below QEMU's 5 s x-msg-timeout
+# The C forwarder spins this long for a read's completion while reads come back within it (the
+# vCPU is stopped on the read meanwhile; native/forward.c says when it sleeps instead).
+DEFAULT_READ_SPIN_US = 150.0
 # Posted messages (and bytes) the box may have queued before the host waits for it to catch
 # up with a SYNC: PCIe's posted-write credits. Without them a host faster than the box fills
 # the box's socket with writes, and a read behind them waits out its completion timeout.
@@ -75,9 +78,10 @@ class RemoteFunction:
                  on_down: Callable[[str], None] | None = None, heartbeat: float = 0.25,
                  dead_after: float = 3.0, coalesce: bool = False,
                  coalesce_delay: float = DEFAULT_COALESCE_DELAY, writeback_hz: float = DEFAULT_RATE_HZ,
-                 map_bars: bool = True) -> None:
+                 map_bars: bool = True, read_spin_us: float = DEFAULT_READ_SPIN_US) -> None:
         self.description = description
         self.completion_timeout = completion_timeout
+        self.read_spin_us = read_spin_us
         self.lock = threading.RLock()
         self.dma = NullDmaPort()
         self.irq = NullIrqPort()
@@ -493,7 +497,7 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
                    on_down: Callable[[str], None] | None = None, timeout: float = 5.0,
                    coalesce: bool | None = None, spin_us: float = 0.0,
                    box_sha256: str | None = None, writeback_hz: float = DEFAULT_RATE_HZ,
-                   map_bars: bool = True) -> RemoteFunction:
+                   map_bars: bool = True, read_spin_us: float = DEFAULT_READ_SPIN_US) -> RemoteFunction:
     """Open the link to ``device`` on the box at ``host:port`` and return the device.
 
     ``lease``: the lease token, proven to the box by answering its challenge (it never
@@ -502,7 +506,8 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
     ``coalesce``: combine posted writes into fewer link messages; None follows the
     device's own hint (on for the display adapter). ``map_bars``: shadow the device's
     host-mappable BARs for QEMU to map, written back ``writeback_hz`` times a second
-    (False: they stay trapped, every access a message)."""
+    (False: they stay trapped, every access a message). ``read_spin_us``: the native
+    forwarder's spin for a read's completion (0: it always sleeps; native/forward.c)."""
     try:
         host, port = split_address(address)
         if native.enabled():
@@ -549,7 +554,7 @@ def connect_remote(address: str, device: str, lease: str, tls: TlsFiles | None, 
         coalesce = description.coalesce
     function = RemoteFunction(conn, description, f"{address}/{device}",
                               completion_timeout=completion_timeout, on_down=on_down, coalesce=coalesce,
-                              writeback_hz=writeback_hz, map_bars=map_bars)
+                              writeback_hz=writeback_hz, map_bars=map_bars, read_spin_us=read_spin_us)
     function.endpoint.start()
     for shadow in function.shadows.values():
         shadow.start()

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from dxpu_vfio.daemon import run_until_terminated
-from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, RemoteFunction, connect_remote
+from dxpu_vfio.hostproxy.forwarder import DEFAULT_READ_SPIN_US, RemoteAttachError, RemoteFunction, connect_remote
 from dxpu_vfio.link.transport import TlsFiles
 from dxpu_vfio.vfio_user.server import ServerOptions, VfioUserServer
 from qemu_device.models import create_model
@@ -62,7 +62,9 @@ def remote_device(settings: dict) -> RemoteFunction:
 
     settings: address "host:port", device, lease (the token: through --secrets-fd), and
     tls_dir (with tls_role, default "host") or plaintext=true; box_sha256 (the box's
-    certificate must be this one); completion_timeout in seconds; coalesce (posted writes
+    certificate must be this one); completion_timeout in seconds; spin_us (spin before every
+    sleep on the link, default 0) and read_spin_us (for a read's completion only, while reads
+    come back within it; default 150, 0 off); coalesce (posted writes
     into fewer link messages; default: what the device asks for); map_bars (default true:
     host-mappable BARs are shadowed for QEMU to map) and writeback_hz (their write-back
     rate, default 60; hostproxy/shadow.py).
@@ -77,6 +79,7 @@ def remote_device(settings: dict) -> RemoteFunction:
                                       completion_timeout=float(settings.get("completion_timeout", 1.0)),
                                       coalesce=settings.get("coalesce"),
                                       spin_us=float(settings.get("spin_us", 0.0)),
+                                      read_spin_us=float(settings.get("read_spin_us", DEFAULT_READ_SPIN_US)),
                                       box_sha256=settings.get("box_sha256"),
                                       writeback_hz=float(settings.get("writeback_hz", 60.0)),
                                       map_bars=bool(settings.get("map_bars", True)),

@@ -2,7 +2,7 @@
  * box's DMA and MSI/MSI-X interrupts, forwarded between two native streams without Python.
  * (Part of fastlink.c's translation unit: it uses the stream's static functions.)
  *
- * Forwarder(qemu, link, completion_timeout).serve() runs the vfio-user session thread's loop:
+ * Forwarder(qemu, link, completion_timeout, read_spin_us=0).serve() runs the vfio-user session thread's loop:
  *  - from QEMU: REGION_READ and REGION_WRITE go to the box with the same payload (the link
  *    reuses vfio-user's layouts); posted writes are posted, anything non-posted waits for the
  *    box's completion, which is checked against what was asked before it is answered;
@@ -25,6 +25,14 @@
  * dropped there (IRQs without an eventfd, unknown commands).
  * Descriptors (memfds, eventfds) are borrowed from Python's tables, which call set_windows /
  * set_irqs on the same thread after every change.
+ *
+ * Adaptive polling for reads (read_spin_us): while QEMU waits for a read's completion its vCPU
+ * is stopped on it, so the CPU this thread would give up is one nothing of the guest's needs.
+ * The forwarder spins up to read_spin_us for the completion instead of sleeping (no wake-up
+ * of its own when the reply comes), but only while the recent reads' completions came within
+ * that time (an average of their waits, 1/8 per read): over a link with delay, or while the
+ * box is slow, it sleeps at once and spins again when the reads are quick again. Nothing
+ * else spins: posted writes wait for nothing, and a DMA or a doorbell's wait is the device's.
  */
 
 #include <sys/stat.h>
@@ -98,6 +106,8 @@ typedef struct {
     PyObject_HEAD Stream *qemu;
     Stream *link;
     double completion_timeout;
+    int64_t read_spin_ns;     /* the most a read's completion is spun for (0: never) */
+    int64_t read_wait_avg_ns; /* recent reads' completion waits, averaged (1/8 per read) */
     window_t *windows; /* sorted by iova, not overlapping (DmaTable's invariant) */
     int n_windows;
     int msi[MAX_VECTORS], msix[MAX_VECTORS]; /* eventfds, -1: none */
@@ -111,7 +121,8 @@ typedef struct {
     uint64_t shadow_due;  /* slots whose event index the box wrote: read their shadow next */
     unsigned long long pushes, push_bytes, pushes_empty, pointed, shadow_tails, shadow_doorbells;
     unsigned long long reads, writes_posted, writes_nonposted, dma_read_bytes, dma_write_bytes, dma_refused,
-        irqs, bad_completions, to_python, read_wait_ns, write_wait_ns, syncs, error_completions, doorbells_merged;
+        irqs, bad_completions, to_python, read_wait_ns, write_wait_ns, syncs, error_completions, doorbells_merged,
+        reads_spun;
 } Forwarder;
 
 static PyTypeObject ForwarderType;
@@ -701,7 +712,23 @@ static PyObject *result(const char *source, PyObject *what)
 /* Forward one REGION_READ/REGION_WRITE (non-posted) and answer QEMU; with qhdr NULL, send a
  * SYNC and wait for its completion (any, an error too: an old box answers ENOSYS, after
  * everything before it all the same). Returns NULL to go on, or what serve() must return. */
+static PyObject *forward_nonposted_waiting(Forwarder *f, const frame_header *qhdr, const unsigned char *qmsg);
+
+/* forward_nonposted_waiting, spinning for a read's completion while reads come back quickly
+ * (see the top of this file); the stream's own spin_us is kept and comes back afterwards. */
 static PyObject *forward_nonposted(Forwarder *f, const frame_header *qhdr, const unsigned char *qmsg)
+{
+    int64_t own = f->link->spin_ns;
+    if (qhdr && qhdr->command == CMD_REGION_READ && f->read_spin_ns > own && f->read_wait_avg_ns <= f->read_spin_ns) {
+        f->link->spin_ns = f->read_spin_ns;
+        f->reads_spun++;
+    }
+    PyObject *out = forward_nonposted_waiting(f, qhdr, qmsg);
+    f->link->spin_ns = own;
+    return out;
+}
+
+static PyObject *forward_nonposted_waiting(Forwarder *f, const frame_header *qhdr, const unsigned char *qmsg)
 {
     char err[256] = "";
     const unsigned char *qpl = qhdr ? qmsg + FRAME_HEADER_SIZE : NULL;
@@ -779,8 +806,10 @@ static PyObject *forward_nonposted(Forwarder *f, const frame_header *qhdr, const
             f->link->messages_in++;
             f->qemu->messages_in++;
             if (is_read) {
+                int64_t waited = now_ns() - sent;
                 f->reads++;
-                f->read_wait_ns += (unsigned long long)(now_ns() - sent);
+                f->read_wait_ns += (unsigned long long)waited;
+                f->read_wait_avg_ns += (waited - f->read_wait_avg_ns) / 8;
             } else {
                 f->writes_nonposted++;
                 f->write_wait_ns += (unsigned long long)(now_ns() - sent);
@@ -1076,7 +1105,7 @@ static PyObject *Forwarder_set_ring(Forwarder *f, PyObject *args)
 
 static PyObject *Forwarder_counters(Forwarder *f, PyObject *unused)
 {
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "pushes", f->pushes, "push_bytes",
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "pushes", f->pushes, "push_bytes",
                          f->push_bytes, "pointed", f->pointed, "shadow_tails", f->shadow_tails,
                          "shadow_doorbells", f->shadow_doorbells,
                          "pushes_empty", f->pushes_empty, "reads", f->reads, "writes_posted", f->writes_posted,
@@ -1084,16 +1113,22 @@ static PyObject *Forwarder_counters(Forwarder *f, PyObject *unused)
                          "dma_bytes_written", f->dma_write_bytes, "dma_refused", f->dma_refused, "irqs", f->irqs,
                          "bad_completions", f->bad_completions, "to_python", f->to_python, "read_wait_ns",
                          f->read_wait_ns, "write_wait_ns", f->write_wait_ns, "syncs", f->syncs,
-                         "error_completions", f->error_completions, "doorbells_merged", f->doorbells_merged);
+                         "error_completions", f->error_completions, "doorbells_merged", f->doorbells_merged,
+                         "reads_spun", f->reads_spun);
 }
 
 static int Forwarder_init(Forwarder *f, PyObject *args, PyObject *kwds)
 {
-    static char *kw[] = {"qemu", "link", "completion_timeout", NULL};
+    static char *kw[] = {"qemu", "link", "completion_timeout", "read_spin_us", NULL};
     Stream *qemu, *link;
-    double timeout;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!d", kw, &StreamType, &qemu, &StreamType, &link, &timeout))
+    double timeout, read_spin_us = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!d|d", kw, &StreamType, &qemu, &StreamType, &link, &timeout,
+                                     &read_spin_us))
         return -1;
+    if (!(read_spin_us >= 0.0 && read_spin_us <= 1e6)) {
+        PyErr_SetString(PyExc_ValueError, "read_spin_us must be between 0 and 1e6");
+        return -1;
+    }
     if (!qemu->with_fds || link->with_fds) {
         PyErr_SetString(PyExc_ValueError, "Forwarder(qemu: a UNIX stream, link: a TCP stream, ...)");
         return -1;
@@ -1107,6 +1142,8 @@ static int Forwarder_init(Forwarder *f, PyObject *args, PyObject *kwds)
     Py_XSETREF(f->qemu, qemu);
     Py_XSETREF(f->link, link);
     f->completion_timeout = timeout;
+    f->read_spin_ns = (int64_t)(read_spin_us * 1000.0);
+    f->read_wait_avg_ns = 0; /* the first reads spin: nothing says they will be slow */
     for (int i = 0; i < MAX_VECTORS; i++)
         f->msi[i] = f->msix[i] = -1;
     return 0;
@@ -1138,7 +1175,7 @@ static PyTypeObject ForwarderType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dxpu_vfio.native._fastlink.Forwarder",
     .tp_basicsize = sizeof(Forwarder),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Forwarder(qemu, link, completion_timeout): the host proxy's hot path (forward.c).",
+    .tp_doc = "Forwarder(qemu, link, completion_timeout, read_spin_us=0): the host proxy's hot path (forward.c).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Forwarder_init,
     .tp_dealloc = (destructor)Forwarder_dealloc,

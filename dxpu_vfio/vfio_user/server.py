@@ -119,6 +119,7 @@ class NativeForward(Protocol):
 
     link_stream: object  # the link's native Stream
     completion_timeout: float
+    read_spin_us: float  # how long the forwarder may spin for a read's completion (0: never)
 
     def forwarding(self, forwarder: object | None) -> None:
         """The forwarder now serving the device (None: no more), for its counters."""
@@ -289,7 +290,8 @@ class _Session:
 
     # --- the native forwarder (a device with native_forward, QEMU on a native stream) ------
     def _start_forwarder(self, forward: NativeForward):
-        forwarder = native.require().Forwarder(self.conn.stream, forward.link_stream, forward.completion_timeout)
+        forwarder = native.require().Forwarder(self.conn.stream, forward.link_stream, forward.completion_timeout,
+                                               read_spin_us=forward.read_spin_us)
         self.forwarder = forwarder
         self._refresh_forwarder(forwarder)
         forward.forwarding(forwarder)
