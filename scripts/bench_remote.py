@@ -97,15 +97,16 @@ def paired_reads(vm: Vm, state, local: hotplug.Attachment, remote: hotplug.Attac
                for key in ("remote_minus_local_read_vs_tls_rtt", "remote_vs_local_read")}}
 
 
-def read_hops(att: hotplug.Attachment, box_pid: int) -> tuple[float, float, int]:
-    """(host link wait µs, remote handling µs, reads) so far, from both proxies' counters."""
+def read_hops(att: hotplug.Attachment, box_pid: int) -> tuple[float, float, int, int]:
+    """(host link wait µs, remote handling µs, reads, reads the forwarder spun for) so far,
+    from both proxies' counters."""
     from dxpu_vfio import registry
     link = att.server.stats()["device"]["link"]
     box = next(e for e in registry.entries() if e["pid"] == box_pid)
     remote = registry.collect(box)["devices"]["td0"]["link"]
     handled = remote["handled"].get("REGION_READ", {"us": 0.0})
     request = link["requests"].get("REGION_READ", {"wait_us": 0.0, "count": 0})
-    return request["wait_us"], handled["us"], request["count"]
+    return request["wait_us"], handled["us"], request["count"], link.get("native", {}).get("reads_spun", 0)
 
 
 def row_key(stream: str, delay: float) -> str:
@@ -187,13 +188,14 @@ def main() -> int:
                     row["delay_achieved_us"] = report["achieved_median_us"] if report else (0.0 if not delay else None)
                     before = read_hops(att, box.proxy_pid)
                     vm.run(f"dxpu-mmio {att.guest_bdf} 0 time-read 8 {args.reads}", timeout=900)
-                    wait_us, remote_us, n = (a - b for a, b in zip(read_hops(att, box.proxy_pid), before))
+                    wait_us, remote_us, n, spun = (a - b for a, b in zip(read_hops(att, box.proxy_pid), before))
                     row["hops_per_read_us"] = {
                         "qemu_and_host_proxy": row["read_median_us"] - wait_us / n,
                         "link_network_tls_relay": (wait_us - remote_us) / n,
                         "remote_proxy_device": remote_us / n,
                         "host_link_wait": wait_us / n}
                     row["host_link_wait_us_per_read"] = wait_us / n
+                    row["reads_spun_share"] = spun / n  # the forwarder's read spin engaged (read_spin_us)
                     if stream == "native" and delay == 0 and args.paired_rounds:
                         local_att = hotplug.attach(vm, "testdev")
                         try:
@@ -260,10 +262,12 @@ def main() -> int:
     path = write_json("remote", {"results": results, "reads": args.reads, "writes": args.writes,
                                  "read_spin_us": read_spin_us}, args.out)
     print("\nwhere a remote read's time goes (µs, from both proxies' counters; the first column is the\n"
-          "guest's median minus the host proxy's mean link wait):")
-    print(table(["path", "QEMU + host proxy", "network + TLS (+ emulator)", "remote proxy + device", "guest read"],
+          "guest's median minus the host proxy's mean link wait; the last, the share of reads whose\n"
+          f"completion the host's forwarder spun for, read_spin_us = {read_spin_us:g}):")
+    print(table(["path", "QEMU + host proxy", "network + TLS (+ emulator)", "remote proxy + device", "guest read",
+                 "reads spun for"],
                 [[k, r["hops_per_read_us"]["qemu_and_host_proxy"], r["hops_per_read_us"]["link_network_tls_relay"],
-                  r["hops_per_read_us"]["remote_proxy_device"], r["read_median_us"]]
+                  r["hops_per_read_us"]["remote_proxy_device"], r["read_median_us"], r["reads_spun_share"]]
                  for k, r in rows.items() if "hops_per_read_us" in r]))
     print(f"\nJSON: {path}")
     return 0
