@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import signal
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -107,6 +108,29 @@ TRACEBACK = b"Traceback (most recent call last)"
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "allow_tracebacks(why): the test provokes a logged Python traceback on purpose")
+    _stop_on_sigterm()
+
+
+def _stop_on_sigterm() -> None:
+    """A test run stopped by SIGTERM (CI's time limit, a user's kill) ends as after Ctrl-C:
+    pytest.exit unwinds the running test and pytest then tears every fixture down, so the
+    session's labs, VMs, proxies and etcd go by pid as after a clean run. Python's default
+    would end the process at once and leave them all running (found when a CI run was
+    stopped: a lab and two host proxies outlived it). SystemExit (procs.exit_on_sigterm)
+    would not do: pytest takes it for one failed test and goes on. A forked child (pyroute2
+    helpers get SIGTERM) exits without unwinding the parent's stack; a second SIGTERM
+    during the teardown is ignored (SIGKILL still ends it)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    owner = os.getpid()
+
+    def handler(signum: int, _frame: object) -> None:
+        if os.getpid() != owner:
+            os._exit(128 + signum)
+        signal.signal(signal.SIGTERM, lambda *_: None)  # a function, not SIG_IGN: children reset it
+        pytest.exit("stopped by SIGTERM: fixtures torn down", returncode=128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _log_sizes(root: Path) -> dict[Path, int]:
@@ -155,7 +179,8 @@ def no_tracebacks_in_logs(request: pytest.FixtureRequest) -> Iterator[None]:
     if request.node.get_closest_marker("allow_tracebacks"):
         return
     found = _tracebacks(before, _log_sizes(root))
-    tmp = request.node.funcargs.get("tmp_path") if hasattr(request.node, "funcargs") else None
+    funcargs = getattr(request.node, "funcargs", None)  # None once a stopped run tears it down
+    tmp = funcargs.get("tmp_path") if funcargs else None
     if isinstance(tmp, Path):
         found += _tracebacks({}, _log_sizes(tmp))
     if found:

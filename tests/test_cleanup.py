@@ -103,3 +103,35 @@ finally:
     assert out.returncode == 0, out.stderr
     assert "child 143" in out.stdout
     assert not marker.exists(), "the forked child ran the parent's finally block"
+
+
+def test_a_test_run_stopped_by_sigterm_tears_its_fixtures_down(tmp_path):
+    """pytest with the project's plugin, stopped by SIGTERM in the middle of a test (as CI's
+    time limit would): the session fixture's teardown runs, as it would after Ctrl-C, so
+    what it owns (a lab, VMs, proxies) does not outlive the run."""
+    torn_down = tmp_path / "torn-down"
+    (tmp_path / "test_stopped.py").write_text(
+        "import time\n"
+        "import pytest\n\n"
+        "@pytest.fixture(scope='session')\n"
+        "def owned():\n"
+        "    yield\n"
+        f"    open({str(torn_down)!r}, 'w').close()\n\n"
+        "def test_long(owned):\n"
+        "    print('running', flush=True)\n"
+        "    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "dxpu_vfio.testing", "-q", "-s",
+                             "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path / "test_stopped.py")],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    try:
+        for line in proc.stdout:
+            if "running" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM, proc.stdout.read()
+        assert torn_down.exists(), "the session fixture was not torn down after SIGTERM"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
