@@ -109,7 +109,7 @@ def test_a_test_run_stopped_by_sigterm_tears_its_fixtures_down(tmp_path):
     """pytest with the project's plugin, stopped by SIGTERM in the middle of a test (as CI's
     time limit would): the session fixture's teardown runs, as it would after Ctrl-C, so
     what it owns (a lab, VMs, proxies) does not outlive the run."""
-    torn_down = tmp_path / "torn-down"
+    started, torn_down = tmp_path / "started", tmp_path / "torn-down"
     (tmp_path / "test_stopped.py").write_text(
         "import time\n"
         "import pytest\n\n"
@@ -118,18 +118,18 @@ def test_a_test_run_stopped_by_sigterm_tears_its_fixtures_down(tmp_path):
         "    yield\n"
         f"    open({str(torn_down)!r}, 'w').close()\n\n"
         "def test_long(owned):\n"
-        "    print('running', flush=True)\n"
+        f"    open({str(started)!r}, 'w').close()\n"
         "    time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "dxpu_vfio.testing", "-q", "-s",
-                             "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path / "test_stopped.py")],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    output = tmp_path / "pytest.out"
+    with open(output, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "dxpu_vfio.testing", "-q", "-p", "no:cacheprovider",
+                                 "--rootdir", str(tmp_path), str(tmp_path / "test_stopped.py")],
+                                cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
     try:
-        for line in proc.stdout:
-            if "running" in line:
-                break
+        wait_for(lambda: started.exists() or proc.poll() is not None, 60, "the inner test never started")
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 128 + signal.SIGTERM, proc.stdout.read()
+        assert proc.wait(30) == 128 + signal.SIGTERM, output.read_text()
         assert torn_down.exists(), "the session fixture was not torn down after SIGTERM"
     finally:
         if proc.poll() is None:
