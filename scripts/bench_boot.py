@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dxpu_vfio.bench import summary, table, write_json  # noqa: E402
+from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 
@@ -26,6 +27,7 @@ def main() -> int:
     parser.add_argument("--accel", default="tcg", choices=["tcg", "kvm"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    exit_on_sigterm()  # a SIGTERM still runs the cleanup below: no VM or lab left
     results = {}
     for image in args.image or ["tiny", "full"]:
         samples = []

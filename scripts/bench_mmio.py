@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dxpu_vfio.bench import table, write_json  # noqa: E402
 from dxpu_vfio.lab import hotplug  # noqa: E402
-from dxpu_vfio.procs import pin_threads  # noqa: E402
+from dxpu_vfio.procs import exit_on_sigterm, pin_threads  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 EDU = "0000:00:05.0"
@@ -90,6 +90,7 @@ def main() -> int:
     parser.add_argument("--raw", type=int, default=20000, help="raw socket round trips")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    exit_on_sigterm()  # a SIGTERM still runs the cleanup below: no VM or lab left
     two = len(CPUS) >= 2
     layouts = {"unpinned": (None, None)}
     layouts["same-cpu"] = ({CPUS[0]}, {CPUS[0]})

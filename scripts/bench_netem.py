@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dxpu_vfio.bench import table, write_json  # noqa: E402
 from dxpu_vfio.lab import lab, udp_probe  # noqa: E402
 from dxpu_vfio.lab.impairment import Impairment  # noqa: E402
-from dxpu_vfio.procs import terminate  # noqa: E402
+from dxpu_vfio.procs import exit_on_sigterm, terminate  # noqa: E402
 
 DIRECT_HOST, DIRECT_BOX = "198.19.1.1", "198.19.1.2"
 PORT = 7210
@@ -167,12 +167,13 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=3, help="clean/delayed measurements in turn per delay row")
     parser.add_argument("--fifo-only", action="store_true", help="delay rows with the emulator SCHED_FIFO only (the default)")
     args = parser.parse_args()
+    exit_on_sigterm()  # a SIGTERM still runs the cleanup below: no VM or lab left
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     topology = lab.Topology(f"nb{os.getpid()}", [lab.BoxSpec("box1", [{"id": "td0", "model": "testdev"}])])
-    state = lab.up(topology)
-    b = state.box("box1")
     server = None
     try:
+        state = lab.up(topology)
+        b = state.box("box1")
         direct_veth(state)
         server = subprocess.Popen(["ip", "netns", "exec", b.netns, sys.executable, "-m", "dxpu_vfio.lab.floors", "serve",
                                    "--listen", "0.0.0.0", "--port", str(PORT)], stdout=subprocess.PIPE,
@@ -191,7 +192,7 @@ def main() -> int:
                 losses = loss_rows(state, args.datagrams, log)
     finally:
         terminate(server)
-        lab.down(state.name)
+        lab.down(topology.name)  # safe where lab.up never finished
 
     if floor:
         print_floor(floor)
