@@ -17,12 +17,17 @@ from pathlib import Path
 from typing import Callable
 
 
-def exit_on_sigterm() -> None:
+def _raise_system_exit(code: int) -> None:
+    raise SystemExit(code)
+
+
+def exit_on_sigterm(stop: Callable[[int], None] = _raise_system_exit) -> None:
     """Make SIGTERM end this (main-thread) program as ``sys.exit(143)`` would: ``finally``
     blocks and context managers then run, so a script stopped by SIGTERM removes its temp
-    dirs, labs and VMs as after a clean run. A second SIGTERM during that cleanup is
-    ignored (SIGKILL still ends it). Outside the main thread (where signals cannot be
-    handled) it does nothing."""
+    dirs, labs and VMs as after a clean run. ``stop(143)`` raises what unwinds the program
+    (pytest needs its own exit: it takes SystemExit for one failed test). A second SIGTERM
+    during that cleanup is ignored (SIGKILL still ends it). Outside the main thread (where
+    signals cannot be handled) it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         return
     owner = os.getpid()
@@ -34,7 +39,7 @@ def exit_on_sigterm() -> None:
             # the parent's lab while the parent still builds it
             os._exit(128 + signum)
         signal.signal(signal.SIGTERM, lambda *_: None)  # a function, not SIG_IGN: children reset it
-        raise SystemExit(128 + signum)
+        stop(128 + signum)
     signal.signal(signal.SIGTERM, handler)
 
 

@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -32,7 +31,7 @@ from pyroute2 import netns
 from dxpu_vfio.lab import lab
 from dxpu_vfio.native import stream as native
 from dxpu_vfio.paths import PROJECT_ROOT, run_dir
-from dxpu_vfio.procs import pid_alive, request_json, wait_until
+from dxpu_vfio.procs import exit_on_sigterm, pid_alive, request_json, wait_until
 from dxpu_vfio.vms.images import Image, load_image
 from dxpu_vfio.vms.runner import Vm, VmConfig
 
@@ -116,21 +115,11 @@ def _stop_on_sigterm() -> None:
     pytest.exit unwinds the running test and pytest then tears every fixture down, so the
     session's labs, VMs, proxies and etcd go by pid as after a clean run. Python's default
     would end the process at once and leave them all running (found when a CI run was
-    stopped: a lab and two host proxies outlived it). SystemExit (procs.exit_on_sigterm)
-    would not do: pytest takes it for one failed test and goes on. A forked child (pyroute2
-    helpers get SIGTERM) exits without unwinding the parent's stack; a second SIGTERM
-    during the teardown is ignored (SIGKILL still ends it)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    owner = os.getpid()
+    stopped: a lab and two host proxies outlived it)."""
+    def stop(code: int) -> None:
+        pytest.exit("stopped by SIGTERM: fixtures torn down", returncode=code)
 
-    def handler(signum: int, _frame: object) -> None:
-        if os.getpid() != owner:
-            os._exit(128 + signum)
-        signal.signal(signal.SIGTERM, lambda *_: None)  # a function, not SIG_IGN: children reset it
-        pytest.exit("stopped by SIGTERM: fixtures torn down", returncode=128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)
+    exit_on_sigterm(stop)
 
 
 def _log_sizes(root: Path) -> dict[Path, int]:
