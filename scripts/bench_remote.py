@@ -146,9 +146,9 @@ def main() -> int:
                         help="link streams to compare in this run: native (C) and/or python")
     parser.add_argument("--paired-rounds", type=int, default=5,
                         help="rounds of local read, remote read and TLS ping-pong in turn at no added delay (0: none)")
-    parser.add_argument("--read-spin-us", type=float, default=None,
-                        help="the host proxy's read_spin_us (default: its own, "
-                             f"{DEFAULT_READ_SPIN_US:g}; 0: it sleeps for every completion)")
+    parser.add_argument("--read-spin-us", type=float, default=DEFAULT_READ_SPIN_US,
+                        help="the host proxy's read_spin_us (default %(default)g, its own; 0: it sleeps for "
+                             "every completion)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     delays = [float(d) for d in args.delays.split(",")]
@@ -178,9 +178,7 @@ def main() -> int:
                 use_stream(state, stream)
                 for delay in delays:
                     box = lab.set_delay(state, "box1", delay)
-                    settings = state.remote_settings("box1", "td0")
-                    if args.read_spin_us is not None:
-                        settings["read_spin_us"] = args.read_spin_us
+                    settings = {**state.remote_settings("box1", "td0"), "read_spin_us": args.read_spin_us}
                     att = hotplug.attach(vm, "remote", settings=settings, netns=state.host_netns)
                     row = {"delay_us": delay, "delay_mode": box.delay_mode,
                            **measure(vm, att, args.reads, args.writes, args.copies, args.irqs)}
@@ -258,12 +256,11 @@ def main() -> int:
               f"{goals['remote_dma_vs_tls_bulk']:.2f} (want >= 0.8; of the C floor {goals['remote_dma_vs_c_tls_bulk']:.2f}), "
               "remote DMA / local = "
               f"{goals['remote_dma_vs_local']:.2f} (want >= 0.5)")
-    read_spin_us = DEFAULT_READ_SPIN_US if args.read_spin_us is None else args.read_spin_us
     path = write_json("remote", {"results": results, "reads": args.reads, "writes": args.writes,
-                                 "read_spin_us": read_spin_us}, args.out)
+                                 "read_spin_us": args.read_spin_us}, args.out)
     print("\nwhere a remote read's time goes (µs, from both proxies' counters; the first column is the\n"
           "guest's median minus the host proxy's mean link wait; the last, the share of reads whose\n"
-          f"completion the host's forwarder spun for, read_spin_us = {read_spin_us:g}):")
+          f"completion the host's forwarder spun for, read_spin_us = {args.read_spin_us:g}):")
     print(table(["path", "QEMU + host proxy", "network + TLS (+ emulator)", "remote proxy + device", "guest read",
                  "reads spun for"],
                 [[k, r["hops_per_read_us"]["qemu_and_host_proxy"], r["hops_per_read_us"]["link_network_tls_relay"],

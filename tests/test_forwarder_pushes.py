@@ -21,7 +21,7 @@ from dxpu_vfio.link.protocol import (MAX_POINTED, MAX_RING_SLOTS, LinkCommand, P
                                      unpack_push)
 from dxpu_vfio.native import stream as native_stream
 from dxpu_vfio.procs import wait_until
-from dxpu_vfio.vfio_user.connection import ReceiveTimeout
+from dxpu_vfio.vfio_user.connection import Connection, ReceiveTimeout
 from dxpu_vfio.vfio_user import protocol as vp
 
 MEM, FILE, WRITE_ONLY = 0x1_0000_0000, 0x2_0000_0000, 0x3_0000_0000  # the windows' guest addresses
@@ -41,6 +41,8 @@ class Harness:
             self.box = socket.create_connection(listener.getsockname())
             link_end, _ = listener.accept()
         self.qemu = qemu_end
+        self.qemu.settimeout(5)  # a reply that never comes fails the test instead of hanging it
+        self.qemu_reader = Connection(qemu_end)  # QEMU's side of the replies (the project's codec)
         self.qemu_conn = native_stream.unix(proxy_end)
         self.link_conn = native_stream.tcp(link_end, None, True, 5.0)
         self.box_conn = native_stream.tcp(self.box, None, False, 5.0)
@@ -87,9 +89,9 @@ class Harness:
         time.sleep(box_delay)
         self.box_conn.send_message(request.header.msg_id, vp.Command.REGION_READ, vp.TYPE_REPLY,
                                    bytes(request.payload[:16]) + struct.pack("<I", offset ^ 0x5A5A5A5A))
-        header = vp.Header.unpack(_recv_exactly(self.qemu, vp.HEADER_SIZE))
-        assert header.msg_id == msg_id and not header.is_error, header
-        return _recv_exactly(self.qemu, header.size - vp.HEADER_SIZE)[16:]
+        reply = self.qemu_reader.receive()
+        assert reply.header.msg_id == msg_id and not reply.header.is_error, reply.header
+        return bytes(reply.payload[16:])
 
     def send_box(self, command: int, payload: bytes) -> None:
         """A posted message from the box."""
@@ -106,16 +108,6 @@ class Harness:
         self.link_conn.close()
         self.qemu_conn.close()
         self.file.close()
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    sock.settimeout(5)
-    data = b""
-    while len(data) < n:
-        got = sock.recv(n - len(data))
-        assert got, "the forwarder closed QEMU's socket"
-        data += got
-    return data
 
 
 @pytest.fixture
