@@ -15,22 +15,32 @@ from dxpu_vfio.paths import VM_IMAGES_DIR
 GUEST_TOOL = VM_IMAGES_DIR / "tools" / "dxpu_accel.py"
 WORKLOADS_MODULE = Path(__file__).with_name("accel_workloads.py")   # std-lib + numpy: runs in a guest too
 
-# Runs in the guest: argv = bdf, passes, workload names (comma separated); one line per
-# workload, ``workload=<json of run_passes' result>``, or ``workload_failed=<json>`` and
-# exit status 1 at the first whose numerics are off.
+# Runs in the guest: argv = passes, workload names (comma separated), then label=bdf per
+# device; one line per workload and device, ``workload=<json of run_passes' result, with
+# "device": label>``, or ``workload_failed=<json>`` and exit status 1 at the first whose
+# numerics are off. With several devices their passes alternate, in an order that turns
+# each pass (a, b, b, a, ...): a busy moment of this shared machine falls on both.
 GUEST_RUNNER = """
 import json, sys
 sys.path.insert(0, "/tmp")
 import dxpu_accel as rt
 import accel_workloads as aw
-dev = rt.Accel.open(sys.argv[1])
-for name in sys.argv[3].split(","):
+passes, names = int(sys.argv[1]), sys.argv[2].split(",")
+devices = dict(arg.split("=", 1) for arg in sys.argv[3:])
+opened = {label: rt.Accel.open(bdf) for label, bdf in devices.items()}
+for name in names:
     try:
-        result = aw.run_passes(aw.WORKLOADS[name](dev), int(sys.argv[2]))
+        runners = {label: aw.Passes(aw.WORKLOADS[name](dev)) for label, dev in opened.items()}
+        labels = list(runners)
+        for i in range(passes):
+            for label in (labels if i % 2 == 0 else labels[::-1]):
+                runners[label].one()
+        results = {label: runner.result() for label, runner in runners.items()}
     except AssertionError as exc:
         print("workload_failed=" + json.dumps({"workload": name, "error": str(exc)}))
         sys.exit(1)
-    print("workload=" + json.dumps(result))
+    for label, result in results.items():
+        print("workload=" + json.dumps({**result, "device": label}))
 """
 
 
@@ -78,22 +88,34 @@ def workloads(vm, bdf: str, names: list[str], passes: int = 2, timeout: float = 
     in ``vm`` through the runtime on the device at ``bdf``, each checking its results
     against numpy in the guest: {name: run_passes' result (median_s, max_abs_error, ...)}.
     RuntimeError naming the workload if a check failed or the run did not finish."""
+    return compare(vm, {"device": bdf}, names, passes, timeout)["device"]
+
+
+def compare(vm, bdfs: dict[str, str], names: list[str], passes: int = 2,
+            timeout: float = 900) -> dict[str, dict[str, dict]]:
+    """:func:`workloads` on several devices of ``vm`` at once ({label: bdf}), their passes
+    alternating in one guest process: {label: {name: result}}. A ratio between two devices
+    is then worth what two medians of the same minutes are; run one after the other, five
+    passes each, the demo's remote / local swung from 0.89 to 1.75 between runs."""
+    if not bdfs or any("=" in label or " " in label for label in bdfs):
+        raise ValueError(f"device labels must be words without '=': {sorted(bdfs)}")
     install(vm)
     put(vm, "/tmp/accel_workloads.py", WORKLOADS_MODULE.read_text(encoding="utf-8"))
     put(vm, "/tmp/dxpu_accel_run.py", GUEST_RUNNER)
-    result = vm.run(f"python3 /tmp/dxpu_accel_run.py {bdf} {passes} {','.join(names)}", check=False,
+    devices = " ".join(f"{label}={bdf}" for label, bdf in bdfs.items())
+    result = vm.run(f"python3 /tmp/dxpu_accel_run.py {passes} {','.join(names)} {devices}", check=False,
                     timeout=timeout)
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, dict]] = {label: {} for label in bdfs}
     for line in result.stdout.splitlines():
         key, _, value = line.partition("=")
         if key == "workload":
             run = json.loads(value)
-            out[run["workload"]] = run
+            out[run.pop("device")][run["workload"]] = run
         elif key == "workload_failed":
             failed = json.loads(value)
             raise RuntimeError(f"{failed['workload']} in the guest: its numerics are off: {failed['error']}")
-    if result.rc != 0 or set(out) != set(names):
-        raise RuntimeError(f"the guest's workloads on {bdf} did not finish (exit {result.rc}; done: "
-                           f"{sorted(out)}): {(result.stdout + result.stderr)[-2000:]}")
+    if result.rc != 0 or any(set(runs) != set(names) for runs in out.values()):
+        done = {label: sorted(runs) for label, runs in out.items()}
+        raise RuntimeError(f"the guest's workloads on {devices} did not finish (exit {result.rc}; done: "
+                           f"{done}): {(result.stdout + result.stderr)[-2000:]}")
     return out
-
