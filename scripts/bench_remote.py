@@ -16,7 +16,7 @@ with the goals of the data-path issue checked against them.
 Table on stdout, JSON in results/bench/remote.json (``results -> local / remote+Nus`` and
 ``results -> floor``).
 
-    .venv/bin/python scripts/bench_remote.py [--delays 0,50,200,1000] [--reads 2000] [--streams native,python] [--read-spin-us 150]
+    .venv/bin/python scripts/bench_remote.py [--delays 0,50,200,1000] [--reads 2000] [--streams native,python] [--read-spin-us 150] [--box-read-spin-us 150]
 
 ``--streams`` compares the link's native stream (C, the default) with the Python one in
 the same run (rows ``remote[python]+Nus``).
@@ -47,6 +47,7 @@ from dxpu_vfio.lab import hotplug  # noqa: E402
 from dxpu_vfio.lab import floors, lab  # noqa: E402
 from dxpu_vfio.native import stream as native  # noqa: E402
 from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
+from dxpu_vfio.remoteproxy.config import DEFAULT_READ_SPIN_US as BOX_READ_SPIN_US  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 
@@ -97,16 +98,17 @@ def paired_reads(vm: Vm, state, local: hotplug.Attachment, remote: hotplug.Attac
                for key in ("remote_minus_local_read_vs_tls_rtt", "remote_vs_local_read")}}
 
 
-def read_hops(att: hotplug.Attachment, box_pid: int) -> tuple[float, float, int, int]:
-    """(host link wait µs, remote handling µs, reads, reads the forwarder spun for) so far,
-    from both proxies' counters."""
+def read_hops(att: hotplug.Attachment, box_pid: int) -> tuple[float, float, int, int, int]:
+    """(host link wait µs, remote handling µs, reads, reads the forwarder spun for, read
+    answers the box's reader spun after) so far, from both proxies' counters."""
     from dxpu_vfio import registry
     link = att.server.stats()["device"]["link"]
     box = next(e for e in registry.entries() if e["pid"] == box_pid)
     remote = registry.collect(box)["devices"]["td0"]["link"]
     handled = remote["handled"].get("REGION_READ", {"us": 0.0})
     request = link["requests"].get("REGION_READ", {"wait_us": 0.0, "count": 0})
-    return request["wait_us"], handled["us"], request["count"], link.get("native", {}).get("reads_spun", 0)
+    return (request["wait_us"], handled["us"], request["count"], link.get("native", {}).get("reads_spun", 0),
+            remote.get("stream", {}).get("reads_followed", 0))
 
 
 def row_key(stream: str, delay: float) -> str:
@@ -149,6 +151,9 @@ def main() -> int:
     parser.add_argument("--read-spin-us", type=float, default=DEFAULT_READ_SPIN_US,
                         help="the host proxy's read_spin_us (default %(default)g, its own; 0: it sleeps for "
                              "every completion)")
+    parser.add_argument("--box-read-spin-us", type=float, default=BOX_READ_SPIN_US,
+                        help="the box's read_spin_us (default %(default)g, its own; 0: its reader sleeps after "
+                             "every answer)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     delays = [float(d) for d in args.delays.split(",")]
@@ -157,6 +162,7 @@ def main() -> int:
         sys.exit("the native link stream is not built: run scripts/setup.sh")
     topology = lab.Topology.load(None)  # the default lab: box1 with test device td0
     topology.name = "bench"
+    topology.boxes[0].read_spin_us = args.box_read_spin_us
     exit_on_sigterm()  # a SIGTERM still runs the finally below: the lab goes
     results: dict[str, dict] = {}
     paired: dict | None = None  # the paired rounds at no added delay (native stream)
@@ -186,7 +192,7 @@ def main() -> int:
                     row["delay_achieved_us"] = report["achieved_median_us"] if report else (0.0 if not delay else None)
                     before = read_hops(att, box.proxy_pid)
                     vm.run(f"dxpu-mmio {att.guest_bdf} 0 time-read 8 {args.reads}", timeout=900)
-                    wait_us, remote_us, n, spun = (a - b for a, b in zip(read_hops(att, box.proxy_pid), before))
+                    wait_us, remote_us, n, spun, followed = (a - b for a, b in zip(read_hops(att, box.proxy_pid), before))
                     row["hops_per_read_us"] = {
                         "qemu_and_host_proxy": row["read_median_us"] - wait_us / n,
                         "link_network_tls_relay": (wait_us - remote_us) / n,
@@ -194,6 +200,7 @@ def main() -> int:
                         "host_link_wait": wait_us / n}
                     row["host_link_wait_us_per_read"] = wait_us / n
                     row["reads_spun_share"] = spun / n  # the forwarder's read spin engaged (read_spin_us)
+                    row["box_reads_followed_share"] = followed / n  # the box's reader spun after the answer
                     if stream == "native" and delay == 0 and args.paired_rounds:
                         local_att = hotplug.attach(vm, "testdev")
                         try:
@@ -257,14 +264,17 @@ def main() -> int:
               "remote DMA / local = "
               f"{goals['remote_dma_vs_local']:.2f} (want >= 0.5)")
     path = write_json("remote", {"results": results, "reads": args.reads, "writes": args.writes,
-                                 "read_spin_us": args.read_spin_us}, args.out)
+                                 "read_spin_us": args.read_spin_us, "box_read_spin_us": args.box_read_spin_us},
+                      args.out)
     print("\nwhere a remote read's time goes (µs, from both proxies' counters; the first column is the\n"
-          "guest's median minus the host proxy's mean link wait; the last, the share of reads whose\n"
-          f"completion the host's forwarder spun for, read_spin_us = {args.read_spin_us:g}):")
+          "guest's median minus the host proxy's mean link wait; the last two, the share of reads whose\n"
+          f"completion the host's forwarder spun for, read_spin_us = {args.read_spin_us:g}, and after whose\n"
+          f"answer the box's reader spun for the next, its read_spin_us = {args.box_read_spin_us:g}):")
     print(table(["path", "QEMU + host proxy", "network + TLS (+ emulator)", "remote proxy + device", "guest read",
-                 "reads spun for"],
+                 "reads spun for", "box spun after"],
                 [[k, r["hops_per_read_us"]["qemu_and_host_proxy"], r["hops_per_read_us"]["link_network_tls_relay"],
-                  r["hops_per_read_us"]["remote_proxy_device"], r["read_median_us"], r["reads_spun_share"]]
+                  r["hops_per_read_us"]["remote_proxy_device"], r["read_median_us"], r["reads_spun_share"],
+                  r["box_reads_followed_share"]]
                  for k, r in rows.items() if "hops_per_read_us" in r]))
     print(f"\nJSON: {path}")
     return 0

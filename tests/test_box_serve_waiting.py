@@ -100,3 +100,121 @@ def test_a_peer_that_closes_ends_the_wait_with_an_error(link):
     host.close()
     with pytest.raises(native.require().Closed):
         wait_serving(box, Device(), wake_r)
+
+
+class Serving:
+    """The box's reader loop (as LinkEndpoint._serve_waiting runs it) in a thread, until stopped."""
+
+    def __init__(self, box, wake_r: int, wake_w: int) -> None:
+        import threading
+        self.box, self.wake_r, self.wake_w, self.dev = box, wake_r, wake_w, Device()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopping:
+            if wait_serving(self.box, self.dev, self.wake_r, timeout=0.5) is False:
+                os.read(self.wake_r, 64)
+
+    def stop(self) -> None:
+        self.stopping = True
+        os.write(self.wake_w, b"s")
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+
+
+def read_loop(host, reads: int, pause: float = 0.0) -> None:
+    """``reads`` register reads one after the other, as a vCPU stopped on each issues them,
+    from a child process: a host end in this process would share the box reader's GIL and
+    hold it back while its next read is already sent, so no wait would follow an answer."""
+    import time
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            for i in range(reads):
+                host.send_message(100 + i, LinkCommand.REGION_READ, vp.TYPE_COMMAND, ACCESS.pack(0x10, 0, 4))
+                if host.receive().header.msg_id != 100 + i:  # (the host end times out after 5 s)
+                    break
+                if pause:
+                    time.sleep(pause)
+            else:
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the host's reads did not all get their answers"
+
+
+def followed(box) -> int:
+    return box.stream.stats()["reads_followed"]
+
+
+def test_after_answering_a_read_it_spins_for_the_next_while_reads_follow_quickly(link):
+    host, box, wake_r, wake_w = link
+    box.stream.read_spin_us = 2000  # far above a test's gap between reads, loaded or not
+    serving = Serving(box, wake_r, wake_w)
+    try:
+        read_loop(host, 50)
+    finally:
+        serving.stop()
+    assert followed(box) >= 45  # the waits after each answer (the last may still be spinning)
+    assert box.stream.stats()["read_gap_avg_us"] < 2000
+
+
+def test_it_sleeps_at_once_after_slow_followers_and_spins_again_when_they_are_quick(link):
+    host, box, wake_r, wake_w = link
+    box.stream.read_spin_us = 2000
+    serving = Serving(box, wake_r, wake_w)
+    try:
+        read_loop(host, 30, pause=0.02)  # a guest that reads now and then: 20 ms apart, 10x the spin
+        slow = followed(box)
+        assert box.stream.stats()["read_gap_avg_us"] > 2000
+        read_loop(host, 10, pause=0.02)
+        assert followed(box) == slow  # the average is far over the spin: no more spinning
+        assert slow <= 25
+        read_loop(host, 80)  # a read loop again: the average falls back under the spin
+        assert followed(box) > slow + 40
+        assert box.stream.stats()["read_gap_avg_us"] < 2000
+    finally:
+        serving.stop()
+
+
+def test_without_a_read_spin_it_never_spins_and_a_bad_value_is_refused(link):
+    host, box, wake_r, wake_w = link
+    box.stream.read_spin_us = 0
+    serving = Serving(box, wake_r, wake_w)
+    try:
+        read_loop(host, 20)
+    finally:
+        serving.stop()
+    assert followed(box) == 0
+    for bad in (-1, 2e6):
+        with pytest.raises(ValueError, match="read_spin_us"):
+            box.stream.read_spin_us = bad
+
+
+def test_the_box_config_sets_the_read_spin_and_refuses_a_bad_one(tmp_path):
+    from dxpu_vfio.remoteproxy.config import DEFAULT_READ_SPIN_US, BoxConfig
+    path = tmp_path / "box.toml"
+    path.write_text('name = "b"\nplaintext = true\n')
+    assert BoxConfig.load(path).read_spin_us == DEFAULT_READ_SPIN_US > 0
+    path.write_text('name = "b"\nplaintext = true\nread_spin_us = 0\n')
+    assert BoxConfig.load(path).read_spin_us == 0  # off
+    for bad in ("-5", "2e6", '"fast"'):
+        path.write_text(f'name = "b"\nplaintext = true\nread_spin_us = {bad}\n')
+        with pytest.raises(ValueError, match="read_spin_us"):
+            BoxConfig.load(path)
+
+
+def test_a_lab_topology_passes_a_box_read_spin_into_its_box_toml(tmp_path):
+    from dxpu_vfio.lab import lab
+    from dxpu_vfio.remoteproxy.config import BoxConfig
+    topology = lab.Topology.parse('[[box]]\nname = "b1"\nread_spin_us = 0\n[[box.device]]\nid = "td0"\n'
+                                  'model = "testdev"\n[[box]]\nname = "b2"\n')
+    assert [b.read_spin_us for b in topology.boxes] == [0.0, None]
+    for spec, want in zip(topology.boxes, (0.0, BoxConfig.read_spin_us)):
+        path = tmp_path / f"{spec.name}.toml"
+        path.write_text(lab._box_toml(spec.name, "198.18.1.2", tmp_path, {}, read_spin_us=spec.read_spin_us))
+        assert BoxConfig.load(path).read_spin_us == want

@@ -68,6 +68,7 @@ class BoxSpec:
     name: str
     devices: list[dict]
     delay_us: float = 0.0
+    read_spin_us: float | None = None  # BOX.toml's read_spin_us (None: the box's default)
 
 
 @dataclass
@@ -80,7 +81,8 @@ class Topology:
     @classmethod
     def parse(cls, text: str) -> "Topology":
         raw = tomllib.loads(text)
-        boxes = [BoxSpec(b["name"], list(b.get("device", [])), float(b.get("delay_us", 0)))
+        boxes = [BoxSpec(b["name"], list(b.get("device", [])), float(b.get("delay_us", 0)),
+                         float(b["read_spin_us"]) if "read_spin_us" in b else None)
                  for b in raw.get("box", [])]
         if not boxes:
             raise LabError("topology has no [[box]]")
@@ -314,7 +316,8 @@ def up(topology: Topology) -> LabState:
                                  "settings": d.get("settings", {})} for d in spec.devices}
             config = directory / f"{spec.name}.toml"
             pool = ([f"http://{host_ip}:{port}" for port in state.etcd_ports]) if topology.etcd else None
-            config.write_text(_box_toml(spec.name, box_ip, state.certs, devices, etcd=pool))
+            config.write_text(_box_toml(spec.name, box_ip, state.certs, devices, etcd=pool,
+                                        read_spin_us=spec.read_spin_us))
             box = BoxState(spec.name, ns, host_ip, box_ip, str(config), devices, link_netns=link_ns)
             state.boxes.append(box)
             proxy = RemoteProxyProcess(config, netns=ns)
@@ -345,8 +348,11 @@ def toml_value(value: object) -> str:
     raise LabError(f"cannot write {value!r} into a box config")
 
 
-def _box_toml(name: str, ip: str, certs: Path, devices: dict[str, dict], etcd: list[str] | None = None) -> str:
+def _box_toml(name: str, ip: str, certs: Path, devices: dict[str, dict], etcd: list[str] | None = None,
+              read_spin_us: float | None = None) -> str:
     lines = [f'name = "{name}"', f'listen = "{ip}"', f"port = {BOX_PORT}", f'tls_dir = "{certs}"']
+    if read_spin_us is not None:
+        lines.append(f"read_spin_us = {toml_value(float(read_spin_us))}")
     for dev_id, d in devices.items():
         lines += ["[[device]]", f'id = "{dev_id}"', f'model = "{d["model"]}"', f'lease = "{d["lease"]}"']
         if d["settings"]:

@@ -221,6 +221,12 @@ typedef struct {
     int drain_on_send; /* the thread that sends also owns `reader` (the forwarder): see stream_write */
     served_t served[5]; /* serve_requests: REGION_READ, REGION_WRITE, SYNC, HEARTBEAT, DMA_PUSH */
     int64_t spin_ns;    /* adaptive polling: spin this long before sleeping for bytes (0: off) */
+    /* The box's reader after it answered a register read (serve.c, under `reader`): spin up to
+     * read_spin_ns for the next message while the average gap from such an answer to the next
+     * message (read_gap_avg_ns, 1/8 weight) is within it; read_answered_ns: when the last
+     * message served was a read, the time its answer left (0: it was not). */
+    int64_t read_spin_ns, read_gap_avg_ns, read_answered_ns;
+    unsigned long long reads_followed; /* read answers after which the reader spun for the next message */
     int rx_starved;     /* under `io`: the last SSL_read wanted the socket, so what is buffered is part of
                            a record at most (tls_has_pending) */
     int corked;         /* posted messages of `corked_by` stay in the stream (Stream_cork), */
@@ -1263,9 +1269,11 @@ static PyObject *Stream_close(Stream *self, PyObject *unused)
 
 static PyObject *Stream_stats(Stream *self, PyObject *unused)
 {
-    return Py_BuildValue("{sKsKsKsKsKsKsn}", "bytes_in", self->bytes_in, "bytes_out", self->bytes_out,
+    return Py_BuildValue("{sKsKsKsKsKsKsnsKsd}", "bytes_in", self->bytes_in, "bytes_out", self->bytes_out,
                          "messages_in", self->messages_in, "messages_out", self->messages_out, "writes", self->writes,
-                         "seals", self->seals, "buffered", (Py_ssize_t)(self->rx.end - self->rx.start));
+                         "seals", self->seals, "buffered", (Py_ssize_t)(self->rx.end - self->rx.start),
+                         "reads_followed", self->reads_followed, "read_gap_avg_us",
+                         (double)self->read_gap_avg_ns / 1000.0);
 }
 
 static PyObject *Stream_get_send_timeout(Stream *self, void *closure)
@@ -1304,6 +1312,24 @@ static int Stream_set_spin_us(Stream *self, PyObject *value, void *closure)
         return -1;
     }
     self->spin_ns = (int64_t)(us * 1000.0);
+    return 0;
+}
+
+static PyObject *Stream_get_read_spin_us(Stream *self, void *closure)
+{
+    return PyFloat_FromDouble((double)self->read_spin_ns / 1000.0);
+}
+
+static int Stream_set_read_spin_us(Stream *self, PyObject *value, void *closure)
+{
+    double us = value ? PyFloat_AsDouble(value) : -1.0;
+    if (us == -1.0 && PyErr_Occurred())
+        return -1;
+    if (us < 0 || us > 1e6) {
+        PyErr_SetString(PyExc_ValueError, "read_spin_us must be between 0 and 1e6");
+        return -1;
+    }
+    self->read_spin_ns = (int64_t)(us * 1000.0);
     return 0;
 }
 
@@ -1366,6 +1392,9 @@ static PyGetSetDef Stream_getset[] = {
     {"last_heard", (getter)Stream_get_last_heard, NULL, "time.monotonic() when bytes last arrived.", NULL},
     {"spin_us", (getter)Stream_get_spin_us, (setter)Stream_set_spin_us,
      "Microseconds to busy-poll for bytes before sleeping in poll() (0: off).", NULL},
+    {"read_spin_us", (getter)Stream_get_read_spin_us, (setter)Stream_set_read_spin_us,
+     "serve_requests: microseconds to busy-poll for the next message after answering a register read, "
+     "while such gaps average within it (0: off).", NULL},
     {NULL},
 };
 

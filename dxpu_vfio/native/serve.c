@@ -144,6 +144,7 @@ static int serve_one(Stream *s, PyObject *read_cb, PyObject *write_cb, PyObject 
     const unsigned char *msg;
     if (rx_next(&s->rx, s->max_message, &hdr, &msg) != FRAME_OK)
         return 1;
+    s->read_answered_ns = 0; /* set again below if this is a read that gets its answer */
     const unsigned char *pl = msg + FRAME_HEADER_SIZE;
     size_t len = hdr.size - FRAME_HEADER_SIZE;
     int is_request = !(hdr.flags & FRAME_TYPE_REPLY);
@@ -215,6 +216,8 @@ static int serve_one(Stream *s, PyObject *read_cb, PyObject *write_cb, PyObject 
     } else if (is_read && PyBytes_Check(r) && PyBytes_GET_SIZE(r) == (Py_ssize_t)count) {
         rc = send_frame(s, req.msg_id, req.command, FRAME_TYPE_REPLY, 0, access, 16, PyBytes_AS_STRING(r), count, err,
                         errlen);
+        if (rc == 0)
+            s->read_answered_ns = now_ns(); /* the guest's vCPU is free again: its next access may follow at once */
     } else if (is_write && r == Py_None) {
         rc = send_frame(s, req.msg_id, req.command, FRAME_TYPE_REPLY, 0, access, 16, NULL, 0, err, errlen);
     } else {
@@ -236,7 +239,7 @@ static PyObject *serve_failed(int r, const char *err)
 
 /* Sleep until the stream or `wake_fd` is readable, holding nothing (GIL released).
  * 1: the stream, 2: wake_fd, 0: the deadline passed, -1: the stream is shut, -2: poll failed. */
-static int wait_stream_or(Stream *s, int wake_fd, int64_t deadline)
+static int wait_stream_or(Stream *s, int wake_fd, int64_t deadline, int64_t spin_ns)
 {
     pthread_mutex_lock(&s->io);
     int fd = s->shut ? -1 : s->fd;
@@ -246,11 +249,38 @@ static int wait_stream_or(Stream *s, int wake_fd, int64_t deadline)
     struct pollfd p[2] = {{.fd = fd, .events = POLLIN}, {.fd = wake_fd, .events = POLLIN}};
     int r;
     Py_BEGIN_ALLOW_THREADS
-    r = spin_fds(p, 2, s->spin_ns, deadline) ? 1 : wait_fds(p, 2, deadline);
+    r = spin_fds(p, 2, spin_ns, deadline) ? 1 : wait_fds(p, 2, deadline);
     Py_END_ALLOW_THREADS
     if (r <= 0)
         return r < 0 ? -2 : 0;
     return p[1].revents ? 2 : 1; /* a wake-up first: the caller may have to stand aside */
+}
+
+/* How long the box's reader spins before it sleeps for the next message (`reader` held;
+ * takes the mark of a read answered). Right after it answered a register read it spins up to
+ * read_spin_ns: the guest's vCPU was stopped on that read, and a driver that reads in a loop
+ * sends its next access within tens of µs, which a sleep would pay a wake-up for. It stops
+ * spinning while the gaps after read answers average over the spin (a guest that reads now
+ * and then, a slow link), and never spins longer than spin_ns after anything else: a
+ * device's DMA and doorbells do not wait for a spinning reader's CPU. Counts the answers it
+ * spun after (reads_followed); the gap is noted whether the next message needed a wait or
+ * was there already (note_read_gap). */
+static int64_t spin_after_serving(Stream *s, int64_t *answered)
+{
+    *answered = s->read_answered_ns;
+    s->read_answered_ns = 0; /* one wait per answer */
+    if (*answered && s->read_spin_ns > s->spin_ns && s->read_gap_avg_ns <= s->read_spin_ns) {
+        s->reads_followed++;
+        return s->read_spin_ns;
+    }
+    return s->spin_ns;
+}
+
+/* The gap from a read's answer to the next message (`reader` held), into the average. */
+static void note_read_gap(Stream *s, int64_t answered)
+{
+    if (answered)
+        s->read_gap_avg_ns += (now_ns() - answered - s->read_gap_avg_ns) / 8;
 }
 
 /* serve_requests with a wake_fd (see the top): serve what comes until a message for Python,
@@ -273,7 +303,11 @@ static PyObject *serve_waiting(Stream *s, PyObject *read_cb, PyObject *write_cb,
                 pthread_mutex_unlock(&s->reader); /* Python's (a bad frame too: its receive reports it) */
                 Py_RETURN_TRUE;
             }
+            int64_t answered;
+            int64_t spin = spin_after_serving(s, &answered);
             int got = next_message(s, deadline_after(0), &hdr, &msg, err, sizeof err); /* what is there now */
+            if (got == 1)
+                note_read_gap(s, answered); /* it came before a wait: a gap all the same */
             pthread_mutex_unlock(&s->reader);
             if (got < 0) {
                 raise_next_error(got, err);
@@ -281,7 +315,12 @@ static PyObject *serve_waiting(Stream *s, PyObject *read_cb, PyObject *write_cb,
             }
             if (got == 1)
                 continue;
-            int w = wait_stream_or(s, wake_fd, deadline);
+            int w = wait_stream_or(s, wake_fd, deadline, spin);
+            if (w >= 0 && answered) {
+                lock_released(&s->reader);
+                note_read_gap(s, answered);
+                pthread_mutex_unlock(&s->reader);
+            }
             if (w == 0)
                 Py_RETURN_NONE;
             if (w == 2)

@@ -81,6 +81,20 @@ class PoolConfig:
         return pool
 
 
+# A guest's read loop on a box over this lab's veth: 95-110 µs from one read's answer to the
+# next read without the spin, 20-40 µs with it (docs/benchmarks.md, Remote, tenth session):
+# the spin must cover the gap it shortens, or it never starts.
+DEFAULT_READ_SPIN_US = 150.0
+
+
+def _number(raw: dict, key: str, default: float) -> float:
+    """A number of BOX.toml, or a ValueError that names its key."""
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key} must be a number, not {value!r}")
+    return float(value)
+
+
 @dataclass
 class BoxConfig:
     name: str
@@ -96,6 +110,9 @@ class BoxConfig:
     dead_after: float = 3.0
     heartbeat: float = 0.25
     pool: PoolConfig | None = None  # announce the box there
+    # the reader spins this long for the next message after answering a register read, while
+    # such gaps average within it (native/serve.c; 0: off): a read loop pays no wake-up per read
+    read_spin_us: float = DEFAULT_READ_SPIN_US
 
     @classmethod
     def load(cls, path: Path) -> "BoxConfig":
@@ -106,11 +123,15 @@ class BoxConfig:
                                  d.get("settings", {})) for d in raw.get("device", [])]
             config = cls(raw["name"], raw.get("listen", "127.0.0.1"), int(raw.get("port", 7000)), devices,
                          Path(raw["tls_dir"]) if raw.get("tls_dir") else None, bool(raw.get("plaintext", False)),
-                         float(raw.get("spin_us", 0.0)), [str(r) for r in raw.get("managers", ["host"])],
+                         _number(raw, "spin_us", 0.0), [str(r) for r in raw.get("managers", ["host"])],
                          float(raw.get("dead_after", 3.0)), float(raw.get("heartbeat", 0.25)),
-                         PoolConfig.parse(raw["pool"]) if "pool" in raw else None)
+                         PoolConfig.parse(raw["pool"]) if "pool" in raw else None,
+                         read_spin_us=_number(raw, "read_spin_us", DEFAULT_READ_SPIN_US))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: bad box config: {exc}") from exc
+        for key in ("spin_us", "read_spin_us"):
+            if not 0 <= getattr(config, key) <= 1e6:
+                raise ValueError(f"{path}: {key} must be between 0 and 1000000 µs, not {getattr(config, key)}")
         if not 0 < config.heartbeat < config.dead_after:
             raise ValueError(f"{path}: heartbeat ({config.heartbeat} s) must be above 0 and below dead_after "
                              f"({config.dead_after} s)")

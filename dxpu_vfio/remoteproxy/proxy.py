@@ -301,8 +301,9 @@ class RemoteProxy:
             return
         if old is not None:
             old.close()  # the link before, down: its descriptors go now
-        if getattr(conn, "native", False) and self.config.spin_us:
+        if getattr(conn, "native", False):
             conn.stream.spin_us = self.config.spin_us
+            conn.stream.read_spin_us = self.config.read_spin_us
         slot.links_served += 1
         description = describe(slot.spec.model, slot.device)
         # ring entries pushed with their doorbells: only where the host offered it, which it
