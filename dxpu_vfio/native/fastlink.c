@@ -1302,17 +1302,23 @@ static PyObject *Stream_get_spin_us(Stream *self, void *closure)
     return PyFloat_FromDouble((double)self->spin_ns / 1000.0);
 }
 
-static int Stream_set_spin_us(Stream *self, PyObject *value, void *closure)
+/* A spin setting in µs (0 to 1e6, not deleted) into *ns; -1 with an exception naming it. */
+static int set_spin(PyObject *value, const char *name, int64_t *ns)
 {
     double us = value ? PyFloat_AsDouble(value) : -1.0;
     if (us == -1.0 && PyErr_Occurred())
         return -1;
     if (us < 0 || us > 1e6) {
-        PyErr_SetString(PyExc_ValueError, "spin_us must be between 0 and 1e6");
+        PyErr_Format(PyExc_ValueError, "%s must be between 0 and 1e6", name);
         return -1;
     }
-    self->spin_ns = (int64_t)(us * 1000.0);
+    *ns = (int64_t)(us * 1000.0);
     return 0;
+}
+
+static int Stream_set_spin_us(Stream *self, PyObject *value, void *closure)
+{
+    return set_spin(value, "spin_us", &self->spin_ns);
 }
 
 static PyObject *Stream_get_read_spin_us(Stream *self, void *closure)
@@ -1322,15 +1328,7 @@ static PyObject *Stream_get_read_spin_us(Stream *self, void *closure)
 
 static int Stream_set_read_spin_us(Stream *self, PyObject *value, void *closure)
 {
-    double us = value ? PyFloat_AsDouble(value) : -1.0;
-    if (us == -1.0 && PyErr_Occurred())
-        return -1;
-    if (us < 0 || us > 1e6) {
-        PyErr_SetString(PyExc_ValueError, "read_spin_us must be between 0 and 1e6");
-        return -1;
-    }
-    self->read_spin_ns = (int64_t)(us * 1000.0);
-    return 0;
+    return set_spin(value, "read_spin_us", &self->read_spin_ns);
 }
 
 static PyObject *Stream_get_tls(Stream *self, void *closure)
