@@ -214,6 +214,8 @@ def test_a_lab_topology_passes_a_box_read_spin_into_its_box_toml(tmp_path):
     topology = lab.Topology.parse('[[box]]\nname = "b1"\nread_spin_us = 0\n[[box.device]]\nid = "td0"\n'
                                   'model = "testdev"\n[[box]]\nname = "b2"\n')
     assert [b.read_spin_us for b in topology.boxes] == [0.0, None]
+    with pytest.raises(lab.LabError, match="read_spin_us"):
+        lab.Topology.parse('[[box]]\nname = "b1"\nread_spin_us = "fast"\n')
     for spec, want in zip(topology.boxes, (0.0, BoxConfig.read_spin_us)):
         path = tmp_path / f"{spec.name}.toml"
         path.write_text(lab._box_toml(spec.name, "198.18.1.2", tmp_path, {}, read_spin_us=spec.read_spin_us))

@@ -82,10 +82,14 @@ class Topology:
     def parse(cls, text: str) -> "Topology":
         raw = tomllib.loads(text)
         boxes = [BoxSpec(b["name"], list(b.get("device", [])), float(b.get("delay_us", 0)),
-                         float(b["read_spin_us"]) if "read_spin_us" in b else None)
+                         b["read_spin_us"] if isinstance(b.get("read_spin_us"), (int, float)) else None)
                  for b in raw.get("box", [])]
         if not boxes:
             raise LabError("topology has no [[box]]")
+        for b in raw.get("box", []):
+            spin = b.get("read_spin_us", 0)
+            if isinstance(spin, bool) or not isinstance(spin, (int, float)) or not 0 <= spin <= 1e6:
+                raise LabError(f"box {b['name']!r}: read_spin_us = {spin!r}: a number of µs, 0 to 1000000")
         for b in boxes:
             if len(b.name) > 8 or not b.name.isalnum():
                 raise LabError(f"box name {b.name!r}: use up to 8 letters and digits")
