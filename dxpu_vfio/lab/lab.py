@@ -43,6 +43,7 @@ from dxpu_vfio.lab.netemu_build import binary as emulator_binary
 from dxpu_vfio.link.transport import make_certs
 from dxpu_vfio.paths import run_dir
 from dxpu_vfio.procs import request_file, request_json, terminate_pid, wait_until, write_bytes_atomic
+from dxpu_vfio.remoteproxy.config import spin_setting
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 
 BOX_PORT = 7000
@@ -81,15 +82,16 @@ class Topology:
     @classmethod
     def parse(cls, text: str) -> "Topology":
         raw = tomllib.loads(text)
-        boxes = [BoxSpec(b["name"], list(b.get("device", [])), float(b.get("delay_us", 0)),
-                         b["read_spin_us"] if isinstance(b.get("read_spin_us"), (int, float)) else None)
-                 for b in raw.get("box", [])]
+        boxes = []
+        for b in raw.get("box", []):
+            spin = b.get("read_spin_us")
+            try:
+                spin = None if spin is None else spin_setting("read_spin_us", spin)
+            except ValueError as exc:
+                raise LabError(f"box {b['name']!r}: {exc}") from None
+            boxes.append(BoxSpec(b["name"], list(b.get("device", [])), float(b.get("delay_us", 0)), spin))
         if not boxes:
             raise LabError("topology has no [[box]]")
-        for b in raw.get("box", []):
-            spin = b.get("read_spin_us", 0)
-            if isinstance(spin, bool) or not isinstance(spin, (int, float)) or not 0 <= spin <= 1e6:
-                raise LabError(f"box {b['name']!r}: read_spin_us = {spin!r}: a number of µs, 0 to 1000000")
         for b in boxes:
             if len(b.name) > 8 or not b.name.isalnum():
                 raise LabError(f"box name {b.name!r}: use up to 8 letters and digits")
@@ -356,7 +358,7 @@ def _box_toml(name: str, ip: str, certs: Path, devices: dict[str, dict], etcd: l
               read_spin_us: float | None = None) -> str:
     lines = [f'name = "{name}"', f'listen = "{ip}"', f"port = {BOX_PORT}", f'tls_dir = "{certs}"']
     if read_spin_us is not None:
-        lines.append(f"read_spin_us = {toml_value(float(read_spin_us))}")
+        lines.append(f"read_spin_us = {toml_value(read_spin_us)}")
     for dev_id, d in devices.items():
         lines += ["[[device]]", f'id = "{dev_id}"', f'model = "{d["model"]}"', f'lease = "{d["lease"]}"']
         if d["settings"]:

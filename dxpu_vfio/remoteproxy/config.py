@@ -87,11 +87,11 @@ class PoolConfig:
 DEFAULT_READ_SPIN_US = 150.0
 
 
-def _number(raw: dict, key: str, default: float) -> float:
-    """A number of BOX.toml, or a ValueError that names its key."""
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{key} must be a number, not {value!r}")
+def spin_setting(key: str, value: object) -> float:
+    """A spin of BOX.toml (µs, 0 to 1e6, what the native stream takes) as a float, or a
+    ValueError that names its key; a lab topology checks its boxes' with it too."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1e6:
+        raise ValueError(f"{key} must be a number of µs, 0 to 1000000, not {value!r}")
     return float(value)
 
 
@@ -123,15 +123,12 @@ class BoxConfig:
                                  d.get("settings", {})) for d in raw.get("device", [])]
             config = cls(raw["name"], raw.get("listen", "127.0.0.1"), int(raw.get("port", 7000)), devices,
                          Path(raw["tls_dir"]) if raw.get("tls_dir") else None, bool(raw.get("plaintext", False)),
-                         _number(raw, "spin_us", 0.0), [str(r) for r in raw.get("managers", ["host"])],
+                         spin_setting("spin_us", raw.get("spin_us", 0.0)), [str(r) for r in raw.get("managers", ["host"])],
                          float(raw.get("dead_after", 3.0)), float(raw.get("heartbeat", 0.25)),
                          PoolConfig.parse(raw["pool"]) if "pool" in raw else None,
-                         read_spin_us=_number(raw, "read_spin_us", DEFAULT_READ_SPIN_US))
+                         read_spin_us=spin_setting("read_spin_us", raw.get("read_spin_us", DEFAULT_READ_SPIN_US)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: bad box config: {exc}") from exc
-        for key in ("spin_us", "read_spin_us"):
-            if not 0 <= getattr(config, key) <= 1e6:
-                raise ValueError(f"{path}: {key} must be between 0 and 1000000 µs, not {getattr(config, key)}")
         if not 0 < config.heartbeat < config.dead_after:
             raise ValueError(f"{path}: heartbeat ({config.heartbeat} s) must be above 0 and below dead_after "
                              f"({config.dead_after} s)")
