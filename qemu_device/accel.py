@@ -95,8 +95,8 @@ CAUSE_COMPLETION, CAUSE_ERROR = 1 << 0, 1 << 1
 
 ENTRY_SIZE = 64
 MAX_RING = 1 << 16               # entries
-MAX_FETCH = 4096                 # entries fetched per DMA batch (256 KiB: room for inline data)
-MAX_INLINE = 64 << 10            # bytes of one COPY_INLINE (1024 entries of data)
+MAX_FETCH = 8192                 # entries fetched per DMA batch (512 KiB: room for a whole inline copy)
+MAX_INLINE = 256 << 10           # bytes of one COPY_INLINE (4096 entries of data)
 MAX_SG = 4096                    # scatter-list entries per copy
 SG_ENTRY = 16                    # u64 guest address, u64 length
 COPY_BATCH = 16 << 20            # bytes per read_many/write_many of a copy (bounds the box's memory)

@@ -111,7 +111,7 @@ def main() -> int:
     parser.add_argument("--copy-mib", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="the device's BLAS threads (both paths)")
     parser.add_argument("--inline-max", type=int, default=None,
-                        help="the runtime's limit for copies in the ring, bytes (0: each copy a DMA read; default 64 KiB)")
+                        help="the runtime's limit for copies in the ring, bytes (0: each copy a DMA read; default 256 KiB)")
     parser.add_argument("--device-cpu", type=int, default=None,
                         help="pin the device's server (the local host proxy, the box) to this CPU and the bench and "
                         "the remote host proxy to the others: the device computes on a CPU of its own, as a GPU "

@@ -188,12 +188,12 @@ def test_small_copies_travel_in_the_ring_and_large_ones_by_dma(local):
     fetch brings it, no DMA read of its own (on a box: no round trip of its own). Many of
     them wrap the ring; a larger copy is still a DMA read."""
     dev, device = local
-    assert dev.caps & rt.CAP_INLINE and dev.inline_max == 64 << 10
-    x = dev.malloc(1 << 20)
+    assert dev.caps & rt.CAP_INLINE and dev.inline_max == 256 << 10 and dev.ring_size == 16384
+    x = dev.malloc(2 << 20)
     rng = np.random.default_rng(5)
     s = dev.stream()
     before = device.stats()
-    chunks = [rng.bytes(n) for n in (1, 63, 64, 65, 4096, 64 << 10)] * 5   # 345 KiB: the ring (256) wraps
+    chunks = [rng.bytes(n) for n in (1, 63, 64, 65, 4096, 64 << 10, 256 << 10)] * 4   # 1.3 MB: the ring (1 MiB) wraps
     at = 0
     for chunk in chunks:
         s.memcpy_htod(x + at, chunk)
@@ -203,15 +203,15 @@ def test_small_copies_travel_in_the_ring_and_large_ones_by_dma(local):
     assert after["copy_reads"] == before["copy_reads"] and after["doorbells"] - before["doorbells"] >= 2
     assert after["inline_bytes"] - before["inline_bytes"] == at
     assert dev.memcpy_dtoh(x, at) == b"".join(chunks)
-    big = rng.bytes((64 << 10) + 1)
+    big = rng.bytes((256 << 10) + 1)
     dev.memcpy_htod(x, big)
     assert device.stats()["copy_reads"] == after["copy_reads"] + 1 and dev.memcpy_dtoh(x, len(big)) == big
     before = device.stats()
     reads, read32 = [], dev.mmio.read32
     dev.mmio.read32 = lambda offset: reads.append(offset) or read32(offset)
     try:
-        for i in range(12):     # 12 passes of 1026 entries round a 4096-entry ring: one doorbell each, and
-            s.memcpy_htod(x, chunks[5])     # no RING_HEAD read (a round trip): the fences say where HEAD is
+        for i in range(12):     # 12 passes of 4098 entries round a 16384-entry ring: one doorbell each, and
+            s.memcpy_htod(x, chunks[6])     # no RING_HEAD read (a round trip): the fences say where HEAD is
             s.synchronize()
     finally:
         dev.mmio.read32 = read32
@@ -328,6 +328,32 @@ def test_a_boxs_ring_fetches_come_with_their_doorbells(tmp_path, box, certs, mmi
         assert taken[1] - taken[0] >= 40, box_after["link"]["handled"]
         assert box_after["link"]["received"].get("DMA_PUSH", 0) == 0, box_after["link"]["received"]
     through_the_forwarder(tmp_path, box, certs, mmio, body)
+
+
+def test_a_256_kib_input_goes_to_a_box_with_its_doorbell(tmp_path, box, certs):
+    """An input of up to 256 KiB (a transformer block's at sequence 256, an MLP batch of 64)
+    is an inline copy, and the host pushes it with the doorbell: the box's device asks the
+    network for nothing before it computes. One byte more is a DMA read of the buffer."""
+    def body(function, dev) -> None:
+        assert dev.inline_max == 256 << 10
+        ptr = dev.malloc(1 << 20)
+        rng = np.random.default_rng(11)
+        before = box.stats()["devices"]["acc0"]
+        data = rng.bytes(256 << 10)
+        dev.memcpy_htod(ptr, data)
+        after = box.stats()["devices"]["acc0"]
+        assert after["dma_read_requests"] == before["dma_read_requests"], "the inline copy went to the network"
+        assert after["pushed_reads"] > before["pushed_reads"]
+        assert after["device"]["inline_bytes"] - before["device"]["inline_bytes"] == len(data)
+        assert dev.memcpy_dtoh(ptr, len(data)) == data
+        before = box.stats()["devices"]["acc0"]
+        data = rng.bytes((256 << 10) + 1)
+        dev.memcpy_htod(ptr, data)
+        after = box.stats()["devices"]["acc0"]
+        assert after["device"]["copy_reads"] == before["device"]["copy_reads"] + 1
+        assert after["dma_read_requests"] > before["dma_read_requests"]
+        assert dev.memcpy_dtoh(ptr, len(data)) == data
+    through_the_forwarder(tmp_path, box, certs, ClientMmio, body)
 
 
 def test_a_burst_of_doorbells_is_one_push_and_one_doorbell_on_the_link(tmp_path, box, certs):

@@ -61,7 +61,7 @@ def test_runtime_selftest_in_the_guest(full_vm, plugged, huge):
     finally:
         full_vm.run("echo 0 > /proc/sys/vm/nr_hugepages")
     assert rc == 0, lines
-    assert lines["huge_pages"] == ("1" if huge else "0") and lines["ring"] == ("4096" if huge else "64")
+    assert lines["huge_pages"] == ("1" if huge else "0") and lines["ring"] == ("16384" if huge else "64")
     for check in [f"copy_{n}" for n in sizes] + ["gemm", "bias_relu", "softmax", "ring_wrap", "error_state",
                                                  "recovered"]:
         assert lines[check].startswith("ok"), (check, lines)

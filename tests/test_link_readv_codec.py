@@ -178,7 +178,7 @@ def test_a_ring_the_host_cannot_watch_is_refused_naming_what_is_wrong(watch, why
     (struct.pack("<II", 0, 3) + struct.pack("<QII", 0, 64, 0) * 3 + bytes(192), "range 2: 64 bytes"),  # 3 ring ranges
     (pack_push(0, [(0, 64)]) + bytes(63), "carries 63"),
     (pack_push(0, [(0, 64)])[:20], "in 20 bytes"),
-    (pack_push(0, [(0, MAX_PUSH_BYTES + 64)]) + bytes(MAX_PUSH_BYTES + 64), "of 262208 bytes"),
+    (pack_push(0, [(0, MAX_PUSH_BYTES + 64)]) + bytes(MAX_PUSH_BYTES + 64), "of 524352 bytes"),
     (pack_push(0, [((1 << 64) - 8, 64)]) + bytes(64), "range 0"),
     (pack_push(0, [(0, 64)], [(0x1F00, 512)]) + bytes(576), "range 1: 512 bytes at 0x1f00"),  # crosses a page
     (struct.pack("<II", 0, 2) + struct.pack("<QII", 0x1000, 8, 1) + struct.pack("<QII", 0, 64, 0)

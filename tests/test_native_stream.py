@@ -4,6 +4,7 @@ Real sockets on loopback; the C module must be built (scripts/setup.sh builds it
 
 import array
 import os
+import random
 import socket
 import ssl
 import threading
@@ -213,6 +214,29 @@ def test_part_of_a_tls_record_is_not_pending_so_a_waiting_reader_sleeps_instead_
         assert client.server.receive(timeout=5).header.msg_id == 2
         assert client.server.has_message() or client.server.pending(), "a whole record behind it was hidden"
         assert client.server.receive(timeout=0).header.msg_id == 3
+    finally:
+        client.close()
+
+
+def test_a_pass_sized_send_leaves_in_slices_and_others_in_one_write(certs):
+    """A 256 KiB message (a copy's DMA completion, an accelerator's input pushed with its
+    doorbell) leaves in 32 KiB slices, so the peer opens the first while the rest is sealed;
+    one of 96 KiB is one write, and a corked one still holds its last slice for the uncork."""
+    client, server = native_pair(certs)
+    try:
+        rng = random.Random(7)
+        for size, writes in ((96 << 10, 1), (256 << 10, 8), ((256 << 10) + 100, 8)):
+            data = rng.randbytes(size)
+            before = client.stats()["writes"]
+            client.send_message(size & 0xFFFF, 9, vp.FLAG_NO_REPLY, data)
+            assert client.stats()["writes"] - before == writes, size
+            assert bytes(server.receive(timeout=5).payload) == data
+        client.cork()
+        before = client.stats()["writes"]
+        client.send_message(1, 9, vp.FLAG_NO_REPLY, rng.randbytes(256 << 10))
+        assert client.stats()["writes"] - before == 7, "the last slice waits for the uncork"
+        client.uncork()
+        assert client.stats()["writes"] - before == 8 and len(server.receive(timeout=5).payload) == 256 << 10
     finally:
         client.close()
 

@@ -325,8 +325,8 @@ def test_a_wrapping_batch_is_two_pieces_of_one_read_many():
 
 
 def make_big_ring() -> Driver:
-    """A 16384-entry ring (1 MiB, at BUF: past the fences and lists): more than one fetch."""
-    drv, _ = make(ring_size=16384)
+    """A 32768-entry ring (2 MiB, at BUF: past the fences and lists): more than two fetches."""
+    drv, _ = make(ring_size=32768)
     drv.w32(ac.REG_CONTROL, ac.CONTROL_RESET)
     drv.enable(BUF)
     return drv

@@ -271,7 +271,9 @@ PUSH_HEAD = struct.Struct("<II")  # slot, ranges (ring ranges 0..2, then pointed
 MAX_RING_SLOTS = 64  # watched rings per device (an NVMe controller's I/O queues)
 MAX_RING_ENTRIES = 1 << 16
 MAX_ENTRY_SIZE = 4096
-MAX_PUSH_BYTES = 256 << 10  # a doorbell announcing more is pushed empty (the box fetches it)
+# an accelerator's 256 KiB inline copy and the rest of its pass; a doorbell announcing more is pushed empty
+# (the box fetches it)
+MAX_PUSH_BYTES = 512 << 10
 POINTED_PAGE = 4096  # pointed bytes never cross this boundary (an NVMe PRP list page's)
 MAX_POINTED = 64  # pointed ranges a push carries at most (more: POINTED_UNKNOWN)
 RANGE_RING, RANGE_POINTED = 0, 1  # a push range's third field: entries of the ring, or bytes an entry points to

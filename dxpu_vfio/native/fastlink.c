@@ -226,7 +226,8 @@ typedef struct {
      * message (read_gap_avg_ns, 1/8 weight) is within it; read_answered_ns: when the last
      * message served was a read, the time its answer left (0: it was not). */
     int64_t read_spin_ns, read_gap_avg_ns, read_answered_ns;
-    unsigned long long reads_followed; /* read answers after which the reader spun for the next message */
+    unsigned long long reads_followed; /* read answers after which the reader was ready to spin
+                                          (it spins only if the next message is not there) */
     int rx_starved;     /* under `io`: the last SSL_read wanted the socket, so what is buffered is part of
                            a record at most (tls_has_pending) */
     int corked;         /* posted messages of `corked_by` stay in the stream (Stream_cork), */
@@ -424,13 +425,33 @@ static int drain_some(Stream *s, char *errbuf, size_t errlen)
     return IO_ERROR;
 }
 
+/* A pass-sized send (a copy's 256 KiB DMA completion or write, an accelerator's input pushed
+ * with its doorbell) leaves in slices of about SEND_SLICE: the peer opens the first records
+ * while this end still seals the rest, instead of waiting for the whole buffer. Smaller sends
+ * stay one write (a posted write's or a read's round trip gains nothing from a slice), and
+ * larger ones (1 MiB bulk messages) fill the buffer BIO as before: more writes per byte there
+ * cost more than the overlap gives (docs/benchmarks.md, Accelerator, eleventh session). */
+#define SEND_SLICE (32u << 10)
+#define SLICED_SEND_MIN (128u << 10)
+#define SLICED_SEND_MAX (512u << 10)
+
+/* Where the slice that begins at pos ends: SEND_SLICE on, unless less than that would be left
+ * after it (then at len: no small last write). */
+static size_t slice_after(size_t pos, size_t len)
+{
+    return len - pos >= 2 * (size_t)SEND_SLICE ? pos + SEND_SLICE : len;
+}
+
 /* Write all of buf (GIL released, send_order held by the caller); with `flush`, TLS records
- * still in the buffer BIO leave too (set_tls_bios): the end of a send. 0, IO_ERROR, IO_TIMEOUT. */
+ * still in the buffer BIO leave too (set_tls_bios): the end of a send. A pass-sized buf leaves
+ * slice by slice (SEND_SLICE), whatever `flush` says. 0, IO_ERROR, IO_TIMEOUT. */
 static int stream_write(Stream *s, const unsigned char *buf, size_t len, int flush, int64_t deadline, char *errbuf,
                         size_t errlen)
 {
     size_t pos = 0;
     int flushed = s->ssl == NULL || !flush;
+    /* the end of the bytes SSL_write takes before the buffer BIO is flushed: len but for a slice */
+    size_t slice_end = s->ssl && len >= SLICED_SEND_MIN && len <= SLICED_SEND_MAX ? slice_after(0, len) : len;
     while (pos < len || !flushed) {
         short events;
         pthread_mutex_lock(&s->io);
@@ -439,11 +460,14 @@ static int stream_write(Stream *s, const unsigned char *buf, size_t len, int flu
             snprintf(errbuf, errlen, "stream shut down");
             return IO_ERROR;
         }
-        if (s->ssl && pos == len) { /* the records are written: out of the buffer BIO in one write */
+        if (s->ssl && pos == slice_end) { /* the records (of a slice) are written: out of the buffer BIO in one write */
             BIO *wbio = SSL_get_wbio(s->ssl);
             errno = 0;
             if (BIO_flush(wbio) > 0) {
-                flushed = 1;
+                if (pos == len)
+                    flushed = 1;
+                else
+                    slice_end = slice_after(pos, len);
                 pthread_mutex_unlock(&s->io);
                 continue;
             }
@@ -456,7 +480,7 @@ static int stream_write(Stream *s, const unsigned char *buf, size_t len, int flu
         } else if (s->ssl) {
             size_t n = 0;
             ERR_clear_error();
-            int r = SSL_write_ex(s->ssl, buf + pos, len - pos, &n);
+            int r = SSL_write_ex(s->ssl, buf + pos, slice_end - pos, &n);
             if (r == 1) {
                 pos += n;
                 s->seals++;

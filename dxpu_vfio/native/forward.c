@@ -73,7 +73,7 @@ enum { WINDOW_MEMORY = 0, WINDOW_FD = 1, WINDOW_PYTHON = 2 };
 #define MAX_RING_SLOTS 64
 #define MAX_RING_ENTRIES (1u << 16)
 #define MAX_ENTRY_SIZE 4096u
-#define MAX_PUSH_BYTES (256u << 10)
+#define MAX_PUSH_BYTES (512u << 10)
 #define PUSH_HEAD 8 /* slot (u32), ranges (u32), then DMA_READV's ranges and the bytes */
 /* What a watched ring's entries point to (RingWatch.pointer_bytes: an NVMe command's PRP list)
  * travels in the same push: a range of kind RANGE_POINTED per entry with a pointer, empty where

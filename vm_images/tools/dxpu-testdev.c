@@ -259,8 +259,9 @@ static void dma_program(dx_u64 src, dx_u64 dst, uint32_t len)
  * Write DMA_CMD and poll DMA_STATUS until done (2) or error (3), for at most
  * 10 s. Returns the last status read (not 2/3 = timed out); *ns is the time
  * from the command write to the status read that saw completion. Polls back
- * to back for the first 200 µs, then every ~50 µs: each poll is a device read,
- * and on a remote device a busy loop of them competes with the DMA itself.
+ * to back for the first 20 ms (DMA_SPIN_NS), then every ~50 µs: each poll is a
+ * device read, so a long wait costs a remote device one read per nap, not a
+ * busy loop of them competing with the DMA itself.
  */
 static uint32_t dma_run(uint32_t cmd, dx_u64 *ns)
 {

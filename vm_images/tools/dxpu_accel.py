@@ -60,7 +60,8 @@ OP_NOP, OP_COPY_H2D, OP_COPY_D2H, OP_COPY_D2D, OP_FILL, OP_FENCE, OP_TIMESTAMP, 
 FLAG_INTERRUPT, FLAG_SG, FLAG_ACCUMULATE, FLAG_TRANS_A, FLAG_TRANS_B, FLAG_AFFINE = (1 << n for n in range(6))
 DTYPE_F32, DTYPE_BF16 = 0, 1
 CAP_INLINE = 1 << 5                      # COPY_INLINE: a copy's bytes in the ring
-INLINE_MAX = 64 << 10                    # the device's limit for one inline copy
+INLINE_MAX = 256 << 10                   # the device's limit for one inline copy
+RING_ENTRIES = 16384                     # the ring's size where memory allows (1 MiB)
 ERROR_NAMES = {1: "bad opcode", 2: "VRAM range", 3: "bad shape", 4: "DMA fault", 5: "bad ring",
                6: "bad doorbell", 7: "bad dtype", 8: "bad scatter list", 9: "bad inline copy", 0xFF: "internal"}
 
@@ -366,8 +367,8 @@ class Accel:
             raise AccelError(f"not a dxpu accelerator: ID {ident:#010x}")
         self.caps = mmio.read32(REG_CAPS)
         self.vram_size = mmio.read32(REG_VRAM_SIZE_HI) << 32 | mmio.read32(REG_VRAM_SIZE_LO)
-        if ring_entries is None:
-            ring_entries = min(4096, memory.contiguous_max // ENTRY_SIZE)
+        if ring_entries is None:   # 1 MiB (in one huge page): a quarter of it holds a 256 KiB inline copy
+            ring_entries = min(RING_ENTRIES, memory.contiguous_max // ENTRY_SIZE)
         self.ring_size = ring_entries
         # copies of at most this many bytes travel in the ring (COPY_INLINE): no DMA read of
         # their own, so on a GPU box no round trip of their own; a quarter of the ring at most
