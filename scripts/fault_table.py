@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ["reset-local", "reset-remote", "stall-abort", "loss", "link-cut", "surprise-removal"]  # nvme first; others by name
@@ -66,10 +67,11 @@ def summary(records: list[dict]) -> list[str]:
     return lines
 
 
-def num(run: dict, direction: str) -> str:
-    """Packets the emulator saw in one direction; none where it was not in the path (a clean link)."""
-    value = (run.get("packets") or {}).get(direction)
-    return "—" if value is None else str(value)
+def up_down(run: dict, key: str, fmt: Callable[[float], str]) -> str:
+    """``key``'s two directions as the emulator counted them ("up / down"); "—" for a direction
+    it did not see (not in the path: a clean link)."""
+    values = run.get(key) or {}
+    return " / ".join("—" if values.get(d) is None else fmt(values[d]) for d in ("up", "down"))
 
 
 def details(r: dict) -> list[str]:
@@ -78,14 +80,12 @@ def details(r: dict) -> list[str]:
            + (f"; the host's load average (1, 5, 15 min) at the end: {', '.join(map(str, load))}." if load else ".")]
     if "runs" in r:  # loss: one row per link condition
         out += ["", "| link | write p50 | write p99 | read p50 | read p99 | achieved loss up / down | packets up / down "
-                "| errors | data |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                "| longest blackout up / down | errors | data |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, run in r["runs"].items():
             lat = run["latency"]
-            loss = run.get("achieved_loss") or {}
-            fmt = lambda v: "—" if v is None else f"{v * 100:.2f} %"  # noqa: E731
             out.append(f"| {name} | {lat['write']['p50_ms']} ms | {lat['write']['p99_ms']} ms | {lat['read']['p50_ms']} ms "
-                       f"| {lat['read']['p99_ms']} ms | {fmt(loss.get('up'))} / {fmt(loss.get('down'))} "
-                       f"| {num(run, 'up')} / {num(run, 'down')} "
+                       f"| {lat['read']['p99_ms']} ms | {up_down(run, 'achieved_loss', lambda v: f'{v * 100:.2f} %')} "
+                       f"| {up_down(run, 'packets', str)} | {up_down(run, 'blackout_ms', lambda v: f'{v:.0f} ms')} "
                        f"| {run['errors']} | {'intact' if run['data_intact'] else 'DIFFERS'} |")
         out += ["", "Each latency is one `dd` of 64 KiB with `oflag=direct`/`iflag=direct` as the guest's "
                 "shell timed it (`ts -i`), the start of the process included (a TCG guest on a 2-core host "
@@ -93,7 +93,10 @@ def details(r: dict) -> list[str]:
                 "segment waits for TCP's retransmission when no duplicate ACKs come (the link asks for a "
                 "minimum RTO of 5 ms, 8 ms in the kernel's ticks, where TCP's default is 200 ms). "
                 "The achieved loss is the emulator's own count over the run's packets (a burst model "
-                "over a few thousand packets lands far from its mean)."]
+                "over a few thousand packets lands far from its mean). The longest blackout is the longest "
+                "time a direction let nothing through, from a lost packet to the next one that passed: a "
+                "burst that also takes TCP's retransmissions stretches with their backoff, and one of a "
+                "second or more is what may take the link down ([link protocol](link-protocol.md))."]
     for phase in ("write", "read"):
         if isinstance(r.get(phase), dict):
             p = r[phase]

@@ -15,7 +15,7 @@ def test_the_table_has_a_row_per_observation_in_order_and_the_loss_latencies(tmp
                       "errors": 0, "data_intact": True, "achieved_loss": {"up": None, "down": None}},
             "random 1%": {"latency": {"write": {"p50_ms": 2.0, "p99_ms": 250.0}, "read": {"p50_ms": 1.2, "p99_ms": 210.0}},
                           "errors": 0, "data_intact": True, "achieved_loss": {"up": 0.0104, "down": 0.0098},
-                          "packets": {"up": 9000, "down": 12000}}}
+                          "packets": {"up": 9000, "down": 12000}, "blackout_ms": {"up": 31.4, "down": 1250.2}}}
     records = [{"name": "link-cut", "fault": "cut | link", "mode": "remote", "driver": "dead", "application": "EIO",
                 "recovery_s": 3.1, "io_timeout": 5, "controller_state": "dead"},
                {"name": "loss", "fault": "loss", "mode": "remote", "driver": "nothing", "application": "intact",
@@ -36,7 +36,9 @@ def test_the_table_has_a_row_per_observation_in_order_and_the_loss_latencies(tmp
     assert "| 0.2 s |" in rows[0] and "none needed" in rows[1] and "| 3.1 s |" in rows[2] and rows[3].endswith("| — |")
     assert [r.split(" | ")[1] for r in rows] == ["nvme", "nvme", "nvme", "display"]  # nvme when a record names none
     assert "- driver after: `bochs-drm`" in text  # a test's own facts
-    assert "| random 1% | 2.0 ms | 250.0 ms | 1.2 ms | 210.0 ms | 1.04 % / 0.98 % | 9000 / 12000 | 0 | intact |" in text
+    assert ("| random 1% | 2.0 ms | 250.0 ms | 1.2 ms | 210.0 ms | 1.04 % / 0.98 % | 9000 / 12000 | 31 ms / 1250 ms "
+            "| 0 | intact |") in text
+    assert "| clean | 1.5 ms | 3.0 ms | 1.0 ms | 2.0 ms | — / — | — / — | — / — | 0 | intact |" in text  # no emulator
     assert "nvme_core.io_timeout=5" in text
 
 

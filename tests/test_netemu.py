@@ -170,6 +170,37 @@ def test_an_emulator_that_died_is_replaced_by_the_next_change(net):
     assert lab.link_report(net, "box1")["up"]["asked"]["delay_us"] == 200
 
 
+def dark_for_half_a_second(net, b: lab.BoxState, engine: str = "c") -> dict:
+    """500 datagrams at 1000 a second into a link that loses every one (up), then 20 through:
+    the report's ``blackout_ms`` while dark and after."""
+    me = [sys.executable, "-m", "dxpu_vfio.lab.udp_probe", "send", "--to", b.box_ip, "--port", "9"]
+    lab.set_link(net, "box1", Impairment(loss=1.0), down=Impairment(delay_us=50), engine=engine)
+    lab.reset_link_counters(net, "box1")
+    subprocess.run(["ip", "netns", "exec", net.host_netns, *me, "--count", "500", "--pps", "1000"], check=True, timeout=60)
+    dark = lab.link_report(net, "box1")["up"]
+    lab.set_link(net, "box1", Impairment(delay_us=50), engine=engine)
+    subprocess.run(["ip", "netns", "exec", net.host_netns, *me, "--count", "20", "--pps", "1000"], check=True, timeout=60)
+    return {"dark": dark, "after": lab.link_report(net, "box1")["up"]}
+
+
+def test_a_blackout_is_timed_from_the_first_lost_packet_to_the_next_one_through(net):
+    """What a fault test needs to tell a lossy link from a dark one: the longest time a
+    direction let nothing through (a run of losses, from its first packet to the next packet
+    that passed, or to now while it lasts)."""
+    got = dark_for_half_a_second(net, net.box("box1"))
+    assert got["dark"]["lost"] >= 500 and got["dark"]["sent"] == 0, got["dark"]
+    assert 450 <= got["dark"]["blackout_ms"] <= 3000, got["dark"]
+    assert got["after"]["sent"] >= 20 and got["dark"]["blackout_ms"] <= got["after"]["blackout_ms"] <= 4000, got["after"]
+    # Gilbert-Elliott runs of ~4 packets at 20000 a second are dark for well under a ms; the
+    # probe's end marks go 10 ms apart (a run among them lasts tens of ms), and a lost last
+    # one stays open until the report
+    lab.set_link(net, "box1", Impairment(ge_p=0.01, ge_r=0.25))
+    lab.reset_link_counters(net, "box1")
+    b = net.box("box1")
+    got = udp_probe.across(b.netns, b.box_ip, net.host_netns, 6000)
+    assert got["lost"] > 0 and 0 < lab.link_report(net, "box1")["up"]["blackout_ms"] < 300, got
+
+
 def test_python_engine_does_the_same(net):
     """The fallback (no C compiler): the same losses; its hold is never short, and late by
     at most tens of µs (its loop is slower, more so on a loaded machine)."""
@@ -179,6 +210,9 @@ def test_python_engine_does_the_same(net):
     if b.delay_mode == "emulator":
         assert report["engine"] == "python" and report["held_from"] == "read" and 200 <= report["up"]["delay_us"]["p50"] <= 260, report["up"]
     assert 0.008 <= got["loss_rate"] <= 0.035, got
+    if b.delay_mode == "emulator":
+        dark = dark_for_half_a_second(net, b, engine="python")
+        assert 450 <= dark["dark"]["blackout_ms"] <= dark["after"]["blackout_ms"] <= 4000, dark
 
 
 def test_rate_limit_with_tbf(net):

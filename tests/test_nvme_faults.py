@@ -20,6 +20,7 @@ import pytest
 from dxpu_vfio.lab import fault_results, hotplug, lab
 from dxpu_vfio.lab.guest_devices import nvme_disk
 from dxpu_vfio.lab.impairment import Impairment
+from dxpu_vfio.remoteproxy.ports import DMA_TIMEOUT
 from dxpu_vfio.testing import Serve, VmFactory, shared_vm
 
 pytestmark = pytest.mark.vm
@@ -165,6 +166,11 @@ def test_controller_reset_during_checksummed_io_keeps_the_data(vm, served_device
 # --- loss on the host<->box link ----------------------------------------------------------------
 
 LOSS_CHUNKS = 128  # 8 MiB in 64 KiB direct I/O, one dd each (timed)
+# Under loss the link may go down only after the network was dark this long: half the
+# shortest timer that takes it down (the box's 2 s wait for a DMA read's answer; TCP's
+# backoff after the blackout takes the rest). At 40 times the burst rate, 4 runs in 30 lost
+# the link, after blackouts of 1.6-6.7 s; the others kept it through blackouts of up to 2.1 s.
+DARK_FOR_DOWN_MS = DMA_TIMEOUT * 1000 / 2
 LOSSES = {
     "clean": Impairment(),
     "random 1%": Impairment(loss=0.01),
@@ -174,9 +180,12 @@ LOSSES = {
 
 def timed_chunks(vm, ns: str, offset: int) -> dict:
     """Write /tmp/ldata chunk by chunk at ``offset`` (64 KiB units), drop caches, read it back
-    chunk by chunk: each dd's time (``ts -i``: since the line before), errors, checksum."""
-    loop = ("i=0; while [ $i -lt {n} ]; do {dd} 2>/dev/null || echo err; echo x; i=$((i+1)); done "
-            "| ts -i '%.s' > {out}")
+    chunk by chunk: each dd's time (``ts -i``: since the line before), errors, checksum; where
+    the data differs, which chunks differ and which ones a dd failed on. A dd that did not
+    move its whole chunk is an error too: a disk the driver gave up on reads as empty, and
+    dd calls an empty read a success."""
+    loop = ("i=0; while [ $i -lt {n} ]; do out=$({dd} 2>&1) && case \"$out\" in *'1+0 records out'*) ;; *) false;; esac "
+            "|| echo err; echo x; i=$((i+1)); done | ts -i '%.s' > {out}")
     write = f"dd if=/tmp/ldata of=/dev/{ns} bs=64k count=1 skip=$i seek=$(({offset} + i)) oflag=direct"
     read = f"dd if=/dev/{ns} of=/tmp/lback bs=64k count=1 skip=$(({offset} + i)) seek=$i conv=notrunc iflag=direct"
     out = vm.run(f"rm -f /tmp/lback; {loop.format(n=LOSS_CHUNKS, dd=write, out='/tmp/wlat')}; sync; "
@@ -184,15 +193,28 @@ def timed_chunks(vm, ns: str, offset: int) -> dict:
                  "md5sum /tmp/ldata /tmp/lback; echo; cat /tmp/wlat; echo; cat /tmp/rlat", timeout=900).stdout
     sums, wlat, rlat = out.split("\n\n")[:3]
     lat = {}
+    failed: set[int] = set()
     errors = 0
     for name, text in (("write", wlat), ("read", rlat)):
         lines = [line.split() for line in text.splitlines() if line.strip()]
-        errors += sum(1 for line in lines if line[-1] == "err")
+        chunk = 0
+        for line in lines:  # "err" (if the dd failed), then "x", for each chunk
+            if line[-1] == "err":
+                errors += 1
+                failed.add(chunk)
+            else:
+                chunk += 1
         ms = sorted(float(line[0]) * 1000 for line in lines if line[-1] == "x")
         lat[name] = {"n": len(ms), "p50_ms": round(statistics.median(ms), 2),
                      "p99_ms": round(ms[min(len(ms) - 1, int(len(ms) * 0.99))], 2), "max_ms": round(ms[-1], 2)}
     words = sums.split()
-    return {"latency": lat, "errors": errors, "data_intact": words[0] == words[2]}
+    run = {"latency": lat, "errors": errors, "data_intact": words[0] == words[2], "failed_chunks": sorted(failed)}
+    if not run["data_intact"]:
+        sums = vm.run(f"i=0; while [ $i -lt {LOSS_CHUNKS} ]; do for f in /tmp/ldata /tmp/lback; do "
+                      "dd if=$f bs=64k skip=$i count=1 2>/dev/null | md5sum; done; i=$((i+1)); done", timeout=300).stdout
+        pairs = [line.split()[0] for line in sums.splitlines() if line.strip()]
+        run["differing_chunks"] = [i for i in range(LOSS_CHUNKS) if pairs[2 * i] != pairs[2 * i + 1]]
+    return run
 
 
 def test_random_and_bursty_loss_on_the_link_keep_the_data(vm, served_lab):
@@ -214,24 +236,44 @@ def test_random_and_bursty_loss_on_the_link_keep_the_data(vm, served_lab):
             run["achieved_loss"] = {d: (report.get(d) or {}).get("loss_rate") for d in ("up", "down")}
             run["packets"] = {d: (report.get(d) or {}).get("packets") for d in ("up", "down")}
             run["asked_as_set"] = all((report.get(d) or {}).get("asked") == imp.to_dict() for d in ("up", "down"))
-            run["link_up"] = (device_stats(att).get("link") or {}).get("up")
+            run["blackout_ms"] = {d: (report.get(d) or {}).get("blackout_ms") for d in ("up", "down")}
+            link = device_stats(att).get("link") or {}
+            run["link_up"], run["down_reason"] = link.get("up"), link.get("down_reason")
             runs[name] = run
             print(f"\n{name}: write p50 {run['latency']['write']['p50_ms']} ms p99 {run['latency']['write']['p99_ms']} ms, "
                   f"read p50 {run['latency']['read']['p50_ms']} ms p99 {run['latency']['read']['p99_ms']} ms, "
-                  f"achieved loss {run['achieved_loss']}, intact {run['data_intact']}")
+                  f"achieved loss {run['achieved_loss']}, longest blackout {run['blackout_ms']} ms, "
+                  f"intact {run['data_intact']}, link up {run['link_up']}")
         log = dmesg_nvme(vm)
         observe("loss", {
             "fault": "1 % random and 0.1 % bursty (Gilbert-Elliott, bursts of 4) loss both ways on the host<->box link",
             "mode": "remote", "runs": runs, "dmesg": log,
             "driver": "nothing: no timeout, no reset" if not log else "; ".join(log[:3]),
             "application": ("no error, data intact" if all(r["data_intact"] and not r["errors"] for r in runs.values())
-                            else "ERRORS or data differs") + "; p99 of a 64 KiB read/write: " + ", ".join(
+                            else "ERRORS or data differs") + "".join(
+                f"; {n}: the link went down after a {max(r['blackout_ms'].values()) / 1000:.1f} s blackout "
+                f"({r['down_reason']}), {r['errors']} dd failed"
+                for n, r in runs.items() if r["link_up"] is False and r["blackout_ms"]["up"] is not None)
+                + "; p99 of a 64 KiB read/write: " + ", ".join(
                 f"{n} {r['latency']['read']['p99_ms']:.0f}/{r['latency']['write']['p99_ms']:.0f} ms"
                 for n, r in runs.items()),
             "recovery_s": 0})
         for name, run in runs.items():
+            if name == "bursty 0.1%" and run["link_up"] is False:
+                # A burst in the Gilbert-Elliott model lasts some packets, not some time: when
+                # it takes TCP's retransmissions too, each one waits twice as long as the one
+                # before, and a burst of a dozen packets can leave a direction dark for seconds
+                # (a few runs in a thousand at this rate). Then the link's timers (a DMA read's 2 s,
+                # nothing heard for 3 s: docs/link-protocol.md) rightly take it down; what must
+                # hold is that the network really was dark that long, and that the guest was
+                # told: every chunk that differs is one a dd failed on, never a silent corruption.
+                assert max(run["blackout_ms"].values()) >= DARK_FOR_DOWN_MS, \
+                    f"{name}: the link went down ({run['down_reason']}) with no long blackout: {run}"
+                assert run["errors"] and set(run.get("differing_chunks", ())) <= set(run["failed_chunks"]), \
+                    f"{name}: data differs where no dd failed: {run}"
+                continue
             assert run["errors"] == 0 and run["data_intact"], f"{name}: {run}"
-            assert run["link_up"] is not False, f"{name}: the host proxy marked the link down"
+            assert run["link_up"] is not False, f"{name}: the host proxy marked the link down ({run['down_reason']})"
         for name in ("random 1%", "bursty 0.1%"):  # the emulator was asked and did it
             assert runs[name]["asked_as_set"], f"{name}: the emulator was not running with it: {runs[name]}"
         assert all(0.004 < runs["random 1%"]["achieved_loss"][d] < 0.03 for d in ("up", "down")), runs["random 1%"]

@@ -52,6 +52,7 @@ typedef struct {
     uint64_t packets, bytes, sent, sent_bytes, lost_random, lost_burst, duplicated, reordered;
     uint64_t reads, stamped, wait_ns; /* packets read (to match the kernel's count), timed from its stamp, stamp-to-read total */
     uint64_t handback_ns, handbacks; /* the writes' total time, and how many */
+    uint64_t dark_since, blackout_ns; /* the current run of lost packets began (0: none), the longest run's span */
     double handback_avg; /* ns, moving average: the hand-back's cost, counted inside the asked delay */
     uint32_t *held; /* ns, ring */
     size_t nheld, pos;
@@ -270,16 +271,18 @@ static void report_dir(FILE *f, dir_t *d, int k) {
 #define PCT(q) (n ? s[(size_t)(n * (q)) < n ? (size_t)(n * (q)) : n - 1] / 1000.0 : 0.0)
     imp_t *i = &d->imp;
     uint64_t lost = d->lost_random + d->lost_burst;
+    uint64_t t = now_ns(), dark = d->dark_since && t > d->dark_since ? t - d->dark_since : 0;
     fprintf(f, "\"%s\": {\"asked\": {\"delay_us\": %g, \"jitter_us\": %g, \"distribution\": \"%s\", \"loss\": %g, "
             "\"ge_p\": %g, \"ge_r\": %g, \"ge_loss_bad\": %g, \"ge_loss_good\": %g, \"reorder\": %g, \"duplicate\": %g, "
             "\"rate_bps\": %g}, \"packets\": %lu, \"bytes\": %lu, \"sent\": %lu, \"sent_bytes\": %lu, \"lost\": %lu, "
-            "\"lost_random\": %lu, \"lost_burst\": %lu, \"loss_rate\": %g, \"duplicated\": %lu, \"reordered\": %lu, "
+            "\"lost_random\": %lu, \"lost_burst\": %lu, \"loss_rate\": %g, \"blackout_ms\": %g, \"duplicated\": %lu, \"reordered\": %lu, "
             "\"kernel_packets\": %lu, \"stamped\": %lu, \"arrival_wait_us\": %g, \"handback_us\": %g, \"held_samples\": %zu, \"delay_us\": {\"mean\": %g, \"std\": %g, \"p50\": %g, \"p90\": %g, \"p99\": %g, "
             "\"max\": %g}}",
             d->name, i->delay_us, i->jitter_us, i->uniform ? "uniform" : "normal", i->loss, i->ge_p, i->ge_r,
             i->ge_loss_bad, i->ge_loss_good, i->reorder, i->duplicate, i->rate_bps, d->packets + kp, d->bytes + kb,
             d->sent + kp, d->sent_bytes + kb, lost, d->lost_random, d->lost_burst,
-            d->packets + kp ? (double)lost / (d->packets + kp) : 0.0, d->duplicated, d->reordered, kp, d->stamped, d->stamped ? d->wait_ns / 1000.0 / d->stamped : 0.0,
+            d->packets + kp ? (double)lost / (d->packets + kp) : 0.0,
+            (dark > d->blackout_ns ? dark : d->blackout_ns) / 1e6, d->duplicated, d->reordered, kp, d->stamped, d->stamped ? d->wait_ns / 1000.0 / d->stamped : 0.0,
             d->handbacks ? d->handback_ns / 1000.0 / d->handbacks : 0.0, n, mean / 1000, n ? sqrt(var / n) / 1000 : 0.0, PCT(0.5), PCT(0.9),
             PCT(0.99), n ? s[n - 1] / 1000.0 : 0.0);
     free(s);
@@ -307,6 +310,7 @@ static void reset(void) {
         d->packets = d->bytes = d->sent = d->sent_bytes = d->lost_random = d->lost_burst = 0;
         d->duplicated = d->reordered = d->stamped = d->wait_ns = d->handback_ns = d->handbacks = 0;
         d->nheld = d->pos = 0;
+        d->dark_since = d->blackout_ns = 0;
         if (fast) { fast_base[k][0] = fast[k].packets; fast_base[k][1] = fast[k].bytes; }
     }
     other_dropped = 0;
@@ -416,8 +420,16 @@ static void arrive(unsigned char *buf, size_t n, uint64_t read, in_addr_t up_dst
     uint64_t arrived = arrival(d, k, read);
     d->packets++;
     d->bytes += n - VNET_HDR;
-    if (passthrough(&d->imp)) { send_pkt(d, buf, n, arrived); return; }
-    if (lost(d)) return;
+    int pass = passthrough(&d->imp);
+    if (!pass && lost(d)) {
+        if (!d->dark_since) d->dark_since = arrived;
+        return;
+    }
+    if (d->dark_since) { /* a packet goes through: the run of losses (the dark) is over */
+        if (arrived > d->dark_since && arrived - d->dark_since > d->blackout_ns) d->blackout_ns = arrived - d->dark_since;
+        d->dark_since = 0;
+    }
+    if (pass) { send_pkt(d, buf, n, arrived); return; }
     int copies = d->imp.duplicate > 0 && rnd() < d->imp.duplicate ? 2 : 1;
     d->duplicated += copies - 1;
     for (int c = 0; c < copies; c++) {

@@ -90,6 +90,7 @@ class Direction:
     def reset(self) -> None:
         self.packets = self.bytes = self.sent = self.sent_bytes = 0
         self.lost_random = self.lost_burst = self.duplicated = self.reordered = 0
+        self.dark_since = self.blackout_ns = 0  # the current run of lost packets began (0: none), the longest's span
         self.held: deque[int] = deque(maxlen=SAMPLES)
 
     def configure(self, imp: Impairment) -> None:
@@ -132,6 +133,7 @@ class Direction:
                 "sent": self.sent, "sent_bytes": self.sent_bytes, "lost": lost,
                 "lost_random": self.lost_random, "lost_burst": self.lost_burst,
                 "loss_rate": lost / self.packets if self.packets else 0.0,
+                "blackout_ms": max(self.blackout_ns, time.monotonic_ns() - self.dark_since if self.dark_since else 0) / 1e6,
                 "duplicated": self.duplicated, "reordered": self.reordered,
                 "kernel_packets": 0, "held_samples": len(held),
                 "delay_us": {"mean": mean, "std": std, "p50": percentile(held, 0.5), "p90": percentile(held, 0.9),
@@ -184,10 +186,15 @@ class Emulator:
             return
         d.packets += 1
         d.bytes += len(view) - VNET_HDR
-        if d.passthrough:
-            self._send(d, view, arrived)
+        passthrough = d.passthrough
+        if not passthrough and d.lost():
+            d.dark_since = d.dark_since or arrived
             return
-        if d.lost():
+        if d.dark_since:  # a packet goes through: the run of losses (the dark) is over
+            d.blackout_ns = max(d.blackout_ns, arrived - d.dark_since)
+            d.dark_since = 0
+        if passthrough:
+            self._send(d, view, arrived)
             return
         copies = 2 if d.imp.duplicate and d.rng.random() < d.imp.duplicate else 1
         d.duplicated += copies - 1
