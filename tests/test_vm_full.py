@@ -45,11 +45,11 @@ def test_agent_command_timeout(full_vm):
 def test_a_long_command_is_polled_a_few_times_not_every_50_ms(full_vm):
     """Each guest-exec-status poll costs the TCG guest about 20 ms of CPU (the agent
     answers and logs it through journald): at one poll per 50 ms a command's wait took
-    40-50 % of a vCPU from the workload it ran. The waits grow to 0.25 s."""
-    pid = full_vm.run("echo $$; sleep 3").stdout.strip()
-    log = full_vm.run("journalctl --no-pager -o cat -t qemu-ga").stdout
-    polls = sum(1 for line in log.splitlines() if line.endswith(f"guest-exec-status called, pid: {pid}"))
-    assert 3 <= polls <= 25, f"{polls} polls of a 3 s command (the agent's log: {log[-300:]!r})"
+    40-50 % of a vCPU from the workload it ran. The waits grow to 0.25 s. Counted as the
+    channel sent them: the agent's own journal (``journalctl -t qemu-ga``) came back empty
+    once in a CI run, and a count of nothing is no count."""
+    result = full_vm.run("sleep 3")
+    assert result.rc == 0 and 3 <= result.polls <= 25, f"{result.polls} polls of a 3 s command ({result})"
 
 
 def test_hotplug_reported_by_the_guest_udev_agent(full_vm):

@@ -32,6 +32,7 @@ class CommandResult:
     rc: int
     stdout: str
     stderr: str
+    polls: int = 0  # guest-exec-status calls it took to see the end (the agent's channel; 0 on the serial one)
 
     def __str__(self) -> str:
         return f"exit {self.rc}; stdout {self.stdout[-400:]!r}; stderr {self.stderr[-400:]!r}"
@@ -267,12 +268,14 @@ class AgentChannel:
         ran, from the very workload a benchmark measures (docs/benchmarks.md, "NVMe")."""
         deadline = time.monotonic() + timeout
         interval = POLL_FIRST
+        polls = 0
         while time.monotonic() < deadline:
             status = self._call("guest-exec-status", {"pid": pid}, deadline)
+            polls += 1
             if status and status.get("exited"):
                 decode = lambda key: base64.b64decode(status.get(key, "")).decode(errors="replace")  # noqa: E731
                 return CommandResult(status.get("exitcode", -status.get("signal", 0) or -1),
-                                     decode("out-data"), decode("err-data"))
+                                     decode("out-data"), decode("err-data"), polls)
             time.sleep(max(0.0, min(interval, deadline - time.monotonic())))
             interval = min(POLL_MAX, interval * 1.5)
         raise GuestCommandTimeout(f"guest process {pid} did not finish within {timeout:.0f} s")
