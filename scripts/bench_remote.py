@@ -100,7 +100,7 @@ def paired_reads(vm: Vm, state, local: hotplug.Attachment, remote: hotplug.Attac
 
 def read_hops(att: hotplug.Attachment, box_pid: int) -> tuple[float, float, int, int, int]:
     """(host link wait µs, remote handling µs, reads, reads the forwarder spun for, read
-    answers the box's reader spun after) so far, from both proxies' counters."""
+    answers after which the box's reader was ready to spin) so far, from both proxies' counters."""
     from dxpu_vfio import registry
     link = att.server.stats()["device"]["link"]
     box = next(e for e in registry.entries() if e["pid"] == box_pid)
@@ -200,7 +200,7 @@ def main() -> int:
                         "host_link_wait": wait_us / n}
                     row["host_link_wait_us_per_read"] = wait_us / n
                     row["reads_spun_share"] = spun / n  # the forwarder's read spin engaged (read_spin_us)
-                    row["box_reads_followed_share"] = followed / n  # the box's reader spun after the answer
+                    row["box_reads_followed_share"] = followed / n  # the box's reader was ready to spin after the answer
                     if stream == "native" and delay == 0 and args.paired_rounds:
                         local_att = hotplug.attach(vm, "testdev")
                         try:
@@ -269,9 +269,10 @@ def main() -> int:
     print("\nwhere a remote read's time goes (µs, from both proxies' counters; the first column is the\n"
           "guest's median minus the host proxy's mean link wait; the last two, the share of reads whose\n"
           f"completion the host's forwarder spun for, read_spin_us = {args.read_spin_us:g}, and after whose\n"
-          f"answer the box's reader spun for the next, its read_spin_us = {args.box_read_spin_us:g}):")
+          f"answer the box's reader was ready to spin for the next (it spins only if that is not there yet),\n"
+          f"its read_spin_us = {args.box_read_spin_us:g}):")
     print(table(["path", "QEMU + host proxy", "network + TLS (+ emulator)", "remote proxy + device", "guest read",
-                 "reads spun for", "box spun after"],
+                 "reads spun for", "box ready to spin"],
                 [[k, r["hops_per_read_us"]["qemu_and_host_proxy"], r["hops_per_read_us"]["link_network_tls_relay"],
                   r["hops_per_read_us"]["remote_proxy_device"], r["read_median_us"], r["reads_spun_share"],
                   r["box_reads_followed_share"]]

@@ -263,8 +263,9 @@ static int wait_stream_or(Stream *s, int wake_fd, int64_t deadline, int64_t spin
  * spinning while the gaps after read answers average over the spin (a guest that reads now
  * and then, a slow link), and never spins longer than spin_ns after anything else: a
  * device's DMA and doorbells do not wait for a spinning reader's CPU. Counts the answers it
- * spun after (reads_followed); the gap is noted whether the next message needed a wait or
- * was there already (note_read_gap). */
+ * was ready to spin after (reads_followed: it does not spin where the next message is there
+ * already); the gap is noted whether the next message needed a wait or was there already
+ * (note_read_gap). */
 static int64_t spin_after_serving(Stream *s, int64_t *answered)
 {
     *answered = s->read_answered_ns;
