@@ -154,6 +154,9 @@ def test_a_stall_past_the_completion_timeout_is_a_master_abort_and_the_link_goes
 def test_dropped_posted_writes_never_reach_the_device(forwarded, faults, box):
     client, _, _, _ = forwarded
     client.write32(BAR0, 0x08, 0x11111111, posted=True)
+    # a posted write has no completion: read it back (reads never pass posted writes) so it
+    # has landed before the control socket arms the fault (a CI run once dropped it too)
+    assert client.read32(BAR0, 0x08) == 0x11111111
     faults.drop_posted(duration=5)
     for v in range(10):
         client.write32(BAR0, 0x08, 0x22220000 + v, posted=True)

@@ -118,6 +118,7 @@ def test_a_stalled_mmio_read_completes_after_the_stall_with_its_value(vm, plugge
 
 def test_dropped_posted_writes_are_not_seen_by_the_device(vm, plugged, faults):
     mmio(vm, plugged, "0", "write", "0x08", "0x11111111")
+    assert mmio(vm, plugged, "0", "read", "0x08") == "0x11111111"  # landed before the fault is armed
     faults.drop_posted(duration=30)
     mmio(vm, plugged, "0", "write", "0x08", "0x22222222")
     assert mmio(vm, plugged, "0", "read", "0x08") == "0x11111111"
