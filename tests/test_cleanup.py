@@ -123,7 +123,8 @@ def test_a_test_run_stopped_by_sigterm_tears_its_fixtures_down(tmp_path):
     output = tmp_path / "pytest.out"
     with open(output, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "dxpu_vfio.testing", "-q", "-p", "no:cacheprovider",
-                                 "--rootdir", str(tmp_path), str(tmp_path / "test_stopped.py")],
+                                 "--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "inner-tmp"),
+                                 str(tmp_path / "test_stopped.py")],
                                 cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
     try:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -51,8 +52,13 @@ def inner_session(tmp_path: Path, name: str, body: str) -> subprocess.CompletedP
     (work / "conftest.py").write_text('pytest_plugins = ["dxpu_vfio.testing"]\n')
     (work / f"test_{name}.py").write_text(INNER_HEAD + textwrap.dedent(body))
     env = {**os.environ, "INNER_RECORD": str(tmp_path / "record"), "DXPU_RESULTS": str(tmp_path / "results")}
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(work)],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=180)
+    # its own --basetemp, gone when it returns: pytest keeps a numbered directory of each
+    # session in /tmp/pytest-of-<user> for three days otherwise. Not under tmp_path: the
+    # outer test's log check would read the inner tests' deliberate tracebacks.
+    with tempfile.TemporaryDirectory(prefix="dxpu-inner-") as basetemp:
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp",
+                               str(Path(basetemp) / "t"), str(work)],
+                              cwd=work, env=env, capture_output=True, text=True, timeout=180)
 
 
 def records(tmp_path: Path) -> dict[str, dict]:
