@@ -173,13 +173,12 @@ def test_an_emulator_that_died_is_replaced_by_the_next_change(net):
 def dark_for_half_a_second(net, b: lab.BoxState, engine: str = "c") -> dict:
     """500 datagrams at 1000 a second into a link that loses every one (up), then 20 through:
     the report's ``blackout_ms`` while dark and after."""
-    me = [sys.executable, "-m", "dxpu_vfio.lab.udp_probe", "send", "--to", b.box_ip, "--port", "9"]
     lab.set_link(net, "box1", Impairment(loss=1.0), down=Impairment(delay_us=50), engine=engine)
     lab.reset_link_counters(net, "box1")
-    subprocess.run(["ip", "netns", "exec", net.host_netns, *me, "--count", "500", "--pps", "1000"], check=True, timeout=60)
+    udp_probe.send_from(net.host_netns, b.box_ip, 500, pps=1000, port=9)
     dark = lab.link_report(net, "box1")["up"]
     lab.set_link(net, "box1", Impairment(delay_us=50), engine=engine)
-    subprocess.run(["ip", "netns", "exec", net.host_netns, *me, "--count", "20", "--pps", "1000"], check=True, timeout=60)
+    udp_probe.send_from(net.host_netns, b.box_ip, 20, pps=1000, port=9)
     return {"dark": dark, "after": lab.link_report(net, "box1")["up"]}
 
 

@@ -71,17 +71,25 @@ def send(to: str, port: int, count: int, pps: float) -> None:
         time.sleep(0.01)
 
 
+PROBE = [sys.executable, "-m", "dxpu_vfio.lab.udp_probe"]
+
+
+def send_from(send_ns: str, to_ip: str, count: int, pps: float = 20000, port: int = PORT) -> None:
+    """Send ``count`` datagrams from namespace ``send_ns`` to ``to_ip`` (nobody need listen:
+    a test of the link between them counts them on the way)."""
+    subprocess.run(["ip", "netns", "exec", send_ns, *PROBE, "send", "--to", to_ip, "--port", str(port),
+                    "--count", str(count), "--pps", str(pps)], check=True, timeout=120)
+
+
 def across(recv_ns: str, recv_ip: str, send_ns: str, count: int, pps: float = 20000, port: int = PORT) -> dict:
     """Send ``count`` datagrams from namespace ``send_ns`` to ``recv_ip`` in ``recv_ns``;
     what the receiver saw."""
-    me = [sys.executable, "-m", "dxpu_vfio.lab.udp_probe"]
-    receiver = subprocess.Popen(["ip", "netns", "exec", recv_ns, *me, "recv", "--listen", recv_ip, "--port", str(port),
+    receiver = subprocess.Popen(["ip", "netns", "exec", recv_ns, *PROBE, "recv", "--listen", recv_ip, "--port", str(port),
                                  "--count", str(count)], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         if receiver.stdout.readline().strip() != "ready":
             raise RuntimeError("udp probe receiver did not start")
-        subprocess.run(["ip", "netns", "exec", send_ns, *me, "send", "--to", recv_ip, "--port", str(port),
-                        "--count", str(count), "--pps", str(pps)], check=True, timeout=120)
+        send_from(send_ns, recv_ip, count, pps, port)
         out, _ = receiver.communicate(timeout=60)
         return json.loads(out)
     finally:
