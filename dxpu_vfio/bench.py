@@ -25,6 +25,34 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_times(pid: int) -> dict[int, tuple[int, int, int]]:
+    """tid -> (user ticks, system ticks, context switches) of each thread of ``pid`` now
+    (threads that end while read are left out)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            switches = sum(int(line.split()[1]) for line in (task / "status").read_text().splitlines()
+                           if "ctxt_switches" in line)
+            out[int(task.name)] = (int(fields[11]), int(fields[12]), switches)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    """tid -> the thread's name (``comm``: QEMU names its vCPU threads; Python threads are
+    all "python")."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out[int(task.name)] = (task / "comm").read_text().strip()
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(h) for h in headers]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dxpu_vfio.bench import table, write_json  # noqa: E402
+from dxpu_vfio.bench import table, thread_times, write_json  # noqa: E402
 from dxpu_vfio.hostproxy.process import HostProxyProcess  # noqa: E402
 from dxpu_vfio.lab import floors  # noqa: E402
 from dxpu_vfio.link.transport import TlsFiles, make_certs  # noqa: E402
@@ -39,21 +39,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def thread_times(pid: int) -> dict[int, tuple[int, int, int]]:
-    """tid -> (user ticks, system ticks, context switches)."""
-    out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()
-            switches = sum(int(line.split()[1]) for line in (task / "status").read_text().splitlines()
-                           if "ctxt_switches" in line)
-            out[int(task.name)] = (int(fields[11]), int(fields[12]), switches)
-        except (OSError, ValueError):
-            continue
-    return out
 
 
 def main() -> int:

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Where an NVMe I/O's CPU goes, thread by thread: one fio workload on one of our
+controllers (a GPU box's over the lab link, or one the host proxy serves locally) in a
+`full` guest, and the CPU each thread of QEMU, the host proxy and the box spent per I/O
+while it ran (user + system ticks from ``/proc/PID/task/*/stat``, so threads of a few µs
+per I/O round to 0; with context switches per I/O). Where ``bench_nvme.py`` says how fast,
+this says who paid: the profile to take before changing the data path.
+
+``--py-spy FILE`` also records the box's Python (py-spy, raw format, 200 Hz, idle threads
+included): it slows the box, so the table of that run is not the one to quote.
+
+Table on stdout, JSON in results/bench/nvme_threads.json (``results -> process -> tid ->
+{name, us_per_io, switches_per_io}``, ``totals_us_per_io``, ``cores``).
+
+    .venv/bin/python scripts/bench_nvme_threads.py [--path remote] [--rw read] [--bs 128k] [--depth 16]
+        [--runtime 15] [--guest-cpus 2] [--py-spy box.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dxpu_vfio.bench import table, thread_names, thread_times, write_json  # noqa: E402
+from dxpu_vfio.lab import hotplug, lab  # noqa: E402
+from dxpu_vfio.lab.guest_devices import nvme_disk  # noqa: E402
+from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
+from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
+
+WARM_UP_S = 2
+PY_SPY = Path(sys.executable).parent / "py-spy"
+
+
+def fio(vm: Vm, dev: str, args: argparse.Namespace, runtime: int) -> dict:
+    out = vm.run(f"fio --name=t --filename=/dev/{dev} --direct=1 --ioengine=libaio --iodepth={args.depth} "
+                 f"--rw={args.rw} --bs={args.bs} --size={args.size_mib}M --runtime={runtime} --time_based "
+                 "--output-format=json", timeout=runtime * 10 + 120).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    return job["read"] if "read" in args.rw else job["write"]
+
+
+def per_io(before: dict, after: dict, names: dict, ios: int) -> dict:
+    """tid -> {name, us_per_io, switches_per_io} for the threads that ran in between."""
+    tick_us = 1e6 / os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid, (user, system, switches) in after.items():
+        u0, s0, w0 = before.get(tid, (0, 0, 0))
+        out[tid] = {"name": names.get(tid, "?"), "us_per_io": (user + system - u0 - s0) * tick_us / ios,
+                    "switches_per_io": (switches - w0) / ios}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--path", choices=("remote", "local"), default="remote")
+    parser.add_argument("--rw", choices=("read", "write", "randread", "randwrite"), default="read")
+    parser.add_argument("--bs", default="128k")
+    parser.add_argument("--depth", type=int, default=16)
+    parser.add_argument("--runtime", type=int, default=15, help="seconds measured (after a warm-up of 2)")
+    parser.add_argument("--size-mib", type=int, default=64)
+    parser.add_argument("--guest-cpus", type=int, default=2)
+    parser.add_argument("--py-spy", type=Path, help="also record the box's Python here (raw; slows the box)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.py_spy and (args.path != "remote" or not PY_SPY.exists()):
+        parser.error("--py-spy records the box (--path remote) and needs py-spy: .venv/bin/pip install py-spy")
+    exit_on_sigterm()  # a SIGTERM still runs the finally below: no lab, no disk image left
+    size = args.size_mib << 20
+    work = Path(tempfile.mkdtemp(prefix="dxpu-bench-nvme-threads-"))
+    image = work / "ns.img"
+    settings = {"namespaces": [{"size": size, "path": str(image)}]}
+    topology = lab.Topology("bt", [lab.BoxSpec("box1", [{"id": "nv0", "model": "nvme", "settings": settings}])])
+    spy = None
+    try:
+        image.write_bytes(random.Random(0).randbytes(size))  # no holes: reads come from the page cache
+        state = lab.up(topology)
+        config = VmConfig(image="full", name="bench-nvme-threads", cpus=args.guest_cpus, boot_timeout=240)
+        with Vm(config) as vm:
+            vm.boot()
+            if args.path == "remote":
+                att = hotplug.attach(vm, "remote", settings=state.remote_settings("box1", "nv0"),
+                                     netns=state.host_netns)
+            else:
+                att = hotplug.attach(vm, "nvme", settings=settings)
+            pids = {"qemu": vm.pid, "host proxy": att.server.pid}
+            if args.path == "remote":
+                pids["box"] = state.box("box1").proxy_pid
+            dev = nvme_disk(vm, att.guest_bdf)
+            fio(vm, dev, args, WARM_UP_S)
+            names = {name: thread_names(pid) for name, pid in pids.items()}
+            before = {name: thread_times(pid) for name, pid in pids.items()}
+            if args.py_spy:
+                spy = subprocess.Popen([str(PY_SPY), "record", "--pid", str(pids["box"]), "-r", "200", "-d",
+                                        str(max(1, args.runtime - 1)), "-f", "raw", "--threads", "--idle",
+                                        "-o", str(args.py_spy)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            side = fio(vm, dev, args, args.runtime)
+            after = {name: thread_times(pid) for name, pid in pids.items()}
+            if spy is not None:
+                spy.wait(60)
+            hotplug.detach(att)
+    finally:
+        if spy is not None and spy.poll() is None:
+            spy.kill()
+            spy.wait()
+        lab.down(topology.name)  # safe where lab.up never finished
+        shutil.rmtree(work, ignore_errors=True)
+    ios = max(side["total_ios"], 1)
+    results = {name: per_io(before[name], after[name], names[name], ios) for name in pids}
+    totals = {name: sum(t["us_per_io"] for t in threads.values()) for name, threads in results.items()}
+    cores = sum(totals.values()) * side["iops"] / 1e6
+    rows = [[name, tid, t["name"], t["us_per_io"], t["switches_per_io"]]
+            for name, threads in results.items() for tid, t in sorted(threads.items(), key=lambda kv: -kv[1]["us_per_io"])
+            if t["us_per_io"] > 0]
+    print(f"{args.path} {args.rw} {args.bs} at depth {args.depth}, {args.guest_cpus} vCPUs: "
+          f"{side['bw_bytes'] / 1e6:.0f} MB/s, {side['iops']:.0f} IOPS")
+    print(table(["process", "tid", "thread", "CPU µs per I/O", "switches per I/O"], rows))
+    print("per process (µs per I/O): " + ", ".join(f"{n} {v:.0f}" for n, v in totals.items())
+          + f"; cores kept busy {cores:.2f}")
+    path = write_json("nvme_threads", {"path": args.path, "rw": args.rw, "bs": args.bs, "depth": args.depth,
+                                       "runtime_s": args.runtime, "guest_cpus": args.guest_cpus,
+                                       "MBps": side["bw_bytes"] / 1e6, "iops": side["iops"], "results": results,
+                                       "totals_us_per_io": totals, "cores": cores,
+                                       "py_spy": str(args.py_spy) if args.py_spy else None}, args.out)
+    print(f"\nJSON: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
