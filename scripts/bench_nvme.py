@@ -47,7 +47,6 @@ NVMe, 2026-12-05 fifth session).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shutil
 import statistics
@@ -60,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dxpu_vfio.bench import cpu_seconds, table, write_json  # noqa: E402
 from dxpu_vfio.lab import hotplug  # noqa: E402
 from dxpu_vfio.lab import floors, lab  # noqa: E402
-from dxpu_vfio.lab.guest_devices import nvme_disk  # noqa: E402
+from dxpu_vfio.lab.guest_devices import fio as guest_fio, nvme_disk  # noqa: E402
 from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
@@ -73,12 +72,8 @@ def fio(vm: Vm, dev: str, rw: str, bs: str, depth: int, runtime: int, size_mib: 
     """One fio run, and the CPU each of ``processes`` (name -> pid) spent per I/O during it
     (the whole fio command: its few ms of start-up are in it too)."""
     before = {name: cpu_seconds(pid) for name, pid in processes.items()}
-    out = vm.run(f"fio --name=b --filename=/dev/{dev} --direct=1 --ioengine=libaio --iodepth={depth} --rw={rw} "
-                 f"--bs={bs} --size={size_mib}M --runtime={runtime} --time_based --output-format=json",
-                 timeout=runtime * 10 + 120).stdout
+    side = guest_fio(vm, dev, rw, bs, depth, runtime, size_mib)
     spent = {name: cpu_seconds(pid) - before[name] for name, pid in processes.items()}
-    job = json.loads(out[out.index("{"):])["jobs"][0]
-    side = job["read"] if "read" in rw else job["write"]
     ios = max(side["total_ios"], 1)
     return {"MBps": side["bw_bytes"] / 1e6, "iops": side["iops"],
             "lat_mean_us": side["lat_ns"]["mean"] / 1000,

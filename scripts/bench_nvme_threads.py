@@ -19,7 +19,6 @@ Table on stdout, JSON in results/bench/nvme_threads.json (``results -> process -
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -32,20 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dxpu_vfio.bench import table, thread_names, thread_times, write_json  # noqa: E402
 from dxpu_vfio.lab import hotplug, lab  # noqa: E402
-from dxpu_vfio.lab.guest_devices import nvme_disk  # noqa: E402
+from dxpu_vfio.lab.guest_devices import fio, nvme_disk  # noqa: E402
 from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 WARM_UP_S = 2
 PY_SPY = Path(sys.executable).parent / "py-spy"
-
-
-def fio(vm: Vm, dev: str, args: argparse.Namespace, runtime: int) -> dict:
-    out = vm.run(f"fio --name=t --filename=/dev/{dev} --direct=1 --ioengine=libaio --iodepth={args.depth} "
-                 f"--rw={args.rw} --bs={args.bs} --size={args.size_mib}M --runtime={runtime} --time_based "
-                 "--output-format=json", timeout=runtime * 10 + 120).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]
-    return job["read"] if "read" in args.rw else job["write"]
 
 
 def per_io(before: dict, after: dict, names: dict, ios: int) -> dict:
@@ -95,14 +86,14 @@ def main() -> int:
             if args.path == "remote":
                 pids["box"] = state.box("box1").proxy_pid
             dev = nvme_disk(vm, att.guest_bdf)
-            fio(vm, dev, args, WARM_UP_S)
+            fio(vm, dev, args.rw, args.bs, args.depth, WARM_UP_S, args.size_mib)
             names = {name: thread_names(pid) for name, pid in pids.items()}
             before = {name: thread_times(pid) for name, pid in pids.items()}
             if args.py_spy:
                 spy = subprocess.Popen([str(PY_SPY), "record", "--pid", str(pids["box"]), "-r", "200", "-d",
                                         str(max(1, args.runtime - 1)), "-f", "raw", "--threads", "--idle",
                                         "-o", str(args.py_spy)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            side = fio(vm, dev, args, args.runtime)
+            side = fio(vm, dev, args.rw, args.bs, args.depth, args.runtime, args.size_mib)
             after = {name: thread_times(pid) for name, pid in pids.items()}
             if spy is not None:
                 spy.wait(60)

@@ -1,6 +1,8 @@
-"""Finding, inside a guest, what its drivers made of a plugged device."""
+"""Finding, inside a guest, what its drivers made of a plugged device, and driving it."""
 
 from __future__ import annotations
+
+import json
 
 from dxpu_vfio.vms.runner import Vm
 
@@ -14,3 +16,13 @@ def nvme_disk(vm: Vm, bdf: str, nsid: int = 1, timeout: int = 20) -> str:
                   f"[ \"$(cat $d/nsid 2>/dev/null)\" = {nsid} ] && [ -e /dev/$(basename $d) ] && "
                   "{ basename $d; exit 0; }; done; sleep 0.1; i=$((i+1)); done; exit 1",
                   timeout=timeout + 10).stdout.strip()
+
+
+def fio(vm: Vm, dev: str, rw: str, bs: str, depth: int, runtime: int, size_mib: int) -> dict:
+    """One time-based fio job with direct I/O on ``/dev/{dev}`` (libaio, ``depth`` deep) in
+    the guest: fio's JSON for the side it ran (``read`` for read/randread, else ``write``)."""
+    out = vm.run(f"fio --name=b --filename=/dev/{dev} --direct=1 --ioengine=libaio --iodepth={depth} --rw={rw} "
+                 f"--bs={bs} --size={size_mib}M --runtime={runtime} --time_based --output-format=json",
+                 timeout=runtime * 10 + 120).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    return job["read"] if "read" in rw else job["write"]
