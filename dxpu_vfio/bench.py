@@ -53,6 +53,19 @@ def thread_names(pid: int) -> dict[int, str]:
     return out
 
 
+def flat_counters(stats: dict, prefix: str = "") -> dict[str, float]:
+    """A process's counters from its nested stats, keys joined by dots (``a.b.c``): the
+    numbers only, and not the timings (keys ending in ``_us``, which are means and maxima,
+    not counts), so two snapshots subtract into what happened between them."""
+    out: dict[str, float] = {}
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            out.update(flat_counters(value, f"{prefix}{key}."))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and not key.endswith("_us"):
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(h) for h in headers]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]

@@ -6,11 +6,14 @@ while it ran (user + system ticks from ``/proc/PID/task/*/stat``, so threads of 
 per I/O round to 0; with context switches per I/O). Where ``bench_nvme.py`` says how fast,
 this says who paid: the profile to take before changing the data path.
 
-``--py-spy FILE`` also records the box's Python (py-spy, raw format, 200 Hz, idle threads
-included): it slows the box, so the table of that run is not the one to quote.
+``--py-spy FILE`` also records the Python of the process that runs the controller (py-spy,
+raw format, 200 Hz, idle threads included): the box on ``--path remote``, the host proxy on
+``--path local``. It slows that process, so the table of that run is not the one to quote.
 
-Table on stdout, JSON in results/bench/nvme_threads.json (``results -> process -> tid ->
-{name, us_per_io, switches_per_io}``, ``totals_us_per_io``, ``cores``).
+Then the host proxy's counters that moved, per I/O (its messages, interrupts, DMA: what
+each I/O asked of it). Tables on stdout, JSON in results/bench/nvme_threads.json
+(``results -> process -> tid -> {name, us_per_io, switches_per_io}``, ``totals_us_per_io``,
+``cores``, ``host_proxy_counters_per_io``).
 
     .venv/bin/python scripts/bench_nvme_threads.py [--path remote] [--rw read] [--bs 128k] [--depth 16]
         [--runtime 15] [--guest-cpus 2] [--py-spy box.txt]
@@ -29,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dxpu_vfio.bench import table, thread_names, thread_times, write_json  # noqa: E402
+from dxpu_vfio.bench import flat_counters, table, thread_names, thread_times, write_json  # noqa: E402
 from dxpu_vfio.lab import hotplug, lab  # noqa: E402
 from dxpu_vfio.lab.guest_devices import fio, nvme_disk  # noqa: E402
 from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
@@ -59,11 +62,13 @@ def main() -> int:
     parser.add_argument("--runtime", type=int, default=15, help="seconds measured (after a warm-up of 2)")
     parser.add_argument("--size-mib", type=int, default=64)
     parser.add_argument("--guest-cpus", type=int, default=2)
-    parser.add_argument("--py-spy", type=Path, help="also record the box's Python here (raw; slows the box)")
+    parser.add_argument("--py-spy", type=Path,
+                        help="also record the controller's process here (the box, or the host proxy on --path local;"
+                             " raw format; slows it)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    if args.py_spy and (args.path != "remote" or not PY_SPY.exists()):
-        parser.error("--py-spy records the box (--path remote) and needs py-spy: .venv/bin/pip install py-spy")
+    if args.py_spy and not PY_SPY.exists():
+        parser.error("--py-spy needs py-spy: .venv/bin/pip install py-spy")
     exit_on_sigterm()  # a SIGTERM still runs the finally below: no lab, no disk image left
     size = args.size_mib << 20
     work = Path(tempfile.mkdtemp(prefix="dxpu-bench-nvme-threads-"))
@@ -89,12 +94,14 @@ def main() -> int:
             fio(vm, dev, args.rw, args.bs, args.depth, WARM_UP_S, args.size_mib)
             names = {name: thread_names(pid) for name, pid in pids.items()}
             before = {name: thread_times(pid) for name, pid in pids.items()}
+            counters_before = flat_counters(att.server.stats())
             if args.py_spy:
-                spy = subprocess.Popen([str(PY_SPY), "record", "--pid", str(pids["box"]), "-r", "200", "-d",
+                spy = subprocess.Popen([str(PY_SPY), "record", "--pid", str(pids.get("box", pids["host proxy"])), "-r", "200", "-d",
                                         str(max(1, args.runtime - 1)), "-f", "raw", "--threads", "--idle",
                                         "-o", str(args.py_spy)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             side = fio(vm, dev, args.rw, args.bs, args.depth, args.runtime, args.size_mib)
             after = {name: thread_times(pid) for name, pid in pids.items()}
+            counters_after = flat_counters(att.server.stats())
             if spy is not None:
                 spy.wait(60)
             hotplug.detach(att)
@@ -111,15 +118,20 @@ def main() -> int:
     rows = [[name, tid, t["name"], t["us_per_io"], t["switches_per_io"]]
             for name, threads in results.items() for tid, t in sorted(threads.items(), key=lambda kv: -kv[1]["us_per_io"])
             if t["us_per_io"] > 0]
+    counters = {k: (v - counters_before.get(k, 0)) / ios for k, v in counters_after.items()
+                if v != counters_before.get(k, 0)}
     print(f"{args.path} {args.rw} {args.bs} at depth {args.depth}, {args.guest_cpus} vCPUs: "
           f"{side['bw_bytes'] / 1e6:.0f} MB/s, {side['iops']:.0f} IOPS")
     print(table(["process", "tid", "thread", "CPU µs per I/O", "switches per I/O"], rows))
     print("per process (µs per I/O): " + ", ".join(f"{n} {v:.0f}" for n, v in totals.items())
           + f"; cores kept busy {cores:.2f}")
+    print("\nthe host proxy's counters per I/O (those that moved):")
+    print(table(["counter", "per I/O"], [[k, v] for k, v in sorted(counters.items())]))
     path = write_json("nvme_threads", {"path": args.path, "rw": args.rw, "bs": args.bs, "depth": args.depth,
                                        "runtime_s": args.runtime, "guest_cpus": args.guest_cpus,
                                        "MBps": side["bw_bytes"] / 1e6, "iops": side["iops"], "results": results,
                                        "totals_us_per_io": totals, "cores": cores,
+                                       "host_proxy_counters_per_io": counters,
                                        "py_spy": str(args.py_spy) if args.py_spy else None}, args.out)
     print(f"\nJSON: {path}")
     return 0

@@ -1,0 +1,65 @@
+"""The benchmark scripts' shared helpers (dxpu_vfio/bench.py) that a profile rests on: the
+per-thread CPU read from /proc and the counters two stats snapshots are subtracted by."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from dxpu_vfio.bench import flat_counters, thread_names, thread_times
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_thread_times_charge_a_busy_thread_and_not_an_idle_one():
+    """The busy thread's ticks grow by about the CPU it used; a thread that only sleeps
+    stays near zero. A profile that charged CPU to the wrong thread would send the next
+    optimisation to the wrong place."""
+    ready, stop = threading.Barrier(3), threading.Event()
+    tids: dict[str, int] = {}
+
+    def busy() -> None:
+        tids["busy"] = threading.get_native_id()
+        ready.wait()
+        _burn(0.3)
+        stop.wait(10)
+
+    def idle() -> None:
+        tids["idle"] = threading.get_native_id()
+        ready.wait()
+        stop.wait(10)
+
+    threads = [threading.Thread(target=busy), threading.Thread(target=idle)]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    before = thread_times(os.getpid())
+    time.sleep(0.6)  # the busy thread burns its 0.3 s of CPU meanwhile
+    after = thread_times(os.getpid())
+    names = thread_names(os.getpid())
+    stop.set()
+    for thread in threads:
+        thread.join()
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+
+    def cpu(name: str) -> float:
+        (u0, s0, _), (u1, s1, _) = before[tids[name]], after[tids[name]]
+        return (u1 + s1 - u0 - s0) * tick
+
+    assert 0.2 <= cpu("busy") <= 0.5, cpu("busy")
+    assert cpu("idle") <= 0.05, cpu("idle")
+    assert names[os.getpid()]  # every thread has its comm, the main one included
+    assert set(names) >= {tids["busy"], tids["idle"]}
+
+
+def test_flat_counters_join_nested_keys_and_keep_counts_only():
+    stats = {"device": {"commands": 7, "link": {"stream": {"bytes_in": 4096}}, "attach_error": None},
+             "server": {"commands": {"REGION_WRITE": {"count": 3, "mean_us": 1.5, "max_us": 9.0}}},
+             "enabled": True, "model": "nvme", "ratio": 0.25}
+    assert flat_counters(stats) == {"device.commands": 7, "device.link.stream.bytes_in": 4096,
+                                    "server.commands.REGION_WRITE.count": 3, "ratio": 0.25}
