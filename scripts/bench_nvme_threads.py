@@ -10,10 +10,11 @@ this says who paid: the profile to take before changing the data path.
 raw format, 200 Hz, idle threads included): the box on ``--path remote``, the host proxy on
 ``--path local``. It slows that process, so the table of that run is not the one to quote.
 
-Then the host proxy's counters that moved, per I/O (its messages, interrupts, DMA: what
-each I/O asked of it). Tables on stdout, JSON in results/bench/nvme_threads.json
+Then the guest's own /proc/stat per I/O (its CPU by kind, interrupts, context switches:
+what QEMU's vCPU threads spent it on) and the host proxy's counters that moved, per I/O
+(its messages, interrupts, DMA: what each I/O asked of it). Tables on stdout, JSON in results/bench/nvme_threads.json
 (``results -> process -> tid -> {name, us_per_io, switches_per_io}``, ``totals_us_per_io``,
-``cores``, ``host_proxy_counters_per_io``).
+``cores``, ``guest_per_io``, ``host_proxy_counters_per_io``).
 
     .venv/bin/python scripts/bench_nvme_threads.py [--path remote] [--rw read] [--bs 128k] [--depth 16]
         [--runtime 15] [--guest-cpus 2] [--py-spy box.txt]
@@ -50,6 +51,23 @@ def per_io(before: dict, after: dict, names: dict, ios: int) -> dict:
         u0, s0, w0 = before.get(tid, (0, 0, 0))
         out[tid] = {"name": names.get(tid, "?"), "us_per_io": (user + system - u0 - s0) * tick_us / ios,
                     "switches_per_io": (switches - w0) / ios}
+    return out
+
+
+GUEST_CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq")
+
+
+def guest_stat(vm: Vm) -> dict[str, int]:
+    """The guest's own accounting from its /proc/stat: CPU ticks (USER_HZ) by kind over all
+    vCPUs, interrupts and context switches. What QEMU's CPU per I/O was spent on, as the
+    guest saw it (TCG runs the guest's kernel and fio on QEMU's vCPU threads)."""
+    out: dict[str, int] = {}
+    for line in vm.run("cat /proc/stat", timeout=30).stdout.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            out.update(zip(GUEST_CPU_FIELDS, map(int, fields[1:8])))
+        elif fields and fields[0] in ("intr", "ctxt"):
+            out[fields[0]] = int(fields[1])
     return out
 
 
@@ -95,6 +113,7 @@ def main() -> int:
             names = {name: thread_names(pid) for name, pid in pids.items()}
             before = {name: thread_times(pid) for name, pid in pids.items()}
             counters_before = flat_counters(att.server.stats())
+            guest_before = guest_stat(vm)
             if args.py_spy:
                 spy = subprocess.Popen([str(PY_SPY), "record", "--pid", str(pids.get("box", pids["host proxy"])), "-r", "200", "-d",
                                         str(max(1, args.runtime - 1)), "-f", "raw", "--threads", "--idle",
@@ -102,6 +121,7 @@ def main() -> int:
             side = fio(vm, dev, args.rw, args.bs, args.depth, args.runtime, args.size_mib)
             after = {name: thread_times(pid) for name, pid in pids.items()}
             counters_after = flat_counters(att.server.stats())
+            guest_after = guest_stat(vm)
             if spy is not None:
                 spy.wait(60)
             hotplug.detach(att)
@@ -125,13 +145,18 @@ def main() -> int:
     print(table(["process", "tid", "thread", "CPU µs per I/O", "switches per I/O"], rows))
     print("per process (µs per I/O): " + ", ".join(f"{n} {v:.0f}" for n, v in totals.items())
           + f"; cores kept busy {cores:.2f}")
+    hz = 100  # USER_HZ, what /proc/stat counts in (100 on x86 Linux)
+    guest = {k: (guest_after[k] - guest_before[k]) * (1e6 / hz if k in GUEST_CPU_FIELDS else 1) / ios
+             for k in guest_before}
+    print("\nthe guest's /proc/stat per I/O (CPU in µs over all vCPUs; interrupts, context switches):")
+    print(table(["counter", "per I/O"], [[k, v] for k, v in guest.items()]))
     print("\nthe host proxy's counters per I/O (those that moved):")
     print(table(["counter", "per I/O"], [[k, v] for k, v in sorted(counters.items())]))
     path = write_json("nvme_threads", {"path": args.path, "rw": args.rw, "bs": args.bs, "depth": args.depth,
                                        "runtime_s": args.runtime, "guest_cpus": args.guest_cpus,
                                        "MBps": side["bw_bytes"] / 1e6, "iops": side["iops"], "results": results,
                                        "totals_us_per_io": totals, "cores": cores,
-                                       "host_proxy_counters_per_io": counters,
+                                       "host_proxy_counters_per_io": counters, "guest_per_io": guest,
                                        "py_spy": str(args.py_spy) if args.py_spy else None}, args.out)
     print(f"\nJSON: {path}")
     return 0
