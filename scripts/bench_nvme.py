@@ -20,8 +20,11 @@ the network floor between the lab's namespaces (TLS ping-pong and bulk,
 :mod:`dxpu_vfio.lab.floors`) is measured in the same run. Prints a table with ratios and
 the data path's NVMe goals, and writes results/bench/nvme.json (``results -> path ->
 workload -> MBps`` and ``cpu_us_per_io`` of QEMU, the host proxy and the box, ``floor``,
-``remote_ceiling_vs_qemu``, ``goals``). The CPU per I/O is the budget the goals are judged
-by: on two cores the guest's vCPUs and both proxies share them.
+``remote_ceiling_vs_qemu``, ``cpu_ceiling``, ``goals``). The CPU per I/O is the budget the
+goals are judged by: on two cores the guest's vCPUs and both proxies share them. So the
+run also measures the link's CPU per 128 KiB message (both ends, C TLS) and prints the CPU
+ceiling of a remote sequential read stream: QEMU's CPU per read on the local path plus the
+link's, on all cores (:func:`read_cpu_ceiling`).
 
 The goals are judged on paired rounds (``--paired-rounds``, JSON ``paired``): the
 goal workloads at the deepest depth run again on the three devices in turn, the order
@@ -47,6 +50,7 @@ NVMe, 2026-12-05 fifth session).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shutil
 import statistics
@@ -78,6 +82,35 @@ def fio(vm: Vm, dev: str, rw: str, bs: str, depth: int, runtime: int, size_mib: 
     return {"MBps": side["bw_bytes"] / 1e6, "iops": side["iops"],
             "lat_mean_us": side["lat_ns"]["mean"] / 1000,
             "cpu_us_per_io": {name: seconds / ios * 1e6 for name, seconds in spent.items()}}
+
+
+READ_BYTES = 128 << 10  # a sequential read's transfer: the link's CPU floor is measured per message of it
+
+
+def read_cpu_ceiling(results: dict, workload: str, link: dict) -> dict:
+    """The most a remote sequential read stream can reach on this machine's CPUs, as a
+    share of QEMU's own device in the same run: every remote read costs at least what QEMU
+    spent per read on the local path (the same vfio-user device, no distance: the guest,
+    its driver and QEMU's side of vfio-user) plus what the link spends moving 128 KiB (both
+    ends, OpenSSL in C, ``link``: :func:`dxpu_vfio.lab.floors.native_cpu_per_message`); the
+    guest and both proxies share the same cores. At all cores busy, and at the cores the
+    remote run kept busy. With the remote read's own cost split into QEMU's extra over its
+    local-path cost and the proxies' over the link's: where the rest of the gap lies."""
+    remote, local = results["remote"][workload], results["local"][workload]
+    floor_us = local["cpu_us_per_io"]["qemu"] + link["both_us"]
+    cores = os.cpu_count() or 1
+    remote_us = sum(remote["cpu_us_per_io"].values())
+    remote_cores = remote_us * remote["iops"] / 1e6
+    qemu_mbps = results["qemu-nvme"][workload]["MBps"]
+
+    def share(busy: float) -> float:
+        return busy * 1e6 / floor_us * READ_BYTES / 1e6 / qemu_mbps
+    return {"workload": workload, "qemu_local_us": local["cpu_us_per_io"]["qemu"], "link_us": link["both_us"],
+            "floor_us": floor_us, "cores": cores, "remote_cores": remote_cores,
+            "all_cores_vs_qemu": share(cores), "busy_cores_vs_qemu": share(remote_cores), "remote_us": remote_us,
+            "qemu_extra_us": remote["cpu_us_per_io"]["qemu"] - local["cpu_us_per_io"]["qemu"],
+            "proxies_over_link_us": remote["cpu_us_per_io"]["host proxy"] + remote["cpu_us_per_io"]["box"]
+            - link["both_us"]}
 
 
 def main() -> int:
@@ -114,7 +147,7 @@ def main() -> int:
             image.write_bytes(written)
         del written
         state = lab.up(topology)
-        floor = floors.measure_lab(state, "box1")
+        floor = floors.measure_lab(state, "box1", kinds=("tcp", "tls", "tls-native"), cpu_message_size=READ_BYTES)
         extra = ["-drive", f"file={qemu_disk},if=none,id=qn,format=raw,cache={args.qemu_cache},aio=threads",
                  "-device", "nvme,drive=qn,serial=QEMUNVME,addr=0x6"]
         config = VmConfig(image="full", name="bench-nvme", cpus=args.guest_cpus, extra_args=extra, boot_timeout=240)
@@ -180,6 +213,14 @@ def main() -> int:
     ceilings = {w: min(1.0, mbps / results["qemu-nvme"][w]["MBps"]) for w, mbps in bulk_for.items()}
     print("remote ceiling (TLS bulk / QEMU's nvme, same run): "
           + ", ".join(f"{w} = {v:.2f}" for w, v in ceilings.items()))
+    cpu_ceiling = read_cpu_ceiling(results, f"seq-read-128k-qd{deepest}", floor["tls-native"]["cpu_per_message"])
+    print(f"CPU ceiling of {cpu_ceiling['workload']}: a remote read costs at least QEMU's CPU per read on the local path "
+          f"({cpu_ceiling['qemu_local_us']:.0f} µs) + the link's per 128 KiB message, both ends in C TLS "
+          f"({cpu_ceiling['link_us']:.0f} µs) = {cpu_ceiling['floor_us']:.0f} µs; at all {cpu_ceiling['cores']} cores "
+          f"busy that is {cpu_ceiling['all_cores_vs_qemu']:.2f} of QEMU's nvme, at the {cpu_ceiling['remote_cores']:.2f} "
+          f"the remote run kept busy {cpu_ceiling['busy_cores_vs_qemu']:.2f}. The remote read cost "
+          f"{cpu_ceiling['remote_us']:.0f} µs: QEMU {cpu_ceiling['qemu_extra_us']:+.0f} µs over its local-path cost, "
+          f"the proxies {cpu_ceiling['proxies_over_link_us']:+.0f} µs over the link's")
 
     def ratios(path: str, workload: str) -> list[float]:
         return [r[path] / r["qemu-nvme"] for r in paired[workload]]
@@ -197,7 +238,8 @@ def main() -> int:
                                "guest_cpus": args.guest_cpus,
                                "images": "written",
                                "results": results, "paired": paired, "floor": floor,
-                               "remote_ceiling_vs_qemu": ceilings, "goals": goals}, args.out)
+                               "remote_ceiling_vs_qemu": ceilings, "cpu_ceiling": cpu_ceiling, "goals": goals},
+                      args.out)
     print(f"\nJSON: {path}")
     return 0
 

@@ -26,6 +26,9 @@ def test_a_burst_floor_needs_two_sizes():
     (["client", "--address", "198.18.1.2:7202", "--burst-sizes", "32,65536"], "--native"),
     (["client", "--address", "198.18.1.2:7202", "--native", "--tls-dir", "/nonexistent", "--burst-sizes", "32,64k"],
      "byte counts"),
+    (["client", "--address", "198.18.1.2:7202", "--cpu-message-size", "131072"], "--native"),
+    (["client", "--address", "198.18.1.2:7202", "--native", "--tls-dir", "/nonexistent", "--cpu-message-size",
+      str(2 << 20)], "1 to"),
 ])
 def test_burst_sizes_are_refused_with_the_reason(argv, says, capsys):
     with pytest.raises(SystemExit):

@@ -238,6 +238,22 @@ def test_burst_floor_echoes_each_size_whole_after_idle(net):
         floors.measure_lab(net, "box1", kinds=("tcp",), burst_sizes=(32,))
 
 
+def test_cpu_floor_counts_each_ends_cpu_per_message(net):
+    """The CPU floor bench_nvme judges a remote read's cost by: every message arrives whole
+    (the client checks each length), both ends report CPU, and 128 KiB messages cost more
+    CPU each than 4 KiB ones (a figure blind to size would be measuring something else)."""
+    got = {size: floors.measure_lab(net, "box1", round_trips=50, bulk_bytes=0, kinds=("tls-native",),
+                                    cpu_message_size=size)["tls-native"]["cpu_per_message"]
+           for size in (4096, 128 << 10)}
+    for size, row in got.items():
+        assert row["size"] == size and row["count"] == floors.CPU_MESSAGES and row["MBps"] > 0, row
+        assert row["sender_us"] > 0 and row["receiver_us"] > 0, row
+        assert row["both_us"] == pytest.approx(row["sender_us"] + row["receiver_us"]), row
+    assert got[128 << 10]["both_us"] > 2 * got[4096]["both_us"], got
+    with pytest.raises(ValueError, match="native"):
+        floors.measure_lab(net, "box1", kinds=("tcp",), cpu_message_size=4096)
+
+
 def test_an_unknown_floor_kind_is_refused_by_name(net):
     with pytest.raises(ValueError, match="tls-native"):
         floors.measure_lab(net, "box1", kinds=("quic",))

@@ -5,7 +5,11 @@ as a benchmark: what the network and the language cost before our proxies add an
   (the link's own security), median and p99 of N round trips;
 * bulk: 64 MiB each way in 1 MiB ``sendall`` / ``recv_into``, plain TCP and TLS;
 * bursts (``--burst-sizes``, native stream only): one message of each size echoed at a
-  time, after an idle gap, median round trip per size. A benchmark's pass moves its bytes
+  time, after an idle gap, median round trip per size.
+* CPU per message (``--cpu-message-size``, native stream only): the box sends a stream of
+  messages of one size and each end reports the CPU it spent (user + system, its whole
+  process) per message: what moving those bytes over the link costs the two cores it
+  shares with everything else (a remote NVMe read's 128 KiB, say), whatever the rate. A benchmark's pass moves its bytes
   that way (a doorbell's inputs, then its outputs, with the ends asleep in between), so
   bulk, whose stages overlap across messages, is a floor below what a pass can reach.
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import socket
 import statistics
 import struct
@@ -44,7 +49,10 @@ PING = 32
 PIECE = 1 << 20
 BURST_GAP_S = 0.002  # idle between two bursts, as between a pass's doorbell and the one before
 BURST_COUNT = 200
-OP = struct.Struct("<4sQ")  # b"PING"/b"BULK", count or bytes
+CPU_MESSAGES = 2000  # messages of the CPU-per-message floor
+OP = struct.Struct("<4sQ")  # b"PING"/b"BULK"/b"DOWN", count or bytes
+DOWN_SIZE = struct.Struct("<Q")  # after DOWN: the size of each message the server sends
+CPU_SPENT = struct.Struct("<d")  # the server's CPU seconds for them, its last message
 KINDS = {"tcp": (FLOOR_PORT, False, False), "tls": (FLOOR_PORT + 1, True, False),
          "tls-native": (FLOOR_PORT + 2, True, True)}  # kind -> (port, TLS, native stream)
 
@@ -97,8 +105,21 @@ def _serve_native(conn) -> None:
             piece = memoryview(bytes(PIECE))
             for pos in range(0, count, PIECE):
                 conn.send_message(0, 0, 0, piece[:min(PIECE, count - pos)])
+        elif op == b"DOWN":
+            (size,) = DOWN_SIZE.unpack(conn.receive().payload)
+            data, started = memoryview(bytes(min(size, PIECE))), _cpu_s()
+            for _ in range(count):
+                conn.send_message(0, 0, 0, data)
+            conn.send_message(0, 0, 0, CPU_SPENT.pack(_cpu_s() - started))
     finally:
         conn.close()
+
+
+def _cpu_s() -> float:
+    """This process's CPU seconds so far, user and system (its threads and the kernel's
+    work done on their behalf: TLS, TCP and what the loopback path runs in a send)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def serve(listen: str, port: int, tls: TlsFiles | None, native: bool = False) -> None:
@@ -225,6 +246,30 @@ def native_bursts(address: str, tls: TlsFiles | None, sizes: tuple[int, ...], co
     return out
 
 
+def native_cpu_per_message(address: str, tls: TlsFiles | None, size: int, count: int = CPU_MESSAGES) -> dict:
+    """The box sends ``count`` messages of ``size`` bytes (at most 1 MiB) back to back and
+    this end receives them; each end's CPU per message in µs, and the rate. The receiver's
+    figure includes making each message a bytes object, one copy, as the host's forwarder
+    makes one into guest memory."""
+    if not 0 < size <= PIECE:
+        raise ValueError(f"CPU floor: a message of 1 to {PIECE} bytes, not {size}")
+    conn = connect_native(*split_address(address), tls, timeout=30)
+    try:
+        conn.send_message(0, 0, 0, OP.pack(b"DOWN", count))
+        conn.send_message(0, 0, 0, DOWN_SIZE.pack(size))
+        started, wall = _cpu_s(), time.perf_counter()
+        for _ in range(count):
+            got = len(conn.receive().payload)
+            if got != size:
+                raise ConnectionError(f"CPU floor: asked for {size}-byte messages, one of {got} came")
+        received, wall = _cpu_s() - started, time.perf_counter() - wall
+        (sent,) = CPU_SPENT.unpack(conn.receive().payload)
+    finally:
+        conn.close()
+    return {"size": size, "count": count, "sender_us": sent / count * 1e6, "receiver_us": received / count * 1e6,
+            "both_us": (sent + received) / count * 1e6, "MBps": size * count / wall / 1e6}
+
+
 def burst_one_way_s(bursts: dict, nbytes: float) -> float:
     """Half the round trip of a burst of ``nbytes``, interpolated linearly between the
     measured sizes (extrapolated from the two largest beyond them)."""
@@ -240,26 +285,31 @@ def burst_one_way_s(bursts: dict, nbytes: float) -> float:
 
 
 def measure(address: str, tls: TlsFiles | None, round_trips: int = 3000, bulk_bytes: int = 64 << 20,
-            native: bool = False, burst_sizes: tuple[int, ...] = ()) -> dict:
+            native: bool = False, burst_sizes: tuple[int, ...] = (), cpu_message_size: int = 0) -> dict:
     """The ping-pong, the bulk transfer unless ``bulk_bytes`` is 0 (``native``: on the
-    native stream), and bursts of ``burst_sizes`` (native only)."""
-    if burst_sizes and not native:
-        raise ValueError("burst floors are measured on the native stream: pass native=True")
+    native stream), bursts of ``burst_sizes`` and, with a ``cpu_message_size``, the CPU per
+    message of that size (native only)."""
+    if (burst_sizes or cpu_message_size) and not native:
+        raise ValueError("burst and CPU floors are measured on the native stream: pass native=True")
     out = {"ping_pong": (native_ping_pong if native else ping_pong)(address, tls, round_trips)}
     if bulk_bytes:
         out["bulk"] = (native_bulk if native else bulk)(address, tls, bulk_bytes)
     if burst_sizes:
         out["burst"] = native_bursts(address, tls, burst_sizes)
+    if cpu_message_size:
+        out["cpu_per_message"] = native_cpu_per_message(address, tls, cpu_message_size)
     return out
 
 
 def measure_lab(state, box: str, round_trips: int = 3000, bulk_bytes: int = 64 << 20,
-                kinds: tuple[str, ...] = ("tcp", "tls"), burst_sizes: tuple[int, ...] = ()) -> dict:
+                kinds: tuple[str, ...] = ("tcp", "tls"), burst_sizes: tuple[int, ...] = (),
+                cpu_message_size: int = 0) -> dict:
     """Floors between ``state``'s host namespace and ``box``, same run: ``kinds`` of
-    :data:`KINDS` (plain TCP, TLS, TLS on the native stream); ``burst_sizes`` on the
-    native stream (under ``tls-native -> burst``)."""
-    if burst_sizes and "tls-native" not in kinds:
-        raise ValueError("burst floors are measured on the native stream: add tls-native to kinds")
+    :data:`KINDS` (plain TCP, TLS, TLS on the native stream); ``burst_sizes`` and
+    ``cpu_message_size`` on the native stream (under ``tls-native -> burst`` and
+    ``tls-native -> cpu_per_message``)."""
+    if (burst_sizes or cpu_message_size) and "tls-native" not in kinds:
+        raise ValueError("burst and CPU floors are measured on the native stream: add tls-native to kinds")
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown floor kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
@@ -271,6 +321,8 @@ def measure_lab(state, box: str, round_trips: int = 3000, bulk_bytes: int = 64 <
         port, tls, on_native = KINDS[label]
         tls_args = (["--tls-dir", str(state.certs)] if tls else []) + (["--native"] if on_native else [])
         bursts = ["--burst-sizes", ",".join(map(str, burst_sizes))] if on_native and burst_sizes else []
+        if on_native and cpu_message_size:
+            bursts += ["--cpu-message-size", str(cpu_message_size)]
         server = subprocess.Popen(["ip", "netns", "exec", b.netns, sys.executable, "-m", "dxpu_vfio.lab.floors",
                                    "serve", "--listen", b.box_ip, "--port", str(port), "--role", box, *tls_args],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -321,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--native", action="store_true", help="framed messages on the native stream (needs --tls-dir)")
     c.add_argument("--burst-sizes", default="", help="comma-separated message sizes echoed one at a time after "
                    f"{BURST_GAP_S * 1000:g} ms idle (with --native)")
+    c.add_argument("--cpu-message-size", type=int, default=0,
+                   help=f"also the CPU each end spends per message of this many bytes, {CPU_MESSAGES} sent by the "
+                        "server (with --native)")
     args = parser.parse_args(argv)
     if args.native and not args.tls_dir:
         parser.error("--native measures TLS on the native stream: give --tls-dir")
@@ -330,11 +385,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--burst-sizes wants byte counts separated by commas, not {args.burst_sizes!r}")
     if burst_sizes and not args.native:
         parser.error("--burst-sizes measures the native stream: add --native")
+    if args.what == "client" and args.cpu_message_size and not args.native:
+        parser.error("--cpu-message-size measures the native stream: add --native")
+    if args.what == "client" and not 0 <= args.cpu_message_size <= PIECE:
+        parser.error(f"--cpu-message-size is 1 to {PIECE} bytes (0: not measured), not {args.cpu_message_size}")
     if args.what == "serve":
         serve(args.listen, args.port, TlsFiles.in_dir(args.tls_dir, args.role) if args.tls_dir else None, args.native)
         return 0
     tls = TlsFiles.in_dir(args.tls_dir, "host") if args.tls_dir else None
-    print(json.dumps(measure(args.address, tls, args.round_trips, args.bulk_bytes, args.native, burst_sizes)))
+    print(json.dumps(measure(args.address, tls, args.round_trips, args.bulk_bytes, args.native, burst_sizes,
+                             args.cpu_message_size)))
     return 0
 
 
