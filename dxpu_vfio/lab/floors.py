@@ -5,13 +5,13 @@ as a benchmark: what the network and the language cost before our proxies add an
   (the link's own security), median and p99 of N round trips;
 * bulk: 64 MiB each way in 1 MiB ``sendall`` / ``recv_into``, plain TCP and TLS;
 * bursts (``--burst-sizes``, native stream only): one message of each size echoed at a
-  time, after an idle gap, median round trip per size.
-* CPU per message (``--cpu-message-size``, native stream only): the box sends a stream of
-  messages of one size and each end reports the CPU it spent (user + system, its whole
-  process) per message: what moving those bytes over the link costs the two cores it
-  shares with everything else (a remote NVMe read's 128 KiB, say), whatever the rate. A benchmark's pass moves its bytes
+  time, after an idle gap, median round trip per size. A benchmark's pass moves its bytes
   that way (a doorbell's inputs, then its outputs, with the ends asleep in between), so
   bulk, whose stages overlap across messages, is a floor below what a pass can reach.
+* CPU per message (``--cpu-message-size``, native stream only): the box sends a stream of
+  messages of one size and each end reports the CPU it spent (user + system, its whole
+  process) per message: what moving those bytes over the link costs the cores it shares
+  with everything else (a remote NVMe read's 128 KiB, say), whatever the rate.
 
 Both ends are Python, like the proxies: a ratio of a proxy's number to these says what
 our software costs on top of the same sockets. ``--native`` runs the same exchanges as
@@ -320,9 +320,9 @@ def measure_lab(state, box: str, round_trips: int = 3000, bulk_bytes: int = 64 <
     for label in kinds:
         port, tls, on_native = KINDS[label]
         tls_args = (["--tls-dir", str(state.certs)] if tls else []) + (["--native"] if on_native else [])
-        bursts = ["--burst-sizes", ",".join(map(str, burst_sizes))] if on_native and burst_sizes else []
+        native_args = ["--burst-sizes", ",".join(map(str, burst_sizes))] if on_native and burst_sizes else []
         if on_native and cpu_message_size:
-            bursts += ["--cpu-message-size", str(cpu_message_size)]
+            native_args += ["--cpu-message-size", str(cpu_message_size)]
         server = subprocess.Popen(["ip", "netns", "exec", b.netns, sys.executable, "-m", "dxpu_vfio.lab.floors",
                                    "serve", "--listen", b.box_ip, "--port", str(port), "--role", box, *tls_args],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -333,7 +333,7 @@ def measure_lab(state, box: str, round_trips: int = 3000, bulk_bytes: int = 64 <
             client = subprocess.run(["ip", "netns", "exec", state.host_netns, sys.executable, "-m",
                                      "dxpu_vfio.lab.floors", "client", "--address", f"{b.box_ip}:{port}",
                                      "--round-trips", str(round_trips), "--bulk-bytes", str(bulk_bytes),
-                                     *tls_args, *bursts], capture_output=True, text=True, timeout=300)
+                                     *tls_args, *native_args], capture_output=True, text=True, timeout=300)
             if client.returncode:
                 raise RuntimeError(f"floor client failed: {client.stderr[-800:]}")
             out[label] = json.loads(client.stdout)
