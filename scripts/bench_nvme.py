@@ -89,11 +89,11 @@ READ_BYTES = 128 << 10  # a sequential read's transfer: the link's CPU floor is 
 
 def read_cpu_ceiling(results: dict, workload: str, link: dict) -> dict:
     """The most a remote sequential read stream can reach on this machine's CPUs, as a
-    share of QEMU's own device in the same run: every remote read costs at least what QEMU
-    spent per read on the local path (the same vfio-user device, no distance: the guest,
-    its driver and QEMU's side of vfio-user) plus what the link spends moving 128 KiB (both
-    ends, OpenSSL in C, ``link``: :func:`dxpu_vfio.lab.floors.native_cpu_per_message`); the
-    guest and both proxies share the same cores. At all cores busy, and at the cores the
+    share of QEMU's own device in the same run, if QEMU spent per remote read what it spent
+    per local one (the same vfio-user device without distance: the guest, its driver and
+    QEMU's side of vfio-user) and the proxies no more than the link does moving 128 KiB
+    (both ends, OpenSSL in C, ``link``: :func:`dxpu_vfio.lab.floors.native_cpu_per_message`);
+    the guest and both proxies share the same cores. At all cores busy, and at the cores the
     remote run kept busy. With the remote read's own cost split into QEMU's extra over its
     local-path cost and the proxies' over the link's: where the rest of the gap lies."""
     remote, local = results["remote"][workload], results["local"][workload]

@@ -12,9 +12,10 @@ raw format, 200 Hz, idle threads included): the box on ``--path remote``, the ho
 
 Then the guest's own /proc/stat per I/O (its CPU by kind, interrupts, context switches:
 what QEMU's vCPU threads spent it on) and the host proxy's counters that moved, per I/O
-(its messages, interrupts, DMA: what each I/O asked of it). Tables on stdout, JSON in results/bench/nvme_threads.json
-(``results -> process -> tid -> {name, us_per_io, switches_per_io}``, ``totals_us_per_io``,
-``cores``, ``guest_per_io``, ``host_proxy_counters_per_io``).
+(its messages, interrupts, DMA: what each I/O asked of it). Tables on stdout, JSON in
+results/bench/nvme_threads.json (``results -> process -> tid -> {name, us_per_io,
+switches_per_io}``, ``totals_us_per_io``, ``cores``, ``guest_per_io``,
+``host_proxy_counters_per_io``).
 
     .venv/bin/python scripts/bench_nvme_threads.py [--path remote] [--rw read] [--bs 128k] [--depth 16]
         [--runtime 15] [--guest-cpus 2] [--py-spy box.txt]
@@ -111,11 +112,12 @@ def main() -> int:
             dev = nvme_disk(vm, att.guest_bdf)
             fio(vm, dev, args.rw, args.bs, args.depth, WARM_UP_S, args.size_mib)
             names = {name: thread_names(pid) for name, pid in pids.items()}
-            before = {name: thread_times(pid) for name, pid in pids.items()}
-            counters_before = flat_counters(att.server.stats())
+            counters_before = flat_counters(att.server.stats())  # (read outside the threads' window)
             guest_before = guest_stat(vm)
+            before = {name: thread_times(pid) for name, pid in pids.items()}
             if args.py_spy:
-                spy = subprocess.Popen([str(PY_SPY), "record", "--pid", str(pids.get("box", pids["host proxy"])), "-r", "200", "-d",
+                spied = pids.get("box", pids["host proxy"])  # the process that runs the controller
+                spy = subprocess.Popen([str(PY_SPY), "record", "--pid", str(spied), "-r", "200", "-d",
                                         str(max(1, args.runtime - 1)), "-f", "raw", "--threads", "--idle",
                                         "-o", str(args.py_spy)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             side = fio(vm, dev, args.rw, args.bs, args.depth, args.runtime, args.size_mib)
