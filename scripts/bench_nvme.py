@@ -214,9 +214,10 @@ def main() -> int:
     print("remote ceiling (TLS bulk / QEMU's nvme, same run): "
           + ", ".join(f"{w} = {v:.2f}" for w, v in ceilings.items()))
     cpu_ceiling = read_cpu_ceiling(results, f"seq-read-128k-qd{deepest}", floor["tls-native"]["cpu_per_message"])
-    print(f"CPU ceiling of {cpu_ceiling['workload']}: a remote read costs at least QEMU's CPU per read on the local path "
-          f"({cpu_ceiling['qemu_local_us']:.0f} µs) + the link's per 128 KiB message, both ends in C TLS "
-          f"({cpu_ceiling['link_us']:.0f} µs) = {cpu_ceiling['floor_us']:.0f} µs; at all {cpu_ceiling['cores']} cores "
+    print(f"CPU ceiling of {cpu_ceiling['workload']}: if a remote read cost QEMU what a local one does "
+          f"({cpu_ceiling['qemu_local_us']:.0f} µs) and the proxies what the link spends per 128 KiB message, both ends "
+          f"in C TLS ({cpu_ceiling['link_us']:.0f} µs), it would cost {cpu_ceiling['floor_us']:.0f} µs; at all "
+          f"{cpu_ceiling['cores']} cores "
           f"busy that is {cpu_ceiling['all_cores_vs_qemu']:.2f} of QEMU's nvme, at the {cpu_ceiling['remote_cores']:.2f} "
           f"the remote run kept busy {cpu_ceiling['busy_cores_vs_qemu']:.2f}. The remote read cost "
           f"{cpu_ceiling['remote_us']:.0f} µs: QEMU {cpu_ceiling['qemu_extra_us']:+.0f} µs over its local-path cost, "

@@ -56,6 +56,7 @@ def per_io(before: dict, after: dict, names: dict, ios: int) -> dict:
 
 
 GUEST_CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq")
+GUEST_USER_HZ = 100  # what the guest's /proc/stat counts CPU in (USER_HZ, 100 on x86 Linux)
 
 
 def guest_stat(vm: Vm) -> dict[str, int]:
@@ -147,8 +148,7 @@ def main() -> int:
     print(table(["process", "tid", "thread", "CPU µs per I/O", "switches per I/O"], rows))
     print("per process (µs per I/O): " + ", ".join(f"{n} {v:.0f}" for n, v in totals.items())
           + f"; cores kept busy {cores:.2f}")
-    hz = 100  # USER_HZ, what /proc/stat counts in (100 on x86 Linux)
-    guest = {k: (guest_after[k] - guest_before[k]) * (1e6 / hz if k in GUEST_CPU_FIELDS else 1) / ios
+    guest = {k: (guest_after[k] - guest_before[k]) * (1e6 / GUEST_USER_HZ if k in GUEST_CPU_FIELDS else 1) / ios
              for k in guest_before}
     print("\nthe guest's /proc/stat per I/O (CPU in µs over all vCPUs; interrupts, context switches):")
     print(table(["counter", "per I/O"], [[k, v] for k, v in guest.items()]))
