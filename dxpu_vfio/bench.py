@@ -9,7 +9,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from dxpu_vfio.paths import PROJECT_ROOT
 
@@ -25,9 +25,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def thread_times(pid: int) -> dict[int, tuple[int, int, int]]:
-    """tid -> (user ticks, system ticks, context switches) of each thread of ``pid`` now
-    (threads that end while read are left out)."""
+class ThreadTimes(NamedTuple):
+    """One thread's counters at one moment; two snapshots subtract into what it did between."""
+    user: int  # ticks (SC_CLK_TCK)
+    system: int  # ticks
+    switches: int  # voluntary + involuntary context switches
+    runq_wait_ns: int  # time runnable but not running (schedstat): what waiting for a core cost it
+
+
+def thread_times(pid: int) -> dict[int, ThreadTimes]:
+    """tid -> :class:`ThreadTimes` of each thread of ``pid`` now (threads that end while
+    read are left out). The run-queue wait says whether a thread that did little was idle
+    or kept from a core: on two shared cores both look alike in CPU time alone."""
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
@@ -35,8 +44,9 @@ def thread_times(pid: int) -> dict[int, tuple[int, int, int]]:
             fields = stat[stat.rindex(")") + 2:].split()
             switches = sum(int(line.split()[1]) for line in (task / "status").read_text().splitlines()
                            if "ctxt_switches" in line)
-            out[int(task.name)] = (int(fields[11]), int(fields[12]), switches)
-        except (OSError, ValueError):
+            waited = int((task / "schedstat").read_text().split()[1])
+            out[int(task.name)] = ThreadTimes(int(fields[11]), int(fields[12]), switches, waited)
+        except (OSError, ValueError, IndexError):
             continue
     return out
 

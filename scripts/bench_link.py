@@ -86,8 +86,8 @@ def main() -> int:
     rows, per_process = [], {}
     for name in pids:
         user = sys_ = switches = 0.0
-        for tid, (u1, s1, c1) in after[name].items():
-            u0, s0, c0 = before[name].get(tid, (0, 0, 0))
+        for tid, (u1, s1, c1, _) in after[name].items():
+            u0, s0, c0, _ = before[name].get(tid, (0, 0, 0, 0))
             if (u1 - u0) + (s1 - s0) + (c1 - c0) == 0:
                 continue
             user += u1 - u0

@@ -3,7 +3,8 @@
 controllers (a GPU box's over the lab link, or one the host proxy serves locally) in a
 `full` guest, and the CPU each thread of QEMU, the host proxy and the box spent per I/O
 while it ran (user + system ticks from ``/proc/PID/task/*/stat``, so threads of a few µs
-per I/O round to 0; with context switches per I/O). Where ``bench_nvme.py`` says how fast,
+per I/O round to 0; with context switches per I/O, and the time each spent runnable but
+waiting for a core, from ``schedstat``). Where ``bench_nvme.py`` says how fast,
 this says who paid: the profile to take before changing the data path.
 
 ``--py-spy FILE`` also records the Python of the process that runs the controller (py-spy,
@@ -14,7 +15,8 @@ Then the guest's own /proc/stat per I/O (its CPU by kind, interrupts, context sw
 what QEMU's vCPU threads spent it on) and the host proxy's counters that moved, per I/O
 (its messages, interrupts, DMA: what each I/O asked of it). Tables on stdout, JSON in
 results/bench/nvme_threads.json (``results -> process -> tid -> {name, us_per_io,
-switches_per_io}``, ``totals_us_per_io``, ``cores``, ``guest_per_io``,
+switches_per_io, runq_wait_us_per_io}``, ``totals_us_per_io``, ``cores``, ``waiting``,
+``guest_per_io``,
 ``host_proxy_counters_per_io``).
 
     .venv/bin/python scripts/bench_nvme_threads.py [--path remote] [--rw read] [--bs 128k] [--depth 16]
@@ -34,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dxpu_vfio.bench import flat_counters, table, thread_names, thread_times, write_json  # noqa: E402
+from dxpu_vfio.bench import ThreadTimes, flat_counters, table, thread_names, thread_times, write_json  # noqa: E402
 from dxpu_vfio.lab import hotplug, lab  # noqa: E402
 from dxpu_vfio.lab.guest_devices import fio, nvme_disk  # noqa: E402
 from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
@@ -45,13 +47,16 @@ PY_SPY = Path(sys.executable).parent / "py-spy"
 
 
 def per_io(before: dict, after: dict, names: dict, ios: int) -> dict:
-    """tid -> {name, us_per_io, switches_per_io} for the threads that ran in between."""
+    """tid -> {name, us_per_io, switches_per_io, runq_wait_us_per_io} for the threads that
+    ran in between."""
     tick_us = 1e6 / os.sysconf("SC_CLK_TCK")
     out = {}
-    for tid, (user, system, switches) in after.items():
-        u0, s0, w0 = before.get(tid, (0, 0, 0))
-        out[tid] = {"name": names.get(tid, "?"), "us_per_io": (user + system - u0 - s0) * tick_us / ios,
-                    "switches_per_io": (switches - w0) / ios}
+    for tid, now in after.items():
+        then = before.get(tid, ThreadTimes(0, 0, 0, 0))
+        out[tid] = {"name": names.get(tid, "?"),
+                    "us_per_io": (now.user + now.system - then.user - then.system) * tick_us / ios,
+                    "switches_per_io": (now.switches - then.switches) / ios,
+                    "runq_wait_us_per_io": (now.runq_wait_ns - then.runq_wait_ns) / 1e3 / ios}
     return out
 
 
@@ -138,16 +143,17 @@ def main() -> int:
     results = {name: per_io(before[name], after[name], names[name], ios) for name in pids}
     totals = {name: sum(t["us_per_io"] for t in threads.values()) for name, threads in results.items()}
     cores = sum(totals.values()) * side["iops"] / 1e6
-    rows = [[name, tid, t["name"], t["us_per_io"], t["switches_per_io"]]
+    waiting = sum(t["runq_wait_us_per_io"] for threads in results.values() for t in threads.values()) * side["iops"] / 1e6
+    rows = [[name, tid, t["name"], t["us_per_io"], t["runq_wait_us_per_io"], t["switches_per_io"]]
             for name, threads in results.items() for tid, t in sorted(threads.items(), key=lambda kv: -kv[1]["us_per_io"])
-            if t["us_per_io"] > 0]
+            if t["us_per_io"] > 0 or t["runq_wait_us_per_io"] > 1]
     counters = {k: (v - counters_before.get(k, 0)) / ios for k, v in counters_after.items()
                 if v != counters_before.get(k, 0)}
     print(f"{args.path} {args.rw} {args.bs} at depth {args.depth}, {args.guest_cpus} vCPUs: "
           f"{side['bw_bytes'] / 1e6:.0f} MB/s, {side['iops']:.0f} IOPS")
-    print(table(["process", "tid", "thread", "CPU µs per I/O", "switches per I/O"], rows))
+    print(table(["process", "tid", "thread", "CPU µs per I/O", "run-queue wait µs per I/O", "switches per I/O"], rows))
     print("per process (µs per I/O): " + ", ".join(f"{n} {v:.0f}" for n, v in totals.items())
-          + f"; cores kept busy {cores:.2f}")
+          + f"; cores kept busy {cores:.2f} of {os.cpu_count()}; threads waiting for a core {waiting:.2f} (both on average)")
     guest = {k: (guest_after[k] - guest_before[k]) * (1e6 / GUEST_USER_HZ if k in GUEST_CPU_FIELDS else 1) / ios
              for k in guest_before}
     print("\nthe guest's /proc/stat per I/O (CPU in µs over all vCPUs; interrupts, context switches):")
@@ -157,7 +163,7 @@ def main() -> int:
     path = write_json("nvme_threads", {"path": args.path, "rw": args.rw, "bs": args.bs, "depth": args.depth,
                                        "runtime_s": args.runtime, "guest_cpus": args.guest_cpus,
                                        "MBps": side["bw_bytes"] / 1e6, "iops": side["iops"], "results": results,
-                                       "totals_us_per_io": totals, "cores": cores,
+                                       "totals_us_per_io": totals, "cores": cores, "waiting": waiting,
                                        "host_proxy_counters_per_io": counters, "guest_per_io": guest,
                                        "py_spy": str(args.py_spy) if args.py_spy else None}, args.out)
     print(f"\nJSON: {path}")

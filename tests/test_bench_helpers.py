@@ -4,6 +4,8 @@ per-thread CPU read from /proc and the counters two stats snapshots are subtract
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -48,13 +50,52 @@ def test_thread_times_charge_a_busy_thread_and_not_an_idle_one():
     tick = 1 / os.sysconf("SC_CLK_TCK")
 
     def cpu(name: str) -> float:
-        (u0, s0, _), (u1, s1, _) = before[tids[name]], after[tids[name]]
+        (u0, s0, *_), (u1, s1, *_) = before[tids[name]], after[tids[name]]
         return (u1 + s1 - u0 - s0) * tick
 
     assert 0.2 <= cpu("busy") <= 0.5, cpu("busy")
     assert cpu("idle") <= 0.05, cpu("idle")
+    assert after[tids["idle"]].runq_wait_ns - before[tids["idle"]].runq_wait_ns < 50_000_000
     assert names[os.getpid()]  # every thread has its comm, the main one included
     assert set(names) >= {tids["busy"], tids["idle"]}
+
+
+BURNER = """
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+print("pinned", flush=True)
+sys.stdin.readline()
+end = time.thread_time() + 0.4
+while time.thread_time() < end:
+    pass
+print("burnt", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_thread_times_count_the_wait_for_a_core():
+    """Two processes that burn 0.4 s of CPU each on one core: each spends about as long
+    runnable, waiting for the core, as the other one runs. That wait is what tells a
+    thread kept from a core apart from an idle one (both show little CPU)."""
+    cpu = min(os.sched_getaffinity(0))
+    burners = [subprocess.Popen([sys.executable, "-c", BURNER, str(cpu)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for burner in burners:
+            assert burner.stdout.readline() == "pinned\n"
+        before = [thread_times(burner.pid)[burner.pid] for burner in burners]
+        for burner in burners:
+            burner.stdin.write("go\n")
+            burner.stdin.flush()
+        for burner in burners:
+            assert burner.stdout.readline() == "burnt\n"
+        after = [thread_times(burner.pid)[burner.pid] for burner in burners]
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait(10)
+    waited = [(a.runq_wait_ns - b.runq_wait_ns) / 1e9 for a, b in zip(after, before)]
+    assert all(0.1 <= w <= 2.0 for w in waited), waited  # each waited through much of the other's 0.4 s
 
 
 def test_flat_counters_join_nested_keys_and_keep_counts_only():
