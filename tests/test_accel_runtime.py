@@ -363,7 +363,8 @@ def test_a_burst_of_doorbells_is_one_push_and_one_doorbell_on_the_link(tmp_path,
     def body(function, dev) -> None:
         ptr = dev.malloc(4 * 4096)
         dev.synchronize()
-        native_before = function.stats()["link"]["native"]
+        stats_before = function.stats()
+        native_before = stats_before["link"]["native"]
         box_before = box.stats()["devices"]["acc0"]["device"]
         dev.mmio.held = []
         stream = dev.stream()
@@ -374,9 +375,13 @@ def test_a_burst_of_doorbells_is_one_push_and_one_doorbell_on_the_link(tmp_path,
         assert len(dev.mmio.held) == 5
         dev.mmio.release()
         event.synchronize(timeout=10)
-        native = function.stats()["link"]["native"]
+        stats = function.stats()
+        native = stats["link"]["native"]
         box_after = box.stats()["devices"]["acc0"]["device"]
         assert native["pushes"] - native_before["pushes"] == 1, native
+        # what the host proxy reports as sent: one link message for the five doorbells
+        assert stats["posted_messages"] - stats_before["posted_messages"] == 1, stats
+        assert stats["writes_posted"] - stats_before["writes_posted"] == 5, stats
         assert box_after["doorbells"] - box_before["doorbells"] == 1, box_after
         assert box_after["entries"] - box_before["entries"] == 5, box_after
         assert native["doorbells_merged"] - native_before.get("doorbells_merged", 0) == 4, native
