@@ -12,6 +12,7 @@ from dxpu_vfio.fuzz.vfio_user import VfioUserTarget
 TARGETS: dict[str, Callable[[], Target]] = {
     "vfio-user": lambda: VfioUserTarget("testdev"),
     "vfio-user-nvme": lambda: VfioUserTarget("nvme"),
+    "vfio-user-accel": lambda: VfioUserTarget("accel"),
     "link": LinkTarget,
     "manager": ManagerTarget,
 }

@@ -4,7 +4,9 @@ the host proxy process serving the test device or the NVMe model on its UNIX soc
 A unit is one or a few messages: VERSION with mutated JSON, DMA_MAP/UNMAP with memfds
 (sealed or not), other descriptors or none at odd offsets and sizes, region accesses at
 the edges of every region, SET_IRQS with eventfds (or pipes), the device programmed to DMA
-(test device: its copy engine; NVMe: admin queues in guest memory and random commands),
+(test device: its copy engine; NVMe: admin queues in guest memory and random commands;
+the accelerator: its command ring in guest memory, entries of every opcode with operands
+at the edges of VRAM and of guest memory, scatter lists, inline copies, doorbells),
 a mapped memfd shrunk under the server, headers with mutated flags, ids and errors, and now
 and then a message that breaks the framing (size below the header or above the limit,
 truncated, more than 16 descriptors), after which the session must end and a new one be
@@ -27,12 +29,18 @@ from dxpu_vfio.fuzz.mutate import edge, mutate_bytes, mutate_json, nested, small
 from dxpu_vfio.fuzz.peer import Gone, Hang, Peer
 from dxpu_vfio.hostproxy.process import HostProxyProcess
 from dxpu_vfio.vfio_user import protocol as p
+from qemu_device import accel
 
 PROBE_ID = 0xFFFF  # never used by a generated message
 SYNC_ID = 0xFFFE  # nor this: the round trip before a message with descriptors (see VfioUserTarget.send)
 RAM_BASE, RAM_SIZE = 0x1_0000_0000, 1 << 20  # a sealed memfd, mapped at every session start
 FDLESS_BASE = 0x2_0000_0000  # a window without descriptor: the server asks us (DMA_READ/DMA_WRITE)
 REGION_SIZES = (4096, 16 << 10, 16 << 20, 4096, 0x100, 0x1000, 0x10000)
+ACCEL_VRAM = 4 << 20  # the fuzzed accelerator's VRAM: small, so whatever a guest writes stays a few MiB
+ACCEL_RING = 0x10000  # offset in guest RAM of its ring (up to 1024 entries) ...
+ACCEL_SG = 0x8000  # ... and of the scatter lists its copies name; its copies and fences go above both
+ACCEL_DATA = 0x20000
+ACCEL_RING_ENTRIES = (64, 64, 64, 1024, 1024, 2, 3, 0, 1 << 17)
 CMD = p.Command
 
 # one wire message: (bytes, descriptors, whether it breaks the framing)
@@ -92,7 +100,7 @@ def _odd_fd(rng: random.Random) -> int:
 
 
 class VfioUserTarget(ChildTarget):
-    """The host proxy process serving ``model`` (testdev or nvme), fuzzed on its socket."""
+    """The host proxy process serving ``model`` (testdev, nvme or accel), fuzzed on its socket."""
 
     def __init__(self, model: str = "testdev") -> None:
         super().__init__()
@@ -105,14 +113,15 @@ class VfioUserTarget(ChildTarget):
         self.ram: mmap.mmap | None = None
         self.answers = random.Random(0)  # how the server's DMA requests are answered
         self.sq_tail = 0  # NVMe: the admin submission queue's tail as we last rang it
+        self.ring = (0, 0)  # the accelerator: its ring's size as we enabled it, and our tail
         self._index = 0
 
     # --- process ---------------------------------------------------------------------
     def start(self, workdir: Path) -> None:
         self.workdir = workdir
         self.log_path = workdir / f"{self.name}.log"
-        settings: dict = {"memory_size": 16 << 20} if self.model == "testdev" else \
-            {"namespaces": [{"size": 8 << 20, "path": str(workdir / "ns1.img")}]}
+        settings: dict = {"testdev": {"memory_size": 16 << 20}, "accel": {"vram_size": ACCEL_VRAM},
+                          "nvme": {"namespaces": [{"size": 8 << 20, "path": str(workdir / "ns1.img")}]}}[self.model]
         self.process = HostProxyProcess(self.model, workdir / f"{self.name}.sock", settings=settings,
                                         log_path=self.log_path, name=f"fuzz-{self.name}-{os.getpid()}").start()
 
@@ -435,6 +444,9 @@ class VfioUserTarget(ChildTarget):
         if self.model == "nvme":
             yield from self._nvme(rng)
             return
+        if self.model == "accel":
+            yield from self._accel(rng)
+            return
         src, dst = self._dma_address(rng), self._dma_address(rng)
         length = rng.choice((1, 4, 4096, 64 << 10, 1 << 20, (1 << 20) + 1, 0, edge(rng, 32)))
         for offset, value in ((0x20, src & 0xFFFFFFFF), (0x24, src >> 32), (0x28, dst & 0xFFFFFFFF),
@@ -479,3 +491,97 @@ class VfioUserTarget(ChildTarget):
         yield self._bar0(doorbell, tail if doorbell == 0x1000 else rng.randrange(1 << 16))
         if rng.random() < 0.3:  # the completion queue's head, as a driver moves it
             yield self._bar0(0x1004, rng.randrange(17))
+
+    def _accel(self, rng: random.Random):
+        """The accelerator's ring in guest RAM (enabled again now and then, at sizes valid or
+        not), a few entries of any opcode with flags, vectors, dtypes and operands at the
+        edges (VRAM offsets and lengths, kernel shapes, guest addresses, scatter lists,
+        inline copies whose data runs past the tail), one doorbell; now and then the
+        driver's other moves (clear an error, acknowledge or mask causes, reset)."""
+        ram = self.ram
+        if rng.random() < 0.5 or ram is None or not self.ring[0]:  # (sessions and resets disable it)
+            size = rng.choice(ACCEL_RING_ENTRIES)
+            yield self._bar0(accel.REG_CONTROL, accel.CONTROL_RESET)
+            yield self._bar0(accel.REG_RING_BASE_LO, (RAM_BASE + ACCEL_RING) & 0xFFFFFFFF)
+            yield self._bar0(accel.REG_RING_BASE_HI, (RAM_BASE + ACCEL_RING) >> 32)
+            yield self._bar0(accel.REG_RING_SIZE, size)
+            yield self._bar0(accel.REG_CONTROL, accel.CONTROL_ENABLE)
+            self.ring = (size, 0)
+        if ram is None:
+            return
+        size, tail = self.ring
+        room = min(size, 1024) if 2 <= size <= 1 << 16 and not size & (size - 1) else 64
+        ram[ACCEL_SG:ACCEL_SG + 16 * 8] = b"".join(
+            struct.pack("<QQ", self._dma_address(rng), rng.choice((4, 4096, 4096, 0, 64 << 10, edge(rng, 32))))
+            for _ in range(8))
+        for _ in range(rng.choice((1, 1, 2, 4, 15))):
+            for entry in self._accel_entry(rng):
+                ram[ACCEL_RING + (tail % room) * 64:ACCEL_RING + (tail % room + 1) * 64] = entry
+                tail += 1
+        self.ring = (size, tail % max(size, 1))
+        if rng.random() < 0.5:  # a refused entry stops the ring until the driver clears it
+            yield self._bar0(accel.REG_ERROR_CLEAR, 1)
+        doorbell = tail % max(size, 1) if rng.random() < 0.9 else edge(rng, 32)
+        yield self._bar0(accel.REG_DOORBELL, doorbell, posted=rng.random() < 0.7)
+        roll = rng.random()
+        if roll < 0.2:
+            yield self._bar0(accel.REG_ERROR_CLEAR, rng.choice((1, 0, edge(rng, 32))))
+        elif roll < 0.3:
+            yield self._bar0(accel.REG_IRQ_CAUSE, edge(rng, 32))
+        elif roll < 0.35:
+            yield self._bar0(accel.REG_IRQ_MASK, edge(rng, 32))
+        elif roll < 0.4:
+            yield self._bar0(accel.REG_CONTROL, rng.choice((0, accel.CONTROL_RESET, edge(rng, 32))))
+
+    def _accel_entry(self, rng: random.Random) -> list[bytes]:
+        """One command entry (and, for an inline copy, the entries its data takes)."""
+        plausible = rng.random() < 0.6  # operands a driver would give (so the kernels run), or edges
+
+        def vram() -> int:
+            if plausible:
+                return rng.randrange(ACCEL_VRAM // 4096) * 4096
+            return rng.choice((0, 64, 4096, ACCEL_VRAM // 2, ACCEL_VRAM - 4, ACCEL_VRAM - 4096, ACCEL_VRAM,
+                               rng.randrange(ACCEL_VRAM) & ~3, edge(rng)))
+
+        def dim() -> int:
+            if plausible:
+                return rng.choice((1, 2, 7, 16, 64, 100))
+            return rng.choice((1, 7, 64, 256, 1024, 0, accel.MAX_DIM, accel.MAX_DIM + 1, edge(rng)))
+
+        def host() -> int:  # guest RAM above the ring, or any address the fuzzer picks
+            if plausible:
+                return RAM_BASE + ACCEL_DATA + rng.randrange((RAM_SIZE - ACCEL_DATA - (64 << 10)) // 4096) * 4096
+            return self._dma_address(rng)
+
+        def length() -> int:
+            if plausible:
+                return rng.choice((4, 64, 4096, 12288, 64 << 10))
+            return rng.choice((0, 1, 4, 64, 4096, 64 << 10, 1 << 20, ACCEL_VRAM, edge(rng)))
+
+        opcode = rng.choice(sorted(accel.OPCODES) * 3 + ([] if plausible else [rng.randrange(256)]))
+        flags = rng.choice((0, 0, accel.FLAG_INTERRUPT, accel.FLAG_SG, accel.FLAG_ACCUMULATE | accel.FLAG_TRANS_A,
+                            accel.FLAG_TRANS_B, accel.FLAG_AFFINE) + (() if plausible else (rng.randrange(256),)))
+        vector = rng.choice((0, 0, 1, 3) + (() if plausible else (4, 255)))
+        dtype = rng.choice((accel.DTYPE_F32, accel.DTYPE_F32, accel.DTYPE_BF16) + (() if plausible else (2, 255)))
+        args = [vram(), vram(), vram(), dim(), dim(), dim(), edge(rng)]
+        if opcode in (accel.OP_COPY_H2D, accel.OP_COPY_D2H):
+            if flags & accel.FLAG_SG:
+                args[:2] = [RAM_BASE + ACCEL_SG + rng.choice((0, 16, 8, 4096)) if rng.random() < 0.8
+                            else self._dma_address(rng), rng.choice((1, 3, 8) if plausible else
+                                                                     (0, 8, accel.MAX_SG, accel.MAX_SG + 1, edge(rng)))]
+            else:
+                args[:2] = [host(), length()]
+        elif opcode in (accel.OP_COPY_D2D, accel.OP_FILL):
+            args[1 if opcode == accel.OP_FILL else 2] = length()
+        elif opcode in (accel.OP_FENCE, accel.OP_TIMESTAMP):
+            args[0] = host()
+        elif opcode == accel.OP_LAYER_NORM:
+            args[6] = rng.choice((0, 0x3727C5AC, 0x7FC00000, 0xFF800000, edge(rng, 32)))  # eps: 1e-5, NaN, -inf
+        elif opcode == accel.OP_AXPY:
+            args[4] = rng.choice((0x3F800000, 0x7F800000, edge(rng, 32)))  # alpha: 1.0, inf
+        if opcode != accel.OP_COPY_INLINE:
+            return [accel.ENTRY.pack(opcode, flags, vector, dtype, 0, *(a & (1 << 64) - 1 for a in args))]
+        n = rng.choice((0, 1, 63, 64, 65, 4096, accel.MAX_INLINE, accel.MAX_INLINE + 1, edge(rng, 32)))
+        entries = [accel.ENTRY.pack(opcode, flags, vector, dtype, 0, args[0] & (1 << 64) - 1, n, 0, 0, 0, 0, 0)]
+        data = min((n + 63) // 64, rng.choice((0, 1, 3, 40)))  # the data: whole, short or none before the tail
+        return entries + [rng.randbytes(64) for _ in range(data)]
