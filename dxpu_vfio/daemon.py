@@ -19,13 +19,19 @@ from dxpu_vfio.procs import write_bytes_atomic, write_json_atomic
 
 log = logging.getLogger("dxpu.daemon")
 
-Screenshots = Callable[[], Iterable[tuple[str | None, bytes]]]  # (device or None, PNG)
+Screenshots = Callable[[], Iterable[tuple[str | None, Callable[[], bytes]]]]  # (device or None, its PNG's renderer)
 
 
 def screenshot_path(stats_path: Path, device: str | None = None) -> Path:
     """Where a proxy writes a device's scanout PNG on SIGUSR2."""
     base = Path(stats_path)
     return base.with_name(base.name + (f".{device}" if device else "") + ".png")
+
+
+def screenshot_error_path(png: Path) -> Path:
+    """Where a proxy writes why it wrote no ``png`` (the guest's mode cannot be shown), for
+    ``request_file(..., error_path=)``: whoever asked learns why at once."""
+    return png.with_name(png.name + ".error")
 
 
 def run_until_terminated(kind: str, name: str, stats_path: Path | None, snapshot: Callable[[], dict], *,
@@ -43,11 +49,16 @@ def run_until_terminated(kind: str, name: str, stats_path: Path | None, snapshot
 
     def write_screenshots() -> None:
         if stats_path is not None and screenshots is not None:
-            try:
-                for device, png in screenshots():
-                    write_bytes_atomic(screenshot_path(stats_path, device), png)
-            except (ValueError, OSError) as exc:  # raised in a signal handler, it would end the process
-                log.warning("%s %s: screenshot not written: %s", kind, name, exc)
+            for device, render in screenshots():  # one display's failure is its own
+                png = screenshot_path(stats_path, device)
+                try:
+                    write_bytes_atomic(png, render())
+                except (ValueError, OSError) as exc:  # raised in a signal handler, it would end the process
+                    log.warning("%s %s: screenshot%s not written: %s", kind, name, f" of {device}" if device else "", exc)
+                    try:
+                        write_bytes_atomic(screenshot_error_path(png), str(exc).encode())
+                    except OSError:
+                        pass
 
     signal.signal(signal.SIGUSR1, lambda *_: write_stats())
     signal.signal(signal.SIGUSR2, lambda *_: write_screenshots())

@@ -168,18 +168,29 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     tmp.rename(path)
 
 
-def request_file(pid: int, path: Path, sig: int = signal.SIGUSR1, timeout: float = 5.0) -> bytes | None:
-    """Send ``sig`` and return what the process then (re)writes at ``path``; None on timeout."""
+class RequestRefused(Exception):
+    """The process wrote why it could not answer (its error file) instead of the answer."""
+
+
+def request_file(pid: int, path: Path, sig: int = signal.SIGUSR1, timeout: float = 5.0,
+                 error_path: Path | None = None) -> bytes | None:
+    """Send ``sig`` and return what the process then (re)writes at ``path``; None on timeout.
+    If it (re)writes ``error_path`` instead, RequestRefused with that file's text: the asker
+    learns why at once instead of waiting out ``timeout`` for a file that will not come."""
     path = Path(path)
-    before = path.stat().st_mtime_ns if path.exists() else 0
+    watched = [path] + ([Path(error_path)] if error_path is not None else [])
+    before = [p.stat().st_mtime_ns if p.exists() else 0 for p in watched]
     try:
         os.kill(pid, sig)
     except ProcessLookupError:
         return None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.exists() and path.stat().st_mtime_ns != before:
-            return path.read_bytes()
+        for p, then in zip(watched, before):
+            if p.exists() and p.stat().st_mtime_ns != then:
+                if p == path:
+                    return path.read_bytes()
+                raise RequestRefused(p.read_text(errors="replace").strip())
         time.sleep(0.01)
     return None
 

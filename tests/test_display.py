@@ -8,6 +8,7 @@ Every guest test runs twice, ``local`` (our vfio-user server runs the model) and
 namespace; the host proxy forwards, coalescing posted writes). The device's state and
 screenshots are asked of whoever holds the framebuffer (:class:`DisplayProbe`)."""
 
+import os
 import struct
 import subprocess
 import sys
@@ -198,6 +199,43 @@ def test_a_mode_beyond_the_limits_or_vram_is_refused_not_allocated(mode):
     assert dev.stats()["mode_error"]
     set_mode(dev, 2048, 2048)  # exactly 16 MiB: fits
     assert dev.stats()["mode_error"] is None and png_pixels(dev.render_png())[:2] == (2048, 2048)
+
+
+class _ClientRegions:
+    """A vfio-user client's region writes as ``set_mode`` makes them on a model."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def region_write(self, index: int, offset: int, data: bytes) -> None:
+        self.client.write(index, offset, data)
+
+
+def test_a_screenshot_of_a_mode_that_cannot_be_shown_says_why_at_once(tmp_path):
+    """`dxpu screenshot` of a locally served display whose guest set an invalid mode
+    waited 30 s and then asked whether the device was a display: the host proxy now
+    writes why next to the PNG it cannot write, and the asker says so at once. A valid
+    mode after it is shot as before."""
+    from dxpu_vfio.hostproxy.process import HostProxyError, HostProxyProcess
+    from dxpu_vfio.vfio_user.client import VfioUserClient
+    name = f"shot{os.getpid()}"
+    host = HostProxyProcess("display", tmp_path / "fb.sock", name=name).start()
+    try:
+        client = VfioUserClient(host.socket_path)
+        client.negotiate()
+        set_mode(_ClientRegions(client), 65535, 65535)
+        started = time.monotonic()
+        with pytest.raises(HostProxyError, match="cannot show its display: mode 65535x65535"):
+            host.screenshot(timeout=30)
+        cli = subprocess.run([sys.executable, "-m", "dxpu_vfio.cli", "screenshot", name, str(tmp_path / "shot.png")],
+                             capture_output=True, text=True, timeout=60)
+        assert time.monotonic() - started < 20, "the asker waited for a file that would not come"
+        assert cli.returncode == 1 and "shows nothing a screenshot can take: mode 65535x65535" in cli.stderr, cli.stderr
+        set_mode(_ClientRegions(client), 640, 480)
+        assert png_pixels(host.screenshot(timeout=30))[:2] == (640, 480)
+        client.close()
+    finally:
+        host.stop()
 
 
 def test_getcaps_reports_the_mode_limits():

@@ -29,8 +29,8 @@ def cmd_screenshot(args: argparse.Namespace) -> int:
     import signal
 
     from dxpu_vfio import registry
-    from dxpu_vfio.daemon import screenshot_path
-    from dxpu_vfio.procs import request_file
+    from dxpu_vfio.daemon import screenshot_error_path, screenshot_path
+    from dxpu_vfio.procs import RequestRefused, request_file
     if args.pool:  # a pooled display, by lease or BOX/DEVICE: the manager asks its box
         from dxpu_vfio.pool.service import ManagerClient
         return _wrote(args, ManagerClient(args.db).get("/v1/screenshot", device=args.device))
@@ -53,7 +53,11 @@ def cmd_screenshot(args: argparse.Namespace) -> int:
             path = screenshot_path(Path(entry["stats"]), dev)
         else:
             continue
-        png = request_file(entry["pid"], path, signal.SIGUSR2, 30)  # a busy display renders slowly
+        try:  # a busy display renders slowly
+            png = request_file(entry["pid"], path, signal.SIGUSR2, 30, error_path=screenshot_error_path(path))
+        except RequestRefused as exc:
+            raise DxpuError(f"{args.device} shows nothing a screenshot can take: {exc}",
+                            hint="the guest's driver sets the mode; `dxpu stats --json` shows the device's mode") from exc
         if png is None:
             found = True
             continue

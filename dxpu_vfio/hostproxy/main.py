@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def screenshots():
         if device.renders_screen:
-            yield None, device.render_png()
+            yield None, device.render_png
 
     server.start()
     try:

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from dxpu_vfio import registry
-from dxpu_vfio.daemon import screenshot_path
+from dxpu_vfio.daemon import screenshot_error_path, screenshot_path
 from dxpu_vfio.errors import DxpuError
-from dxpu_vfio.procs import ChildProcess, request_file, request_json, terminate
+from dxpu_vfio.procs import ChildProcess, RequestRefused, request_file, request_json, terminate
 from dxpu_vfio.vfio_user.server import claim_socket_path
 
 
@@ -118,8 +118,12 @@ class HostProxyProcess(ChildProcess):
 
     def screenshot(self, timeout: float = 30.0) -> bytes:
         """The device's current scanout as PNG (display devices)."""
-        png = request_file(self.process.pid, screenshot_path(self.stats_path), signal.SIGUSR2, timeout) \
-            if self.alive() else None
+        path = screenshot_path(self.stats_path)
+        try:
+            png = request_file(self.process.pid, path, signal.SIGUSR2, timeout, error_path=screenshot_error_path(path)) \
+                if self.alive() else None
+        except RequestRefused as exc:
+            raise HostProxyError(f"host proxy {self.name} cannot show its display: {exc}", logs=[self.log_path]) from exc
         if png is None:
             raise HostProxyError(f"host proxy {self.name} gave no screenshot (is it a display?)",
                                     logs=[self.log_path])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from dxpu_vfio.daemon import screenshot_path
+from dxpu_vfio.daemon import screenshot_error_path, screenshot_path
 from dxpu_vfio.procs import request_file, request_json
 
 
@@ -48,7 +48,8 @@ class DisplayProbe:
     def screenshot(self, timeout: float = 30.0) -> bytes:
         if self.server is not None:
             return self.server.screenshot(timeout)
-        png = request_file(self.box_pid, screenshot_path(self.box_stats, self.device), signal.SIGUSR2, timeout)
+        path = screenshot_path(self.box_stats, self.device)  # (RequestRefused: the guest's mode cannot be shown)
+        png = request_file(self.box_pid, path, signal.SIGUSR2, timeout, error_path=screenshot_error_path(path))
         if png is None:
             raise TimeoutError(f"the remote proxy (pid {self.box_pid}) gave no screenshot in {timeout} s")
         return png

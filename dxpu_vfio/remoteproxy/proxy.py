@@ -452,13 +452,11 @@ class RemoteProxy:
                 "devices": {sid: s.snapshot(self.faults) for sid, s in self.slots.items()}}
 
     def screenshots(self):
-        """Every display's scanout, for SIGUSR2 (:mod:`dxpu_vfio.daemon`)."""
+        """Every display and the renderer of its scanout, for SIGUSR2 (:mod:`dxpu_vfio.daemon`,
+        which writes why for a display whose mode cannot be shown)."""
         for dev_id, slot in self.slots.items():
             if slot.device.renders_screen:
-                try:
-                    yield dev_id, slot.device.render_png()
-                except ValueError as exc:  # an invalid mode (DisplayModeError): no file for this one
-                    log.warning("screenshot of %s skipped: %s", dev_id, exc)
+                yield dev_id, slot.device.render_png
 
     def stop(self) -> None:
         self._stopping = True
