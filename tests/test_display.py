@@ -236,7 +236,8 @@ def test_a_screenshot_of_a_mode_that_cannot_be_shown_says_why_at_once(tmp_path):
         client.close()
     finally:
         host.stop()
-
+    # the socket, its stats, the PNG and the error file went with the process; its log stays
+    assert [p.name for p in tmp_path.iterdir()] == ["fb.log"], list(tmp_path.iterdir())
 
 def test_getcaps_reports_the_mode_limits():
     from qemu_device import display

@@ -141,6 +141,8 @@ class HostProxyProcess(ChildProcess):
         except (OSError, ValueError):
             return None
         finally:
-            self.stats_path.unlink(missing_ok=True)
+            png = screenshot_path(self.stats_path)
+            for path in (self.stats_path, png, screenshot_error_path(png)):
+                path.unlink(missing_ok=True)
 
 
