@@ -45,7 +45,10 @@ def run_until_terminated(kind: str, name: str, stats_path: Path | None, snapshot
 
     def write_stats() -> None:
         if stats_path is not None:
-            write_json_atomic(stats_path, snapshot())
+            try:
+                write_json_atomic(stats_path, snapshot())
+            except Exception:  # noqa: BLE001 - raised in a signal handler, it would end the process
+                log.exception("%s %s: stats not written", kind, name)
 
     def write_screenshots() -> None:
         if stats_path is not None and screenshots is not None:
