@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Structure-aware fuzzing of the project's servers: the vfio-user server (test device and
-NVMe), the remote proxy's link and the manager API (dxpu_vfio/fuzz/; docs/testing.md).
+"""Structure-aware fuzzing of the project's servers: the vfio-user server (test device,
+NVMe, accelerator), the remote proxy's link, the host proxy's link as a malicious box
+reaches it, and the manager API (dxpu_vfio/fuzz/; docs/testing.md).
 
     scripts/fuzz.py [--target NAME ...] [--seconds S | --count N] [--seed N] [--json PATH]
 
 Each target runs for --seconds or until --count messages; reports messages, crashes,
-hangs, tracebacks, sessions dropped and memory growth; exits 1 on any finding, and writes
+hangs, tracebacks, violations, sessions dropped and memory growth; exits 1 on any finding, and writes
 a reproducer per finding under --out (replay: the command it names).
 """
 
@@ -25,10 +26,10 @@ from dxpu_vfio.fuzz.targets import TARGETS, make_target  # noqa: E402
 
 
 def table(results: list[Result]) -> str:
-    rows = [("target", "messages", "rate/s", "crashes", "hangs", "tracebacks", "drops", "rss growth")]
+    rows = [("target", "messages", "rate/s", "crashes", "hangs", "tracebacks", "violations", "drops", "rss growth")]
     for r in results:
         rows.append((r.target, str(r.messages), f"{r.rate:.0f}", str(r.crashes), str(r.hangs), str(r.tracebacks),
-                     str(r.drops), f"{r.rss_growth_kb / 1024:.1f} MiB" + (" !" if any(f.kind == "rss" for f in r.findings) else "")))
+                     str(r.violations), str(r.drops), f"{r.rss_growth_kb / 1024:.1f} MiB" + (" !" if any(f.kind == "rss" for f in r.findings) else "")))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
                      for row in rows)

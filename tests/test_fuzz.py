@@ -50,3 +50,24 @@ def test_a_finding_fails_the_run_with_a_reproducer(tmp_path, monkeypatch):
     reproducer = json.loads(Path(crashes[0].reproducer).read_text())
     assert reproducer["seed"] == 7 and "--seed 7" in reproducer["replay"] and reproducer["units"]
     assert result.units == 40  # the run went on with a fresh process
+
+
+def test_a_write_outside_the_guest_windows_is_a_violation_with_a_reproducer(tmp_path):
+    """The host-link target's canary pages lie in the guest-RAM memfd outside the window
+    QEMU mapped: a host that wrote there (here the test scribbles one byte, as such a bug
+    would) is a violation at the next check, with a reproducer, and the run goes on."""
+    from dxpu_vfio.fuzz.host_link import HostLinkTarget
+    from dxpu_vfio.fuzz.runner import Run
+
+    class Scribbled(HostLinkTarget):
+        def send(self, index, rng):
+            sent = super().send(index, rng)
+            if index == 20:
+                self.ram[0] ^= 0xFF  # the page below the window
+            return sent
+
+    result = Run(Scribbled(), seed=5, stop=40, check_every=8, out=tmp_path).execute()
+    violations = [f for f in result.findings if f.kind == "violation"]
+    assert result.violations == 1 and len(violations) == 1 and "canary" in violations[0].detail, result.findings
+    assert 20 <= violations[0].index < 24 and json.loads(Path(violations[0].reproducer).read_text())["units"]
+    assert result.units == 40 and not result.crashes and not result.hangs

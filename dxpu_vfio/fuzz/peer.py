@@ -24,6 +24,10 @@ class Gone(Exception):
     """The target closed the stream."""
 
 
+class Violation(Exception):
+    """The target did what it must never do (e.g. wrote memory outside every window)."""
+
+
 # answer(header, payload) -> bytes to send back, or None
 Answer = Callable[[vp.Header, bytes], "bytes | None"]
 
@@ -135,8 +139,10 @@ class Peer:
         if self._outbox:
             self._flush()
 
-    def request(self, data: bytes, msg_id: int, deadline: float, fds: list[int] | tuple = ()) -> vp.Header:
-        """Send a request and wait for the reply with ``msg_id`` (any reply: an error one too)."""
+    def request(self, data: bytes, msg_id: int, deadline: float, fds: list[int] | tuple = (),
+                meanwhile: Callable[[], None] | None = None) -> vp.Header:
+        """Send a request and wait for the reply with ``msg_id`` (any reply: an error one too);
+        ``meanwhile`` runs between short waits (another stream the reply depends on)."""
         self._want[msg_id] = None
         try:
             self.send(data, fds, deadline)
@@ -144,7 +150,9 @@ class Peer:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise Hang(f"no reply to message {msg_id:#x} within the bound")
-                self.pump(min(left, 0.5))
+                if meanwhile is not None:
+                    meanwhile()
+                self.pump(min(left, 0.5 if meanwhile is None else 0.002))
             return self._want[msg_id]
         finally:
             self._want.pop(msg_id, None)

@@ -1,6 +1,7 @@
 """Run one target: send generated messages, and every ``check_every`` of them check that
 the process lives (else a crash), answers a known-good request within ``hang_timeout``
-(else a hang), logged no traceback, and that its anonymous memory did not grow past
+(else a hang), did nothing the target's probe finds it must never do (a violation), logged
+no traceback, and that its anonymous memory did not grow past
 ``rss_limit_mb`` over the run. Every finding gets a reproducer file: the seed, the index
 range of the messages since the last good check (plus some before, for the session's
 state), their bytes, the log excerpt, and the command that replays them."""
@@ -19,10 +20,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from dxpu_vfio.fuzz.peer import Hang
+from dxpu_vfio.fuzz.peer import Hang, Violation
 
 HISTORY = 64  # units kept before a finding (their bytes go into the reproducer)
-COUNTERS = {"crash": "crashes", "hang": "hangs", "traceback": "tracebacks", "drop": "drops"}  # Result fields
+COUNTERS = {"crash": "crashes", "hang": "hangs", "traceback": "tracebacks", "drop": "drops",
+            "violation": "violations"}  # Result fields
 
 
 class Target(Protocol):
@@ -52,7 +54,7 @@ class Target(Protocol):
 
 @dataclass
 class Finding:
-    kind: str  # crash, hang, traceback, rss, drop
+    kind: str  # crash, hang, traceback, violation, rss, drop
     index: int  # the last unit sent before it was seen
     detail: str
     reproducer: str | None = None
@@ -69,6 +71,7 @@ class Result:
     hangs: int = 0
     tracebacks: int = 0
     drops: int = 0
+    violations: int = 0
     rss_start_kb: int = 0
     rss_end_kb: int = 0
     rss_max_kb: int = 0
@@ -220,6 +223,11 @@ class Run:
         if self.target.alive():
             try:
                 self.target.probe(time.monotonic() + self.hang_timeout)
+            except Violation as exc:
+                self._scan_log(index)
+                self._finding("violation", index, str(exc))
+                self._restart()
+                return
             except Hang as exc:
                 if self.target.alive():
                     self._scan_log(index)

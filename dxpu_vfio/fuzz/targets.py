@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from dxpu_vfio.fuzz.host_link import HostLinkTarget
 from dxpu_vfio.fuzz.link import LinkTarget
 from dxpu_vfio.fuzz.manager import ManagerTarget
 from dxpu_vfio.fuzz.runner import Target
@@ -14,6 +15,7 @@ TARGETS: dict[str, Callable[[], Target]] = {
     "vfio-user-nvme": lambda: VfioUserTarget("nvme"),
     "vfio-user-accel": lambda: VfioUserTarget("accel"),
     "link": LinkTarget,
+    "host-link": HostLinkTarget,
     "manager": ManagerTarget,
 }
 
