@@ -201,3 +201,115 @@ def test_a_box_whose_external_server_is_not_there_says_so(tmp_path, certs):
     assert out.returncode == 1
     assert "cannot reach the external vfio-user server" in out.stderr and "nobody.sock" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+class ScriptedServer:
+    """A vfio-user server that answers the box's handshake right, but for the commands in
+    ``wrong``, whose replies are the given payloads (what a buggy or hostile external
+    server may send). Serves one connection, in a thread."""
+
+    def __init__(self, path, wrong: dict) -> None:
+        import socket
+        import threading
+        self.wrong = wrong
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(1)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _answer(self, command: int, payload: bytes) -> bytes:
+        if command in self.wrong:
+            return self.wrong[command]
+        if command == p.Command.VERSION:
+            return p.Version(0, 0, {"max_msg_fds": 8}).pack()
+        if command == p.Command.DEVICE_GET_INFO:
+            return p.DEVICE_INFO.pack(p.DEVICE_INFO.size, 0, p.NUM_REGIONS, p.NUM_IRQS)
+        if command == p.Command.DEVICE_GET_REGION_INFO:
+            index = p.REGION_INFO.unpack_from(payload)[2]
+            return p.REGION_INFO.pack(p.REGION_INFO.size, 3 if index in (0, 7) else 0, index, 0,
+                                      4096 if index in (0, 7) else 0, 0)
+        if command == p.Command.DEVICE_GET_IRQ_INFO:
+            index = p.IRQ_INFO.unpack_from(payload)[2]
+            return p.IRQ_INFO.pack(p.IRQ_INFO.size, 0, index, 1 if index in (p.IRQ_INTX, p.IRQ_MSI) else 0)
+        return b""
+
+    def _serve(self) -> None:
+        import array
+        import socket
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        with conn:
+            while True:
+                head = b""
+                while len(head) < p.HEADER_SIZE:
+                    msg, anc, _, _ = conn.recvmsg(p.HEADER_SIZE - len(head), socket.CMSG_SPACE(16 * 4))
+                    for level, kind, data in anc:  # close what the box hands us (eventfds)
+                        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                            for fd in array.array("i", data[:len(data) - len(data) % 4]):
+                                os.close(fd)
+                    if not msg:
+                        return
+                    head += msg
+                hdr = p.Header.unpack(head)
+                payload = b""
+                while len(payload) < hdr.size - p.HEADER_SIZE:
+                    chunk = conn.recv(hdr.size - p.HEADER_SIZE - len(payload))
+                    if not chunk:
+                        return
+                    payload += chunk
+                if not hdr.no_reply:
+                    conn.sendall(p.message(hdr.msg_id, hdr.command, self._answer(hdr.command, payload), reply=True))
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("command, reply", [
+    (p.Command.VERSION, b"\x00"),
+    (p.Command.VERSION, p.VERSION.pack(0, 0) + b"{not json"),
+    (p.Command.DEVICE_GET_INFO, b"\x01\x02"),
+    (p.Command.DEVICE_GET_REGION_INFO, p.REGION_INFO.pack(p.REGION_INFO.size, 0, 0, 0, 0, 0)[:12]),
+    (p.Command.DEVICE_GET_IRQ_INFO, b""),
+    (p.Command.DEVICE_GET_IRQ_INFO, p.IRQ_INFO.pack(p.IRQ_INFO.size, 0, p.IRQ_MSI, 0xFFFFFFFF)),
+], ids=["short-version", "bad-json", "short-device-info", "short-region-info", "empty-irq-info", "4G-vectors"])
+def test_a_handshake_answered_wrong_is_an_error_that_says_so_and_leaks_nothing(tmp_path, command, reply):
+    """What the box parses from an external server's handshake replies is checked: a short
+    or malformed reply, or an interrupt count no device has, is an ExternalServerError that
+    names the server (the box then refuses that device, or the link on a reconnect), not
+    a struct.error or ProtocolError out of the box's thread, nor a descriptor per vector."""
+    from dxpu_vfio.remoteproxy.external import ExternalFunction, ExternalServerError
+    server = ScriptedServer(tmp_path / "ext.sock", {command: reply})
+    before = _open_fds()
+    try:
+        with pytest.raises(ExternalServerError, match="failed the handshake"):
+            ExternalFunction(tmp_path / "ext.sock")
+    finally:
+        server.close()
+    assert _open_fds() <= before, "the handshake left descriptors open"
+
+
+@pytest.mark.parametrize("reply", [b"\x00\x01", p.RegionAccess(0, 8, 8, b"\x11" * 8).pack(),
+                                   p.RegionAccess(2, 0, 4, b"\x11" * 4).pack()],
+                         ids=["unframed", "twice-the-bytes", "another-region"])
+def test_a_read_answered_with_something_else_is_an_error_not_the_bytes(tmp_path, reply):
+    """The box hands the host what its external server answers to a register read: a reply
+    that is not the read asked (unparsable, another size, another place) is refused as a
+    protocol error (EPROTO: the host's read fails), and the server stays usable."""
+    from dxpu_vfio.remoteproxy.external import ExternalFunction
+    server = ScriptedServer(tmp_path / "ext.sock", {p.Command.REGION_READ: reply})
+    try:
+        device = ExternalFunction(tmp_path / "ext.sock")
+        try:
+            with pytest.raises(OSError) as caught:
+                device.region_read(0, 0, 4)
+            assert caught.value.errno == errno.EPROTO and device.gone is None, caught.value
+        finally:
+            device.close()
+    finally:
+        server.close()

@@ -23,6 +23,7 @@ import errno
 import logging
 import os
 import select
+import struct
 import threading
 from pathlib import Path
 from typing import Callable
@@ -36,6 +37,7 @@ from qemu_device.ports import NullDmaPort, NullIrqPort
 log = logging.getLogger("dxpu.remote")
 
 IRQ_NAMES = {p.IRQ_INTX: "intx", p.IRQ_MSI: "msi", p.IRQ_MSIX: "msix", p.IRQ_ERR: "err", p.IRQ_REQ: "req"}
+MAX_VECTORS = {p.IRQ_INTX: 1, p.IRQ_MSI: 32, p.IRQ_MSIX: 2048}  # what PCI allows a function of each kind
 NO_FD = ("a box maps guest memory into its external servers without file descriptors (guest RAM stays on "
          "the host; DMA crosses the link as messages), so a server that needs fd-mapped guest memory "
          "cannot run behind a box")
@@ -82,7 +84,8 @@ class ExternalFunction:
         self._eventfds: dict[int, tuple[int, int]] = {}  # fd -> (irq index, vector)
         try:
             self._describe()
-        except (ClientError, OSError) as exc:
+        except (ClientError, OSError, struct.error, p.ProtocolError, ValueError) as exc:  # a reply too short or
+            # malformed to parse, or numbers no device has: the server is not one we can drive
             self.client.close()
             for fd in self._eventfds:
                 os.close(fd)
@@ -103,9 +106,14 @@ class ExternalFunction:
         self._irq_counts = {IRQ_NAMES[i]: self.client.irq_info(i)[0] for i in range(min(irqs, p.NUM_IRQS))}
         for index in (p.IRQ_INTX, p.IRQ_MSI, p.IRQ_MSIX):
             count = self._irq_counts.get(IRQ_NAMES[index], 0)
-            if count:
-                fds = [os.eventfd(0, os.EFD_NONBLOCK) for _ in range(count)]
-                self._eventfds.update({fd: (index, v) for v, fd in enumerate(fds)})
+            if count > MAX_VECTORS[index]:  # an eventfd per vector: bounded before any is made
+                raise ValueError(f"the server reports {count} {IRQ_NAMES[index]} vectors; PCI allows at most "
+                                 f"{MAX_VECTORS[index]}")
+            fds = []
+            for vector in range(count):
+                fds.append(os.eventfd(0, os.EFD_NONBLOCK))
+                self._eventfds[fds[-1]] = (index, vector)  # so a failure after it still closes it
+            if fds:
                 self.client.set_irqs(index, fds)
 
     # --- the server's health ------------------------------------------------------------

@@ -246,8 +246,18 @@ class VfioUserClient:
         self.request(p.Command.DEVICE_SET_IRQS, p.SetIrqs(flags, index, start, len(fds)).pack(), fds)
 
     def read(self, region: int, offset: int, count: int) -> bytes:
+        """The bytes the server answers; ClientError (EPROTO) for a reply that is not this
+        read's (unparsable, or of another region, offset or size): a caller that passes the
+        bytes on (a box, to a host) must never pass on other bytes than were asked for."""
         reply = self.request(p.Command.REGION_READ, p.RegionAccess(region, offset, count).pack())
-        return bytes(p.RegionAccess.unpack(reply, write=True).data)
+        try:
+            got = p.RegionAccess.unpack(reply, write=True)
+        except p.ProtocolError as exc:
+            raise ClientError(f"malformed reply to a read of region {region}+{offset:#x}: {exc}", errno.EPROTO) from exc
+        if (got.region, got.offset, got.count) != (region, offset, count):
+            raise ClientError(f"the reply to a read of {count} bytes at region {region}+{offset:#x} is "
+                              f"{got.count} bytes at region {got.region}+{got.offset:#x}", errno.EPROTO)
+        return bytes(got.data)
 
     def write(self, region: int, offset: int, data: bytes, posted: bool = False) -> None:
         self.request(p.Command.REGION_WRITE, p.RegionAccess(region, offset, len(data), data).pack(),
