@@ -51,6 +51,10 @@ class HostileBox:
 
     def close(self) -> None:
         self.stop.set()
+        try:  # wakes the accepting thread (close alone leaves it blocked in accept for good)
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.listener.close()
         for sock in self.conns:
             try:

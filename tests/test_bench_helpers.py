@@ -3,6 +3,7 @@ per-thread CPU read from /proc and the counters two stats snapshots are subtract
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -13,9 +14,13 @@ from dxpu_vfio.bench import flat_counters, thread_names, thread_times
 
 
 def _burn(seconds: float) -> None:
+    """CPU for ``seconds``, mostly outside the GIL (hashlib lets go of it for large data):
+    a burner holding the GIL would starve the snapshots' file reads, and a snapshot slower
+    than the burn (many threads in the process) would see none of it."""
+    data = bytes(1 << 20)
     end = time.thread_time() + seconds
     while time.thread_time() < end:
-        pass
+        hashlib.sha256(data).digest()
 
 
 def test_thread_times_charge_a_busy_thread_and_not_an_idle_one():
