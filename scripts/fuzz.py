@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Structure-aware fuzzing of the project's servers: the vfio-user server (test device,
 NVMe, accelerator), the remote proxy's link, the host proxy's link as a malicious box
-reaches it, and the manager API (dxpu_vfio/fuzz/; docs/testing.md).
+reaches it, a box's vfio-user client as an external server reaches it, and the manager
+API (dxpu_vfio/fuzz/; docs/testing.md).
 
     scripts/fuzz.py [--target NAME ...] [--seconds S | --count N] [--seed N] [--json PATH]
 

@@ -15,7 +15,7 @@ import pytest
 from dxpu_vfio.fuzz.targets import TARGETS
 
 ROOT = Path(__file__).resolve().parent.parent
-SECONDS = 13  # per target: about a minute and a half in all
+SECONDS = 13  # per target: under two minutes in all
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))

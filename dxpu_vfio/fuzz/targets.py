@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from dxpu_vfio.fuzz.external import ExternalServerTarget
 from dxpu_vfio.fuzz.host_link import HostLinkTarget
 from dxpu_vfio.fuzz.link import LinkTarget
 from dxpu_vfio.fuzz.manager import ManagerTarget
@@ -16,6 +17,7 @@ TARGETS: dict[str, Callable[[], Target]] = {
     "vfio-user-accel": lambda: VfioUserTarget("accel"),
     "link": LinkTarget,
     "host-link": HostLinkTarget,
+    "vfio-user-client": ExternalServerTarget,
     "manager": ManagerTarget,
 }
 
