@@ -51,17 +51,30 @@ def run_until_terminated(kind: str, name: str, stats_path: Path | None, snapshot
                 log.exception("%s %s: stats not written", kind, name)
 
     def write_screenshots() -> None:
-        if stats_path is not None and screenshots is not None:
-            for device, render in screenshots():  # one display's failure is its own
-                png = screenshot_path(stats_path, device)
-                try:
-                    write_bytes_atomic(png, render())
-                except (ValueError, OSError) as exc:  # raised in a signal handler, it would end the process
-                    log.warning("%s %s: screenshot%s not written: %s", kind, name, f" of {device}" if device else "", exc)
-                    try:
-                        write_bytes_atomic(screenshot_error_path(png), str(exc).encode())
-                    except OSError:
-                        pass
+        # in a signal handler of the main thread, where an exception would end the process
+        if stats_path is None or screenshots is None:
+            return
+        try:
+            shots = list(screenshots())
+        except Exception:  # noqa: BLE001
+            log.exception("%s %s: no screenshots", kind, name)
+            return
+        for device, render in shots:  # one display's failure is its own
+            png = screenshot_path(stats_path, device)
+            what = f"screenshot{f' of {device}' if device else ''}"
+            try:
+                write_bytes_atomic(png, render())
+                continue
+            except (ValueError, OSError) as exc:  # the guest's mode cannot be shown, a full disk
+                log.warning("%s %s: %s not written: %s", kind, name, what, exc)
+                why = str(exc)
+            except Exception as exc:  # noqa: BLE001 - a bug: logged with its traceback
+                log.exception("%s %s: %s not written", kind, name, what)
+                why = f"internal error: {exc!r}"
+            try:
+                write_bytes_atomic(screenshot_error_path(png), why.encode())
+            except OSError:
+                pass
 
     signal.signal(signal.SIGUSR1, lambda *_: write_stats())
     signal.signal(signal.SIGUSR2, lambda *_: write_screenshots())
