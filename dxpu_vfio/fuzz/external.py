@@ -27,9 +27,10 @@ import time
 from pathlib import Path
 
 from dxpu_vfio.fuzz.child import ChildTarget
+from dxpu_vfio.fuzz.link import hello
 from dxpu_vfio.fuzz.mutate import edge, mutate_bytes
 from dxpu_vfio.fuzz.peer import Gone, Hang, Peer
-from dxpu_vfio.link.protocol import Hello, LinkCommand, hello_proof, unpack_challenge
+from dxpu_vfio.link.protocol import LinkCommand
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 from dxpu_vfio.vfio_user import protocol as p
 
@@ -177,19 +178,10 @@ class ExternalServerTarget(ChildTarget):
     def _hello(self, device: str, deadline: float) -> Peer:
         """A link to ``device`` (retried while the box still holds the last one), the server
         answered meanwhile (the box reconnects to it for a new link to ex0)."""
-        first = p.message(1, L.HELLO, Hello(device).pack())
         while True:
-            sock = socket.create_connection(("127.0.0.1", self.port), timeout=5)
-            peer = Peer(sock, self._link_answer)
-            try:
-                reply = peer.request(first, 1, deadline, meanwhile=self._pump_server)
-                if not reply.is_error:
-                    nonce = unpack_challenge(peer.reply_payload)
-                    second = p.message(2, L.HELLO, Hello(device, nonce, hello_proof(LEASES[device], device, nonce)).pack())
-                    if not peer.request(second, 2, deadline, meanwhile=self._pump_server).is_error:
-                        return peer
-            except (Gone, p.ProtocolError):
-                pass
+            peer = Peer(socket.create_connection(("127.0.0.1", self.port), timeout=5), self._link_answer)
+            if hello(peer, device, LEASES[device], deadline, meanwhile=self._pump_server) is not None:
+                return peer
             peer.close()
             if time.monotonic() > deadline:
                 raise Hang(f"the box gave no new link to {device}")

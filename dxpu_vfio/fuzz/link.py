@@ -22,6 +22,7 @@ import socket
 import struct
 import time
 from pathlib import Path
+from typing import Callable
 
 from dxpu_vfio.fuzz.child import ChildTarget
 from dxpu_vfio.fuzz.mutate import edge, mutate_bytes, mutate_json
@@ -38,6 +39,22 @@ L = LinkCommand
 # the accelerator's ring, enabled on each of its links whose HELLO offered ring pushes: the box
 # watches it, so DMA_PUSHes into it reach the box reader's C copy (native/serve.c push_mirrored)
 ACCEL_RING, ACCEL_ENTRIES, ACCEL_ENTRY = 0x100000, 64, accel.ENTRY_SIZE
+
+
+def hello(peer: Peer, device: str, token: str, deadline: float, features: tuple[str, ...] = (),
+          meanwhile: Callable[[], None] | None = None) -> list[bytes] | None:
+    """The host's side of a link's start on ``peer``: HELLO, the box's challenge, HELLO with
+    the proof of ``token``. The two HELLOs sent if the box took the link, else None (it
+    refused, or closed: the caller may retry on a new connection)."""
+    first = p.message(1, L.HELLO, Hello(device, features=features).pack())
+    try:
+        if peer.request(first, 1, deadline, meanwhile=meanwhile).is_error:
+            return None
+        nonce = unpack_challenge(peer.reply_payload)
+        second = p.message(2, L.HELLO, Hello(device, nonce, hello_proof(token, device, nonce), features=features).pack())
+        return None if peer.request(second, 2, deadline, meanwhile=meanwhile).is_error else [first, second]
+    except (Gone, p.ProtocolError):
+        return None
 
 
 class LinkTarget(ChildTarget):
@@ -88,19 +105,11 @@ class LinkTarget(ChildTarget):
         self.device = device
         features = tuple(f for f in (FEATURE_DMA_READV, FEATURE_DMA_WRITEV, FEATURE_RING_PUSH)  # each way, and
                          if self.answers.random() < 0.5)  # ring entries pushed (DMA_PUSH) or fetched
-        first = p.message(1, L.HELLO, Hello(device, features=features).pack())
         while True:
             self.peer = Peer(self._connect(), self._answer)
-            try:  # HELLO, the box's challenge, HELLO with the proof of the lease token
-                reply = self.peer.request(first, 1, deadline)
-                if not reply.is_error:
-                    nonce = unpack_challenge(self.peer.reply_payload)
-                    second = p.message(2, L.HELLO, Hello(device, nonce, hello_proof(DEVICES[device], device, nonce),
-                                                         features=features).pack())
-                    if not self.peer.request(second, 2, deadline).is_error:
-                        return [first, second] + self._enable_ring(device, features, deadline)
-            except (Gone, p.ProtocolError):
-                pass
+            hellos = hello(self.peer, device, DEVICES[device], deadline, features)
+            if hellos is not None:
+                return hellos + self._enable_ring(device, features, deadline)
             self._close()
             if time.monotonic() > deadline:
                 raise Hang(f"the box gave no new link to {device} (the last one never let go?)")
