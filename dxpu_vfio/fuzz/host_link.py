@@ -283,14 +283,14 @@ class HostLinkTarget(ChildTarget):
             return rng.choice((4, 8, 64, PAGE, 8 * PAGE))
         return rng.choice((0, 1, 4, 8, 64, PAGE, PAGE + 1, 64 << 10, MEM, edge(rng, 32)))
 
-    def _message(self, rng: random.Random, command: int, payload: bytes, posted: bool) -> bytes:
+    def _message(self, command: int, payload: bytes, posted: bool) -> bytes:
         return p.message(self._id(), command, payload, no_reply=posted)
 
     def _write(self, rng: random.Random) -> bytes:
         address, length = self._address(rng), self._length(rng)
         data = rng.randbytes(min(length, 64 << 10)) if rng.random() < 0.8 else rng.randbytes(rng.choice((0, 3, 100)))
         payload = struct.pack("<QQ", address & (1 << 64) - 1, length & (1 << 64) - 1) + data
-        return self._message(rng, L.DMA_WRITE, payload, posted=rng.random() < 0.95)
+        return self._message(L.DMA_WRITE, payload, posted=rng.random() < 0.95)
 
     def _ranges(self, rng: random.Random) -> list[tuple[int, int]]:
         return [(self._address(rng) & (1 << 64) - 1, min(self._length(rng), 1 << 20) & 0xFFFFFFFF)
@@ -309,30 +309,30 @@ class HostLinkTarget(ChildTarget):
         data = rng.randbytes(min(total, 256 << 10)) if rng.random() < 0.8 else rng.randbytes(rng.choice((0, 7)))
         command = L.DMA_WRITEV if FEATURE_DMA_WRITEV in self.features or rng.random() < 0.1 else L.DMA_WRITE
         count = None if rng.random() < 0.9 else edge(rng, 32)
-        return self._message(rng, command, self._scatter(ranges, count) + data, posted=rng.random() < 0.95)
+        return self._message(command, self._scatter(ranges, count) + data, posted=rng.random() < 0.95)
 
     def _read(self, rng: random.Random) -> bytes:
         payload = struct.pack("<QQ", self._address(rng) & (1 << 64) - 1, self._length(rng) & (1 << 64) - 1)
-        return self._message(rng, L.DMA_READ, payload, posted=rng.random() < 0.05)
+        return self._message(L.DMA_READ, payload, posted=rng.random() < 0.05)
 
     def _readv(self, rng: random.Random) -> bytes:
         command = L.DMA_READV if FEATURE_DMA_READV in self.features or rng.random() < 0.1 else L.DMA_READ
         count = None if rng.random() < 0.9 else edge(rng, 32)
-        return self._message(rng, command, self._scatter(self._ranges(rng), count), posted=rng.random() < 0.05)
+        return self._message(command, self._scatter(self._ranges(rng), count), posted=rng.random() < 0.05)
 
     def _irq(self, rng: random.Random) -> bytes:
         payload = pack_irq(rng.choice((0, 1, 2, 3, 4, edge(rng, 32))), rng.choice((0, 1, 3, 4, 31, edge(rng, 32))),
                            rng.random() < 0.7)
-        return self._message(rng, L.IRQ, payload[:rng.choice((12, 12, 12, 4, 0))], posted=rng.random() < 0.9)
+        return self._message(L.IRQ, payload[:rng.choice((12, 12, 12, 4, 0))], posted=rng.random() < 0.9)
 
     def _beat(self, rng: random.Random) -> bytes:
-        return self._message(rng, L.HEARTBEAT, rng.randbytes(rng.choice((0, 0, 8))), posted=rng.random() < 0.9)
+        return self._message(L.HEARTBEAT, rng.randbytes(rng.choice((0, 0, 8))), posted=rng.random() < 0.9)
 
     def _other(self, rng: random.Random) -> bytes:
         """What a box never sends the host (its own requests' commands) or no one does."""
         command = rng.choice((L.REGION_READ, L.REGION_WRITE, L.DEVICE_RESET, L.HELLO, L.WRITE_BATCH, L.SYNC,
                               L.INVENTORY, L.DMA_PUSH, L.DMA_MAP, 0, 1, 0x10F, 0xFFFF, edge(rng, 16)))
-        return self._message(rng, command, rng.randbytes(rng.choice((0, 4, 16, 40))), posted=rng.random() < 0.5)
+        return self._message(command, rng.randbytes(rng.choice((0, 4, 16, 40))), posted=rng.random() < 0.5)
 
     def _reply(self, rng: random.Random) -> bytes:
         """A reply to nothing the host asked (an id it may or may not have in flight)."""
@@ -365,7 +365,7 @@ class HostLinkTarget(ChildTarget):
             doorbell = rng.choice((0x10, 0x10, 0x14, 0xFFC, 0x1000))
             pointer = rng.choice((0, 0, (8 << 16) | 24, (4096 << 16) | 24, (64 << 16) | 60, edge(rng, 32)))  # bytes | offset
         watch = RING_WATCH_MSG.pack(slot, region, doorbell, base & (1 << 64) - 1, entry_size, entries, 0, pointer)
-        yield self.box, self._message(rng, L.RING_WATCH, watch[:rng.choice((len(watch),) * 9 + (8,))], posted=True)
+        yield self.box, self._message(L.RING_WATCH, watch[:rng.choice((len(watch),) * 9 + (8,))], posted=True)
         for _ in range(rng.choice((1, 2, 5))):
             tail = rng.choice((1, 2, entries - 1 if entries else 0, rng.randrange(1 << 16), edge(rng, 32)))
             yield self.qemu, p.message(self._id(), p.Command.REGION_WRITE,
