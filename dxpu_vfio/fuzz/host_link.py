@@ -37,6 +37,7 @@ from dxpu_vfio.hostproxy.process import HostProxyProcess
 from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, FEATURE_DMA_WRITEV, FEATURE_RING_PUSH, NONCE_BYTES,
                                      READV_HEAD, READV_RANGE, RING_WATCH_MSG, LinkCommand, challenge, pack_irq)
 from dxpu_vfio.vfio_user import protocol as p
+from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
 
 L = LinkCommand
 PAGE = 4096
@@ -102,15 +103,17 @@ class HostLinkTarget(ChildTarget):
         try:
             sock, _ = self.listener.accept()
             sock.settimeout(10.0)
-            first = _receive(sock)
-            sock.sendall(p.message(first[0].msg_id, first[0].command, challenge(secrets.token_hex(NONCE_BYTES)),
-                                   reply=True))
-            proved = _receive(sock)
-            self.features = json.loads(proved[1]).get("features", [])
-            sock.sendall(p.message(proved[0].msg_id, proved[0].command, json.dumps(DESCRIPTION).encode(), reply=True))
+            conn = Connection(sock)  # (nothing comes after a HELLO before its reply: nothing stays buffered)
+            first = conn.receive()
+            conn.send(p.message(first.header.msg_id, first.header.command, challenge(secrets.token_hex(NONCE_BYTES)),
+                                reply=True))
+            proved = conn.receive()
+            self.features = json.loads(bytes(proved.payload)).get("features", [])
+            conn.send(p.message(proved.header.msg_id, proved.header.command, json.dumps(DESCRIPTION).encode(),
+                                reply=True))
             sock.settimeout(None)
             linked["sock"] = sock
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, ConnectionClosed, p.ProtocolError) as exc:
             linked["error"] = repr(exc)
 
     def _qemu_session(self) -> None:
@@ -371,22 +374,3 @@ class HostLinkTarget(ChildTarget):
             yield self.qemu, p.message(self._id(), p.Command.REGION_WRITE,
                                        p.RegionAccess(0, doorbell, 4, (tail & 0xFFFFFFFF).to_bytes(4, "little")).pack(),
                                        no_reply=True)
-
-
-def _receive(sock: socket.socket) -> tuple[p.Header, bytes]:
-    """One whole message from a blocking socket (the handshake only)."""
-    head = _exactly(sock, p.HEADER_SIZE)
-    hdr = p.Header.unpack(head)
-    if not p.HEADER_SIZE <= hdr.size <= 1 << 16:
-        raise ValueError(f"handshake message of {hdr.size} bytes")
-    return hdr, _exactly(sock, hdr.size - p.HEADER_SIZE)
-
-
-def _exactly(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            raise ValueError("the host closed the link during the handshake")
-        out += chunk
-    return bytes(out)
