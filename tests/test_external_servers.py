@@ -204,9 +204,9 @@ def test_a_box_whose_external_server_is_not_there_says_so(tmp_path, certs):
 
 
 class ScriptedServer:
-    """A vfio-user server that answers the box's handshake right, but for the commands in
-    ``wrong``, whose replies are the given payloads (what a buggy or hostile external
-    server may send). Serves one connection, in a thread."""
+    """A vfio-user server that answers the box right (as the vfio-user-client fuzz target's
+    server does), but for the commands in ``wrong``, whose replies are the given payloads
+    (what a buggy or hostile external server may send). Serves one connection, in a thread."""
 
     def __init__(self, path, wrong: dict) -> None:
         import socket
@@ -218,20 +218,8 @@ class ScriptedServer:
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _answer(self, command: int, payload: bytes) -> bytes:
-        if command in self.wrong:
-            return self.wrong[command]
-        if command == p.Command.VERSION:
-            return p.Version(0, 0, {"max_msg_fds": 8}).pack()
-        if command == p.Command.DEVICE_GET_INFO:
-            return p.DEVICE_INFO.pack(p.DEVICE_INFO.size, 0, p.NUM_REGIONS, p.NUM_IRQS)
-        if command == p.Command.DEVICE_GET_REGION_INFO:
-            index = p.REGION_INFO.unpack_from(payload)[2]
-            return p.REGION_INFO.pack(p.REGION_INFO.size, 3 if index in (0, 7) else 0, index, 0,
-                                      4096 if index in (0, 7) else 0, 0)
-        if command == p.Command.DEVICE_GET_IRQ_INFO:
-            index = p.IRQ_INFO.unpack_from(payload)[2]
-            return p.IRQ_INFO.pack(p.IRQ_INFO.size, 0, index, 1 if index in (p.IRQ_INTX, p.IRQ_MSI) else 0)
-        return b""
+        from dxpu_vfio.fuzz.external import right_answer  # the fuzzed server's right answers
+        return self.wrong[command] if command in self.wrong else right_answer(command, payload)
 
     def _serve(self) -> None:
         import array

@@ -42,6 +42,33 @@ IRQS = {p.IRQ_INTX: 1, p.IRQ_MSI: 4}
 PROBE_ID = 0x7FFE
 
 
+def right_answer(command: int, payload: bytes) -> bytes:
+    """What a well-behaved server with :data:`REGIONS` and :data:`IRQS` answers to the box's
+    request (a test device's shape; reads give 0x5a bytes); an empty payload for commands
+    it just does (DMA_MAP, DMA_UNMAP, SET_IRQS, RESET) and for requests it cannot parse."""
+    try:
+        if command == C.VERSION:
+            return p.Version(0, 0, {"max_msg_fds": 8, "max_data_xfer_size": 1 << 20}).pack()
+        if command == C.DEVICE_GET_INFO:
+            return p.DEVICE_INFO.pack(p.DEVICE_INFO.size, 0, p.NUM_REGIONS, p.NUM_IRQS)
+        if command == C.DEVICE_GET_REGION_INFO:
+            index = p.REGION_INFO.unpack_from(payload)[2]
+            size = REGIONS.get(index, 0)
+            return p.REGION_INFO.pack(p.REGION_INFO.size, 3 if size else 0, index, 0, size, 0)
+        if command == C.DEVICE_GET_IRQ_INFO:
+            index = p.IRQ_INFO.unpack_from(payload)[2]
+            return p.IRQ_INFO.pack(p.IRQ_INFO.size, 0, index, IRQS.get(index, 0))
+        if command == C.REGION_READ:
+            req = p.RegionAccess.unpack(payload, write=False)
+            return p.RegionAccess(req.region, req.offset, req.count, b"\x5a" * req.count).pack()
+        if command == C.REGION_WRITE:
+            req = p.RegionAccess.unpack(payload, write=True)
+            return p.RegionAccess(req.region, req.offset, req.count).pack()
+    except (struct.error, p.ProtocolError):
+        return b""
+    return b""  # DMA_MAP, DMA_UNMAP, SET_IRQS, RESET: done
+
+
 class ExternalServerTarget(ChildTarget):
     """A remote proxy process whose ``ex0`` is the fuzzer's vfio-user server."""
 
@@ -124,7 +151,7 @@ class ExternalServerTarget(ChildTarget):
         """The server's answer to the box's request: right, or (``wrong`` of the time) an
         error, a reply too short, of another size or place, or garbage."""
         rng = self.answers
-        right = self._right(hdr.command, payload)
+        right = right_answer(hdr.command, payload)
         if rng.random() >= self.wrong:
             return p.message(hdr.msg_id, hdr.command, right, reply=True)
         roll = rng.randrange(5)
@@ -141,30 +168,6 @@ class ExternalServerTarget(ChildTarget):
             return p.message(hdr.msg_id, hdr.command, mutate_bytes(rng, right, 4096), reply=True)
         return p.message(hdr.msg_id, rng.choice((hdr.command, C.VERSION, 0xFFFF)), rng.randbytes(rng.choice((0, 8, 40))),
                          reply=True)
-
-    @staticmethod
-    def _right(command: int, payload: bytes) -> bytes:
-        try:
-            if command == C.VERSION:
-                return p.Version(0, 0, {"max_msg_fds": 8, "max_data_xfer_size": 1 << 20}).pack()
-            if command == C.DEVICE_GET_INFO:
-                return p.DEVICE_INFO.pack(p.DEVICE_INFO.size, 0, p.NUM_REGIONS, p.NUM_IRQS)
-            if command == C.DEVICE_GET_REGION_INFO:
-                index = p.REGION_INFO.unpack_from(payload)[2]
-                size = REGIONS.get(index, 0)
-                return p.REGION_INFO.pack(p.REGION_INFO.size, 3 if size else 0, index, 0, size, 0)
-            if command == C.DEVICE_GET_IRQ_INFO:
-                index = p.IRQ_INFO.unpack_from(payload)[2]
-                return p.IRQ_INFO.pack(p.IRQ_INFO.size, 0, index, IRQS.get(index, 0))
-            if command == C.REGION_READ:
-                req = p.RegionAccess.unpack(payload, write=False)
-                return p.RegionAccess(req.region, req.offset, req.count, b"\x5a" * req.count).pack()
-            if command == C.REGION_WRITE:
-                req = p.RegionAccess.unpack(payload, write=True)
-                return p.RegionAccess(req.region, req.offset, req.count).pack()
-        except (struct.error, p.ProtocolError):
-            return b""
-        return b""  # DMA_MAP, DMA_UNMAP, SET_IRQS, RESET: done
 
     # --- the host's end ----------------------------------------------------------------
     def _link_answer(self, hdr: p.Header, payload: bytes) -> bytes | None:
