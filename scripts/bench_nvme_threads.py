@@ -16,8 +16,7 @@ what QEMU's vCPU threads spent it on) and the host proxy's counters that moved, 
 (its messages, interrupts, DMA: what each I/O asked of it). Tables on stdout, JSON in
 results/bench/nvme_threads.json (``results -> process -> tid -> {name, us_per_io,
 switches_per_io, runq_wait_us_per_io}``, ``totals_us_per_io``, ``cores``, ``waiting``,
-``guest_per_io``,
-``host_proxy_counters_per_io``).
+``guest_per_io``, ``host_proxy_counters_per_io``).
 
     .venv/bin/python scripts/bench_nvme_threads.py [--path remote] [--rw read] [--bs 128k] [--depth 16]
         [--runtime 15] [--guest-cpus 2] [--py-spy box.txt]
