@@ -71,3 +71,31 @@ def test_a_write_outside_the_guest_windows_is_a_violation_with_a_reproducer(tmp_
     assert result.violations == 1 and len(violations) == 1 and "canary" in violations[0].detail, result.findings
     assert 20 <= violations[0].index < 24 and json.loads(Path(violations[0].reproducer).read_text())["units"]
     assert result.units == 40 and not result.crashes and not result.hangs
+
+
+def test_a_screenshot_that_is_not_the_mode_is_a_violation(tmp_path):
+    """The display target holds every screenshot against the mode the guest reads back:
+    a proxy that drew the wrong frame (here the answer is swapped for a 2x2 PNG from unit
+    30 on, as a renderer bug would) is a violation, with a reproducer, and the run goes on
+    with a new proxy."""
+    import io
+
+    from PIL import Image
+
+    from dxpu_vfio.fuzz.display import DisplayTarget
+    from dxpu_vfio.fuzz.runner import Run
+
+    wrong = io.BytesIO()
+    Image.new("RGB", (2, 2)).save(wrong, "PNG")
+
+    class WrongFrame(DisplayTarget):
+        def send(self, index, rng):
+            if index >= 30 and self.process is not None:
+                self.process.screenshot = lambda timeout: wrong.getvalue()
+            return super().send(index, rng)
+
+    result = Run(WrongFrame(), seed=3, stop=48, check_every=8, out=tmp_path).execute()
+    violations = [f for f in result.findings if f.kind == "violation"]
+    assert violations and all("the registers say" in f.detail for f in violations), result.findings
+    assert violations[0].index >= 30 and json.loads(Path(violations[0].reproducer).read_text())["units"]
+    assert result.units == 48 and result.restarts >= 1 and not result.crashes and not result.hangs

@@ -186,6 +186,14 @@ class Run:
             rng = random.Random(f"{self.seed}:{index}")
             try:
                 sent = self.target.send(index, rng)
+            except Violation as exc:  # a unit that looks (a display's screenshot) saw it
+                self._history.append((index, []))
+                self._scan_log(index)
+                self._finding("violation", index, str(exc))
+                self._restart()
+                index += 1
+                self._next = index
+                continue
             except Hang as exc:
                 self._history.append((index, []))
                 if self.target.alive():

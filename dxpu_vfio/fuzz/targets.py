@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from dxpu_vfio.fuzz.display import DisplayTarget
 from dxpu_vfio.fuzz.external import ExternalServerTarget
 from dxpu_vfio.fuzz.host_link import HostLinkTarget
 from dxpu_vfio.fuzz.link import LinkTarget
@@ -15,6 +16,7 @@ TARGETS: dict[str, Callable[[], Target]] = {
     "vfio-user": lambda: VfioUserTarget("testdev"),
     "vfio-user-nvme": lambda: VfioUserTarget("nvme"),
     "vfio-user-accel": lambda: VfioUserTarget("accel"),
+    "vfio-user-display": DisplayTarget,
     "link": LinkTarget,
     "host-link": HostLinkTarget,
     "vfio-user-client": ExternalServerTarget,

@@ -120,10 +120,13 @@ class VfioUserTarget(ChildTarget):
     def start(self, workdir: Path) -> None:
         self.workdir = workdir
         self.log_path = workdir / f"{self.name}.log"
-        settings: dict = {"testdev": {"memory_size": 16 << 20}, "accel": {"vram_size": ACCEL_VRAM},
-                          "nvme": {"namespaces": [{"size": 8 << 20, "path": str(workdir / "ns1.img")}]}}[self.model]
-        self.process = HostProxyProcess(self.model, workdir / f"{self.name}.sock", settings=settings,
+        self.process = HostProxyProcess(self.model, workdir / f"{self.name}.sock", settings=self._settings(workdir),
                                         log_path=self.log_path, name=f"fuzz-{self.name}-{os.getpid()}").start()
+
+    def _settings(self, workdir: Path) -> dict:
+        """The model's settings: small, so whatever a guest makes it hold stays a few MiB."""
+        return {"testdev": {"memory_size": 16 << 20}, "accel": {"vram_size": ACCEL_VRAM},
+                "nvme": {"namespaces": [{"size": 8 << 20, "path": str(workdir / "ns1.img")}]}}[self.model]
 
     # --- sessions --------------------------------------------------------------------
     def _close(self) -> None:
@@ -424,8 +427,8 @@ class VfioUserTarget(ChildTarget):
     def _config_write(self, rng: random.Random, offset: int, value: bytes) -> Wire:
         return header(rng, CMD.REGION_WRITE, p.REGION_RW.pack(offset, p.REGION_CONFIG, len(value)) + value), [], False
 
-    def _bar0(self, offset: int, value: int, size: int = 4, posted: bool = False) -> Wire:
-        payload = p.REGION_RW.pack(offset, 0, size) + value.to_bytes(size, "little")
+    def _bar0(self, offset: int, value: int, size: int = 4, posted: bool = False, region: int = 0) -> Wire:
+        payload = p.REGION_RW.pack(offset, region, size) + value.to_bytes(size, "little")
         return p.message(0x7000 + (offset & 0xFFF), CMD.REGION_WRITE, payload, no_reply=posted), [], False
 
     def _dma_address(self, rng: random.Random) -> int:
