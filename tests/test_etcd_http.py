@@ -42,8 +42,11 @@ def serve(answers: list[bytes], close_after: set[int] = frozenset()) -> tuple[in
                     got.append(head + b"\r\n\r\n" + buf[:length])
                     buf = buf[length:]
                     index, answer = len(answers) - len(pending), pending.pop(0)
-                    for i in range(0, len(answer), 7):
-                        conn.sendall(answer[i:i + 7])
+                    try:
+                        for i in range(0, len(answer), 7):
+                            conn.sendall(answer[i:i + 7])
+                    except OSError:
+                        break  # the client stopped reading (an answer it refused): accept the next
                     if index in close_after or b"connection: close" in answer.lower() or \
                             b"content-length" not in answer.lower() and b"chunked" not in answer.lower():
                         break
@@ -82,3 +85,53 @@ def test_a_server_that_closes_mid_answer_is_an_error_and_the_next_call_reconnect
         conn.post("/v3/kv/range", b"{}")
     assert conn.sock is None
     assert conn.post("/v3/kv/range", b"{}") == (200, b"{}") and len(accepted) == 2
+
+
+@pytest.mark.parametrize("answer, why", [
+    (b"HTTP/1.1 200 OK\r\nX-Junk: " + b"j" * (70 << 10), "more than"),  # a head that never ends
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999999\r\n\r\n{}", "a body of"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: -2\r\n\r\n{}", "Content-Length '-2'"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 1e3\r\n\r\n{}", "Content-Length '1e3'"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\n{}\r\n0\r\n\r\n", "chunk size b'-1'"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nfffffffffffffff\r\n{}", "a body of"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"4\r\nabcd\r\n" * 1100, "a body of"),
+    (b"HTTP/1.0 200 OK\r\n\r\n" + b"x" * 5000, "more than"),  # to the end, past the limit
+])
+def test_an_answer_that_is_not_etcds_is_a_bounded_error_and_the_next_call_reconnects(answer, why, monkeypatch):
+    """A wrong endpoint (or a hostile one) may send any bytes: a head or body past the
+    limits, or a length that is not digits, is ConnectionClosed naming it, read no
+    further than the limit; the connection is closed and the next call opens another."""
+    from dxpu_vfio.pool import etcd_http
+    monkeypatch.setattr(etcd_http, "MAX_BODY", 4096)
+    port, _, accepted = serve([answer, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"], close_after={0})
+    conn = Connection("127.0.0.1", port, 5.0)
+    with pytest.raises(ConnectionClosed, match="malformed answer") as caught:
+        conn.post("/v3/kv/range", b"{}")
+    assert why in str(caught.value) and conn.sock is None and len(conn._buf) == 0
+    assert conn.post("/v3/kv/range", b"{}") == (200, b"{}") and len(accepted) == 2
+
+
+def test_a_server_that_trickles_its_answer_times_out_within_the_bound():
+    """One byte every 0.2 s never trips a receive's 0.5 s timeout, but a whole answer
+    must come within 4 x 0.5 s."""
+    import time
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def run() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            try:
+                for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 100:
+                    conn.sendall(bytes([byte]))
+                    time.sleep(0.2)
+            except OSError:
+                pass  # the client gave up
+        listener.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    conn = Connection("127.0.0.1", listener.getsockname()[1], 0.5)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="more than 2 s"):
+        conn.post("/v3/kv/range", b"{}")
+    assert 1.9 < time.monotonic() - started < 3.0 and conn.sock is None
