@@ -59,6 +59,7 @@ from __future__ import annotations
 import base64
 import heapq
 import json
+import logging
 import os
 import random
 import secrets
@@ -74,12 +75,15 @@ from urllib.parse import urlparse
 import requests
 from etcd3gw.client import Etcd3Client
 
+from dxpu_vfio.pool.etcd_answers import EtcdAnswerError, check
 from dxpu_vfio.pool.etcd_http import Connection
 from dxpu_vfio.pool.etcd_watch import Watch, WatchCompacted, WatchFailed
 from dxpu_vfio.pool.states import BoxState, LeaseState
 from dxpu_vfio.pool.storage import (
     QDEV_PREFIX, Lease, StoreError, box_busy, check_allocation, check_lease_fields, host_fenced, host_view,
     no_free_device, no_such_box, no_such_device, pick_lease)
+
+log = logging.getLogger("dxpu.store")
 
 PREFIX = "/dxpu/v1/"
 SCHEMA_VERSION = 1
@@ -144,9 +148,10 @@ class _Endpoint:
     latency; and not ``http.client`` either, half of whose CPU is its header parsing
     (:mod:`dxpu_vfio.pool.etcd_http`)."""
 
-    def __init__(self, url: str, tls_dir: str | None, timeout: float) -> None:
+    def __init__(self, url: str, tls_dir: str | None, timeout: float, prefix: str | None = None) -> None:
         parsed = urlparse(url)
         self.url = url
+        self.prefix = prefix  # the pool's: records under it are checked by kind (etcd_records)
         self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 2379
         self.https = parsed.scheme == "https"
         self.tls_dir = tls_dir
@@ -179,8 +184,9 @@ class _Endpoint:
                 self._opened.append(conn)
         return conn
 
-    def post(self, path: str, body: bytes) -> dict:
-        """The answer to one POST; :class:`_Retry` if the member cannot answer now."""
+    def post(self, path: str, request: dict, body: bytes) -> dict:
+        """The answer to one POST of ``request`` (``body``: as JSON); :class:`_Retry` if
+        the member cannot answer now."""
         for fresh in (False, True):
             conn = self._connection()
             reused = conn.sock is not None
@@ -195,7 +201,10 @@ class _Endpoint:
             if status != 200:
                 raise StoreError(f"etcd refused {path}: {data.decode(errors='replace').strip()[:300]}",
                                  hint="nothing was changed")
-            return json.loads(data)
+            try:
+                return check(path, data, request, self.prefix)
+            except EtcdAnswerError as exc:  # not etcd, or a broken member: as if it did not answer
+                raise _Retry(f"an answer that is not etcd's to {path}: {exc}") from None
         raise AssertionError("unreachable")
 
     def close(self) -> None:
@@ -217,13 +226,14 @@ class EtcdClient:
     send twice (the allocation recognises its own claims)."""
 
     def __init__(self, endpoints: list[str], *, tls_dir: str | None = None, timeout: float = 2.0,
-                 retry_for: float = 5.0) -> None:
+                 retry_for: float = 5.0, prefix: str | None = None) -> None:
         if not endpoints:
             raise StoreError("no etcd endpoints given", hint="pass --etcd-endpoints http://HOST:2379,...")
         self.endpoints = endpoints
         self.retry_for = retry_for
         self._clients = [self._client(url, tls_dir, timeout) for url in endpoints]  # for watches
-        self._posts = [_Endpoint(url, tls_dir, timeout) for url in endpoints]  # calls
+        self._posts = [_Endpoint(url, tls_dir, timeout, prefix) for url in endpoints]  # calls
+        self.prefix = prefix
         self._current = 0
 
     @staticmethod
@@ -245,7 +255,7 @@ class EtcdClient:
             for step in range(len(self._posts)):
                 index = (self._current + step) % len(self._posts)
                 try:
-                    result = self._posts[index].post(path, data)
+                    result = self._posts[index].post(path, body, data)
                 except _Retry as exc:
                     errors[self.endpoints[index]] = str(exc)
                     continue
@@ -346,11 +356,7 @@ def op_range(key: str, prefix: bool = False, since: int = 0) -> dict:
 
 def kvs(response: dict, revision: str = "mod_revision") -> list[tuple[str, Any, int]]:
     """(key, JSON value, mod_revision -- or create_revision) of a range response."""
-    out = []
-    for kv in response.get("kvs", []):
-        raw = base64.b64decode(kv.get("value", "")).decode()
-        out.append((_unb64(kv["key"]), json.loads(raw) if raw else None, int(kv.get(revision, 0))))
-    return out
+    return [(_unb64(kv["key"]), kv["record"], int(kv.get(revision, 0))) for kv in response.get("kvs", [])]
 
 
 def ranges(txn_response: dict) -> list[list[tuple[str, Any, int]]]:
@@ -372,7 +378,7 @@ class EtcdStore:
         self.path = Path(path) if path else default_path()  # local: the manager's proxy logs go beside it
         self.prefix = prefix
         self.resync_interval = resync_interval
-        self.etcd = EtcdClient(self.endpoints, tls_dir=tls_dir, timeout=timeout, retry_for=retry_for)
+        self.etcd = EtcdClient(self.endpoints, tls_dir=tls_dir, timeout=timeout, retry_for=retry_for, prefix=prefix)
         self._lock = threading.RLock()
         # allocation's view: box -> (record, mod_revision), box -> (inventory, mod_revision),
         # box -> {device name: lease id}
@@ -693,7 +699,7 @@ class EtcdStore:
         try:
             for start, end in ((self.k("alive") + "/", self.k("boxes") + "0"),
                                (self.k("inventory") + "/", self.k("inventory") + "0")):
-                watches.append(Watch(self.etcd, _b64(start), _b64(end), revision))
+                watches.append(Watch(self.etcd, _b64(start), _b64(end), revision, self.prefix))
         except WatchFailed:
             for watch in watches:
                 watch.close()
@@ -720,7 +726,7 @@ class EtcdStore:
         kv = event["kv"]
         key, revision = _unb64(kv["key"]), int(kv.get("mod_revision", 0))
         deleted = event.get("type") == "DELETE"
-        value = None if deleted else json.loads(base64.b64decode(kv.get("value", "")).decode() or "null")
+        value = None if deleted else kv["record"]
         kind, _, rest = key[len(self.prefix):].partition("/")
         if kind == "claims":
             box, _, name = rest.partition("/")
@@ -1107,7 +1113,7 @@ class EtcdStore:
     def watch_leases(self, start_revision: int) -> "LeaseWatch":
         """The changes of lease records from ``start_revision`` on (see :class:`LeaseWatch`)."""
         prefix = self.k("leases") + "/"
-        return LeaseWatch(Watch(self.etcd, _b64(prefix), _prefix_end(prefix), start_revision), len(prefix))
+        return LeaseWatch(Watch(self.etcd, _b64(prefix), _prefix_end(prefix), start_revision, self.prefix), len(prefix))
 
     def lease_for(self, vm: str, name: str) -> Lease:
         """A VM's lease by lease id, QEMU id, device id (box/dev) or device name."""
@@ -1182,8 +1188,7 @@ class LeaseWatch:
             for event in events:
                 kv = event["kv"]
                 revision = max(revision, int(kv.get("mod_revision", 0)))
-                raw = base64.b64decode(kv.get("value", "")).decode() if event.get("type") != "DELETE" else ""
-                changed.append((_unb64(kv["key"])[self.cut:], json.loads(raw) if raw else None))
+                changed.append((_unb64(kv["key"])[self.cut:], kv["record"] if event.get("type") != "DELETE" else None))
             yield revision, changed
 
     def close(self) -> None:

@@ -16,6 +16,9 @@ from typing import Iterator, Protocol
 
 import requests
 
+from dxpu_vfio.pool.etcd_answers import check_events
+from dxpu_vfio.pool.etcd_records import BadRecord
+
 
 class WatchEndpoints(Protocol):
     """What a watch needs of the store's client (``EtcdClient``): its endpoints'
@@ -41,7 +44,11 @@ class Watch:
     ``start_revision`` on. Iterate for lists of events (each ``{"type", "kv"}``); the
     iteration ends when the stream ends (closed by :meth:`close`, or its member went away)."""
 
-    def __init__(self, etcd: WatchEndpoints, key: str, range_end: str, start_revision: int) -> None:
+    def __init__(self, etcd: WatchEndpoints, key: str, range_end: str, start_revision: int,
+                 prefix: str | None = None) -> None:
+        """``prefix``: the pool's, whose records the events must hold (etcd_records)."""
+        self.prefix = prefix
+        self.failed: str | None = None  # why the stream was given up, where it was not etcd's
         body = json.dumps({"create_request": {"key": key, "range_end": range_end,
                                               "start_revision": start_revision}})
         self.start_revision = start_revision
@@ -72,9 +79,12 @@ class Watch:
                 if result.get("canceled"):
                     return
                 if result.get("events"):
-                    yield result["events"]
-        except (requests.RequestException, OSError, ValueError, AttributeError):
+                    yield check_events(result["events"], self.prefix)
+        except (requests.RequestException, OSError, AttributeError, TypeError):
             return  # the stream broke: closed by us, or its member went away
+        except (ValueError, BadRecord) as exc:  # not etcd's, or a record the store cannot use:
+            self.failed = str(exc)  # a full read will say which
+            return
 
     def close(self) -> None:
         """End the stream; a thread iterating it returns (as etcd3gw's Watcher.stop: shut

@@ -283,6 +283,8 @@ def serve(db: Path | None = None, *, heartbeat: float = 1.0, dead_after: float =
         while not stop.wait(heartbeat):
             try:
                 manager.heartbeat()
+            except StoreError as exc:  # the store cannot answer now (etcd away): said, not a bug
+                log.warning("heartbeat: %s", exc)
             except Exception:  # noqa: BLE001 - a bad heartbeat round must not end the service
                 log.exception("heartbeat failed")
     finally:
