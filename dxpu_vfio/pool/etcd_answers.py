@@ -28,9 +28,13 @@ class EtcdAnswerError(ValueError):
 
 
 def _number(value: object, where: str) -> None:
-    if isinstance(value, bool) or not (isinstance(value, int) and -2**63 <= value < 2**64
-                                       or isinstance(value, str) and _NUMBER.fullmatch(value)):
-        raise EtcdAnswerError(f"{where}: {_show(value)} is not a number")
+    kind = type(value)  # exact: a bool is no number
+    if kind is str:
+        if value.isascii() and value.isdigit() and len(value) <= 19 or _NUMBER.fullmatch(value):  # type: ignore
+            return
+    elif kind is int and -2**63 <= value < 2**64:  # type: ignore[operator]
+        return
+    raise EtcdAnswerError(f"{where}: {_show(value)} is not a number")
 
 
 def _object(value: object, where: str) -> dict:
@@ -45,11 +49,12 @@ def _list(value: object, where: str) -> list:
     return value
 
 
-def _base64(value: object, where: str) -> None:
+def _base64(value: object, where: str) -> bytes:
+    """Decoded; strict, as etcd's gateway writes it (one pass: it checks and decodes)."""
     try:
-        if not isinstance(value, str):
+        if type(value) is not str:
             raise ValueError
-        base64.b64decode(value, validate=True)
+        return binascii.a2b_base64(value, strict_mode=True)
     except (ValueError, binascii.Error):
         raise EtcdAnswerError(f"{where}: {_show(value)} is not base64") from None
 
@@ -67,13 +72,13 @@ def _header(answer: dict, where: str) -> None:
 def check_kv(kv: object, where: str, prefix: str | None, *, deleted: bool = False, values: bool = True) -> dict:
     """One key-value: its key base64 of UTF-8, its value base64 of JSON, its revisions
     numbers; with ``prefix``, the record its key names of its kind's shape (a value left
-    out is an empty one, unless the read asked for keys only: not ``values``)
-    (:mod:`~dxpu_vfio.pool.etcd_records`: :class:`BadRecord` if not). The value's JSON is
-    left under ``"record"`` (None where the answer has no value), so it is parsed once."""
+    out is an empty one, unless the read asked for keys only: not ``values``). The key's
+    bytes and the value's JSON are left under ``"key_bytes"`` and ``"record"`` (None where
+    the answer has no value), so each is decoded once."""
     kv = _object(kv, where)
-    _base64(kv.get("key"), f"{where}.key")
+    kv["key_bytes"] = raw_key = _base64(kv.get("key"), f"{where}.key")
     try:
-        key = base64.b64decode(kv["key"]).decode()
+        key = raw_key.decode()
     except UnicodeDecodeError:
         raise EtcdAnswerError(f"{where}.key: not UTF-8") from None
     for field in ("create_revision", "mod_revision", "version", "lease"):
@@ -81,8 +86,7 @@ def check_kv(kv: object, where: str, prefix: str | None, *, deleted: bool = Fals
             _number(kv[field], f"{where}.{field}")
     kv["record"] = None
     if "value" in kv:
-        _base64(kv["value"], f"{where}.value")
-        raw = base64.b64decode(kv["value"])
+        raw = _base64(kv["value"], f"{where}.value")
         try:
             kv["record"] = json.loads(raw.decode()) if raw else None
         except (UnicodeDecodeError, ValueError, RecursionError):
@@ -102,7 +106,7 @@ def _range(answer: dict, where: str, prefix: str | None, asked: dict, header: bo
         check_kv(kv, f"{where}kvs[{i}]", prefix, values=not asked.get("keys_only"))
     low = base64.b64decode(asked.get("key", ""))
     high = base64.b64decode(asked["range_end"]) if asked.get("range_end") else None  # None: the key alone
-    keys = [base64.b64decode(kv["key"]) for kv in kvs]
+    keys = [kv["key_bytes"] for kv in kvs]
     for i, key in enumerate(keys):
         outside = key != low if high is None else key < low or (high != b"\0" and key >= high)  # "\0": no end
         if outside or (i and key <= keys[i - 1]):

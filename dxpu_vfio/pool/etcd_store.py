@@ -356,7 +356,7 @@ def op_range(key: str, prefix: bool = False, since: int = 0) -> dict:
 
 def kvs(response: dict, revision: str = "mod_revision") -> list[tuple[str, Any, int]]:
     """(key, JSON value, mod_revision -- or create_revision) of a range response."""
-    return [(_unb64(kv["key"]), kv["record"], int(kv.get(revision, 0))) for kv in response.get("kvs", [])]
+    return [(kv["key_bytes"].decode(), kv["record"], int(kv.get(revision, 0))) for kv in response.get("kvs", [])]
 
 
 def ranges(txn_response: dict) -> list[list[tuple[str, Any, int]]]:
