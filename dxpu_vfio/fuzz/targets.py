@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from dxpu_vfio.fuzz.display import DisplayTarget
+from dxpu_vfio.fuzz.etcd import EtcdAnswersTarget
 from dxpu_vfio.fuzz.external import ExternalServerTarget
 from dxpu_vfio.fuzz.host_link import HostLinkTarget
 from dxpu_vfio.fuzz.link import LinkTarget
@@ -21,6 +22,7 @@ TARGETS: dict[str, Callable[[], Target]] = {
     "host-link": HostLinkTarget,
     "vfio-user-client": ExternalServerTarget,
     "manager": ManagerTarget,
+    "etcd": EtcdAnswersTarget,
 }
 
 
