@@ -714,6 +714,8 @@ class EtcdStore:
         try:
             for events in watch:
                 self._pending.append(events)
+            if watch.failed:  # the next full read names the record, or finds etcd itself again
+                log.warning("etcd watch given up: %s", watch.failed)
         except WatchCompacted:
             pass
         finally:
