@@ -125,3 +125,50 @@ def test_a_record_changed_by_hand_is_named_and_nothing_else_is_lost(etcd, etcd_p
         assert [lease.device for lease in store.allocate("vm1", box="a")] == ["a/d0"]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("line, why", [
+    (b'{"result":{"events":[{"type":"PUT","kv":{"key":"%s","value":"%s"}}]}}'
+     % (_b64(P + "boxes/a").encode(), _b64('{"address": 7}').encode()), "the pool's key /dxpu/v1/boxes/a has 'address'"),
+    (b'{"result":{"events":[{"kv":1}]}}', "events[0].kv: 1 is not an object"),
+])
+def test_a_watch_gives_up_a_stream_that_is_not_etcds_and_says_why(line, why):
+    """A watch stream (etcd's JSON lines) with an event the store cannot use ends the
+    iteration after the good events, with ``failed`` saying why; the store then reads
+    everything again (where a bad record is named to the caller)."""
+    import http.server
+    import threading
+
+    from dxpu_vfio.pool.etcd_store import EtcdClient
+    from dxpu_vfio.pool.etcd_watch import Watch
+
+    good = b'{"result":{"events":[{"type":"PUT","kv":{"key":"%s","value":"%s","mod_revision":"3"}}]}}' % (
+        _b64(P + "boxes/b").encode(), _b64(json.dumps(BOX)).encode())
+
+    class Stream(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for data in (b'{"result":{"created":true}}\n', good + b"\n", line + b"\n"):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.write(b"0\r\n\r\n")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = EtcdClient([f"http://127.0.0.1:{server.server_address[1]}"], timeout=2.0, prefix=P)
+    try:
+        watch = Watch(client, _b64(P + "boxes/"), _b64(P + "boxes0"), 1, P)
+        batches = list(watch)
+        assert [[e["kv"]["record"] for e in b] for b in batches] == [[BOX]]  # the good event, then the end
+        assert watch.failed and why in watch.failed
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()

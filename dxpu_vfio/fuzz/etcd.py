@@ -34,7 +34,7 @@ from urllib.parse import quote
 from dxpu_vfio.fuzz.child import ChildTarget
 from dxpu_vfio.fuzz.mutate import json_value, mutate_bytes, mutate_json
 from dxpu_vfio.fuzz.peer import Hang
-from dxpu_vfio.pool.etcd_cluster import EtcdCluster, free_port
+from dxpu_vfio.pool.etcd_cluster import EtcdCluster
 from dxpu_vfio.pool.etcd_store import EtcdStore
 from dxpu_vfio.pool.service import ManagerProcess
 
@@ -202,7 +202,7 @@ class Relay:
 
     def __init__(self, upstream: tuple[str, int], plan: _Plan) -> None:
         self.upstream, self.plan = upstream, plan
-        self.listener = socket.create_server(("127.0.0.1", free_port()))
+        self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.closing = False
         self.socks: set[socket.socket] = set()
