@@ -129,7 +129,8 @@ def test_a_record_changed_by_hand_is_named_and_nothing_else_is_lost(etcd, etcd_p
 
 @pytest.mark.parametrize("line, why", [
     (b'{"result":{"events":[{"type":"PUT","kv":{"key":"%s","value":"%s"}}]}}'
-     % (_b64(P + "boxes/a").encode(), _b64('{"address": 7}').encode()), "the pool's key /dxpu/v1/boxes/a has 'address'"),
+     % (_b64(P + "boxes/a").encode(), _b64('{"address": 7}').encode()),
+     "the pool's key /dxpu/v1/boxes/a has 'address'"),
     (b'{"result":{"events":[{"kv":1}]}}', "events[0].kv: 1 is not an object"),
 ])
 def test_a_watch_gives_up_a_stream_that_is_not_etcds_and_says_why(line, why):
