@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from dxpu_vfio.fuzz.box_answers import BoxAnswersTarget
 from dxpu_vfio.fuzz.display import DisplayTarget
 from dxpu_vfio.fuzz.etcd import EtcdAnswersTarget
 from dxpu_vfio.fuzz.external import ExternalServerTarget
@@ -23,6 +24,7 @@ TARGETS: dict[str, Callable[[], Target]] = {
     "vfio-user-client": ExternalServerTarget,
     "manager": ManagerTarget,
     "etcd": EtcdAnswersTarget,
+    "box-answers": BoxAnswersTarget,
 }
 
 

@@ -1,0 +1,258 @@
+"""Fuzzing what the pool manager reads from GPU boxes (:mod:`dxpu_vfio.pool.boxes`): the
+fuzzer is a box a manager registered (plaintext, on loopback), and answers its INVENTORY
+(registration and every heartbeat) and SCREENSHOT requests right or, while a unit's plan
+says so, wrong.
+
+Wrong is: the inventory's JSON mutated or at its limits (1025 devices, an id twice, a
+capacity below 0, at 2^63 or a bool, strings of 257 characters, no box name); a
+screenshot whose pieces disagree on the total, offer more than 64 MiB, end early, run
+past the total or are shorter than their 8-byte header; an error reply of any errno; a
+frame that breaks the framing; a hang-up. A unit is such a plan, then one thing the
+manager does with the box: register it, list the pool, fetch a screenshot, remove and
+register it again, or wait for a heartbeat. The probe is ``GET /v1/health``. A traceback
+in the manager's log is a finding: whatever a box sends must become a
+:class:`~dxpu_vfio.pool.boxes.BoxUnreachable` that says what it sent.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import random
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+from dxpu_vfio.fuzz.child import ChildTarget
+from dxpu_vfio.fuzz.mutate import edge, mutate_json
+from dxpu_vfio.fuzz.peer import Hang
+from dxpu_vfio.link.protocol import LinkCommand as L
+from dxpu_vfio.pool.boxes import MAX_DEVICES, MAX_FIELD, MAX_SCREENSHOT
+from dxpu_vfio.pool.service import ManagerProcess
+from dxpu_vfio.vfio_user import protocol as vp
+
+BOX = "fzbox"
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 40  # what the fuzzer's display shows (10 KiB)
+KINDS = ("inventory", "inventory", "limits", "screenshot", "screenshot", "error", "framing", "close")
+
+
+def _device(i: int, cls: str = "display") -> dict:
+    return {"id": f"fb{i}" if cls == "display" else f"td{i}", "class": cls, "vendor": "1234", "model": "1111",
+            "capacity": 16 << 20}
+
+
+INVENTORY = {"box": BOX, "devices": [_device(0), _device(1, "testdev")]}
+
+
+class FakeBox:
+    """A listener answering one request per connection, as a box does for a manager;
+    ``plan`` (kind, rng, answers left) says how the next answers go wrong."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.lock = threading.Lock()
+        self.kind, self.rng, self.left = "", random.Random(0), 0
+        self.sent: list[bytes] = []
+        self.closing = False
+        self.thread = threading.Thread(target=self._accept, name="fake-box", daemon=True)
+        self.thread.start()
+
+    def plan(self, kind: str, seed: int, count: int) -> list[bytes]:
+        """A new plan; what the last one sent."""
+        with self.lock:
+            self.kind, self.rng, self.left = kind, random.Random(seed), count
+            sent, self.sent = self.sent, []
+        return sent
+
+    def _accept(self) -> None:
+        while not self.closing:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="fake-box-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(5.0)
+        try:
+            with conn:
+                while True:  # a screenshot is several requests on one link
+                    head = _exact(conn, vp.HEADER_SIZE)
+                    if head is None:
+                        return
+                    hdr = vp.Header.unpack(head)
+                    payload = _exact(conn, hdr.size - vp.HEADER_SIZE) if hdr.size >= vp.HEADER_SIZE else None
+                    if payload is None:
+                        return
+                    with self.lock:
+                        change = (self.kind, self.rng) if self.left > 0 else None
+                        self.left -= change is not None
+                    out = self._answer(hdr, payload, change)
+                    if change is not None:
+                        with self.lock:
+                            self.sent.append((out or b"(hung up)")[:1 << 16])
+                    if out is None:
+                        return
+                    conn.sendall(out)
+        except OSError:
+            return
+
+    def _answer(self, hdr: vp.Header, payload: bytes, change: tuple[str, random.Random] | None) -> bytes | None:
+        kind, rng = change if change is not None else ("", random.Random(0))
+        if kind == "close":
+            return None
+        if kind == "error":
+            return vp.error_reply(hdr.msg_id, hdr.command, rng.choice((errno.ENODEV, errno.EINVAL, 0, 1, 255,
+                                                                       edge(rng, 32))))
+        if kind == "framing":
+            roll = rng.randrange(3)
+            if roll == 0:
+                return vp.HEADER.pack(hdr.msg_id, hdr.command, rng.choice((0, 15, vp.MAX_MESSAGE + 1, 0xFFFFFFFF)),
+                                      vp.TYPE_REPLY, 0)
+            if roll == 1:
+                return vp.message(hdr.msg_id, hdr.command, b"{}", reply=True)[:rng.randint(1, 17)]
+            return rng.randbytes(rng.randint(1, 64))
+        if hdr.command == L.INVENTORY:
+            return vp.message(hdr.msg_id, hdr.command, self._inventory(kind, rng), reply=True)
+        if hdr.command == L.SCREENSHOT:
+            try:
+                offset = int(json.loads(payload).get("offset", 0))
+            except (ValueError, AttributeError, TypeError):
+                offset = 0
+            return vp.message(hdr.msg_id, hdr.command, self._piece(kind, rng, offset), reply=True)
+        return vp.error_reply(hdr.msg_id, hdr.command, errno.ENOTSUP)
+
+    @staticmethod
+    def _inventory(kind: str, rng: random.Random) -> bytes:
+        if kind == "inventory":
+            return mutate_json(rng, INVENTORY, {"box": (BOX, "", "x" * 300, None), "devices": ([], [1], None, {})})
+        if kind != "limits":
+            return json.dumps(INVENTORY).encode()
+        devices = [dict(d) for d in INVENTORY["devices"]]
+        roll = rng.randrange(6)
+        if roll == 0:
+            devices = [_device(i, "testdev") for i in range(MAX_DEVICES + rng.choice((0, 1)))]
+        elif roll == 1:
+            devices.append(dict(devices[0]))  # an id twice
+        elif roll == 2:
+            devices[0]["capacity"] = rng.choice((-1, 1 << 63, (1 << 63) - 1, True, 1.5, "16"))
+        elif roll == 3:
+            devices[0][rng.choice(("id", "class", "vendor", "model"))] = rng.choice(("", "x" * (MAX_FIELD + 1),
+                                                                                    "x" * MAX_FIELD, 7, None))
+        elif roll == 4:
+            devices[0] = rng.choice((None, [], "fb0", {}))
+        return json.dumps({"box": BOX if roll != 5 else rng.choice(("", None, "b" * (MAX_FIELD + 1))),
+                           "devices": devices}).encode()
+
+    @staticmethod
+    def _piece(kind: str, rng: random.Random, offset: int) -> bytes:
+        total, piece = len(PNG), PNG[offset:offset + 4096]
+        if kind == "screenshot":
+            roll = rng.randrange(6)
+            if roll == 0:
+                total += rng.choice((1, -1, 4096))  # the pieces disagree on the total
+            elif roll == 1:
+                total = rng.choice((MAX_SCREENSHOT + 1, 1 << 63, (1 << 64) - 1))
+            elif roll == 2:
+                piece = b""  # ended early
+            elif roll == 3:
+                piece += b"x" * rng.choice((1, 4096))  # past the total
+            elif roll == 4:
+                return rng.randbytes(rng.randrange(8))  # shorter than its header
+            else:
+                total = 0
+        return struct.pack("<Q", total % (1 << 64)) + piece
+
+    def close(self) -> None:
+        self.closing = True
+        self.listener.close()
+        self.thread.join(5)
+
+
+def _exact(conn: socket.socket, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+class BoxAnswersTarget(ChildTarget):
+    """A manager (SQLite) with the fuzzer's box registered."""
+
+    name = "box-answers"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.process: ManagerProcess | None = None
+        self.box: FakeBox | None = None
+        self.token = ""
+
+    def start(self, workdir: Path) -> None:
+        self.box = FakeBox()
+        self.process = ManagerProcess(workdir / f"pool-{time.monotonic_ns()}.db", heartbeat=0.5).start()
+        self.log_path = self.process.paths.log
+        self.token = self.process.paths.token.read_text().strip()
+        self._exchange("POST", "/v1/boxes", {"name": BOX, "address": self.box.address}, time.monotonic() + 10)
+
+    def stop(self) -> None:
+        super().stop()
+        if self.box is not None:
+            self.box.close()
+            self.box = None
+
+    def _exchange(self, method: str, path: str, body: dict | None, deadline: float) -> bytes:
+        assert self.process is not None
+        data = json.dumps(body).encode() if body is not None else b""
+        request = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {self.token}\r\n"
+                   f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                sock.connect(str(self.process.paths.socket))
+                sock.sendall(request)
+                answer = b""
+                while chunk := sock.recv(65536):
+                    answer += chunk
+                return answer
+            except TimeoutError:
+                raise Hang(f"{method} {path} was not answered within the bound") from None
+            except OSError:
+                return b""
+
+    def probe(self, deadline: float) -> None:
+        answer = self._exchange("GET", "/v1/health", None, deadline)
+        if not answer.startswith(b"HTTP/1."):
+            raise Hang(f"GET /v1/health answered {answer[:80]!r}")
+
+    def send(self, index: int, rng: random.Random) -> list[bytes]:
+        """The unit's action and the answers the box changed while it ran."""
+        assert self.box is not None
+        kind, count = rng.choice(KINDS), rng.choice((1, 1, 2))
+        self.box.plan(kind, rng.getrandbits(32), count)
+        roll = rng.randrange(5)
+        deadline = time.monotonic() + 20.0  # a screenshot's exchange may take its pieces' round trips
+        if roll == 0:
+            action = f"register {self.box.address}"
+            self._exchange("POST", "/v1/boxes", {"name": BOX, "address": self.box.address}, deadline)
+        elif roll == 1:
+            action = "screenshot"
+            self._exchange("GET", f"/v1/screenshot?device={quote(BOX + '/fb0')}", None, deadline)
+        elif roll == 2:
+            action = "ls"
+            self._exchange("GET", "/v1/ls", None, deadline)
+        elif roll == 3:
+            action = "remove, register"
+            self._exchange("POST", "/v1/boxes/remove", {"name": BOX}, deadline)
+            self._exchange("POST", "/v1/boxes", {"name": BOX, "address": self.box.address}, deadline)
+        else:
+            action = "a heartbeat"
+            time.sleep(0.6)
+        changed = self.box.plan("", 0, 0)
+        return [f"{kind} x{count}, then {action}".encode()] + changed
