@@ -64,6 +64,19 @@ def test_an_endless_or_oversized_screenshot_is_refused_early(case, answer, error
         box.close()
 
 
+@pytest.mark.parametrize("code, says", [(errno.ENODEV, "no such device"),
+                                        (errno.EIO, r"Input/output error \(errno 5\)"), (0xFFFF, "error code 65535")])
+def test_a_refused_screenshot_says_what_the_box_answered(code, says):
+    """An error reply names its errno in words (those a box means something by, else the
+    system's), never a bare number."""
+    box = HostileBox(lambda conn, msg: conn.send(vp.error_reply(msg.header.msg_id, msg.header.command, code)))
+    try:
+        with pytest.raises(BoxUnreachable, match=f"refused the screenshot request: {says}"):
+            fetch_screenshot(box.address, None, "fb0", timeout=10)
+    finally:
+        box.close()
+
+
 def test_a_trickled_screenshot_is_cut_at_its_deadline():
     def trickle(conn, msg):
         head = vp.message(msg.header.msg_id, msg.header.command, piece(1 << 20), reply=True)

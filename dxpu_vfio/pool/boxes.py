@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 import socket
 import ssl
 from pathlib import Path
@@ -78,8 +79,9 @@ def _ask(conn: Connection, command: int, request: dict, address: str, what: str)
                    errno.EPERM: "this host's certificate is not one of the box's managers",
                    errno.ENOTSUP: "not a display device", errno.EINVAL: "the display's mode cannot be shown",
                    errno.ESTALE: "the lease's fencing token is stale (the lease was fenced or the device moved)"}
-        raise BoxUnreachable(f"box {address} refused the {what} request: "
-                             f"{reasons.get(reply.header.error, reply.header.error)}")
+        err = reply.header.error
+        known = reasons.get(err) or (f"{os.strerror(err)} (errno {err})" if 0 < err < 4096 else f"error code {err}")
+        raise BoxUnreachable(f"box {address} refused the {what} request: {known}")
     return bytes(reply.payload)
 
 

@@ -233,7 +233,6 @@ class EtcdClient:
         self.retry_for = retry_for
         self._clients = [self._client(url, tls_dir, timeout) for url in endpoints]  # for watches
         self._posts = [_Endpoint(url, tls_dir, timeout, prefix) for url in endpoints]  # calls
-        self.prefix = prefix
         self._current = 0
 
     @staticmethod
