@@ -28,7 +28,7 @@ from urllib.parse import quote
 
 from dxpu_vfio.fuzz.child import ChildTarget
 from dxpu_vfio.fuzz.mutate import edge, mutate_json
-from dxpu_vfio.fuzz.peer import Hang
+from dxpu_vfio.fuzz.manager import api_call, api_probe
 from dxpu_vfio.link.protocol import LinkCommand as L
 from dxpu_vfio.pool.boxes import MAX_DEVICES, MAX_FIELD, MAX_SCREENSHOT
 from dxpu_vfio.pool.service import ManagerProcess
@@ -209,27 +209,11 @@ class BoxAnswersTarget(ChildTarget):
 
     def _exchange(self, method: str, path: str, body: dict | None, deadline: float) -> bytes:
         assert self.process is not None
-        data = json.dumps(body).encode() if body is not None else b""
-        request = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {self.token}\r\n"
-                   f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                sock.connect(str(self.process.paths.socket))
-                sock.sendall(request)
-                answer = b""
-                while chunk := sock.recv(65536):
-                    answer += chunk
-                return answer
-            except TimeoutError:
-                raise Hang(f"{method} {path} was not answered within the bound") from None
-            except OSError:
-                return b""
+        return api_call(self.process, self.token, method, path, body, deadline)
 
     def probe(self, deadline: float) -> None:
-        answer = self._exchange("GET", "/v1/health", None, deadline)
-        if not answer.startswith(b"HTTP/1."):
-            raise Hang(f"GET /v1/health answered {answer[:80]!r}")
+        assert self.process is not None
+        api_probe(self.process, self.token, ("/v1/health",), deadline)
 
     def send(self, index: int, rng: random.Random) -> list[bytes]:
         """The unit's action and the answers the box changed while it ran."""

@@ -33,7 +33,7 @@ from urllib.parse import quote
 
 from dxpu_vfio.fuzz.child import ChildTarget
 from dxpu_vfio.fuzz.mutate import json_value, mutate_bytes, mutate_json
-from dxpu_vfio.fuzz.peer import Hang
+from dxpu_vfio.fuzz.manager import api_call, api_probe
 from dxpu_vfio.pool.etcd_cluster import EtcdCluster
 from dxpu_vfio.pool.etcd_store import EtcdStore
 from dxpu_vfio.pool.service import ManagerProcess
@@ -409,28 +409,11 @@ class EtcdAnswersTarget(ChildTarget):
     # --- the manager's API ------------------------------------------------------------
     def _exchange(self, method: str, path: str, body: dict | None, deadline: float) -> bytes:
         assert self.process is not None
-        data = json.dumps(body).encode() if body is not None else b""
-        request = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {self.token}\r\n"
-                   f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                sock.connect(str(self.process.paths.socket))
-                sock.sendall(request)
-                answer = b""
-                while chunk := sock.recv(65536):
-                    answer += chunk
-                return answer
-            except TimeoutError:
-                raise Hang(f"{method} {path} was not answered within the bound") from None
-            except OSError:
-                return b""
+        return api_call(self.process, self.token, method, path, body, deadline)
 
     def probe(self, deadline: float) -> None:
-        for path in ("/v1/health", "/v1/ls"):
-            answer = self._exchange("GET", path, None, deadline)
-            if not answer.startswith(b"HTTP/1."):
-                raise Hang(f"GET {path} answered {answer[:80]!r}")
+        assert self.process is not None
+        api_probe(self.process, self.token, ("/v1/health", "/v1/ls"), deadline)
 
     def send(self, index: int, rng: random.Random) -> list[bytes]:
         """The unit's request and the answers the relay changed while it ran (the

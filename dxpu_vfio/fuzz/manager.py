@@ -28,6 +28,42 @@ ROUTES = (("GET", "/v1/health"), ("GET", "/v1/ls"), ("GET", "/v1/status"), ("GET
           ("POST", "/v1/boxes/remove"), ("POST", "/v1/reconcile"))
 
 
+def exchange(socket_path: Path, request: bytes, deadline: float, what: str = "the request") -> bytes:
+    """Send one request to the manager API on a fresh connection, end our side, read the
+    answer (b"": the service closed); :class:`Hang` if it does not answer by ``deadline``."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            sock.connect(str(socket_path))
+            sock.sendall(request)
+            sock.shutdown(socket.SHUT_WR)
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+            return data
+        except TimeoutError:
+            raise Hang(f"{what} was not answered within the bound") from None
+        except OSError:
+            return b""  # reset: the service refused the request before reading it all
+
+
+def api_call(process: ManagerProcess, token: str, method: str, path: str, body: dict | None,
+         deadline: float) -> bytes:
+    """A well-formed API request (the targets that fuzz what the manager reads elsewhere)."""
+    data = json.dumps(body).encode() if body is not None else b""
+    request = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+               f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data
+    return exchange(process.paths.socket, request, deadline, f"{method} {path}")
+
+
+def api_probe(process: ManagerProcess, token: str, paths: tuple[str, ...], deadline: float) -> None:
+    """Each ``GET`` answered (an error answer too) by ``deadline``."""
+    for path in paths:
+        answer = api_call(process, token, "GET", path, None, deadline)
+        if not answer.startswith(b"HTTP/1."):
+            raise Hang(f"GET {path} answered {answer[:80]!r}")
+
+
 class ManagerTarget(ChildTarget):
     name = "manager"
 
@@ -49,22 +85,8 @@ class ManagerTarget(ChildTarget):
                        "tls_dir": (str(workdir), "", "nonexistent")}
 
     def _exchange(self, request: bytes, deadline: float) -> bytes:
-        """Send one request, end our side, read the answer (b"": the service closed)."""
         assert self.process is not None
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                sock.connect(str(self.process.paths.socket))
-                sock.sendall(request)
-                sock.shutdown(socket.SHUT_WR)
-                data = b""
-                while chunk := sock.recv(65536):
-                    data += chunk
-                return data
-            except TimeoutError:
-                raise Hang("the manager API did not answer within the bound") from None
-            except OSError:
-                return b""  # reset: the service refused the request before reading it all
+        return exchange(self.process.paths.socket, request, deadline, "the manager API")
 
     def probe(self, deadline: float) -> None:
         answer = self._exchange(f"GET /v1/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {self.token}\r\n"
