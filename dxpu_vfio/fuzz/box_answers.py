@@ -33,6 +33,7 @@ from dxpu_vfio.link.protocol import LinkCommand as L
 from dxpu_vfio.pool.boxes import MAX_DEVICES, MAX_FIELD, MAX_SCREENSHOT
 from dxpu_vfio.pool.service import ManagerProcess
 from dxpu_vfio.vfio_user import protocol as vp
+from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
 
 BOX = "fzbox"
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 40  # what the fuzzer's display shows (10 KiB)
@@ -76,30 +77,26 @@ class FakeBox:
                 return
             threading.Thread(target=self._serve, args=(conn,), name="fake-box-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(5.0)
+    def _serve(self, sock: socket.socket) -> None:
+        sock.settimeout(5.0)
+        conn = Connection(sock)
         try:
-            with conn:
-                while True:  # a screenshot is several requests on one link
-                    head = _exact(conn, vp.HEADER_SIZE)
-                    if head is None:
-                        return
-                    hdr = vp.Header.unpack(head)
-                    payload = _exact(conn, hdr.size - vp.HEADER_SIZE) if hdr.size >= vp.HEADER_SIZE else None
-                    if payload is None:
-                        return
+            while True:  # a screenshot is several requests on one link
+                msg = conn.receive()
+                with self.lock:
+                    change = (self.kind, self.rng) if self.left > 0 else None
+                    self.left -= change is not None
+                out = self._answer(msg.header, bytes(msg.payload), change)
+                if change is not None:
                     with self.lock:
-                        change = (self.kind, self.rng) if self.left > 0 else None
-                        self.left -= change is not None
-                    out = self._answer(hdr, payload, change)
-                    if change is not None:
-                        with self.lock:
-                            self.sent.append((out or b"(hung up)")[:1 << 16])
-                    if out is None:
-                        return
-                    conn.sendall(out)
-        except OSError:
+                        self.sent.append((out or b"(hung up)")[:1 << 16])
+                if out is None:
+                    return
+                conn.send(out)
+        except (ConnectionClosed, vp.ProtocolError, OSError):
             return
+        finally:
+            conn.close()
 
     def _answer(self, hdr: vp.Header, payload: bytes, change: tuple[str, random.Random] | None) -> bytes | None:
         kind, rng = change if change is not None else ("", random.Random(0))
@@ -171,16 +168,6 @@ class FakeBox:
         self.closing = True
         self.listener.close()
         self.thread.join(5)
-
-
-def _exact(conn: socket.socket, n: int) -> bytes | None:
-    data = b""
-    while len(data) < n:
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return data
 
 
 class BoxAnswersTarget(ChildTarget):
