@@ -536,7 +536,7 @@ class EtcdStore:
 
     def _box_names(self) -> list[str]:
         prefix = self.k("boxes") + "/"
-        return sorted(_unb64(kv["key"])[len(prefix):]
+        return sorted(kv["key_bytes"].decode()[len(prefix):]
                       for kv in self.etcd.range(prefix, prefix=True, keys_only=True).get("kvs", []))
 
     @staticmethod
@@ -725,7 +725,7 @@ class EtcdStore:
 
     def _apply(self, event: dict) -> None:
         kv = event["kv"]
-        key, revision = _unb64(kv["key"]), int(kv.get("mod_revision", 0))
+        key, revision = kv["key_bytes"].decode(), int(kv.get("mod_revision", 0))
         deleted = event.get("type") == "DELETE"
         value = None if deleted else kv["record"]
         kind, _, rest = key[len(self.prefix):].partition("/")
@@ -1189,7 +1189,8 @@ class LeaseWatch:
             for event in events:
                 kv = event["kv"]
                 revision = max(revision, int(kv.get("mod_revision", 0)))
-                changed.append((_unb64(kv["key"])[self.cut:], kv["record"] if event.get("type") != "DELETE" else None))
+                value = kv["record"] if event.get("type") != "DELETE" else None
+                changed.append((kv["key_bytes"].decode()[self.cut:], value))
             yield revision, changed
 
     def close(self) -> None:
