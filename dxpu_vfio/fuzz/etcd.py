@@ -262,7 +262,8 @@ class Relay:
                     sock.close()
 
     def _whole(self, up: socket.socket, buf: bytearray) -> tuple[int, bytes, bytes] | None:
-        """etcd's answer: (status, body, the bytes as they came, re-framed with a length)."""
+        """etcd's answer: (status, body, the answer re-framed with a length); None if etcd
+        closed the connection before the whole answer came."""
         head = _read_head(up, buf)
         if head is None:
             return None
@@ -273,7 +274,9 @@ class Relay:
         else:  # chunked
             parts = []
             while (line := _read_line(up, buf)) and (size := int(line.split(b";")[0], 16)):
-                parts.append(_read_exact(up, buf, size + 2)[:-2])
+                if (chunk := _read_exact(up, buf, size + 2)) is None:
+                    return None
+                parts.append(chunk[:-2])
             _read_line(up, buf)
             body = b"".join(parts)
         if body is None:
