@@ -26,6 +26,11 @@ MLP inference at batch 64 and the transformer block within 10% of local; copy ba
 remote >= 50% of local.
 
     .venv/bin/python scripts/bench_accel.py [--passes 51] [--workloads mlp-b1,...] [--copy-mib 64] [--device-cpu 1]
+        [--plaintext]
+
+``--plaintext`` serves the box without TLS and measures plain TCP's floors instead (JSON
+``link``; goal keys name ``tcp`` where they name ``tls``): what the link's encryption costs
+each workload. DxPU's own fabric carries PCIe unencrypted; the pool's default is mutual TLS.
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ def floor_pass_s(local_s: float, remote: dict, floor: dict, kind: str = "tls") -
     the same run's TLS bulk rate (each direction at its own) and its serialized round trips
     at the TLS ping-pong. A lower bound (small copies move slower than bulk), so a goal
     below it cannot be met here whatever the proxies do. ``kind`` "tls-native": the floors
-    of OpenSSL in C, as the proxies' hot paths use it (lower still)."""
+    of OpenSSL in C, as the proxies' hot paths use it (lower still); "tcp" and "tcp-native"
+    the same for a plaintext link."""
     per, tls = remote["per_pass"], floor[kind]
     return (local_s + per["h2d_bytes"] / (tls["bulk"]["to_box_MBps"] * 1e6)
             + per["d2h_bytes"] / (tls["bulk"]["from_box_MBps"] * 1e6)
@@ -89,15 +95,16 @@ def _bytes_label(n: int) -> str:
     return f"{n >> 10} KiB" if n >= 1024 else f"{n} B"
 
 
-def burst_floor_pass_s(local_s: float, remote: dict, floor: dict) -> float:
+def burst_floor_pass_s(local_s: float, remote: dict, floor: dict, kind: str = "tls-native") -> float:
     """The least a remote pass can take with its bytes moved as a pass moves them: the
     local pass, plus one way of a burst of its bytes to the box and one way of a burst of
     its bytes back (half of an echo of that size after idle, OpenSSL in C, same run:
     :func:`dxpu_vfio.lab.floors.native_bursts`), plus its other serialized round trips at
     the C ping-pong. A burst costs more than its bytes at the bulk rate: the sender's
     sealing, both kernels and the receiver's opening run one after the other, and both
-    ends wake from idle; bulk overlaps them across messages."""
-    per, tls = remote["per_pass"], floor["tls-native"]
+    ends wake from idle; bulk overlaps them across messages. ``kind`` "tcp-native": a
+    plaintext link's floor."""
+    per, tls = remote["per_pass"], floor[kind]
     return (local_s + floors.burst_one_way_s(tls["burst"], per["h2d_bytes"])
             + floors.burst_one_way_s(tls["burst"], per["d2h_bytes"])
             + max(0.0, remote["breakdown"]["round_trips_counted"] - 1) * tls["ping_pong"]["median_us"] / 1e6)
@@ -116,22 +123,28 @@ def main() -> int:
                         help="pin the device's server (the local host proxy, the box) to this CPU and the bench and "
                         "the remote host proxy to the others: the device computes on a CPU of its own, as a GPU "
                         "does, and the runs are steadier (default: the scheduler places everything)")
+    parser.add_argument("--plaintext", action="store_true",
+                        help="the box's link without TLS, and the floors plain TCP's: what TLS costs")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cpus = os.sched_getaffinity(0)
     if args.device_cpu is not None and (args.device_cpu not in cpus or len(cpus) < 2):
         sys.exit(f"--device-cpu {args.device_cpu}: pick one of CPUs {sorted(cpus)} (and have two at least)")
     names = args.workloads.split(",")
+    # the floors of the link the box serves: TLS (Python's, and OpenSSL's in C), or plain TCP
+    py, c = ("tcp", "tcp-native") if args.plaintext else ("tls", "tls-native")
+    link_name, in_c = ("TCP", "in C, no TLS") if args.plaintext else ("TLS", "with OpenSSL in C")
     unknown = set(names) - set(WORKLOADS)
     if unknown:
         sys.exit(f"unknown workloads {sorted(unknown)}; known: {', '.join(WORKLOADS)}")
     exit_on_sigterm()  # a SIGTERM still runs the finally below: no lab, no proxies left
-    topo = topology(f"ba{os.getpid() % 10000}", args.threads)
+    topo = topology(f"ba{os.getpid() % 10000}", args.threads, args.plaintext)
     results: dict[str, dict] = {}
     load = os.getloadavg()
     try:
         state = lab.up(topo)
-        floor = floors.measure_lab(state, BOX, kinds=("tcp", "tls", "tls-native"), burst_sizes=BURST_SIZES)
+        floor = floors.measure_lab(state, BOX, kinds=("tcp", "tcp-native") if args.plaintext else ("tcp", "tls", "tls-native"),
+                                   burst_sizes=BURST_SIZES)
         with served("local", None, args.threads, args.inline_max) as (local, lacc), \
                 served("remote", state, args.threads, args.inline_max) as (remote, racc):
             if args.device_cpu is not None:
@@ -170,10 +183,10 @@ def main() -> int:
     for name, r in results.items():
         lo, re = r["local"], r["remote"]
         r["remote_vs_local"] = re["median_s"] / lo["median_s"]
-        r["floor_s"] = floor_pass_s(lo["median_s"], re, floor)
+        r["floor_s"] = floor_pass_s(lo["median_s"], re, floor, py)
         r["floor_vs_local"], r["remote_vs_floor"] = r["floor_s"] / lo["median_s"], re["median_s"] / r["floor_s"]
-        r["native_floor_vs_local"] = floor_pass_s(lo["median_s"], re, floor, "tls-native") / lo["median_s"]
-        r["burst_floor_vs_local"] = burst_floor_pass_s(lo["median_s"], re, floor) / lo["median_s"]
+        r["native_floor_vs_local"] = floor_pass_s(lo["median_s"], re, floor, c) / lo["median_s"]
+        r["burst_floor_vs_local"] = burst_floor_pass_s(lo["median_s"], re, floor, c) / lo["median_s"]
         rows.append([name, lo["median_s"] * 1000, re["median_s"] * 1000, r["remote_vs_local"], r["floor_vs_local"],
                      r["native_floor_vs_local"], r["burst_floor_vs_local"], r["remote_vs_floor"], re["breakdown"]["round_trips_counted"],
                      re["breakdown"]["bytes"] / 1e6])
@@ -185,38 +198,38 @@ def main() -> int:
     print()
     print(table(["workload", "local ms", "remote ms", "remote/local", "floor/local", "C floor/local",
                  "burst floor/local", "remote/floor", "round trips/pass", "MB moved/pass"], rows))
-    print("floor: the local pass + its bytes at the TLS bulk floor + its round trips at the TLS ping-pong "
-          "floor (same run): the least a remote pass can take here; C floor: the same with OpenSSL in C;\n"
+    print(f"floor: the local pass + its bytes at the {link_name} bulk floor + its round trips at the {link_name} "
+          f"ping-pong floor (same run): the least a remote pass can take here; C floor: the same {in_c};\n"
           "burst floor: the local pass + its bytes each way as one burst echoed after idle (C, same run) + its "
           "other round trips at the C ping-pong")
     print("\nwhere a pass's time goes (mean pass; device timestamps and counters, both proxies' counters):")
     print(table(["workload path", "ms", "launch + round trips", "moving bytes", "computing", "device dispatch"], split))
     copy_ratio = {d: copy["remote"][f"{d}_MBps"] / copy["local"][f"{d}_MBps"] for d in ("h2d", "d2h")}
-    c_bulk = {"h2d": floor["tls-native"]["bulk"]["to_box_MBps"], "d2h": floor["tls-native"]["bulk"]["from_box_MBps"]}
-    print("\n" + table(["copy", "local MB/s", "remote MB/s", "remote/local", "C TLS bulk MB/s", "C floor/local"],
+    c_bulk = {"h2d": floor[c]["bulk"]["to_box_MBps"], "d2h": floor[c]["bulk"]["from_box_MBps"]}
+    print("\n" + table(["copy", "local MB/s", "remote MB/s", "remote/local", f"C {link_name} bulk MB/s", "C floor/local"],
                        [[f"{d} {args.copy_mib} MiB", copy["local"][f"{d}_MBps"], copy["remote"][f"{d}_MBps"], copy_ratio[d],
                          c_bulk[d], c_bulk[d] / copy["local"][f"{d}_MBps"]] for d in ("h2d", "d2h")]))
-    print("C floor/local: the most a remote copy can reach here, against the local one (OpenSSL in C, same run)")
-    tls_bulk = min(floor["tls"]["bulk"]["to_box_MBps"], floor["tls"]["bulk"]["from_box_MBps"])
-    print(f"\nfloors (same run): TLS ping-pong {floor['tls']['ping_pong']['median_us']:.1f} µs, TLS bulk "
-          f"{floor['tls']['bulk']['to_box_MBps']:.0f}/{floor['tls']['bulk']['from_box_MBps']:.0f} MB/s; in C "
-          f"{floor['tls-native']['ping_pong']['median_us']:.1f} µs, {c_bulk['h2d']:.0f}/{c_bulk['d2h']:.0f} MB/s; "
+    print(f"C floor/local: the most a remote copy can reach here, against the local one ({in_c}, same run)")
+    tls_bulk = min(floor[py]["bulk"]["to_box_MBps"], floor[py]["bulk"]["from_box_MBps"])
+    print(f"\nfloors (same run): {link_name} ping-pong {floor[py]['ping_pong']['median_us']:.1f} µs, {link_name} bulk "
+          f"{floor[py]['bulk']['to_box_MBps']:.0f}/{floor[py]['bulk']['from_box_MBps']:.0f} MB/s; in C "
+          f"{floor[c]['ping_pong']['median_us']:.1f} µs, {c_bulk['h2d']:.0f}/{c_bulk['d2h']:.0f} MB/s; "
           f"link round trip {rtt * 1e6:.1f} µs; load average before the run {load[0]:.2f}")
     print("bursts in C, echoed after idle (same run): " + ", ".join(
         f"{_bytes_label(int(size))} {row['median_us']:.0f} µs"
-        for size, row in floor["tls-native"]["burst"].items()))
+        for size, row in floor[c]["burst"].items()))
     goals = {f"{w}_remote_vs_local": results[w]["remote_vs_local"] for w in GOAL_WORKLOADS if w in results}
     goals.update({f"{w}_floor_vs_local": results[w]["floor_vs_local"] for w in GOAL_WORKLOADS if w in results})
     goals.update({f"{w}_burst_floor_vs_local": results[w]["burst_floor_vs_local"]
                   for w in GOAL_WORKLOADS if w in results})
     goals.update({f"copy_{d}_remote_vs_local": v for d, v in copy_ratio.items()})
-    goals.update({f"copy_{d}_remote_vs_tls_bulk": copy["remote"][f"{d}_MBps"] / tls_bulk for d in ("h2d", "d2h")})
-    goals.update({f"copy_{d}_remote_vs_c_tls_bulk": copy["remote"][f"{d}_MBps"] / c_bulk[d] for d in ("h2d", "d2h")})
+    goals.update({f"copy_{d}_remote_vs_{py}_bulk": copy["remote"][f"{d}_MBps"] / tls_bulk for d in ("h2d", "d2h")})
+    goals.update({f"copy_{d}_remote_vs_c_{py}_bulk": copy["remote"][f"{d}_MBps"] / c_bulk[d] for d in ("h2d", "d2h")})
     goals.update({f"copy_{d}_c_floor_vs_local": c_bulk[d] / copy["local"][f"{d}_MBps"] for d in ("h2d", "d2h")})
     print("goals (want workloads <= 1.10, copies >= 0.50 of local): "
           + ", ".join(f"{k} = {v:.2f}" for k, v in goals.items()))
     path = write_json("accel", {"passes": args.passes, "threads": args.threads, "inline_max": args.inline_max,
-                                "device_cpu": args.device_cpu,
+                                "device_cpu": args.device_cpu, "link": "plaintext" if args.plaintext else "tls",
                                 "load_average": load,
                                 "link_rtt_s": rtt, "client_read_s": client_rtt, "local_read_s": local_read,
                                 "results": results, "copy": copy, "floor": floor, "goals": goals}, args.out)

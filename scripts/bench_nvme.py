@@ -45,6 +45,10 @@ VM is ended with the devices in it.
 cores; a remote read then costs the guest ~90 µs more CPU than a local one (its vCPUs
 preempted by the proxies' threads), and with one vCPU it does not (docs/benchmarks.md,
 NVMe, 2026-12-05 fifth session).
+
+``--plaintext`` serves the box without TLS and measures plain TCP's floors and CPU per
+message instead (JSON ``link``): what the link's encryption costs a remote read. DxPU's
+own fabric carries PCIe unencrypted; the pool's default is mutual TLS.
 """
 
 from __future__ import annotations
@@ -126,16 +130,21 @@ def main() -> int:
                         help="rounds of the goal workloads the goals are judged on (1: the first pass alone)")
     parser.add_argument("--qemu-cache", choices=("writeback", "none"), default="writeback",
                         help="QEMU's drive: the page cache like our namespace files (default), or O_DIRECT")
+    parser.add_argument("--plaintext", action="store_true",
+                        help="the box's link without TLS, and the floors plain TCP's: what TLS costs")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
+    # the floors of the link the box serves: TLS (Python's, and OpenSSL's in C), or plain TCP
+    py, c, link_name = ("tcp", "tcp-native", "TCP") if args.plaintext else ("tls", "tls-native", "TLS")
     workloads = {f"{name}-qd{depth}": (rw, bs, depth) for name, (rw, bs) in WORKLOADS.items() for depth in depths}
     size = args.size_mib << 20
     exit_on_sigterm()  # a SIGTERM still runs the finally below: no lab, no disk images left
     work = Path(tempfile.mkdtemp(prefix="dxpu-bench-nvme-"))
     msix = {"msix": True} if args.msix else {}
     topology = lab.Topology("bn", [lab.BoxSpec("box1", [{"id": "nv0", "model": "nvme", "settings": {
-        "namespaces": [{"size": size, "path": str(work / "remote.img")}], "io_workers": args.io_workers, **msix}}])])
+        "namespaces": [{"size": size, "path": str(work / "remote.img")}], "io_workers": args.io_workers, **msix}}],
+                                           plaintext=args.plaintext)])
     deepest = max(depths)
     goal_workloads = [f"seq-read-128k-qd{deepest}", f"rand-read-4k-qd{deepest}"]
     results: dict[str, dict] = {}
@@ -147,7 +156,8 @@ def main() -> int:
             image.write_bytes(written)
         del written
         state = lab.up(topology)
-        floor = floors.measure_lab(state, "box1", kinds=("tcp", "tls", "tls-native"), cpu_message_size=READ_BYTES)
+        floor = floors.measure_lab(state, "box1", kinds=("tcp", "tcp-native") if args.plaintext
+                                   else ("tcp", "tls", "tls-native"), cpu_message_size=READ_BYTES)
         extra = ["-drive", f"file={qemu_disk},if=none,id=qn,format=raw,cache={args.qemu_cache},aio=threads",
                  "-device", "nvme,drive=qn,serial=QEMUNVME,addr=0x6"]
         config = VmConfig(image="full", name="bench-nvme", cpus=args.guest_cpus, extra_args=extra, boot_timeout=240)
@@ -203,20 +213,21 @@ def main() -> int:
                             + [f"{per_io[p]:.0f}" if p in per_io else "-" for p in ("qemu", "host proxy", "box")]
                             + [f"{total:.0f}", total * got["iops"] / 1e6])
     print(table(["workload", "device", "IOPS", "QEMU", "host proxy", "box", "total", "cores"], cpu_rows))
-    bulk = floor["tls"]["bulk"]
-    print(f"\nnetwork floor (same run): TLS ping-pong {floor['tls']['ping_pong']['median_us']:.1f} µs, TLS bulk "
+    bulk = floor[py]["bulk"]
+    print(f"\nnetwork floor (same run): {link_name} ping-pong {floor[py]['ping_pong']['median_us']:.1f} µs, "
+          f"{link_name} bulk "
           f"{bulk['to_box_MBps']:.0f}/{bulk['from_box_MBps']:.0f} MB/s (to/from the box)")
-    # The most a remote sequential stream can move: one TLS connection's bulk rate between
+    # The most a remote sequential stream can move: one connection's bulk rate between
     # the same namespaces with nothing else running (the guest and both proxies then share
     # the same two cores), as a share of QEMU's own device in this run.
     bulk_for = {f"seq-read-128k-qd{deepest}": bulk["from_box_MBps"], f"seq-write-128k-qd{deepest}": bulk["to_box_MBps"]}
     ceilings = {w: min(1.0, mbps / results["qemu-nvme"][w]["MBps"]) for w, mbps in bulk_for.items()}
-    print("remote ceiling (TLS bulk / QEMU's nvme, same run): "
+    print(f"remote ceiling ({link_name} bulk / QEMU's nvme, same run): "
           + ", ".join(f"{w} = {v:.2f}" for w, v in ceilings.items()))
-    cpu_ceiling = read_cpu_ceiling(results, f"seq-read-128k-qd{deepest}", floor["tls-native"]["cpu_per_message"])
+    cpu_ceiling = read_cpu_ceiling(results, f"seq-read-128k-qd{deepest}", floor[c]["cpu_per_message"])
     print(f"CPU ceiling of {cpu_ceiling['workload']}: if a remote read cost QEMU what a local one does "
           f"({cpu_ceiling['qemu_local_us']:.0f} µs) and the proxies what the link spends per 128 KiB message, both ends "
-          f"in C TLS ({cpu_ceiling['link_us']:.0f} µs), it would cost {cpu_ceiling['floor_us']:.0f} µs; at all "
+          f"in C {link_name} ({cpu_ceiling['link_us']:.0f} µs), it would cost {cpu_ceiling['floor_us']:.0f} µs; at all "
           f"{cpu_ceiling['cores']} cores "
           f"busy that is {cpu_ceiling['all_cores_vs_qemu']:.2f} of QEMU's nvme, at the {cpu_ceiling['remote_cores']:.2f} "
           f"the remote run kept busy {cpu_ceiling['busy_cores_vs_qemu']:.2f}. The remote read cost "
@@ -235,6 +246,7 @@ def main() -> int:
           + ", ".join(f"{k} = {v:.2f}" for k, v in goals.items()))
     goals["single_pass"] = {k: ratios(*w)[0] for k, w in wanted.items()}
     path = write_json("nvme", {"runtime_s": args.runtime, "size_mib": args.size_mib, "depths": depths,
+                               "link": "plaintext" if args.plaintext else "tls",
                                "io_workers": args.io_workers, "msix": args.msix, "qemu_cache": args.qemu_cache,
                                "guest_cpus": args.guest_cpus,
                                "images": "written",

@@ -8,12 +8,16 @@ import sys
 import pytest
 from pyroute2 import netns
 
+from dxpu_vfio.hostproxy.process import HostProxyProcess
 from dxpu_vfio.lab import lab
+from dxpu_vfio.vfio_user.client import VfioUserClient
+from qemu_device.testdev import ID_VALUE, REG_ID
 
 TWO_BOXES = """
 name = "lab"
 [[box]]
 name = "boxa"
+plaintext = true
 [[box.device]]
 id = "d0"
 model = "testdev"
@@ -28,7 +32,8 @@ model = "testdev"
 
 @pytest.fixture
 def two_boxes(labs):
-    """Shared by this module's tests: each gives back what it changes (a delay)."""
+    """Shared by this module's tests: each gives back what it changes (a delay). boxa
+    serves without TLS (the benchmarks' --plaintext), boxb with."""
     return labs.shared(lab.Topology.parse(TWO_BOXES))
 
 
@@ -97,3 +102,34 @@ def test_cli_up_status_down_json(labs):
     assert run("down").returncode == 0
     status = run("status", "--json")
     assert status.returncode == 1 and json.loads(status.stdout)["up"] is False
+
+
+@pytest.mark.parametrize("box, device", [("boxa", "d0"), ("boxb", "d1")], ids=["plaintext", "tls"])
+def test_a_host_proxy_reaches_a_box_device_over_the_link_the_box_serves(two_boxes, tmp_path, box, device):
+    """A plaintext box (``plaintext = true`` in the topology) is written as one, says so
+    in the lab's status, and its host proxies connect without TLS; a TLS box's with."""
+    settings = two_boxes.remote_settings(box, device)
+    config = open(two_boxes.box(box).config).read()
+    shown = {b["name"]: b["tls"] for b in lab.status(two_boxes.name)["boxes"]}
+    if box == "boxa":
+        assert settings.get("plaintext") is True and "tls_dir" not in settings
+        assert "plaintext = true" in config and "tls_dir" not in config and shown[box] is False
+    else:
+        assert settings["tls_dir"] == str(two_boxes.certs) and "plaintext" not in settings
+        assert f'tls_dir = "{two_boxes.certs}"' in config and shown[box] is True
+    proxy = HostProxyProcess("remote", tmp_path / "d.sock", settings=settings, name=f"lab-{box}",
+                             netns=two_boxes.host_netns).start()
+    try:
+        client = VfioUserClient(proxy.socket_path)
+        try:
+            client.negotiate()
+            assert client.read32(0, REG_ID) == ID_VALUE
+        finally:
+            client.close()
+    finally:
+        proxy.stop()
+
+
+def test_a_topology_plaintext_setting_must_be_a_boolean():
+    with pytest.raises(lab.LabError, match="plaintext = 'yes': true or false"):
+        lab.Topology.parse('[[box]]\nname = "b1"\nplaintext = "yes"\n')

@@ -226,7 +226,8 @@ def _lab_text(info: dict) -> str:
     lines = [f"lab {info['name']}: host namespace {info['host_netns']}, state in {info['directory']}"]
     for b in info["boxes"]:
         lines.append(f"  box {b['name']:<8} netns {b['netns']:<14} {b['address']}  proxy pid {b['proxy_pid']} "
-                     f"({'alive' if b['proxy_alive'] else 'DEAD'})  delay {b['delay_us']:.0f} µs ({b['delay_mode']})  "
+                     f"({'alive' if b['proxy_alive'] else 'DEAD'})  {'TLS' if b['tls'] else 'PLAINTEXT'}  "
+                     f"delay {b['delay_us']:.0f} µs ({b['delay_mode']})  "
                      f"devices: {', '.join(f'{k} ({v})' for k, v in b['devices'].items())}")
     if len(info.get("hosts", [])) > 1:
         lines.append(f"  hosts: {', '.join(info['hosts'])} (2 and on reach the boxes through the first)")

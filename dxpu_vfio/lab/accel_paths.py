@@ -74,10 +74,12 @@ class HostSideAccel(RuntimeOnGuestRam):
         self.client.close()
 
 
-def topology(name: str, threads: int = 1) -> lab.Topology:
-    """One box with one accelerator (numpy's BLAS on ``threads`` threads, as locally)."""
+def topology(name: str, threads: int = 1, plaintext: bool = False) -> lab.Topology:
+    """One box with one accelerator (numpy's BLAS on ``threads`` threads, as locally);
+    ``plaintext``: its link without TLS."""
     return lab.Topology(name, [lab.BoxSpec(BOX, [{"id": DEVICE, "model": "accel",
-                                                  "settings": {"vram_size": VRAM, "threads": threads}}])])
+                                                  "settings": {"vram_size": VRAM, "threads": threads}}],
+                                           plaintext=plaintext)])
 
 
 class Served:

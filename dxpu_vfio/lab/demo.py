@@ -138,7 +138,7 @@ def run_demo(image: str = "full", accel: str = "tcg", as_json: bool = False) -> 
         box = state.box("box1")
         manager = ManagerProcess(work / "pool.db", netns=state.host_netns).start()
         pool = ManagerClient(work / "pool.db")
-        reg = pool.post("/v1/boxes", name="box1", address=box.endpoint, tls_dir=str(state.certs))
+        reg = pool.post("/v1/boxes", name="box1", address=box.endpoint, tls_dir=box.tls_dir)
         say(f"demo: pool manager up (pid {manager.pid}, {work / 'pool.db'}); registered box1 at {box.endpoint}: "
             + ", ".join(f"{d['id']} ({d['class']} {d['vendor']}:{d['model']}, {d['capacity'] // MiB} MiB)"
                         for d in reg["devices"]))

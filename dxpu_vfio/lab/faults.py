@@ -68,7 +68,7 @@ class Faults:
         if device not in b.devices:
             raise FaultError(f"box {box} of lab {state.name} has no device {device!r} "
                              f"(it has {', '.join(b.devices) or 'none'})", hint=f"dxpu lab status --name {state.name}")
-        return cls(b.endpoint, str(state.certs), box, device, netns=state.host_netns, proxy_pid=b.proxy_pid,
+        return cls(b.endpoint, b.tls_dir, box, device, netns=state.host_netns, proxy_pid=b.proxy_pid,
                    **kwargs)
 
     # --- the box's FAULT service ---------------------------------------------------------

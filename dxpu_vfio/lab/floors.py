@@ -16,9 +16,10 @@ as a benchmark: what the network and the language cost before our proxies add an
 Both ends are Python, like the proxies: a ratio of a proxy's number to these says what
 our software costs on top of the same sockets. ``--native`` runs the same exchanges as
 framed messages on the native stream (OpenSSL and the framing in C, what the proxies'
-hot paths use; ``tls-native`` in :func:`measure_lab`): where a proxy moves bytes faster
-than Python's TLS can, this is the floor that bounds it. The server runs in the box's
-namespace, the client in the host's; both are ended by pid.
+hot paths use; ``tls-native`` in :func:`measure_lab`, ``tcp-native`` for a plaintext
+box's link): where a proxy moves bytes faster than Python's TLS can, this is the floor
+that bounds it. The server runs in the box's namespace, the client in the host's; both
+are ended by pid.
 
     python -m dxpu_vfio.lab.floors serve --listen IP --port P [--tls-dir D --role box1] [--native]
     python -m dxpu_vfio.lab.floors client --address IP:P [--tls-dir D] [--round-trips N] [--native]
@@ -54,7 +55,8 @@ OP = struct.Struct("<4sQ")  # b"PING"/b"BULK"/b"DOWN", count or bytes
 DOWN_SIZE = struct.Struct("<Q")  # after DOWN: the size of each message the server sends
 CPU_SPENT = struct.Struct("<d")  # the server's CPU seconds for them, its last message
 KINDS = {"tcp": (FLOOR_PORT, False, False), "tls": (FLOOR_PORT + 1, True, False),
-         "tls-native": (FLOOR_PORT + 2, True, True)}  # kind -> (port, TLS, native stream)
+         "tls-native": (FLOOR_PORT + 2, True, True),
+         "tcp-native": (FLOOR_PORT + 3, False, True)}  # kind -> (port, TLS, native stream)
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -305,15 +307,17 @@ def measure_lab(state, box: str, round_trips: int = 3000, bulk_bytes: int = 64 <
                 kinds: tuple[str, ...] = ("tcp", "tls"), burst_sizes: tuple[int, ...] = (),
                 cpu_message_size: int = 0) -> dict:
     """Floors between ``state``'s host namespace and ``box``, same run: ``kinds`` of
-    :data:`KINDS` (plain TCP, TLS, TLS on the native stream); ``burst_sizes`` and
-    ``cpu_message_size`` on the native stream (under ``tls-native -> burst`` and
-    ``tls-native -> cpu_per_message``)."""
-    if (burst_sizes or cpu_message_size) and "tls-native" not in kinds:
-        raise ValueError("burst and CPU floors are measured on the native stream: add tls-native to kinds")
+    :data:`KINDS` (plain TCP, TLS, either on the native stream); ``burst_sizes`` and
+    ``cpu_message_size`` on each native kind (under ``tls-native -> burst``,
+    ``tls-native -> cpu_per_message`` and the same under ``tcp-native``)."""
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown floor kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
-    if "tls-native" in kinds:
+    on_native_stream = [kind for kind in kinds if KINDS[kind][2]]
+    if (burst_sizes or cpu_message_size) and not on_native_stream:
+        raise ValueError("burst and CPU floors are measured on the native stream: "
+                         "add tls-native (or tcp-native) to kinds")
+    if on_native_stream:
         native.require()  # says what to build where the module is missing
     b = state.box(box)
     out = {}
@@ -364,21 +368,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=FLOOR_PORT)
     s.add_argument("--tls-dir", type=Path)
     s.add_argument("--role", default="box1")
-    s.add_argument("--native", action="store_true", help="framed messages on the native stream (needs --tls-dir)")
+    s.add_argument("--native", action="store_true", help="framed messages on the native stream")
     c = sub.add_parser("client")
     c.add_argument("--address", required=True)
     c.add_argument("--tls-dir", type=Path)
     c.add_argument("--round-trips", type=int, default=3000)
     c.add_argument("--bulk-bytes", type=int, default=64 << 20)
-    c.add_argument("--native", action="store_true", help="framed messages on the native stream (needs --tls-dir)")
+    c.add_argument("--native", action="store_true", help="framed messages on the native stream")
     c.add_argument("--burst-sizes", default="", help="comma-separated message sizes echoed one at a time after "
                    f"{BURST_GAP_S * 1000:g} ms idle (with --native)")
     c.add_argument("--cpu-message-size", type=int, default=0,
                    help=f"also the CPU each end spends per message of this many bytes, {CPU_MESSAGES} sent by the "
                         "server (with --native)")
     args = parser.parse_args(argv)
-    if args.native and not args.tls_dir:
-        parser.error("--native measures TLS on the native stream: give --tls-dir")
     try:
         burst_sizes = tuple(int(size) for size in args.burst_sizes.split(",") if size) if args.what == "client" else ()
     except ValueError:

@@ -70,6 +70,7 @@ class BoxSpec:
     devices: list[dict]
     delay_us: float = 0.0
     read_spin_us: float | None = None  # BOX.toml's read_spin_us (None: the box's default)
+    plaintext: bool = False  # the box and its host proxies without TLS (what TLS costs: benchmarks)
 
 
 @dataclass
@@ -89,7 +90,10 @@ class Topology:
                 spin = None if spin is None else spin_setting("read_spin_us", spin)
             except ValueError as exc:
                 raise LabError(f"box {b['name']!r}: {exc}") from None
-            boxes.append(BoxSpec(b["name"], list(b.get("device", [])), float(b.get("delay_us", 0)), spin))
+            plaintext = b.get("plaintext", False)
+            if not isinstance(plaintext, bool):
+                raise LabError(f"box {b['name']!r}: plaintext = {plaintext!r}: true or false")
+            boxes.append(BoxSpec(b["name"], list(b.get("device", [])), float(b.get("delay_us", 0)), spin, plaintext))
         if not boxes:
             raise LabError("topology has no [[box]]")
         for b in boxes:
@@ -138,6 +142,7 @@ class BoxState:
     link: dict = field(default_factory=dict)  # "up"/"down" -> Impairment.to_dict()
     emulator_pid: int | None = None
     realtime: bool = True  # the emulator runs SCHED_FIFO
+    tls_dir: str | None = None  # ca.pem + host.pem/key that reach it; None: a plaintext box
 
     @property
     def endpoint(self) -> str:
@@ -175,6 +180,8 @@ class LabState:
     def load(cls, directory: Path) -> "LabState":
         raw = json.loads((directory / "state.json").read_text())
         known = {f.name for f in dataclasses.fields(BoxState)}  # a state file of an older lab too
+        for b in raw["boxes"]:  # (whose boxes all had TLS, and no tls_dir in the file)
+            b.setdefault("tls_dir", str(Path(raw["directory"]) / "certs"))
         boxes = [BoxState(**{k: v for k, v in b.items() if k in known}) for b in raw.pop("boxes")]
         return cls(**raw, boxes=boxes)
 
@@ -214,8 +221,8 @@ class LabState:
     def remote_settings(self, box: str, device: str) -> dict:
         """Settings for a host proxy in forward mode (``hotplug.attach(vm, "remote", ...)``)."""
         b = self.box(box)
-        return {"address": b.endpoint, "device": device, "lease": b.devices[device]["lease"],
-                "tls_dir": str(self.certs), "tls_role": "host"}
+        security = {"tls_dir": b.tls_dir, "tls_role": "host"} if b.tls_dir else {"plaintext": True}
+        return {"address": b.endpoint, "device": device, "lease": b.devices[device]["lease"], **security}
 
 
 def lab_dir(name: str) -> Path:
@@ -322,9 +329,11 @@ def up(topology: Topology) -> LabState:
                                  "settings": d.get("settings", {})} for d in spec.devices}
             config = directory / f"{spec.name}.toml"
             pool = ([f"http://{host_ip}:{port}" for port in state.etcd_ports]) if topology.etcd else None
-            config.write_text(_box_toml(spec.name, box_ip, state.certs, devices, etcd=pool,
+            tls_dir = None if spec.plaintext else state.certs
+            config.write_text(_box_toml(spec.name, box_ip, tls_dir, devices, etcd=pool,
                                         read_spin_us=spec.read_spin_us))
-            box = BoxState(spec.name, ns, host_ip, box_ip, str(config), devices, link_netns=link_ns)
+            box = BoxState(spec.name, ns, host_ip, box_ip, str(config), devices, link_netns=link_ns,
+                           tls_dir=None if tls_dir is None else str(tls_dir))
             state.boxes.append(box)
             proxy = RemoteProxyProcess(config, netns=ns)
             proxy.start()
@@ -354,9 +363,10 @@ def toml_value(value: object) -> str:
     raise LabError(f"cannot write {value!r} into a box config")
 
 
-def _box_toml(name: str, ip: str, certs: Path, devices: dict[str, dict], etcd: list[str] | None = None,
+def _box_toml(name: str, ip: str, certs: Path | None, devices: dict[str, dict], etcd: list[str] | None = None,
               read_spin_us: float | None = None) -> str:
-    lines = [f'name = "{name}"', f'listen = "{ip}"', f"port = {BOX_PORT}", f'tls_dir = "{certs}"']
+    security = f'tls_dir = "{certs}"' if certs else "plaintext = true"
+    lines = [f'name = "{name}"', f'listen = "{ip}"', f"port = {BOX_PORT}", security]
     if read_spin_us is not None:
         lines.append(f"read_spin_us = {toml_value(read_spin_us)}")
     for dev_id, d in devices.items():
@@ -605,6 +615,7 @@ def status(name: str) -> dict:
                      for url, pid in zip(state.etcd_endpoints, state.etcd_pids)],
             "boxes": [{"name": b.name, "netns": b.netns, "address": b.box_ip, "endpoint": b.endpoint,
                        "proxy_pid": b.proxy_pid, "proxy_alive": alive(b.proxy_pid),
+                       "tls": b.tls_dir is not None,
                        "delay_us": b.delay_us, "delay_mode": b.delay_mode, "link_netns": b.link_netns,
                        "link": b.link, "emulator_pid": b.emulator_pid, "realtime": b.realtime, "emulator_alive": alive(b.emulator_pid),
                        "devices": {d: v["model"] for d, v in b.devices.items()}} for b in state.boxes]}
