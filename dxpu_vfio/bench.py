@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import ssl
 import statistics
 import time
 from pathlib import Path
@@ -84,12 +85,19 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def native_openssl() -> str | None:
+    """The OpenSSL the native stream links (the link's TLS); None where it is not built."""
+    from dxpu_vfio.native import stream
+    return stream.require().OPENSSL_VERSION if stream.built() else None
+
+
 def write_json(name: str, data: dict[str, Any], out: Path | None = None) -> Path:
     """Write ``results/bench/<name>.json`` (or ``out``) with the run's context."""
     path = out or PROJECT_ROOT / "results" / "bench" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "host": {"node": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release()},
+              "openssl": {"python": ssl.OPENSSL_VERSION, "native": native_openssl()},
               **data}
     path.write_text(json.dumps(record, indent=2, default=str))
     return path

@@ -13,7 +13,7 @@ PACKAGES=(
     cpio gzip xz-utils    # tiny initramfs
     e2fsprogs             # mke2fs -d for the full guest disk
     gcc make libc6-dev    # static guest tools
-    libssl-dev python3-dev  # the native link stream (scripts/build_native.py)
+    python3-dev           # the native link stream (scripts/build_native.py; its OpenSSL is Debian testing's)
     clang libclang-rt-14-dev  # its libFuzzer harness (scripts/fuzz_native.sh)
     iproute2              # network namespaces for the lab
     iptables              # NAT for the lab's extra host namespaces (--hosts)

@@ -486,3 +486,13 @@ def test_two_threads_corking_at_once_lose_nothing_and_keep_their_order(certs):
     assert [i for i in got if i >= 1000] == list(range(1000, 1000 + 2 * per_thread))
     client.close()
     server.close()
+
+
+def test_the_link_seals_with_the_openssl_setup_links_in_not_the_systems():
+    """scripts/build_native.py links Debian testing's OpenSSL (3.1 and later seal AES-GCM
+    with AVX-512 VAES: 18 GB/s a core here against bookworm's 3.0 at 4.9). A module built
+    against the system's would still pass every other test, at a third of the speed."""
+    version = native_stream.require().OPENSSL_VERSION
+    major, minor = (int(n) for n in version.split()[1].split(".")[:2])
+    assert (major, minor) >= (3, 1), f"the native stream has {version}: rebuild it with scripts/build_native.py"
+    assert version != ssl.OPENSSL_VERSION or ssl.OPENSSL_VERSION_INFO[:2] >= (3, 1), version

@@ -1476,7 +1476,9 @@ PyMODINIT_FUNC PyInit__fastlink(void)
         PyModule_AddObject(m, "Forwarder", (PyObject *)&ForwarderType) < 0 ||
         PyModule_AddObject(m, "Closed", ClosedError) < 0 || PyModule_AddObject(m, "BadFrame", BadFrameError) < 0 ||
         PyModule_AddObject(m, "TlsError", TlsError) < 0 ||
-        PyModule_AddIntConstant(m, "HEADER_SIZE", FRAME_HEADER_SIZE) < 0) {
+        PyModule_AddIntConstant(m, "HEADER_SIZE", FRAME_HEADER_SIZE) < 0 ||
+        /* the OpenSSL linked in (setup links Debian testing's, for its AVX-512 AES-GCM) */
+        PyModule_AddStringConstant(m, "OPENSSL_VERSION", OpenSSL_version(OPENSSL_VERSION)) < 0) {
         Py_DECREF(m);
         return NULL;
     }
