@@ -49,7 +49,7 @@ def compiler(name: str, hint: str) -> str:
 def testing_openssl() -> Path:
     """The root where Debian testing's libssl-dev is extracted (once; idempotent)."""
     root = cache_dir() / f"openssl-{SYSROOT_SUITE}"
-    if all((root / lib).is_file() for lib in _static_libs(Path("."))):
+    if all(lib.is_file() for lib in _static_libs(root)):
         return root
     if not shutil.which("mmdebstrap"):
         sys.exit("mmdebstrap not found: apt-get install mmdebstrap (scripts/setup.sh does)")
@@ -59,7 +59,7 @@ def testing_openssl() -> Path:
     proc = subprocess.run(["mmdebstrap", "--variant=extract", "--include=libssl-dev",
                            '--aptopt=Acquire::Check-Valid-Until "false"', SYSROOT_SUITE, str(tmp), MIRROR],
                           capture_output=True, text=True)
-    if proc.returncode or not all((tmp / lib).is_file() for lib in _static_libs(Path("."))):
+    if proc.returncode or not all(lib.is_file() for lib in _static_libs(tmp)):
         shutil.rmtree(tmp, ignore_errors=True)
         sys.exit(f"extracting libssl-dev from Debian {SYSROOT_SUITE} failed (exit {proc.returncode}); "
                  f"check network access to {MIRROR}:\n{proc.stderr.strip()[-800:]}")
