@@ -1,17 +1,20 @@
 """Fuzzing what the pool manager reads from GPU boxes (:mod:`dxpu_vfio.pool.boxes`): the
 fuzzer is a box a manager registered (plaintext, on loopback), and answers its INVENTORY
-(registration and every heartbeat) and SCREENSHOT requests right or, while a unit's plan
-says so, wrong.
+(registration and every heartbeat), SCREENSHOT and REVOKE requests right or, while a
+unit's plan says so, wrong.
 
 Wrong is: the inventory's JSON mutated or at its limits (1025 devices, an id twice, a
 capacity below 0, at 2^63 or a bool, strings of 257 characters, no box name); a
 screenshot whose pieces disagree on the total, offer more than 64 MiB, end early, run
-past the total or are shorter than their 8-byte header; an error reply of any errno; a
-frame that breaks the framing; a hang-up. A unit is such a plan, then one thing the
-manager does with the box: register it, list the pool, fetch a screenshot, remove and
-register it again, or wait for a heartbeat. The probe is ``GET /v1/health``. A traceback
-in the manager's log is a finding: whatever a box sends must become a
-:class:`~dxpu_vfio.pool.boxes.BoxUnreachable` that says what it sent.
+past the total or are shorter than their 8-byte header; a REVOKE answer's JSON mutated;
+an error reply of any errno; a frame that breaks the framing; a hang-up. A unit is such a
+plan, then one thing the manager does with the box: register it, list the pool, fetch a
+screenshot, remove and register it again, wait for a heartbeat, or fence a host that
+holds leases of the box's devices (the fuzzer allocates them in the manager's database),
+which revokes each at the box. The probe is ``GET /v1/health``. A traceback in the
+manager's log is a finding: whatever a box sends must become a
+:class:`~dxpu_vfio.pool.boxes.BoxUnreachable` that says what it sent. So is a fence that
+leaves the host a lease, or answers without saying what became of each lease's token.
 """
 
 from __future__ import annotations
@@ -29,15 +32,19 @@ from urllib.parse import quote
 from dxpu_vfio.fuzz.child import ChildTarget
 from dxpu_vfio.fuzz.mutate import edge, mutate_json
 from dxpu_vfio.fuzz.manager import api_call, api_probe
+from dxpu_vfio.fuzz.peer import Violation
 from dxpu_vfio.link.protocol import LinkCommand as L
 from dxpu_vfio.pool.boxes import MAX_DEVICES, MAX_FIELD, MAX_SCREENSHOT
 from dxpu_vfio.pool.service import ManagerProcess
+from dxpu_vfio.pool.storage import NoFreeDevice
+from dxpu_vfio.pool.store import Store
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
 
 BOX = "fzbox"
+HOST = "fzhost"  # the host the fence action allocates leases to, then fences
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 40  # what the fuzzer's display shows (10 KiB)
-KINDS = ("inventory", "inventory", "limits", "screenshot", "screenshot", "error", "framing", "close")
+KINDS = ("inventory", "inventory", "limits", "screenshot", "screenshot", "revoke", "error", "framing", "close")
 
 
 def _device(i: int, cls: str = "display") -> dict:
@@ -121,6 +128,10 @@ class FakeBox:
             except (ValueError, AttributeError, TypeError):
                 offset = 0
             return vp.message(hdr.msg_id, hdr.command, self._piece(kind, rng, offset), reply=True)
+        if hdr.command == L.REVOKE:
+            answer = (mutate_json(rng, {"revoked": True}, {"revoked": (False, None, 1, "yes", [], {})})
+                      if kind == "revoke" else json.dumps({"revoked": True}).encode())
+            return vp.message(hdr.msg_id, hdr.command, answer, reply=True)
         return vp.error_reply(hdr.msg_id, hdr.command, errno.ENOTSUP)
 
     @staticmethod
@@ -178,18 +189,22 @@ class BoxAnswersTarget(ChildTarget):
     def __init__(self) -> None:
         super().__init__()
         self.process: ManagerProcess | None = None
+        self.store: Store | None = None  # the manager's database, where the fence action allocates
         self.box: FakeBox | None = None
         self.token = ""
 
     def start(self, workdir: Path) -> None:
         self.box = FakeBox()
-        self.process = ManagerProcess(workdir / f"pool-{time.monotonic_ns()}.db", heartbeat=0.5).start()
+        db = workdir / f"pool-{time.monotonic_ns()}.db"
+        self.process = ManagerProcess(db, heartbeat=0.5).start()
+        self.store = Store(db)
         self.log_path = self.process.paths.log
         self.token = self.process.paths.token.read_text().strip()
         self._exchange("POST", "/v1/boxes", {"name": BOX, "address": self.box.address}, time.monotonic() + 10)
 
     def stop(self) -> None:
         super().stop()
+        self.store = None
         if self.box is not None:
             self.box.close()
             self.box = None
@@ -207,7 +222,7 @@ class BoxAnswersTarget(ChildTarget):
         assert self.box is not None
         kind, count = rng.choice(KINDS), rng.choice((1, 1, 2))
         self.box.plan(kind, rng.getrandbits(32), count)
-        roll = rng.randrange(5)
+        roll = rng.randrange(6)
         deadline = time.monotonic() + 20.0  # a screenshot's exchange may take its pieces' round trips
         if roll == 0:
             action = f"register {self.box.address}"
@@ -222,8 +237,32 @@ class BoxAnswersTarget(ChildTarget):
             action = "remove, register"
             self._exchange("POST", "/v1/boxes/remove", {"name": BOX}, deadline)
             self._exchange("POST", "/v1/boxes", {"name": BOX, "address": self.box.address}, deadline)
-        else:
+        elif roll == 4:
             action = "a heartbeat"
             time.sleep(0.6)
+        else:
+            action = self._fence(rng, deadline)
         changed = self.box.plan("", 0, 0)
         return [f"{kind} x{count}, then {action}".encode()] + changed
+
+    def _fence(self, rng: random.Random, deadline: float) -> str:
+        """Leases of the box's devices for :data:`HOST`, then ``POST /v1/hosts/fence``:
+        the manager revokes each at the box. Its answer must name every lease with what
+        became of its token, and the host must hold none after; then it is unfenced."""
+        assert self.store is not None
+        try:
+            leases = self.store.allocate("fzvm", device_class=rng.choice(("display", "testdev")), host=HOST)
+        except NoFreeDevice:  # the box's registration failed in an earlier unit, or a lease is left
+            return "fence (no device free)"
+        answer = self._exchange("POST", "/v1/hosts/fence", {"host": HOST}, deadline)
+        try:
+            body = json.loads(answer.partition(b"\r\n\r\n")[2])
+            told = {row["lease"]: row["token"] for row in body["leases"]}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise Violation(f"the fence of {HOST} was answered {answer[:300]!r} ({exc})") from None
+        missing = [lease.id for lease in leases if not isinstance(told.get(lease.id), str)]
+        left = [lease.id for lease in self.store.leases() if lease.host == HOST]
+        self._exchange("POST", "/v1/hosts/unfence", {"host": HOST}, deadline)
+        if missing or left:
+            raise Violation(f"fencing {HOST}: leases {missing} not reported, {left} still held ({told})")
+        return f"fence ({', '.join(sorted(set(told.values())))})"
