@@ -204,7 +204,9 @@ class BoxAnswersTarget(ChildTarget):
 
     def stop(self) -> None:
         super().stop()
-        self.store = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
         if self.box is not None:
             self.box.close()
             self.box = None
