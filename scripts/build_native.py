@@ -31,8 +31,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 SRC = ROOT / "dxpu_vfio" / "native"
 
+from dxpu_vfio.errors import SetupError  # noqa: E402
 from dxpu_vfio.paths import cache_dir  # noqa: E402
-from dxpu_vfio.vms.qemu import MIRROR, SYSROOT_SUITE  # noqa: E402
+from dxpu_vfio.vms.qemu import SYSROOT_SUITE, testing_tree  # noqa: E402
+
+STATIC_LIBS = (Path("usr/lib/x86_64-linux-gnu/libssl.a"), Path("usr/lib/x86_64-linux-gnu/libcrypto.a"))
 
 # what the static OpenSSL needs from the system, loaded with the module
 OPENSSL_SYSTEM_LIBS = ["-l:libz.so.1", "-l:libzstd.so.1", "-ldl"]
@@ -49,28 +52,14 @@ def compiler(name: str, hint: str) -> str:
 def testing_openssl() -> Path:
     """The root where Debian testing's libssl-dev is extracted (once; idempotent)."""
     root = cache_dir() / f"openssl-{SYSROOT_SUITE}"
-    if all(lib.is_file() for lib in _static_libs(root)):
+    if all((root / lib).is_file() for lib in STATIC_LIBS):
         return root
-    if not shutil.which("mmdebstrap"):
-        sys.exit("mmdebstrap not found: apt-get install mmdebstrap (scripts/setup.sh does)")
-    tmp = root.with_name(root.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     print(f"native: extracting libssl-dev from Debian {SYSROOT_SUITE} into {root} (~5 s, 40 MB)", flush=True)
-    proc = subprocess.run(["mmdebstrap", "--variant=extract", "--include=libssl-dev",
-                           '--aptopt=Acquire::Check-Valid-Until "false"', SYSROOT_SUITE, str(tmp), MIRROR],
-                          capture_output=True, text=True)
-    if proc.returncode or not all(lib.is_file() for lib in _static_libs(tmp)):
-        shutil.rmtree(tmp, ignore_errors=True)
-        sys.exit(f"extracting libssl-dev from Debian {SYSROOT_SUITE} failed (exit {proc.returncode}); "
-                 f"check network access to {MIRROR}:\n{proc.stderr.strip()[-800:]}")
-    shutil.rmtree(root, ignore_errors=True)
-    tmp.rename(root)
+    try:
+        testing_tree(root, "extract", "libssl-dev", expect=STATIC_LIBS)
+    except SetupError as exc:
+        sys.exit(str(exc))
     return root
-
-
-def _static_libs(root: Path) -> list[Path]:
-    lib = root / "usr" / "lib" / "x86_64-linux-gnu"
-    return [lib / "libssl.a", lib / "libcrypto.a"]
 
 
 def build_module(out_dir: Path, sanitize: bool) -> Path:
@@ -86,7 +75,7 @@ def build_module(out_dir: Path, sanitize: bool) -> Path:
            f"-I{sysconfig.get_paths()['include']}", f"-I{openssl / 'usr' / 'include'}",
            f"-I{openssl / 'usr' / 'include' / 'x86_64-linux-gnu'}",
            str(SRC / "fastlink.c"), str(SRC / "glibc_compat.c"), "-o", str(tmp),
-           *map(str, _static_libs(openssl)), "-Wl,--exclude-libs,ALL", *OPENSSL_SYSTEM_LIBS]
+           *(str(openssl / lib) for lib in STATIC_LIBS), "-Wl,--exclude-libs,ALL", *OPENSSL_SYSTEM_LIBS]
     out_dir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:

@@ -123,6 +123,29 @@ def _write_wrapper(root: Path) -> Path:
     return wrapper
 
 
+def testing_tree(root: Path, variant: str, include: str, expect: tuple[Path, ...] = ()) -> None:
+    """``root`` replaced by a tree of Debian :data:`SYSROOT_SUITE` with the packages
+    ``include`` names (mmdebstrap's ``variant``: "essential" installs, "extract" only
+    unpacks), made beside it and renamed over it, so a failure leaves no half tree; each
+    path of ``expect`` (relative to the tree) must be in it."""
+    if not shutil.which("mmdebstrap"):
+        raise SetupError("mmdebstrap is missing", hint="apt-get install mmdebstrap")
+    tmp = root.with_name(root.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    proc = subprocess.run(
+        ["mmdebstrap", f"--variant={variant}", f"--include={include}",
+         "--aptopt=Acquire::Check-Valid-Until \"false\"", SYSROOT_SUITE, str(tmp), MIRROR],
+        capture_output=True, text=True)
+    missing = [str(path) for path in expect if not (tmp / path).is_file()]
+    if proc.returncode != 0 or missing:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SetupError(f"mmdebstrap of {include} from Debian {SYSROOT_SUITE} failed (exit {proc.returncode}"
+                         + (f", without {', '.join(missing)}" if missing else "") + f"): "
+                         f"{proc.stderr.strip()[-800:]}", hint="check network access to the Debian mirror")
+    shutil.rmtree(root, ignore_errors=True)
+    tmp.rename(root)
+
+
 def install_sysroot(log=print) -> Qemu:
     """Build the private QEMU sysroot unless a good QEMU is already there (idempotent)."""
     try:
@@ -131,22 +154,9 @@ def install_sysroot(log=print) -> Qemu:
         return qemu
     except QemuNotFound:
         pass
-    if not shutil.which("mmdebstrap"):
-        raise SetupError("mmdebstrap is missing", hint="apt-get install mmdebstrap")
     root = sysroot_dir()
-    tmp = root.with_name(root.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     log(f"qemu: building a QEMU sysroot from Debian {SYSROOT_SUITE} in {root} (~20 s, 260 MB)")
-    proc = subprocess.run(
-        ["mmdebstrap", "--variant=essential", "--include=qemu-system-x86",
-         "--aptopt=Acquire::Check-Valid-Until \"false\"", SYSROOT_SUITE, str(tmp), MIRROR],
-        capture_output=True, text=True)
-    if proc.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise SetupError(f"mmdebstrap failed (exit {proc.returncode}): "
-                         f"{proc.stderr.strip()[-800:]}", hint="check network access to the Debian mirror")
-    shutil.rmtree(root, ignore_errors=True)
-    tmp.rename(root)
+    testing_tree(root, "essential", "qemu-system-x86")
     _write_wrapper(root)
     _check.cache_clear()
     qemu = find_qemu()
