@@ -132,7 +132,7 @@ def main() -> int:
         sys.exit(f"--device-cpu {args.device_cpu}: pick one of CPUs {sorted(cpus)} (and have two at least)")
     names = args.workloads.split(",")
     # the floors of the link the box serves: TLS (Python's, and OpenSSL's in C), or plain TCP
-    py, c = ("tcp", "tcp-native") if args.plaintext else ("tls", "tls-native")
+    py, c = floors.link_kinds(args.plaintext)
     link_name, in_c = ("TCP", "in C, no TLS") if args.plaintext else ("TLS", "with OpenSSL in C")
     unknown = set(names) - set(WORKLOADS)
     if unknown:
@@ -143,8 +143,7 @@ def main() -> int:
     load = os.getloadavg()
     try:
         state = lab.up(topo)
-        floor = floors.measure_lab(state, BOX, kinds=("tcp", "tcp-native") if args.plaintext else ("tcp", "tls", "tls-native"),
-                                   burst_sizes=BURST_SIZES)
+        floor = floors.measure_lab(state, BOX, kinds=tuple(dict.fromkeys(("tcp", py, c))), burst_sizes=BURST_SIZES)
         with served("local", None, args.threads, args.inline_max) as (local, lacc), \
                 served("remote", state, args.threads, args.inline_max) as (remote, racc):
             if args.device_cpu is not None:

@@ -136,7 +136,8 @@ def main() -> int:
     args = parser.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
     # the floors of the link the box serves: TLS (Python's, and OpenSSL's in C), or plain TCP
-    py, c, link_name = ("tcp", "tcp-native", "TCP") if args.plaintext else ("tls", "tls-native", "TLS")
+    py, c = floors.link_kinds(args.plaintext)
+    link_name = py.upper()
     workloads = {f"{name}-qd{depth}": (rw, bs, depth) for name, (rw, bs) in WORKLOADS.items() for depth in depths}
     size = args.size_mib << 20
     exit_on_sigterm()  # a SIGTERM still runs the finally below: no lab, no disk images left
@@ -156,8 +157,8 @@ def main() -> int:
             image.write_bytes(written)
         del written
         state = lab.up(topology)
-        floor = floors.measure_lab(state, "box1", kinds=("tcp", "tcp-native") if args.plaintext
-                                   else ("tcp", "tls", "tls-native"), cpu_message_size=READ_BYTES)
+        floor = floors.measure_lab(state, "box1", kinds=tuple(dict.fromkeys(("tcp", py, c))),
+                                   cpu_message_size=READ_BYTES)
         extra = ["-drive", f"file={qemu_disk},if=none,id=qn,format=raw,cache={args.qemu_cache},aio=threads",
                  "-device", "nvme,drive=qn,serial=QEMUNVME,addr=0x6"]
         config = VmConfig(image="full", name="bench-nvme", cpus=args.guest_cpus, extra_args=extra, boot_timeout=240)

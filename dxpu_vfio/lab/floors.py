@@ -59,6 +59,12 @@ KINDS = {"tcp": (FLOOR_PORT, False, False), "tls": (FLOOR_PORT + 1, True, False)
          "tcp-native": (FLOOR_PORT + 3, False, True)}  # kind -> (port, TLS, native stream)
 
 
+def link_kinds(plaintext: bool) -> tuple[str, str]:
+    """The floor kinds of the link a box serves, in Python and on the native stream:
+    ``("tls", "tls-native")``, or ``("tcp", "tcp-native")`` for a plaintext box."""
+    return ("tcp", "tcp-native") if plaintext else ("tls", "tls-native")
+
+
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
