@@ -223,5 +223,5 @@ def test_a_lab_topology_passes_a_box_read_spin_into_its_box_toml(tmp_path):
         lab.Topology.parse('[[box]]\nname = "b1"\nread_spin_us = "fast"\n')
     for spec, want in zip(topology.boxes, (0.0, BoxConfig.read_spin_us)):
         path = tmp_path / f"{spec.name}.toml"
-        path.write_text(lab._box_toml(spec.name, "198.18.1.2", tmp_path, {}, read_spin_us=spec.read_spin_us))
+        path.write_text(lab._box_toml(spec.name, "198.18.1.2", str(tmp_path), {}, read_spin_us=spec.read_spin_us))
         assert BoxConfig.load(path).read_spin_us == want

@@ -329,11 +329,11 @@ def up(topology: Topology) -> LabState:
                                  "settings": d.get("settings", {})} for d in spec.devices}
             config = directory / f"{spec.name}.toml"
             pool = ([f"http://{host_ip}:{port}" for port in state.etcd_ports]) if topology.etcd else None
-            tls_dir = None if spec.plaintext else state.certs
+            tls_dir = None if spec.plaintext else str(state.certs)
             config.write_text(_box_toml(spec.name, box_ip, tls_dir, devices, etcd=pool,
                                         read_spin_us=spec.read_spin_us))
             box = BoxState(spec.name, ns, host_ip, box_ip, str(config), devices, link_netns=link_ns,
-                           tls_dir=None if tls_dir is None else str(tls_dir))
+                           tls_dir=tls_dir)
             state.boxes.append(box)
             proxy = RemoteProxyProcess(config, netns=ns)
             proxy.start()
@@ -363,9 +363,9 @@ def toml_value(value: object) -> str:
     raise LabError(f"cannot write {value!r} into a box config")
 
 
-def _box_toml(name: str, ip: str, certs: Path | None, devices: dict[str, dict], etcd: list[str] | None = None,
+def _box_toml(name: str, ip: str, tls_dir: str | None, devices: dict[str, dict], etcd: list[str] | None = None,
               read_spin_us: float | None = None) -> str:
-    security = f'tls_dir = "{certs}"' if certs else "plaintext = true"
+    security = f'tls_dir = "{tls_dir}"' if tls_dir else "plaintext = true"
     lines = [f'name = "{name}"', f'listen = "{ip}"', f"port = {BOX_PORT}", security]
     if read_spin_us is not None:
         lines.append(f"read_spin_us = {toml_value(read_spin_us)}")
