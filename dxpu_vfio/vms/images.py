@@ -24,8 +24,8 @@ from typing import Callable
 
 from dxpu_vfio.errors import ImageError, SetupError
 from dxpu_vfio.paths import VM_IMAGES_DIR, cache_dir
+from dxpu_vfio.vms.qemu import MIRROR  # one Debian mirror for images and the QEMU sysroot
 
-MIRROR = "http://deb.debian.org/debian"
 IMAGE_NAMES = ("tiny", "full")
 BUILDER_VERSION = 1  # bump to rebuild every image after a change to this module
 Log = Callable[[str], None]
