@@ -102,3 +102,67 @@ def test_a_screenshot_that_is_not_the_mode_is_a_violation(tmp_path):
     assert violations and all("the registers say" in f.detail for f in violations), result.findings
     assert violations[0].index >= 30 and json.loads(Path(violations[0].reproducer).read_text())["units"]
     assert result.units == 48 and result.restarts >= 1 and not result.crashes and not result.hangs
+
+
+def test_an_attach_that_leaves_the_vm_a_lease_is_a_violation(tmp_path):
+    """The box-answers target attaches to a paused QEMU without a root port, so every
+    attach must be rolled back: a manager that left the VM a lease (here the test
+    allocates one for the VM before the first attach from unit 20 on, as a rollback that
+    forgot it would leave) is a violation with a reproducer, and the run goes on with a
+    new manager."""
+    from dxpu_vfio.fuzz.box_answers import BoxAnswersTarget
+    from dxpu_vfio.fuzz.runner import Run
+    from dxpu_vfio.pool.storage import NoFreeDevice
+    from dxpu_vfio.vmm.naming import target_key
+
+    class Forgetful(BoxAnswersTarget):
+        index, planted = 0, False
+
+        def _attach(self, rng, deadline):
+            if self.index >= 20 and not self.planted:
+                try:
+                    self.store.allocate(target_key(f"qmp:{self.vm.admin_qmp_path}"), device_class="testdev")
+                    self.planted = True
+                except NoFreeDevice:  # a unit's inventory left the box without devices: the next attach
+                    pass
+            return super()._attach(rng, deadline)
+
+        def send(self, index, rng):
+            self.index = index
+            return super().send(index, rng)
+
+    result = Run(Forgetful(), seed=11, stop=48, check_every=8, out=tmp_path).execute()
+    violations = [f for f in result.findings if f.kind == "violation"]
+    assert len(violations) == 1 and "leases left" in violations[0].detail, result.findings
+    assert violations[0].index >= 20 and json.loads(Path(violations[0].reproducer).read_text())["units"]
+    assert result.units == 47 and result.restarts == 1 and not result.crashes and not result.hangs
+
+
+def test_the_etcd_targets_agent_is_replaced_when_it_stops_and_its_traceback_is_a_violation(tmp_path):
+    """The etcd target runs a host agent on the relay beside the manager. An agent that
+    stops (here killed at unit 10) is replaced by one under a new host name, and the next
+    unit says so; a traceback in the agent's log (here written at unit 30, as a crash in
+    one of its threads would) is a violation with a reproducer."""
+    from dxpu_vfio.fuzz.etcd import EtcdAnswersTarget
+    from dxpu_vfio.fuzz.runner import Run
+
+    told: list[bytes] = []
+
+    class Troubled(EtcdAnswersTarget):
+        def send(self, index, rng):
+            if index == 10:
+                self.agent.process.kill()
+                self.agent.process.wait()
+            if index == 30:
+                with open(self.agent.log_path, "a") as log:
+                    log.write("Traceback (most recent call last):\n  a thread of the agent died\n")
+            sent = super().send(index, rng)
+            told.extend(m for m in sent if m.startswith(b"agent fzagent"))
+            return sent
+
+    result = Run(Troubled(), seed=2, stop=48, check_every=8, out=tmp_path).execute()
+    assert told and told[0].startswith(b"agent fzagent1 stopped"), told
+    violations = [f for f in result.findings if f.kind == "violation"]
+    assert len(violations) == 1 and "a thread of the agent died" in violations[0].detail, result.findings
+    assert 30 <= violations[0].index < 40 and json.loads(Path(violations[0].reproducer).read_text())["units"]
+    assert result.units == 48 and not result.crashes and not result.hangs

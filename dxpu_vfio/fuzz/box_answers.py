@@ -1,20 +1,29 @@
 """Fuzzing what the pool manager reads from GPU boxes (:mod:`dxpu_vfio.pool.boxes`): the
 fuzzer is a box a manager registered (plaintext, on loopback), and answers its INVENTORY
-(registration and every heartbeat), SCREENSHOT and REVOKE requests right or, while a
-unit's plan says so, wrong.
+(registration and every heartbeat), SCREENSHOT, GRANT and REVOKE requests right or,
+while a unit's plan says so, wrong.
 
 Wrong is: the inventory's JSON mutated or at its limits (1025 devices, an id twice, a
 capacity below 0, at 2^63 or a bool, strings of 257 characters, no box name); a
 screenshot whose pieces disagree on the total, offer more than 64 MiB, end early, run
-past the total or are shorter than their 8-byte header; a REVOKE answer's JSON mutated;
-an error reply of any errno; a frame that breaks the framing; a hang-up. A unit is such a
-plan, then one thing the manager does with the box: register it, list the pool, fetch a
-screenshot, remove and register it again, wait for a heartbeat, or fence a host that
-holds leases of the box's devices (the fuzzer allocates them in the manager's database),
-which revokes each at the box. The probe is ``GET /v1/health``. A traceback in the
-manager's log is a finding: whatever a box sends must become a
-:class:`~dxpu_vfio.pool.boxes.BoxUnreachable` that says what it sent. So is a fence that
-leaves the host a lease, or answers without saying what became of each lease's token.
+past the total or are shorter than their 8-byte header; a GRANT or REVOKE answer's JSON
+mutated; an error reply of any errno; a frame that breaks the framing; a hang-up. A unit
+is such a plan, then one thing the manager does with the box: register it, list the
+pool, fetch a screenshot, remove and register it again, wait for a heartbeat, fence a
+host that holds leases of the box's devices (the fuzzer allocates them in the manager's
+database), which revokes each at the box, or attach one of its devices to a VM.
+
+The VM is a real QEMU, paused before its guest runs (``-S``) and without a root port: the
+manager asks the box for a token (GRANT) and, whatever the answer, cannot plug the
+device, so every attach is rolled back (a token it got is revoked at the box). No GRANT
+reaches a box without a running VM, and a plug that finished would need the box to
+serve the device, which this one does not.
+
+The probe is ``GET /v1/health``. A traceback in the manager's log is a finding: whatever
+a box sends must become a :class:`~dxpu_vfio.pool.boxes.BoxUnreachable` that says what
+it sent. So is a fence that leaves the host a lease, or answers without saying what
+became of each lease's token, and an attach that does not answer with an error or
+leaves the VM a lease.
 """
 
 from __future__ import annotations
@@ -40,11 +49,15 @@ from dxpu_vfio.pool.storage import NoFreeDevice
 from dxpu_vfio.pool.store import Store
 from dxpu_vfio.vfio_user import protocol as vp
 from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed
+from dxpu_vfio.vmm.naming import target_key
+from dxpu_vfio.vms.runner import Vm, VmConfig
 
 BOX = "fzbox"
 HOST = "fzhost"  # the host the fence action allocates leases to, then fences
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 40  # what the fuzzer's display shows (10 KiB)
-KINDS = ("inventory", "inventory", "limits", "screenshot", "screenshot", "revoke", "error", "framing", "close")
+KINDS = ("inventory", "inventory", "limits", "screenshot", "screenshot", "grant", "grant", "revoke", "error", "framing",
+         "close")
+TOKEN = "fz" + "0123456789abcdef" * 3  # what the fuzzer's box grants when it answers right
 
 
 def _device(i: int, cls: str = "display") -> dict:
@@ -128,6 +141,10 @@ class FakeBox:
             except (ValueError, AttributeError, TypeError):
                 offset = 0
             return vp.message(hdr.msg_id, hdr.command, self._piece(kind, rng, offset), reply=True)
+        if hdr.command == L.GRANT:
+            answer = (mutate_json(rng, {"token": TOKEN}, {"token": (None, "", "short", "x" * 31, 7, [], {})})
+                      if kind == "grant" else json.dumps({"token": TOKEN}).encode())
+            return vp.message(hdr.msg_id, hdr.command, answer, reply=True)
         if hdr.command == L.REVOKE:
             answer = (mutate_json(rng, {"revoked": True}, {"revoked": (False, None, 1, "yes", [], {})})
                       if kind == "revoke" else json.dumps({"revoked": True}).encode())
@@ -182,7 +199,7 @@ class FakeBox:
 
 
 class BoxAnswersTarget(ChildTarget):
-    """A manager (SQLite) with the fuzzer's box registered."""
+    """A manager (SQLite) with the fuzzer's box registered, and a paused VM to attach to."""
 
     name = "box-answers"
 
@@ -191,10 +208,15 @@ class BoxAnswersTarget(ChildTarget):
         self.process: ManagerProcess | None = None
         self.store: Store | None = None  # the manager's database, where the fence action allocates
         self.box: FakeBox | None = None
+        self.vm: Vm | None = None
+        self.starts = 0
         self.token = ""
 
     def start(self, workdir: Path) -> None:
         self.box = FakeBox()
+        self.starts += 1
+        self.vm = Vm(VmConfig(name=f"fzgrant{self.starts}", memory_mib=128, cpus=1, root_ports=0,
+                              extra_args=["-S"])).start()
         db = workdir / f"pool-{time.monotonic_ns()}.db"
         self.process = ManagerProcess(db, heartbeat=0.5).start()
         self.store = Store(db)
@@ -210,6 +232,9 @@ class BoxAnswersTarget(ChildTarget):
         if self.box is not None:
             self.box.close()
             self.box = None
+        if self.vm is not None:
+            self.vm.__exit__(None)  # ended by pid, its directory removed
+            self.vm = None
 
     def _exchange(self, method: str, path: str, body: dict | None, deadline: float) -> bytes:
         assert self.process is not None
@@ -224,7 +249,7 @@ class BoxAnswersTarget(ChildTarget):
         assert self.box is not None
         kind, count = rng.choice(KINDS), rng.choice((1, 1, 2))
         self.box.plan(kind, rng.getrandbits(32), count)
-        roll = rng.randrange(6)
+        roll = 5 if kind == "grant" else rng.randrange(7)  # only an attach asks for a token
         deadline = time.monotonic() + 20.0  # a screenshot's exchange may take its pieces' round trips
         if roll == 0:
             action = f"register {self.box.address}"
@@ -242,10 +267,30 @@ class BoxAnswersTarget(ChildTarget):
         elif roll == 4:
             action = "a heartbeat"
             time.sleep(0.6)
+        elif roll == 5:
+            action = self._attach(rng, deadline)
         else:
             action = self._fence(rng, deadline)
         changed = self.box.plan("", 0, 0)
         return [f"{kind} x{count}, then {action}".encode()] + changed
+
+    def _attach(self, rng: random.Random, deadline: float) -> str:
+        """``POST /v1/attach`` of one of the box's devices to the paused VM. The manager
+        asks the box for a token first (GRANT); with or without one the plug cannot
+        finish (no root port), so the answer must be an error and the VM left no lease."""
+        assert self.vm is not None and self.store is not None
+        vm = f"qmp:{self.vm.admin_qmp_path}"
+        answer = self._exchange("POST", "/v1/attach", {"vm": vm, "class": rng.choice(("display", "testdev"))},
+                                deadline)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        try:
+            message = str(json.loads(body).get("message"))
+        except (ValueError, AttributeError):
+            raise Violation(f"an attach was answered {answer[:300]!r}") from None
+        left = [lease.id for lease in self.store.leases(target_key(vm))]
+        if head.split(b" ", 2)[1:2] == [b"200"] or left:
+            raise Violation(f"an attach that could not plug was answered {answer[:300]!r}; leases left: {left}")
+        return f"attach ({message[:120]})"
 
     def _fence(self, rng: random.Random, deadline: float) -> str:
         """Leases of the box's devices for :data:`HOST`, then ``POST /v1/hosts/fence``:

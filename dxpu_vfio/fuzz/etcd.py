@@ -10,10 +10,19 @@ or chunk size that lies or is not a number, a head that never ends, an answer cu
 its status (503, 404, 200 with an HTML page), or hangs up; a watch stream gets junk lines
 or is cut. A unit is such a plan for the next one to three answers, then an API request
 that makes the manager read or write the pool (list, status, register or remove a box,
-attach, detach, reconcile). The probe is ``GET /v1/health`` and ``GET /v1/ls``, which
-must answer (an error answer is fine: etcd may be unavailable for a moment) within the
-bound. What the manager logs with a traceback is a finding: a broken answer must become
-a :class:`~dxpu_vfio.errors.StoreError` that says what etcd sent.
+attach, detach, reconcile), or asks the host agent beside it for an attach or a detach.
+
+The agent (``dxpu agent serve --store etcd``, a second child, on the same relay) keeps its
+host lease alive, watches its lease records and answers their requests, so the relay
+changes what it reads too: keepalives, watch streams, full reads. The VM it is asked to
+plug is not there, so every attach it takes ends in an answered error.
+
+The probe is ``GET /v1/health`` and ``GET /v1/ls``, which must answer (an error answer is
+fine: etcd may be unavailable for a moment) within the bound, and a look at the agent.
+What the manager or the agent logs with a traceback is a finding: a broken answer must
+become a :class:`~dxpu_vfio.errors.StoreError` that says what etcd sent. An agent may
+stop when etcd says its host lease is gone (a changed answer can say so) or cannot
+register; it then said why in its log, and a new one starts under a new host name.
 
 The plan is drawn from the unit's seed, but which of the manager's calls it meets
 depends on timing (heartbeats, watches): a replay reproduces the same answers, not
@@ -34,11 +43,14 @@ from urllib.parse import quote
 from dxpu_vfio.fuzz.child import ChildTarget
 from dxpu_vfio.fuzz.mutate import json_value, mutate_bytes, mutate_json
 from dxpu_vfio.fuzz.manager import api_call, api_probe
+from dxpu_vfio.fuzz.peer import Violation
 from dxpu_vfio.pool.etcd_cluster import EtcdCluster
 from dxpu_vfio.pool.etcd_store import EtcdStore
-from dxpu_vfio.pool.service import ManagerProcess
+from dxpu_vfio.pool.service import AgentProcess, ManagerProcess
 
 MAX_READ = 8 << 20  # what the fuzzer reads of one request or answer
+AGENT_TTL = 4.0  # the agent's host lease: short, so a stopped agent's host soon reads as dead
+AGENT_RESYNC = 2.0  # its full reads: a request whose watch event a plan broke is still answered soon
 KINDS = ("json", "json", "value", "value", "framing", "framing", "status", "close", "watch")
 
 
@@ -370,6 +382,10 @@ class EtcdAnswersTarget(ChildTarget):
         self.starts = 0
         self.workdir: Path | None = None
         self.vm = ""
+        self.agent: AgentProcess | None = None
+        self.agents = 0  # agents started over the run; each serves host fzagent<n>
+        self.agent_log_pos = 0
+        self.agent_exits: list[str] = []  # why agents stopped since the last unit (told in its messages)
 
     def start(self, workdir: Path) -> None:
         self.workdir = workdir
@@ -384,6 +400,44 @@ class EtcdAnswersTarget(ChildTarget):
                                       etcd_endpoints=[self.relay.url]).start()
         self.log_path = self.process.paths.log
         self.token = self.process.paths.token.read_text().strip()
+        self._start_agent()
+
+    def _start_agent(self) -> None:
+        assert self.workdir is not None and self.relay is not None
+        self.agents += 1
+        log_path = self.workdir / "agent.log"
+        self.agent_log_pos = log_path.stat().st_size if log_path.exists() else 0
+        self.agent = AgentProcess(f"fzagent{self.agents}", log_path, db=self.workdir / "agent" / "pool.db",
+                                  ttl=AGENT_TTL, resync=AGENT_RESYNC, etcd_endpoints=[self.relay.url]).start()
+
+    def _agent_log(self) -> str:
+        """What the agent logged since the last look."""
+        assert self.agent is not None
+        try:
+            with open(self.agent.log_path, "rb") as f:
+                f.seek(self.agent_log_pos)
+                new = f.read()
+        except OSError:
+            return ""
+        self.agent_log_pos += len(new)
+        return new.decode(errors="replace")
+
+    def _look_at_agent(self) -> None:
+        """A traceback in the agent's log is a :class:`Violation`; an agent that stopped
+        without one said why, and a new one takes its place."""
+        if self.agent is None:
+            return
+        alive = self.agent.alive()
+        text = self._agent_log()
+        if "Traceback" in text:
+            at = text.index("Traceback")
+            raise Violation(f"the host agent {self.agent.host} logged a traceback:\n{text[max(0, at - 300):at + 3000]}")
+        if not alive:
+            last = text.strip().splitlines()[-1:] or ["it logged nothing more"]
+            self.agent_exits.append(f"agent {self.agent.host} stopped (exit status {self.agent.process.returncode}): "
+                                    f"{last[0]}")
+            self.agent.stop()
+            self._start_agent()
 
     def _seed_pool(self, workdir: Path) -> None:
         """Two boxes that announce themselves (up while their etcd lease lives, no probe
@@ -402,6 +456,9 @@ class EtcdAnswersTarget(ChildTarget):
 
     def stop(self) -> None:
         super().stop()
+        if self.agent is not None:
+            self.agent.stop()
+            self.agent = None
         if self.relay is not None:
             self.relay.close()
             self.relay = None
@@ -417,6 +474,7 @@ class EtcdAnswersTarget(ChildTarget):
     def probe(self, deadline: float) -> None:
         assert self.process is not None
         api_probe(self.process, self.token, ("/v1/health", "/v1/ls"), deadline)
+        self._look_at_agent()
 
     def send(self, index: int, rng: random.Random) -> list[bytes]:
         """The unit's request and the answers the relay changed while it ran (the
@@ -426,14 +484,24 @@ class EtcdAnswersTarget(ChildTarget):
         kind, count = rng.choice(KINDS), rng.choice((1, 1, 2, 3))
         self.plan.set(count, kind, rng.getrandbits(32))
         method, path, body = self._request(rng)
-        # the store retries an endpoint for 5 s, and a call may read several times
-        self._exchange(method, path, body, time.monotonic() + 20.0)
+        # the store retries an endpoint for 5 s, and a call may read several times; the
+        # manager waits 35 s for an agent's answer
+        self._exchange(method, path, body, time.monotonic() + (45.0 if "host" in (body or {}) else 20.0))
         changed = self.plan.set(0, "", 0)
-        return [f"{kind} x{count}, then {method} {path} {json.dumps(body)}".encode()] + changed
+        exits, self.agent_exits = self.agent_exits, []
+        return [f"{kind} x{count}, then {method} {path} {json.dumps(body)}".encode()] + \
+            [e.encode() for e in exits] + changed
 
     def _request(self, rng: random.Random) -> tuple[str, str, dict | None]:
         box = rng.choice(("box1", "box2", "fz"))
-        roll = rng.randrange(12)
+        roll = rng.randrange(14)
+        if roll >= 12:  # the agent's turn: its host's VM, plugged or unplugged by it
+            self._look_at_agent()
+            assert self.agent is not None
+            if roll == 12:
+                return "POST", "/v1/attach", {"vm": self.vm, "class": rng.choice(("testdev", "nvme")),
+                                              "count": rng.choice((1, 2)), "host": self.agent.host}
+            return "POST", "/v1/detach", {"vm": self.vm, "all": True, "host": self.agent.host}
         if roll == 9:  # the plan reads boxes, devices and claims as an allocation would
             return "POST", "/v1/attach", {"vm": self.vm, "class": rng.choice(("testdev", "nvme", None)),
                                           "count": rng.choice((1, 2, 5)), "dry_run": True,

@@ -400,3 +400,29 @@ class ManagerProcess(ChildProcess):
 
     def stop(self, timeout: float = 10.0) -> None:
         terminate(self.process, timeout)
+
+
+class AgentProcess(ChildProcess):
+    """``dxpu agent serve`` as a child (the fuzzer, tests): started without waiting (it
+    registers its host in the store when it can), its output appended to ``log_path``,
+    ended by pid."""
+
+    def __init__(self, host: str, log_path: Path, *, db: Path, ttl: float = 10.0, resync: float = 30.0,
+                 etcd_endpoints: list[str] | None = None, log_level: str = "WARNING") -> None:
+        self.host, self.log_path = host, log_path
+        self.args = ["--host", host, "--db", str(db), "--ttl", str(ttl), "--resync", str(resync),
+                     "--log-level", log_level]
+        if etcd_endpoints:
+            self.args += ["--store", "etcd", "--etcd-endpoints", ",".join(etcd_endpoints)]
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "AgentProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.process = subprocess.Popen([sys.executable, "-m", "dxpu_vfio.cli", "agent", "serve", *self.args],
+                                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        terminate(self.process, timeout)
