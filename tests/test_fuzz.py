@@ -29,8 +29,9 @@ def test_a_short_fuzz_run_finds_nothing(target, tmp_path):
     result = json.loads(out.read_text())["results"][0]
     # it really ran (the etcd and box targets' messages are the answers they changed: a few
     # a second, as the store retries a broken answer after a pause and a box is asked only
-    # by registration, screenshots and heartbeats)
-    assert result["messages"] > {"etcd": 40, "box-answers": 40}.get(target, 1000), result
+    # by registration, screenshots and heartbeats; a guest channel's unit waits out its
+    # timeout when the answer it needs never comes)
+    assert result["messages"] > {"etcd": 40, "box-answers": 40, "guest-channel": 60}.get(target, 1000), result
     assert not result["findings"], result["findings"]
 
 

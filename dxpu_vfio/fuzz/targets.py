@@ -8,6 +8,7 @@ from dxpu_vfio.fuzz.box_answers import BoxAnswersTarget
 from dxpu_vfio.fuzz.display import DisplayTarget
 from dxpu_vfio.fuzz.etcd import EtcdAnswersTarget
 from dxpu_vfio.fuzz.external import ExternalServerTarget
+from dxpu_vfio.fuzz.guest_channel import GuestChannelTarget
 from dxpu_vfio.fuzz.host_link import HostLinkTarget
 from dxpu_vfio.fuzz.link import LinkTarget
 from dxpu_vfio.fuzz.manager import ManagerTarget
@@ -25,6 +26,7 @@ TARGETS: dict[str, Callable[[], Target]] = {
     "manager": ManagerTarget,
     "etcd": EtcdAnswersTarget,
     "box-answers": BoxAnswersTarget,
+    "guest-channel": GuestChannelTarget,
 }
 
 
