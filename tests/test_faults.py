@@ -276,6 +276,22 @@ def test_fault_table_bounds_by_time_and_count():
     assert table.listing()["faults"] == []
 
 
+@pytest.mark.parametrize("request_", [
+    {"op": "clear", "device": ["d0"]}, {"op": "note", "device": {"d": 0}, "kind": "freeze"},
+    {"op": "arm", "device": "d0", "kind": "drop-posted", "count": float("inf")},
+    {"op": "arm", "device": "d0", "kind": "stall", "target": "mmio-read", "ms": float("nan")},
+    {"op": "clear", "id": float("inf")}])
+def test_a_fault_request_of_the_wrong_types_is_refused_with_its_reason(request_):
+    """What the link fuzzer's FAULT requests found (nineteenth session): a device that was a
+    list or an object raised TypeError (unhashable) out of the box's admit thread, a count
+    of Infinity OverflowError; each is a FaultError (EINVAL, its reason to the manager)."""
+    table = FaultTable(["d0"])
+    with pytest.raises(BoxFaultError) as err:
+        table.request(request_)
+    assert err.value.errno == errno.EINVAL and ("device" in str(err.value) or "number" in str(err.value))
+    assert table.listing()["faults"] == []
+
+
 FAULT_LAB = """
 name = "lab"
 [[box]]

@@ -11,7 +11,10 @@ wrongly; its DMA writes come as DMA_WRITE or, on half the links, DMA_WRITEV; on 
 the HELLO offers ring pushes, and DMA_PUSH messages (whole, lying, mutated) come as units (on
 such a link to the accelerator its ring is enabled first, and most pushes aim at it). One
 unit in ten is a fresh connection whose first message is a mutated
-HELLO, INVENTORY or SCREENSHOT (or garbage).
+HELLO, INVENTORY or SCREENSHOT, a manager's GRANT, REVOKE or FAULT (or garbage). The
+admin requests aim at a fourth device, ``td1``, that no unit links to: a GRANT that took
+would end the links of the device it names, and a fault on it would stall or cut them
+(the box is plaintext, so it takes admin requests from anyone).
 """
 
 from __future__ import annotations
@@ -30,11 +33,14 @@ from dxpu_vfio.fuzz.peer import Gone, Hang, Peer
 from dxpu_vfio.fuzz.vfio_user import PROBE_ID, framing_breaker, header
 from dxpu_vfio.link.protocol import (FEATURE_DMA_READV, FEATURE_DMA_WRITEV, FEATURE_RING_PUSH, LINK_VERSION, Hello,
                                     LinkCommand, hello_proof, pack_irq, pack_push, unpack_challenge, unpack_readv)
+from dxpu_vfio.remoteproxy.faults import KINDS as FAULT_KINDS
+from dxpu_vfio.remoteproxy.faults import TARGETS as FAULT_TARGETS
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
 from dxpu_vfio.vfio_user import protocol as p
 from qemu_device import accel, header as pci
 
 DEVICES = {"td0": "lease-td0", "nv0": "lease-nv0", "ac0": "lease-ac0"}
+ADMIN_DEVICE = "td1"  # GRANT, REVOKE and FAULT name it: no unit links to it
 L = LinkCommand
 # the accelerator's ring, enabled on each of its links whose HELLO offered ring pushes: the box
 # watches it, so DMA_PUSHes into it reach the box reader's C copy (native/serve.c push_mirrored)
@@ -80,7 +86,9 @@ class LinkTarget(ChildTarget):
                           '[[device]]\nid = "nv0"\nmodel = "nvme"\nlease = "lease-nv0"\n'
                           f'settings = {{ namespaces = [{{ size = 8388608, path = "{workdir / "nv0.img"}" }}] }}\n'
                           '[[device]]\nid = "ac0"\nmodel = "accel"\nlease = "lease-ac0"\n'
-                          'settings = { vram_size = 1048576 }\n')
+                          'settings = { vram_size = 1048576 }\n'
+                          '[[device]]\nid = "td1"\nmodel = "testdev"\n'  # the admin requests' device
+                          'settings = { memory_size = 65536 }\n')
         self.log_path = workdir / "box.log"
         self.process = RemoteProxyProcess(config, log_path=self.log_path).start()
         found = re.findall(rb"127\.0\.0\.1:(\d+)", self.log_path.read_bytes())
@@ -248,7 +256,7 @@ class LinkTarget(ChildTarget):
 
     # --- a new connection's first message --------------------------------------------
     def _door(self, rng: random.Random, deadline: float) -> bytes:
-        roll = rng.randrange(6)
+        roll = rng.randrange(9)
         if roll <= 2:
             device = rng.choice(list(DEVICES) + ["nope", ""])
             doc: dict = {"version": LINK_VERSION, "device": device}
@@ -260,6 +268,15 @@ class LinkTarget(ChildTarget):
         elif roll == 4:
             data = header(rng, L.SCREENSHOT, mutate_json(rng, {"device": "td0", "lease": "lease-td0", "offset": 0},
                                                          {"offset": (0, -1, 1 << 63, 10**20)}))
+        elif roll in (5, 6):
+            doc = {"device": ADMIN_DEVICE, "lease": "lz", "fence": rng.choice((1, 7)), "pool": "p"}
+            if roll == 5:
+                doc["holder"] = "h"
+            data = header(rng, L.GRANT if roll == 5 else L.REVOKE, mutate_json(rng, doc, {
+                "device": (ADMIN_DEVICE, "nope", "", 7, None), "lease": ("", 7, None, "x" * 300),
+                "fence": (0, -1, 1 << 63, 10 ** 20, True, "3", None, 1.5, float("inf"))}))
+        elif roll == 7:
+            data = header(rng, L.FAULT, self._fault_request(rng))
         else:
             data = framing_breaker(rng)[0]
         try:
@@ -274,6 +291,26 @@ class LinkTarget(ChildTarget):
         except OSError:
             pass  # refused, reset, or the box waits for the rest of a message (its deadline ends it)
         return data
+
+    @staticmethod
+    def _fault_request(rng: random.Random) -> bytes:
+        op = rng.choice(("arm", "arm", "clear", "list", "note"))
+        doc: dict = {"op": op, "device": ADMIN_DEVICE}
+        if op == "arm":
+            kind = rng.choice(FAULT_KINDS)
+            doc.update(kind=kind, target=rng.choice(FAULT_TARGETS[kind] or (None,)), duration=0.5,
+                       count=rng.choice((None, 1, 3)))
+            if kind == "stall":
+                doc["ms"] = rng.choice((1, 50))
+        elif op == "clear":
+            doc["id"] = rng.randrange(1, 40)
+        elif op == "note":
+            doc.update(kind="freeze", seconds=0.1)
+        odd = (None, -1, 0, 1.5, 10 ** 20, 1e308, float("inf"), float("nan"), "x", True, [], {})
+        return mutate_json(rng, doc, {"op": ("arm", "clear", "list", "note", "x", None, 7),
+                                      "device": (ADMIN_DEVICE, "nope", 7, None),
+                                      "kind": FAULT_KINDS + ("x", "", None), "target": (None, "x", "dma-read", 7),
+                                      "ms": odd, "duration": odd, "count": odd, "id": odd, "seconds": odd})
 
     # --- units on the link -----------------------------------------------------------------
     def _unit(self, rng: random.Random):

@@ -35,6 +35,7 @@ import collections
 import errno
 import itertools
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -103,9 +104,19 @@ def _number(req: dict, key: str, kind: type, default=None):
     value = req.get(key, default)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise FaultError(f"{key} must be a non-negative number, not {value!r}")
     return kind(value)
+
+
+def _device(req: dict, required: bool) -> str | None:
+    """The request's device name (checked by type first: a list or an object is no key)."""
+    device = req.get("device")
+    if device is None and not required:
+        return None
+    if not isinstance(device, str):
+        raise FaultError(f"device must be a device name (a string), not {device!r:.80}")
+    return device
 
 
 class FaultTable:
@@ -293,12 +304,12 @@ class FaultTable:
             return self.listing()
         if op == "clear":
             fault_id = _number(req, "id", int)
-            device = req.get("device")
+            device = _device(req, required=False)
             if device is not None and device not in self.hits:
                 raise FaultError(f"no device {device!r} in this box", errno.ENODEV)
             return {"cleared": [f.to_dict() for f in self.clear(device, fault_id)]}
         if op == "note":  # a fault done from outside the box (freeze: the box cannot see its own)
-            device, kind = req.get("device"), req.get("kind")
+            device, kind = _device(req, required=True), req.get("kind")
             if device not in self.hits or not isinstance(kind, str) or len(kind) > 32:
                 raise FaultError("note needs a device of this box and a kind", errno.ENODEV
                                  if isinstance(device, str) else errno.EINVAL)
