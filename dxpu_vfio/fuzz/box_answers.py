@@ -39,6 +39,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from dxpu_vfio.fuzz.child import ChildTarget
+from dxpu_vfio.fuzz.listener import Listener
 from dxpu_vfio.fuzz.mutate import edge, mutate_json
 from dxpu_vfio.fuzz.manager import api_call, api_probe
 from dxpu_vfio.fuzz.peer import Violation
@@ -73,14 +74,12 @@ class FakeBox:
     ``plan`` (kind, rng, answers left) says how the next answers go wrong."""
 
     def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{sock.getsockname()[1]}"
         self.lock = threading.Lock()
         self.kind, self.rng, self.left = "", random.Random(0), 0
         self.sent: list[bytes] = []
-        self.closing = False
-        self.thread = threading.Thread(target=self._accept, name="fake-box", daemon=True)
-        self.thread.start()
+        self.listener = Listener(sock, self._serve, "fake-box")
 
     def plan(self, kind: str, seed: int, count: int) -> list[bytes]:
         """A new plan; what the last one sent."""
@@ -88,14 +87,6 @@ class FakeBox:
             self.kind, self.rng, self.left = kind, random.Random(seed), count
             sent, self.sent = self.sent, []
         return sent
-
-    def _accept(self) -> None:
-        while not self.closing:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name="fake-box-conn", daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
         sock.settimeout(5.0)
@@ -193,9 +184,7 @@ class FakeBox:
         return struct.pack("<Q", total % (1 << 64)) + piece
 
     def close(self) -> None:
-        self.closing = True
         self.listener.close()
-        self.thread.join(5)
 
 
 class BoxAnswersTarget(ChildTarget):

@@ -41,6 +41,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from dxpu_vfio.fuzz.child import ChildTarget
+from dxpu_vfio.fuzz.listener import Listener
 from dxpu_vfio.fuzz.mutate import json_value, mutate_bytes, mutate_json
 from dxpu_vfio.fuzz.manager import api_call, api_probe
 from dxpu_vfio.fuzz.peer import Violation
@@ -214,34 +215,16 @@ class Relay:
 
     def __init__(self, upstream: tuple[str, int], plan: _Plan) -> None:
         self.upstream, self.plan = upstream, plan
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.closing = False
-        self.socks: set[socket.socket] = set()
-        self.lock = threading.Lock()
-        self.thread = threading.Thread(target=self._accept, name="etcd-relay", daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        while not self.closing:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(client,), name="etcd-relay-conn", daemon=True).start()
-
-    def _track(self, sock: socket.socket) -> socket.socket:
-        with self.lock:
-            self.socks.add(sock)
-        return sock
+        sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.listener = Listener(sock, self._serve, "etcd-relay")
 
     def _serve(self, client: socket.socket) -> None:
         up = None
         try:
-            self._track(client)
-            up = self._track(socket.create_connection(self.upstream, timeout=30))
+            up = self.listener.track(socket.create_connection(self.upstream, timeout=30))
             cbuf, ubuf = bytearray(), bytearray()
-            while not self.closing:
+            while not self.listener.closing:
                 head = _read_head(client, cbuf)
                 if head is None:
                     return
@@ -264,14 +247,10 @@ class Relay:
                 if out is None:  # hang up
                     return
                 client.sendall(out)
-        except OSError:
-            return
         finally:
-            for sock in (client, up):
-                if sock is not None:
-                    with self.lock:
-                        self.socks.discard(sock)
-                    sock.close()
+            if up is not None:
+                self.listener.forget(up)
+                up.close()
 
     def _whole(self, up: socket.socket, buf: bytearray) -> tuple[int, bytes, bytes] | None:
         """etcd's answer: (status, body, the answer re-framed with a length); None if etcd
@@ -335,7 +314,7 @@ class Relay:
             return
         client.sendall(head + bytes(buf))
         buf.clear()
-        while not self.closing:
+        while not self.listener.closing:
             data = up.recv(65536)
             if not data:
                 return
@@ -355,16 +334,7 @@ class Relay:
             client.sendall(data)
 
     def close(self) -> None:
-        self.closing = True
         self.listener.close()
-        with self.lock:
-            socks = list(self.socks)
-        for sock in socks:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self.thread.join(5)
 
 
 class EtcdAnswersTarget(ChildTarget):

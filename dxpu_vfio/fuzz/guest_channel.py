@@ -34,6 +34,7 @@ import traceback
 from pathlib import Path
 
 from dxpu_vfio.errors import VmError
+from dxpu_vfio.fuzz.listener import Listener
 from dxpu_vfio.fuzz.mutate import json_value, mutate_bytes, mutate_json, nested
 from dxpu_vfio.fuzz.peer import Hang, Violation
 from dxpu_vfio.vms import guest_exec
@@ -81,44 +82,24 @@ class FakeGuest:
     def __init__(self, path: Path, agent: bool, plan: _Plan) -> None:
         self.path, self.agent, self.plan = path, agent, plan
         path.unlink(missing_ok=True)
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(str(path))
-        self.listener.listen()
-        self.closing = False
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(path))
+        sock.listen()
         self.partial = b""  # what goes before a hang-up
-        self.conns: list[socket.socket] = []
-        self.thread = threading.Thread(target=self._accept, name="fake-guest", daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        while not self.closing:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="fake-guest-conn", daemon=True).start()
+        self.listener = Listener(sock, self._serve, "fake-guest")
 
     def _serve(self, conn: socket.socket) -> None:
         buf = b""
-        try:
-            while True:
-                data = conn.recv(65536)
-                if not data:
+        while data := conn.recv(65536):
+            buf += data
+            while b"\n" in buf:
+                line, _, buf = buf.partition(b"\n")
+                out = self._answer_agent(line) if self.agent else self._answer_serial(line)
+                if out is None:  # hang up, maybe part way through an answer
+                    conn.sendall(self.partial)
+                    conn.shutdown(socket.SHUT_RDWR)
                     return
-                buf += data
-                while b"\n" in buf:
-                    line, _, buf = buf.partition(b"\n")
-                    out = self._answer_agent(line) if self.agent else self._answer_serial(line)
-                    if out is None:  # hang up, maybe part way through an answer
-                        conn.sendall(self.partial)
-                        conn.shutdown(socket.SHUT_RDWR)
-                        return
-                    conn.sendall(out)
-        except OSError:
-            return
-        finally:
-            conn.close()
+                conn.sendall(out)
 
     # --- the serial agent (vm_images/tiny/dxpu-serial-agent) -----------------------
     def _answer_serial(self, line: bytes) -> bytes | None:
@@ -223,18 +204,7 @@ class FakeGuest:
         return None  # close
 
     def close(self) -> None:
-        self.closing = True
-        try:
-            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (closing alone does not)
-        except OSError:
-            pass
         self.listener.close()
-        for conn in self.conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self.thread.join(5)
         self.path.unlink(missing_ok=True)
 
 
