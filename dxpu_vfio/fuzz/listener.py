@@ -8,6 +8,8 @@ import socket
 import threading
 from typing import Callable
 
+from dxpu_vfio.vfio_user.connection import close_listener
+
 
 class Listener:
     """Accepts on ``sock`` and runs ``serve(conn)`` on a thread per connection; the
@@ -53,11 +55,7 @@ class Listener:
         """Stop accepting (a shutdown wakes the accept; closing the socket alone does not)
         and shut every connection still open, so their threads end."""
         self.closing = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        close_listener(self.sock)
         with self._lock:
             still = list(self._open)
         for sock in still:
