@@ -105,36 +105,54 @@ def test_a_screenshot_that_is_not_the_mode_is_a_violation(tmp_path):
     assert result.units == 48 and result.restarts >= 1 and not result.crashes and not result.hangs
 
 
-def test_an_attach_that_leaves_the_vm_a_lease_is_a_violation(tmp_path):
+@pytest.mark.parametrize("fault", ["a lease left", "a token not revoked"])
+def test_an_attach_whose_rollback_forgets_something_is_a_violation(tmp_path, fault):
     """The box-answers target attaches to a paused QEMU without a root port, so every
-    attach must be rolled back: a manager that left the VM a lease (here the test
-    allocates one for the VM before the first attach from unit 20 on, as a rollback that
-    forgot it would leave) is a violation with a reproducer, and the run goes on with a
-    new manager."""
+    attach must be rolled back: no lease left on the VM, and every lease the box was asked
+    a token for revoked at the box. A rollback that forgot either (here, at the attaches
+    from unit 20 on until one is caught, the test allocates a lease for the VM before it,
+    or makes the box forget the REVOKEs it gets) is a violation with a reproducer, and the
+    run goes on with a new manager."""
     from dxpu_vfio.fuzz.box_answers import BoxAnswersTarget
+    from dxpu_vfio.fuzz.peer import Violation
     from dxpu_vfio.fuzz.runner import Run
+    from dxpu_vfio.link.protocol import LinkCommand
     from dxpu_vfio.pool.storage import NoFreeDevice
     from dxpu_vfio.vmm.naming import target_key
 
     class Forgetful(BoxAnswersTarget):
-        index, planted = 0, False
+        index, caught = 0, False
 
         def _attach(self, rng, deadline):
-            if self.index >= 20 and not self.planted:
-                try:
-                    self.store.allocate(target_key(f"qmp:{self.vm.admin_qmp_path}"), device_class="testdev")
-                    self.planted = True
-                except NoFreeDevice:  # a unit's inventory left the box without devices: the next attach
-                    pass
-            return super()._attach(rng, deadline)
+            if self.index >= 20 and not self.caught:  # until the first violation
+                if fault == "a token not revoked":
+                    self.box.asked[LinkCommand.REVOKE] = _Deaf()
+                else:
+                    try:
+                        self.store.allocate(target_key(f"qmp:{self.vm.admin_qmp_path}"), device_class="testdev")
+                    except NoFreeDevice:  # a unit's inventory left the box without devices: the next attach
+                        pass
+            try:
+                return super()._attach(rng, deadline)
+            except Violation:
+                self.caught = True
+                raise
 
         def send(self, index, rng):
             self.index = index
             return super().send(index, rng)
 
+    class _Deaf(list):
+        def append(self, item):
+            pass
+
+        def clear(self):
+            pass
+
     result = Run(Forgetful(), seed=11, stop=48, check_every=8, out=tmp_path).execute()
     violations = [f for f in result.findings if f.kind == "violation"]
-    assert len(violations) == 1 and "leases left" in violations[0].detail, result.findings
+    said = "leases left" if fault == "a lease left" else "did not revoke"
+    assert len(violations) == 1 and said in violations[0].detail, result.findings
     assert violations[0].index >= 20 and json.loads(Path(violations[0].reproducer).read_text())["units"]
     assert result.units == 47 and result.restarts == 1 and not result.crashes and not result.hangs
 

@@ -22,8 +22,8 @@ serve the device, which this one does not.
 The probe is ``GET /v1/health``. A traceback in the manager's log is a finding: whatever
 a box sends must become a :class:`~dxpu_vfio.pool.boxes.BoxUnreachable` that says what
 it sent. So is a fence that leaves the host a lease, or answers without saying what
-became of each lease's token, and an attach that does not answer with an error or
-leaves the VM a lease.
+became of each lease's token, and an attach that does not answer with an error, leaves
+the VM a lease, or leaves a lease it asked a token for unrevoked at the box.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ class FakeBox:
         self.lock = threading.Lock()
         self.kind, self.rng, self.left = "", random.Random(0), 0
         self.sent: list[bytes] = []
+        self.asked: dict[int, list[str]] = {L.GRANT: [], L.REVOKE: []}  # the leases GRANT and REVOKE named
         self.listener = Listener(sock, self._serve, "fake-box")
 
     def plan(self, kind: str, seed: int, count: int) -> list[bytes]:
@@ -97,6 +98,8 @@ class FakeBox:
                 with self.lock:
                     change = (self.kind, self.rng) if self.left > 0 else None
                     self.left -= change is not None
+                    if msg.header.command in self.asked:  # the manager's own requests: well-formed
+                        self.asked[msg.header.command].append(json.loads(bytes(msg.payload))["lease"])
                 out = self._answer(msg.header, bytes(msg.payload), change)
                 if change is not None:
                     with self.lock:
@@ -266,11 +269,21 @@ class BoxAnswersTarget(ChildTarget):
     def _attach(self, rng: random.Random, deadline: float) -> str:
         """``POST /v1/attach`` of one of the box's devices to the paused VM. The manager
         asks the box for a token first (GRANT); with or without one the plug cannot
-        finish (no root port), so the answer must be an error and the VM left no lease."""
-        assert self.vm is not None and self.store is not None
+        finish (no root port), so the answer must be an error, the VM left no lease, and
+        every lease the box was asked a token for revoked at the box (a box may have
+        granted one although its answer broke on the way)."""
+        assert self.vm is not None and self.store is not None and self.box is not None
         vm = f"qmp:{self.vm.admin_qmp_path}"
+        with self.box.lock:
+            for asked in self.box.asked.values():
+                asked.clear()
         answer = self._exchange("POST", "/v1/attach", {"vm": vm, "class": rng.choice(("display", "testdev"))},
                                 deadline)
+        with self.box.lock:
+            unrevoked = sorted(set(self.box.asked[L.GRANT]) - set(self.box.asked[L.REVOKE]))
+        if unrevoked:  # the box may have granted though its answer broke: the rollback must revoke
+            raise Violation(f"an attach asked the box for tokens of leases {unrevoked} and its rollback did not "
+                            f"revoke them; it was answered {answer[:300]!r}")
         head, _, body = answer.partition(b"\r\n\r\n")
         try:
             message = str(json.loads(body).get("message"))
