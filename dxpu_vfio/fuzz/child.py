@@ -7,6 +7,18 @@ from pathlib import Path
 from typing import Protocol
 
 
+def log_since(path: Path, pos: int) -> tuple[str, int]:
+    """What the log at ``path`` gained past byte ``pos``, as text, and where it ends now
+    (nothing new if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(pos)
+            new = f.read()
+    except OSError:
+        return "", pos
+    return new.decode(errors="replace"), pos + len(new)
+
+
 class Server(Protocol):
     """A server process handle (HostProxyProcess, RemoteProxyProcess, ManagerProcess)."""
 

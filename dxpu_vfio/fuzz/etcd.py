@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-from dxpu_vfio.fuzz.child import ChildTarget
+from dxpu_vfio.fuzz.child import ChildTarget, log_since
 from dxpu_vfio.fuzz.listener import Listener
 from dxpu_vfio.fuzz.mutate import json_value, mutate_bytes, mutate_json
 from dxpu_vfio.fuzz.manager import api_call, api_probe
@@ -380,25 +380,13 @@ class EtcdAnswersTarget(ChildTarget):
         self.agent = AgentProcess(f"fzagent{self.agents}", log_path, db=self.workdir / "agent" / "pool.db",
                                   ttl=AGENT_TTL, resync=AGENT_RESYNC, etcd_endpoints=[self.relay.url]).start()
 
-    def _agent_log(self) -> str:
-        """What the agent logged since the last look."""
-        assert self.agent is not None
-        try:
-            with open(self.agent.log_path, "rb") as f:
-                f.seek(self.agent_log_pos)
-                new = f.read()
-        except OSError:
-            return ""
-        self.agent_log_pos += len(new)
-        return new.decode(errors="replace")
-
     def _look_at_agent(self) -> None:
         """A traceback in the agent's log is a :class:`Violation`; an agent that stopped
         without one said why, and a new one takes its place."""
         if self.agent is None:
             return
         alive = self.agent.alive()
-        text = self._agent_log()
+        text, self.agent_log_pos = log_since(self.agent.log_path, self.agent_log_pos)
         if "Traceback" in text:
             at = text.index("Traceback")
             raise Violation(f"the host agent {self.agent.host} logged a traceback:\n{text[max(0, at - 300):at + 3000]}")

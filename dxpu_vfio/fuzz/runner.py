@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from dxpu_vfio.fuzz.child import log_since
 from dxpu_vfio.fuzz.peer import Hang, Violation
 
 HISTORY = 64  # units kept before a finding (their bytes go into the reproducer)
@@ -257,24 +258,11 @@ class Run:
         except (OSError, TypeError):
             return ""
         time.sleep(0.5)
-        try:
-            with open(self.target.log_path, "rb") as f:
-                f.seek(self._log_pos)
-                new = f.read()
-        except OSError:
-            return ""
-        self._log_pos += len(new)
-        return new.decode(errors="replace")[-6000:]
+        text, self._log_pos = log_since(self.target.log_path, self._log_pos)
+        return text[-6000:]
 
     def _scan_log(self, index: int) -> None:
-        try:
-            with open(self.target.log_path, "rb") as f:
-                f.seek(self._log_pos)
-                new = f.read()
-        except OSError:
-            return
-        self._log_pos += len(new)
-        text = new.decode(errors="replace")
+        text, self._log_pos = log_since(self.target.log_path, self._log_pos)
         if "Traceback" in text:
             at = text.index("Traceback")
             self._finding("traceback", index, text[max(0, at - 300):at + 3000])
