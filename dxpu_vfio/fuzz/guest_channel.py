@@ -86,6 +86,7 @@ class FakeGuest:
         sock.bind(str(path))
         sock.listen()
         self.partial = b""  # what goes before a hang-up
+        self.script = ""  # the agent's last guest-exec: what guest-exec-status reports it ran
         self.listener = Listener(sock, self._serve, "fake-guest")
 
     def _serve(self, conn: socket.socket) -> None:
@@ -159,7 +160,7 @@ class FakeGuest:
             right = {"return": {"pid": 4242}}
             self.script = args.get("arg", ["", "", ""])[-1]
         elif command == "guest-exec-status":
-            out = base64.b64encode(_expected(getattr(self, "script", "")).encode()).decode()
+            out = base64.b64encode(_expected(self.script).encode()).decode()
             right = {"return": {"exited": True, "exitcode": 0, "out-data": out}}
         else:
             return b""
@@ -271,7 +272,7 @@ class GuestChannelTarget:
                        f"{timeout} s timeout")
         if isinstance(outcome[0], Violation):
             raise outcome[0]
-        if isinstance(outcome[0], guest_exec.GuestDied):  # the guest hung up: a new channel next time
+        if isinstance(outcome[0], guest_exec.GuestDied) and name in self.channels:  # hung up on: a new one next
             self.channels.pop(name).close()
         return outcome[0]  # type: ignore[return-value]
 
