@@ -18,7 +18,8 @@ changes what it reads too: keepalives, watch streams, full reads. The VM it is a
 plug is not there, so every attach it takes ends in an answered error.
 
 The probe is ``GET /v1/health`` and ``GET /v1/ls``, which must answer (an error answer is
-fine: etcd may be unavailable for a moment) within the bound, and a look at the agent.
+fine: etcd may be unavailable for a moment) within the bound, and a look at the agent
+(taken before every unit too).
 What the manager or the agent logs with a traceback is a finding: a broken answer must
 become a :class:`~dxpu_vfio.errors.StoreError` that says what etcd sent. An agent may
 stop when etcd says its host lease is gone (a changed answer can say so) or cannot
@@ -439,12 +440,14 @@ class EtcdAnswersTarget(ChildTarget):
         messages of this target: what the store had to parse)."""
         if index % 50 == 49 and self.workdir is not None:
             self._seed_pool(self.workdir)  # the boxes the units removed come back
+        self._look_at_agent()  # a unit may ask the agent: the one it names must be serving
         kind, count = rng.choice(KINDS), rng.choice((1, 1, 2, 3))
         self.plan.set(count, kind, rng.getrandbits(32))
         method, path, body = self._request(rng)
         # the store retries an endpoint for 5 s, and a call may read several times; the
         # manager waits 35 s for an agent's answer
-        self._exchange(method, path, body, time.monotonic() + (45.0 if "host" in (body or {}) else 20.0))
+        asks_agent = path in ("/v1/attach", "/v1/detach") and "host" in (body or {})
+        self._exchange(method, path, body, time.monotonic() + (45.0 if asks_agent else 20.0))
         changed = self.plan.set(0, "", 0)
         exits, self.agent_exits = self.agent_exits, []
         return [f"{kind} x{count}, then {method} {path} {json.dumps(body)}".encode()] + \
@@ -454,7 +457,6 @@ class EtcdAnswersTarget(ChildTarget):
         box = rng.choice(("box1", "box2", "fz"))
         roll = rng.randrange(14)
         if roll >= 12:  # the agent's turn: its host's VM, plugged or unplugged by it
-            self._look_at_agent()
             assert self.agent is not None
             if roll == 12:
                 return "POST", "/v1/attach", {"vm": self.vm, "class": rng.choice(("testdev", "nvme")),

@@ -272,6 +272,14 @@ def _number(value: object, what: str) -> int:
     return value
 
 
+def _exited(status: dict) -> bool:
+    exited = status.get("exited")
+    if not isinstance(exited, bool):
+        raise GuestProtocolError(f"the guest agent sent guest-exec-status's exited as "
+                                 f"{_shown(json.dumps(exited))}, not true or false")
+    return exited
+
+
 class AgentChannel:
     """Commands through qemu-guest-agent (``guest-exec`` + ``guest-exec-status``)."""
 
@@ -381,11 +389,3 @@ class AgentChannel:
 
     def close(self) -> None:
         self._io.close()
-
-
-def _exited(status: dict) -> bool:
-    exited = status.get("exited")
-    if not isinstance(exited, bool):
-        raise GuestProtocolError(f"the guest agent sent guest-exec-status's exited as "
-                                 f"{_shown(json.dumps(exited))}, not true or false")
-    return exited
