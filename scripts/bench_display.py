@@ -20,7 +20,6 @@ table with ratios and writes results/bench/display.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dxpu_vfio.bench import cpu_seconds, table, write_json  # noqa: E402
 from dxpu_vfio.lab import lab  # noqa: E402
-from dxpu_vfio.lab import hotplug
+from dxpu_vfio.lab import guest_output, hotplug  # noqa: E402
 from dxpu_vfio.lab import kms as guest_kms  # noqa: E402
 from dxpu_vfio.lab import staleness  # noqa: E402
 from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
@@ -45,12 +44,12 @@ def card_of(vm: Vm, bdf: str, timeout: int = 120) -> str:
     d = f"/sys/bus/pci/devices/{bdf}/drm"
     out = vm.run(f"i=0; while ! ls {d} 2>/dev/null | grep -q '^card'; do [ $i -ge {timeout * 10} ] && exit 1; "
                  f"sleep 0.1; i=$((i+1)); done; ls {d} | grep '^card'", timeout=timeout + 10).stdout
-    return "/dev/dri/" + out.split()[0]
+    return "/dev/dri/" + guest_output.word((out.split() or [""])[0], guest_output.DRM_CARD, "ls", "DRM card")
 
 
 def fill(vm: Vm, kms: str, card: str, repeat: int) -> dict:
     out = vm.run(f"python3 {kms} --card {card} --mode 1024x768 --repeat {repeat}", timeout=600).stdout
-    res = json.loads(out.strip().splitlines()[-1])
+    res = guest_output.kms_fill(out)
     rates = [res["bytes"] / s / 1e6 for s in res["fill_s"]]
     return {"bytes": res["bytes"], "fill_s": res["fill_s"], "MBps_each": rates,
             "MBps": statistics.median(rates[1:] if len(rates) > 1 else rates)}

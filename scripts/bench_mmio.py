@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dxpu_vfio.bench import table, write_json  # noqa: E402
-from dxpu_vfio.lab import hotplug  # noqa: E402
+from dxpu_vfio.lab import guest_output, hotplug  # noqa: E402
 from dxpu_vfio.procs import exit_on_sigterm, pin_threads  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
@@ -69,15 +69,16 @@ def raw_round_trip(n: int, server_cpus: set[int] | None, client_cpus: set[int] |
     return samples[len(samples) // 2] / 1000
 
 
-def guest_kv(vm: Vm, cmd: str) -> dict[str, float]:
-    return {k: float(v) for k, v in (kv.split("=") for kv in vm.run(cmd, timeout=600).stdout.split())}
+def guest_kv(vm: Vm, cmd: str, key: str) -> dict[str, float]:
+    return guest_output.numbers(vm.run(cmd, timeout=600).stdout, (key,), "dxpu-mmio")
 
 
 def measure(vm: Vm, bdf: str, reads: int, writes: int) -> dict:
-    dev = guest_kv(vm, f"dxpu-mmio {bdf} 0 time-read {SCRATCH} {reads}")
-    devw = guest_kv(vm, f"dxpu-mmio {bdf} 0 time-write {SCRATCH} {writes}")
-    edu = guest_kv(vm, f"dxpu-mmio {EDU} 0 time-read 0 {reads}")
-    eduw = guest_kv(vm, f"dxpu-mmio {EDU} 0 time-write 0x20 {writes}")
+    dev = guest_output.numbers(vm.run(f"dxpu-mmio {bdf} 0 time-read {SCRATCH} {reads}", timeout=600).stdout,
+                               ("median_ns", "p99_ns"), "dxpu-mmio")
+    devw = guest_kv(vm, f"dxpu-mmio {bdf} 0 time-write {SCRATCH} {writes}", "writes_per_s")
+    edu = guest_kv(vm, f"dxpu-mmio {EDU} 0 time-read 0 {reads}", "median_ns")
+    eduw = guest_kv(vm, f"dxpu-mmio {EDU} 0 time-write 0x20 {writes}", "writes_per_s")
     return {"read_median_us": dev["median_ns"] / 1000, "read_p99_us": dev["p99_ns"] / 1000,
             "write_rate_per_s": devw["writes_per_s"],
             "edu_read_median_us": edu["median_ns"] / 1000, "edu_write_rate_per_s": eduw["writes_per_s"]}

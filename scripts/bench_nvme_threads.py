@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dxpu_vfio.bench import ThreadTimes, flat_counters, table, thread_names, thread_times, write_json  # noqa: E402
-from dxpu_vfio.lab import hotplug, lab  # noqa: E402
+from dxpu_vfio.lab import guest_output, hotplug, lab  # noqa: E402
 from dxpu_vfio.lab.guest_devices import fio, nvme_disk  # noqa: E402
 from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
@@ -59,7 +59,7 @@ def per_io(before: dict, after: dict, names: dict, ios: int) -> dict:
     return out
 
 
-GUEST_CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq")
+GUEST_CPU_FIELDS = guest_output.STAT_CPU
 GUEST_USER_HZ = 100  # what the guest's /proc/stat counts CPU in (USER_HZ, 100 on x86 Linux)
 
 
@@ -67,14 +67,7 @@ def guest_stat(vm: Vm) -> dict[str, int]:
     """The guest's own accounting from its /proc/stat: CPU ticks (USER_HZ) by kind over all
     vCPUs, interrupts and context switches. What QEMU's CPU per I/O was spent on, as the
     guest saw it (TCG runs the guest's kernel and fio on QEMU's vCPU threads)."""
-    out: dict[str, int] = {}
-    for line in vm.run("cat /proc/stat", timeout=30).stdout.splitlines():
-        fields = line.split()
-        if fields and fields[0] == "cpu":
-            out.update(zip(GUEST_CPU_FIELDS, map(int, fields[1:8])))
-        elif fields and fields[0] in ("intr", "ctxt"):
-            out[fields[0]] = int(fields[1])
-    return out
+    return guest_output.proc_stat(vm.run("cat /proc/stat", timeout=30).stdout)
 
 
 def main() -> int:

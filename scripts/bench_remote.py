@@ -44,28 +44,31 @@ from dxpu_vfio import procs  # noqa: E402
 from dxpu_vfio.bench import table, write_json  # noqa: E402
 from dxpu_vfio.hostproxy.forwarder import DEFAULT_READ_SPIN_US  # noqa: E402
 from dxpu_vfio.lab import hotplug  # noqa: E402
-from dxpu_vfio.lab import floors, lab  # noqa: E402
+from dxpu_vfio.lab import floors, guest_output, lab  # noqa: E402
 from dxpu_vfio.native import stream as native  # noqa: E402
 from dxpu_vfio.procs import exit_on_sigterm  # noqa: E402
 from dxpu_vfio.remoteproxy.config import DEFAULT_READ_SPIN_US as BOX_READ_SPIN_US  # noqa: E402
 from dxpu_vfio.vms.runner import Vm, VmConfig  # noqa: E402
 
 
-def kv(text: str) -> dict[str, float]:
-    return {k: float(v) if v.replace(".", "").isdigit() else v
-            for k, v in (item.split("=", 1) for item in text.split() if "=" in item)}
+def read_ns(vm: Vm, bdf: str, reads: int) -> dict[str, float]:
+    out = vm.run(f"dxpu-mmio {bdf} 0 time-read 8 {reads}", timeout=900).stdout
+    return guest_output.numbers(out, ("median_ns", "p99_ns"), "dxpu-mmio")
 
 
 def measure(vm: Vm, att: hotplug.Attachment, reads: int, writes: int, copies: int, irqs: int) -> dict:
     bdf = att.guest_bdf
-    read = kv(vm.run(f"dxpu-mmio {bdf} 0 time-read 8 {reads}", timeout=900).stdout)
-    write = kv(vm.run(f"dxpu-mmio {bdf} 0 time-write 8 {writes}", timeout=900).stdout)
+    read = read_ns(vm, bdf, reads)
+    write = guest_output.numbers(vm.run(f"dxpu-mmio {bdf} 0 time-write 8 {writes}", timeout=900).stdout,
+                                 ("writes_per_s",), "dxpu-mmio")
     # One guest process runs all the copies on the same buffers (--repeat): separate runs each pay their own
     # page faults and huge-page setup, and three of them gave a best-of that moved by 30 % from run to run.
-    copy = kv(vm.run(f"dxpu-testdev {bdf} dma-copy 1048576 --repeat {copies}", timeout=600).stdout)
-    assert copy["match"] == "yes", copy
+    out = vm.run(f"dxpu-testdev {bdf} dma-copy 1048576 --repeat {copies}", timeout=600).stdout
+    assert guest_output.tokens(out).get("match") == "yes", out
+    copy = guest_output.numbers(out, ("ns", "median_ns"), "dxpu-testdev")
     started = time.monotonic()
-    got = kv(vm.run(f"dxpu-testdev {bdf} irq {irqs}", timeout=300).stdout)
+    got = guest_output.numbers(vm.run(f"dxpu-testdev {bdf} irq {irqs}", timeout=300).stdout, ("received",),
+                               "dxpu-testdev")
     irq_s = time.monotonic() - started
     assert got["received"] == irqs, got
     best_copy = copy["ns"]
@@ -76,7 +79,7 @@ def measure(vm: Vm, att: hotplug.Attachment, reads: int, writes: int, copies: in
 
 
 def read_median_us(vm: Vm, att: hotplug.Attachment, reads: int) -> float:
-    return kv(vm.run(f"dxpu-mmio {att.guest_bdf} 0 time-read 8 {reads}", timeout=900).stdout)["median_ns"] / 1000
+    return read_ns(vm, att.guest_bdf, reads)["median_ns"] / 1000
 
 
 def paired_reads(vm: Vm, state, local: hotplug.Attachment, remote: hotplug.Attachment, reads: int,

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 from pathlib import Path
 
+from dxpu_vfio.lab import guest_output
 from dxpu_vfio.paths import VM_IMAGES_DIR
 
 GUEST_TOOL = VM_IMAGES_DIR / "tools" / "dxpu_accel.py"
@@ -65,22 +65,12 @@ def install(vm, path: str = "/tmp/dxpu_accel.py") -> str:
     return path
 
 
-def parse_lines(text: str) -> dict[str, str]:
-    """``key=value [more]`` lines as {key: "value [more]"}; other lines are left out."""
-    out = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition("=")
-        if sep and key and " " not in key:
-            out[key] = value
-    return out
-
-
 def selftest(vm, bdf: str, sizes: list[int], timeout: float = 300) -> tuple[int, dict[str, str]]:
     """Run the runtime's self-test on the device at ``bdf`` in ``vm``: (exit status, its lines)."""
     path = install(vm)
     result = vm.run(f"python3 {path} --bdf {bdf} selftest --sizes {','.join(map(str, sizes))}",
                     check=False, timeout=timeout)
-    return result.rc, parse_lines(result.stdout)
+    return result.rc, guest_output.key_lines(result.stdout)
 
 
 def workloads(vm, bdf: str, names: list[str], passes: int = 2, timeout: float = 900) -> dict[str, dict]:
@@ -105,17 +95,9 @@ def compare(vm, bdfs: dict[str, str], names: list[str], passes: int = 2,
     devices = " ".join(f"{label}={bdf}" for label, bdf in bdfs.items())
     result = vm.run(f"python3 /tmp/dxpu_accel_run.py {passes} {','.join(names)} {devices}", check=False,
                     timeout=timeout)
-    out: dict[str, dict[str, dict]] = {label: {} for label in bdfs}
-    for line in result.stdout.splitlines():
-        key, _, value = line.partition("=")
-        if key == "workload":
-            run = json.loads(value)
-            label = run.pop("device", None)
-            if label in out:  # (a line naming no device asked for is left out, and then missed below)
-                out[label][run["workload"]] = run
-        elif key == "workload_failed":
-            failed = json.loads(value)
-            raise RuntimeError(f"{failed['workload']} in the guest: its numerics are off: {failed['error']}")
+    out, failed = guest_output.workload_lines(result.stdout, bdfs, "the accel runner")
+    if failed is not None:
+        raise RuntimeError(f"{failed['workload']} in the guest: its numerics are off: {failed['error']}")
     if result.rc != 0 or any(set(runs) != set(names) for runs in out.values()):
         done = {label: sorted(runs) for label, runs in out.items()}
         raise RuntimeError(f"the guest's workloads on {devices} did not finish (exit {result.rc}; done: "

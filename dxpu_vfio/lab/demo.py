@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from dxpu_vfio.lab import accel as guest_accel
-from dxpu_vfio.lab import hotplug
+from dxpu_vfio.lab import guest_output, hotplug
 from dxpu_vfio.lab import kms as guest_kms
 from dxpu_vfio.lab import lab
 from dxpu_vfio.lab.display_probe import DisplayProbe, png_pixels
@@ -34,10 +34,6 @@ from dxpu_vfio.procs import exit_on_sigterm
 from dxpu_vfio.vms.runner import Vm, VmConfig
 
 MiB = 1 << 20
-
-
-def _kv(text: str) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in text.split() if "=" in item)
 
 
 def _guest_bdf(vm: Vm, port: str) -> str:
@@ -55,10 +51,10 @@ def _use_nvme(vm: Vm, bdf: str) -> dict:
                 f"echo write_s=$(echo $a $b | awk '{{print $2-$1}}') read_s=$(echo $c $d | awk '{{print $2-$1}}') "
                 f"src=$(md5sum < /tmp/data | cut -c1-32) back=$(md5sum < /tmp/back | cut -c1-32)",
                 timeout=300).stdout
-    nv = _kv(io)
-    return {"disk": disk, "match": nv["src"] == nv["back"],
-            "write_MBps": round(8 * MiB / 1e6 / max(float(nv["write_s"]), 0.01), 1),
-            "read_MBps": round(8 * MiB / 1e6 / max(float(nv["read_s"]), 0.01), 1)}
+    seconds, sums = guest_output.numbers(io, ("write_s", "read_s"), "the demo's dd"), guest_output.tokens(io)
+    return {"disk": disk, "match": bool(sums.get("src")) and sums.get("src") == sums.get("back"),
+            "write_MBps": round(8 * MiB / 1e6 / max(seconds["write_s"], 0.01), 1),
+            "read_MBps": round(8 * MiB / 1e6 / max(seconds["read_s"], 0.01), 1)}
 
 
 def _use_display(vm: Vm, bdf: str, probe: DisplayProbe, shot: Path) -> dict:

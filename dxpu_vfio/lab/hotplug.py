@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import enum
 import itertools
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dxpu_vfio.errors import DxpuError, VmError
 from dxpu_vfio.hostproxy.process import HostProxyProcess
+from dxpu_vfio.lab import guest_output
 from dxpu_vfio.vmm import rootports
 from dxpu_vfio.vmm.errors import HotplugError, NoFreeRootPort, UnplugTimeout  # noqa: F401 - part of this API
 from dxpu_vfio.vmm.qmp import QmpError
@@ -63,7 +63,8 @@ def free_root_port(vm: Vm) -> str:
 
 
 def guest_wait_for_child(vm: Vm, bridge: str, present: bool, timeout: float) -> str:
-    """Poll sysfs in the guest until a device appears under (or leaves) ``bridge``."""
+    """Poll sysfs in the guest until a device appears under (or leaves) ``bridge``: the
+    device's PCI address (checked: callers drive it there), or "" once it left."""
     test = "[ -n \"$d\" ]" if present else "[ -z \"$d\" ]"
     script = (f"i=0; while [ $i -lt {int(timeout * 10)} ]; do "
               f"d=$(cd /sys/bus/pci/devices/{bridge} 2>/dev/null && ls -d 0000:[0-9a-f][0-9a-f]:[0-9a-f][0-9a-f].[0-7] 2>/dev/null | head -n1); "
@@ -72,7 +73,7 @@ def guest_wait_for_child(vm: Vm, bridge: str, present: bool, timeout: float) -> 
     if result.rc != 0:
         raise HotplugError(f"guest did not {'see' if present else 'drop'} the device under "
                            f"{bridge} within {timeout:.0f} s", logs=vm.logs)
-    return result.stdout.strip()
+    return guest_output.pci_address(result.stdout, "the guest's sysfs poll") if present else ""
 
 
 READY_WAIT = 60  # s the guest's udev watcher may take to start listening
@@ -107,7 +108,7 @@ class _GuestWatch:
         if self.pid is None:
             return guest_wait_for_child(self.vm, self.bridge, True, self.timeout)
         result = self.vm.wait(self.pid, self.timeout + 10)
-        self.events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+        self.events = guest_output.udev_events(result.stdout, "dxpu-guest-events")
         adds = [e for e in self.events if e.get("action") == "add"]
         if result.rc != 0 or not adds:
             raise HotplugError(f"guest reported no PCI add below {self.bridge}: {self.events}",
