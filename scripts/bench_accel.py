@@ -143,7 +143,7 @@ def main() -> int:
     load = os.getloadavg()
     try:
         state = lab.up(topo)
-        floor = floors.measure_lab(state, BOX, kinds=tuple(dict.fromkeys(("tcp", py, c))), burst_sizes=BURST_SIZES)
+        floor = floors.measure_lab(state, BOX, kinds=("tcp", py, c), burst_sizes=BURST_SIZES)
         with served("local", None, args.threads, args.inline_max) as (local, lacc), \
                 served("remote", state, args.threads, args.inline_max) as (remote, racc):
             if args.device_cpu is not None:

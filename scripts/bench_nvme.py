@@ -157,7 +157,7 @@ def main() -> int:
             image.write_bytes(written)
         del written
         state = lab.up(topology)
-        floor = floors.measure_lab(state, "box1", kinds=tuple(dict.fromkeys(("tcp", py, c))),
+        floor = floors.measure_lab(state, "box1", kinds=("tcp", py, c),
                                    cpu_message_size=READ_BYTES)
         extra = ["-drive", f"file={qemu_disk},if=none,id=qn,format=raw,cache={args.qemu_cache},aio=threads",
                  "-device", "nvme,drive=qn,serial=QEMUNVME,addr=0x6"]

@@ -7,13 +7,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from dxpu_vfio.hostproxy.forwarder import RemoteAttachError, connect_remote
 from dxpu_vfio.link.transport import TlsFiles, make_certs
 from dxpu_vfio.pool.boxes import grant_token
-from dxpu_vfio.pool.service import ManagerProcess
+from dxpu_vfio.pool.service import AgentProcess, ManagerProcess
 from dxpu_vfio.pool.store import Store
 from dxpu_vfio.remoteproxy.config import BoxConfig, BoxDevice
 from dxpu_vfio.remoteproxy.proxy import RemoteProxy
@@ -35,15 +37,13 @@ def pool(tmp_path):
                                 tls_dir=certs)).start()
     db = tmp_path / "pool.db"
     manager = ManagerProcess(db, env={"DXPU_HOST": "central"}).start()
-    agents: list[subprocess.Popen] = []
+    agents: list[AgentProcess] = []
     try:
         assert dxpu("box", "add", BOX, f"127.0.0.1:{box.port}", "--tls-dir", str(certs), "--db", str(db)).returncode == 0
         yield db, box, certs, agents
     finally:
         for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-            agent.wait(10)
+            agent.stop()  # by pid
         manager.stop()
         box.stop()
 
@@ -54,10 +54,9 @@ def hosts(db) -> dict:
     return {h["name"]: h for h in json.loads(r.stdout)}
 
 
-def agent_serve(db, host: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dxpu_vfio.cli", "agent", "serve", "--db", str(db), "--host", host,
-                             "--ttl", "1.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+def agent_serve(db: Path, host: str) -> AgentProcess:
+    """``dxpu agent serve`` for ``host``, its output in a log of its own beside ``db``."""
+    return AgentProcess(host, db.parent / f"agent-{host}-{time.monotonic_ns()}.log", db=db, ttl=1.5).start()
 
 
 def test_an_agent_killed_keeps_its_device_until_dxpu_host_fence_then_its_link_is_refused(pool):
@@ -74,8 +73,8 @@ def test_an_agent_killed_keeps_its_device_until_dxpu_host_fence_then_its_link_is
                         pool=pool_id)
     link = connect_remote(f"127.0.0.1:{box.port}", "td0", token, TlsFiles.in_dir(certs, "host"))
 
-    agents[0].send_signal(signal.SIGKILL)
-    agents[0].wait(10)
+    agents[0].process.send_signal(signal.SIGKILL)
+    agents[0].process.wait(10)
     eventually(lambda: not hosts(db)["h1"]["alive"], timeout=10, what="h1's agent seen dead")
     assert hosts(db)["h1"]["leases"] == 1 and link.endpoint.up  # it keeps its device meanwhile
 
@@ -91,8 +90,9 @@ def test_an_agent_killed_keeps_its_device_until_dxpu_host_fence_then_its_link_is
 
     restarted = agent_serve(db, "h1")  # its agent comes back: it must not serve
     agents.append(restarted)
-    _, err = restarted.communicate(timeout=30)
-    assert restarted.returncode == 1 and "host h1 is fenced" in err and "fix: " in err and "dxpu host unfence h1" in err
+    assert restarted.process.wait(30) == 1
+    err = restarted.log_path.read_text()
+    assert "host h1 is fenced" in err and "fix: " in err and "dxpu host unfence h1" in err
 
     r = dxpu("host", "unfence", "h1", "--db", str(db))
     assert r.returncode == 0 and "no longer fenced" in r.stdout

@@ -8,11 +8,8 @@ the third runs a VM and an agent on each host."""
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -22,8 +19,9 @@ from dxpu_vfio.namespaces import in_netns
 from dxpu_vfio.pool.boxes import fetch_inventory
 from dxpu_vfio.pool.etcd_store import EtcdStore, EtcdUnavailable
 from dxpu_vfio.pool.manager import Manager, proxy_alive, stop_proxy
+from dxpu_vfio.pool.service import AgentProcess
 from dxpu_vfio.pool.states import BoxState
-from dxpu_vfio.procs import pid_alive, terminate
+from dxpu_vfio.procs import pid_alive
 from dxpu_vfio.testing import eventually
 from dxpu_vfio.vmm.errors import VmGone
 
@@ -117,16 +115,6 @@ def test_a_guest_gets_a_box_device_through_the_second_host(labs, shared_tiny_vm)
         hotplug.detach(att)
 
 
-def agent_in(netns: str, host: str, endpoints: list[str], log, logs: Path) -> subprocess.Popen:
-    """``dxpu agent serve`` for ``host`` inside host namespace ``netns``, as an admin runs
-    it there (its host proxies start in that namespace too, their logs beside ``logs``);
-    ended by pid at the end."""
-    return subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-m", "dxpu_vfio.cli", "agent", "serve",
-                             "--store", "etcd", "--etcd-endpoints", ",".join(endpoints), "--host", host, "--ttl", "10",
-                             "--db", str(logs)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
 @pytest.mark.vm
 def test_each_lab_host_runs_a_vm_and_its_agent_and_they_share_the_boxes_never_a_device(labs, vm_factory, tmp_path):
     """Issue 15 item 6: host 1 and host 2 each run a tiny VM and their own agent (in their
@@ -139,8 +127,10 @@ def test_each_lab_host_runs_a_vm_and_its_agent_and_they_share_the_boxes_never_a_
     state = labs.own(topology())
     vms = {"h1": vm_factory.booted("tiny"), "h2": vm_factory.booted("tiny")}
     namespaces = {"h1": state.host_netns, "h2": state.extra_hosts[0]}
-    logs = {h: open(tmp_path / f"agent-{h}.log", "w") for h in vms}
-    agents = [agent_in(namespaces[h], h, state.etcd_endpoints_of_host(namespaces[h]), logs[h], tmp_path / f"{h}.db")
+    # each host's agent in its namespace, as an admin runs it there (its host proxies start
+    # there too); ended by pid at the end
+    agents = [AgentProcess(h, tmp_path / f"agent-{h}.log", db=tmp_path / f"{h}.db", ttl=10, log_level="INFO",
+                           etcd_endpoints=state.etcd_endpoints_of_host(namespaces[h]), netns=namespaces[h]).start()
               for h in vms]
 
     def central(what):  # a manager in host 1's namespace, for VMs of other hosts only
@@ -207,9 +197,7 @@ def test_each_lab_host_runs_a_vm_and_its_agent_and_they_share_the_boxes_never_a_
         assert central(lambda m: m.store.leases()) == []
     finally:
         for agent in agents:
-            terminate(agent)  # an agent that stops leaves its host proxies running (its VMs keep their devices)
+            agent.stop()  # an agent that stops leaves its host proxies running (its VMs keep their devices)
         for lease in central(lambda m: m.store.leases()):  # what a failed run left attached: ended by pid
             if proxy_alive(lease):
                 stop_proxy(lease)
-        for log in logs.values():
-            log.close()

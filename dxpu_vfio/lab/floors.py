@@ -315,7 +315,9 @@ def measure_lab(state, box: str, round_trips: int = 3000, bulk_bytes: int = 64 <
     """Floors between ``state``'s host namespace and ``box``, same run: ``kinds`` of
     :data:`KINDS` (plain TCP, TLS, either on the native stream); ``burst_sizes`` and
     ``cpu_message_size`` on each native kind (under ``tls-native -> burst``,
-    ``tls-native -> cpu_per_message`` and the same under ``tcp-native``)."""
+    ``tls-native -> cpu_per_message`` and the same under ``tcp-native``). A kind named
+    twice is measured once (a plaintext benchmark's link kinds include ``tcp``)."""
+    kinds = tuple(dict.fromkeys(kinds))
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown floor kinds {sorted(unknown)}; known: {', '.join(KINDS)}")

@@ -405,11 +405,14 @@ class ManagerProcess(ChildProcess):
 class AgentProcess(ChildProcess):
     """``dxpu agent serve`` as a child (the fuzzer, tests): started without waiting (it
     registers its host in the store when it can), its output appended to ``log_path``,
-    ended by pid."""
+    ended by pid. With ``netns`` it runs in that network namespace, as an admin runs it
+    on a lab host (``ip netns exec`` execs the agent: the pid is the agent's)."""
 
     def __init__(self, host: str, log_path: Path, *, db: Path, ttl: float = 10.0, resync: float = 30.0,
-                 etcd_endpoints: list[str] | None = None, log_level: str = "WARNING") -> None:
+                 etcd_endpoints: list[str] | None = None, log_level: str = "WARNING",
+                 netns: str | None = None) -> None:
         self.host, self.log_path = host, log_path
+        self.prefix = ["ip", "netns", "exec", netns] if netns else []
         self.args = ["--host", host, "--db", str(db), "--ttl", str(ttl), "--resync", str(resync),
                      "--log-level", log_level]
         if etcd_endpoints:
@@ -419,7 +422,8 @@ class AgentProcess(ChildProcess):
     def start(self) -> "AgentProcess":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
-            self.process = subprocess.Popen([sys.executable, "-m", "dxpu_vfio.cli", "agent", "serve", *self.args],
+            self.process = subprocess.Popen([*self.prefix, sys.executable, "-m", "dxpu_vfio.cli", "agent", "serve",
+                                             *self.args],
                                             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                             start_new_session=True)
         return self
