@@ -344,3 +344,44 @@ def test_dxpu_stats_shows_the_box_fault_counters(forwarded, faults):
                          text=True, timeout=60, check=True).stdout
     row = {r["name"]: r for r in json.loads(out)}[f"{BOX}/td0"]
     assert row["faults"] == {"armed": 1, "abort:mmio-read": 1}
+
+
+# --- the lab's reader of a box's FAULT answers (a box is a peer) ---------------------------------
+@pytest.mark.parametrize("op, payload, problem", [
+    ("arm", b"{", "no JSON"),
+    ("arm", b"[" * 100_000 + b"]" * 100_000, "no JSON"),  # nested past the parser's stack
+    ("arm", b'{"fault": "\xff"}', "no JSON"),  # not UTF-8
+    ("list", b"[]", "no JSON object"),
+    ("arm", b'{"fault": {"id": "3"}}', "no fault with integer ids"),
+    ("arm", b'{"fault": {"id": true}}', "no fault with integer ids"),
+    ("clear", b'{"cleared": {"id": 3}}', "no cleared faults with integer ids"),
+    ("clear", b'{"cleared": [null]}', "no cleared faults with integer ids"),
+])
+def test_a_fault_answer_the_lab_cannot_read_is_a_fault_error_that_quotes_it(op, payload, problem):
+    from dxpu_vfio.lab.faults import fault_reply
+    with pytest.raises(FaultError) as caught:
+        fault_reply(op, payload, "b9")
+    assert f"box b9 answered a FAULT {op} with {problem}" in str(caught.value) and "dxpu lab status" in str(caught.value)
+    assert fault_reply("clear", b'{"cleared": []}', "b9") == {"cleared": []}
+
+
+def test_the_fault_replies_fuzz_target_catches_a_reader_that_trusts_the_box(tmp_path):
+    """The reader before it checked (json.loads, then the caller's ["fault"]["id"]), put
+    back in the fuzz target: found. The target itself runs in test_fuzz.py."""
+    import dataclasses
+    import json
+
+    from dxpu_vfio.fuzz import fault_replies
+    from dxpu_vfio.fuzz.readers import ReaderTarget
+    from dxpu_vfio.fuzz.runner import Run
+
+    def trusting(text):
+        answer = json.loads(text)
+        answer["fault"]["id"]
+        return answer
+
+    readers = tuple(dataclasses.replace(r, read=trusting) if r.name == "fault-arm" else r
+                    for r in fault_replies.READERS)
+    result = Run(ReaderTarget("fault-replies", readers), seed=5, stop=400, check_every=50, out=tmp_path).execute()
+    assert result.violations > 0 and all("the fault-arm reader" in f.detail for f in result.findings), \
+        [f.detail[:200] for f in result.findings]

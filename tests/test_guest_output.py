@@ -15,13 +15,14 @@ import pytest
 
 from dxpu_vfio.errors import VmError
 from dxpu_vfio.fuzz import guest_output as fuzz
+from dxpu_vfio.fuzz.readers import ReaderTarget
 from dxpu_vfio.fuzz.runner import Run
 from dxpu_vfio.lab import guest_output as out
 from dxpu_vfio.lab.guest_output import GuestOutputError
 
 
 def test_every_reader_reads_what_its_program_prints_when_all_is_well():
-    target = fuzz.GuestOutputTarget()
+    target = fuzz.target()
     target.start(Path("/nonexistent"))
     target.probe(0.0)  # each sample read as expected, the value keeping its contract
 
@@ -94,7 +95,7 @@ def test_a_workload_line_without_its_figures_is_refused_and_a_failure_is_returne
     assert out.workload_lines(f"workload={json.dumps(other)}\n", ("remote",), "r") == ({"remote": {}}, None)
 
 
-def test_the_fuzz_target_catches_the_readers_this_module_replaced(tmp_path, monkeypatch):
+def test_the_fuzz_target_catches_the_readers_this_module_replaced(tmp_path):
     """The lab's earlier readers, put back in the target: a mmio tool's output without its
     key raised KeyError, and fio's figures went on unchecked (ints, negatives, None)."""
     def old_numbers(text):
@@ -105,9 +106,7 @@ def test_the_fuzz_target_catches_the_readers_this_module_replaced(tmp_path, monk
         return json.loads(text[text.index("{"):])["jobs"][0]["read"]
 
     for name, read in (("numbers", old_numbers), ("fio", old_fio)):
-        target = fuzz.GuestOutputTarget()
         readers = tuple(dataclasses.replace(r, read=read) if r.name == name else r for r in fuzz.READERS)
-        monkeypatch.setattr(fuzz, "READERS", readers)
-        result = Run(target, seed=11, stop=600, check_every=50, out=tmp_path / name).execute()
+        result = Run(ReaderTarget("guest-output", readers), seed=11, stop=600, check_every=50, out=tmp_path / name).execute()
         assert result.violations > 0, name
         assert any(f"the {name} reader" in f.detail for f in result.findings), [f.detail[:200] for f in result.findings]

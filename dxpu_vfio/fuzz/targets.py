@@ -7,9 +7,9 @@ from typing import Callable
 from dxpu_vfio.fuzz.box_answers import BoxAnswersTarget
 from dxpu_vfio.fuzz.display import DisplayTarget
 from dxpu_vfio.fuzz.etcd import EtcdAnswersTarget
+from dxpu_vfio.fuzz import fault_replies, guest_output
 from dxpu_vfio.fuzz.external import ExternalServerTarget
 from dxpu_vfio.fuzz.guest_channel import GuestChannelTarget
-from dxpu_vfio.fuzz.guest_output import GuestOutputTarget
 from dxpu_vfio.fuzz.host_link import HostLinkTarget
 from dxpu_vfio.fuzz.link import LinkTarget
 from dxpu_vfio.fuzz.manager import ManagerTarget
@@ -28,7 +28,8 @@ TARGETS: dict[str, Callable[[], Target]] = {
     "etcd": EtcdAnswersTarget,
     "box-answers": BoxAnswersTarget,
     "guest-channel": GuestChannelTarget,
-    "guest-output": GuestOutputTarget,
+    "guest-output": guest_output.target,
+    "fault-replies": fault_replies.target,
 }
 
 

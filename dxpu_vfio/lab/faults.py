@@ -45,6 +45,28 @@ class FaultError(DxpuError):
     """A fault could not be armed, cleared or listed."""
 
 
+def fault_reply(op: str, payload: bytes, box: str) -> dict:
+    """A box's answer to a FAULT request of ``op``, checked where its caller reads it: a
+    JSON object; for ``arm`` its ``fault`` an object with an integer ``id``, for ``clear``
+    its ``cleared`` a list of such. A box is a peer: a box of another version, or
+    something else listening at its address, gets a FaultError that quotes it, not a
+    KeyError in a test's fixture."""
+    def refused(problem: str) -> FaultError:
+        return FaultError(f"box {box} answered a FAULT {op} with {problem}: {payload[:200]!r}",
+                          hint="a box of another version, or not a dxpu box at that address: dxpu lab status")
+
+    try:
+        answer = json.loads(payload)
+    except (ValueError, RecursionError):  # (JSONDecodeError and invalid UTF-8 are ValueErrors)
+        raise refused("no JSON") from None
+    if not isinstance(answer, dict):
+        raise refused("no JSON object")
+    faults = [answer.get("fault")] if op == "arm" else answer.get("cleared") if op == "clear" else []
+    if not isinstance(faults, list) or not all(isinstance(f, dict) and type(f.get("id")) is int for f in faults):
+        raise refused(f"no {'fault' if op == 'arm' else 'cleared faults'} with integer ids")
+    return answer
+
+
 class Faults:
     """The fault API on one box (``address``, reached with the ``host`` certificate in
     ``tls_dir``, from namespace ``netns``); ``device`` is the default device of every
@@ -96,7 +118,7 @@ class Faults:
             why = bytes(reply.payload).decode(errors="replace") or os.strerror(reply.header.error)
             raise FaultError(f"box {self.name} refused the fault: {why}",
                              hint="dxpu lab fault BOX list shows what is armed; kinds and targets: docs/testing.md")
-        return json.loads(bytes(reply.payload))
+        return fault_reply(str(request.get("op")), bytes(reply.payload), self.name)
 
     def _note(self, event: str, **what) -> None:
         entry = {"t": time.time(), "event": event, "box": self.name, "device": self.device, **what}
