@@ -5,8 +5,8 @@ host proxy's link as a malicious box reaches it, a box's vfio-user client as an 
 server reaches it, the manager API, the etcd store's client (and a host agent) behind a
 relay that changes etcd's answers, the manager as a wrong box answers it, the VM
 runner's guest command channels as a hostile guest answers them, and the lab's readers
-of what its programs print in a guest and of a box's FAULT answers (dxpu_vfio/fuzz/;
-docs/testing.md).
+of what its programs print in a guest and of a box's FAULT answers, and the manager's
+client as a wrong manager answers (dxpu_vfio/fuzz/; docs/testing.md).
 
     scripts/fuzz.py [--target NAME ...] [--seconds S | --count N] [--seed N] [--json PATH]
 

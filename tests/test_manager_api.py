@@ -132,3 +132,65 @@ def test_a_slow_request_is_cut_at_the_deadline(manager):
             pass
         assert time.monotonic() - started < 2.5, "a trickled request held its connection past the deadline"
     assert json.loads(json.dumps(client.get("/v1/health")))["pid"]
+
+
+# --- what the client makes of a manager's answers (a manager of another version, or
+# something else on its socket): a ManagerError that quotes it, never a decoder's error ---
+@pytest.mark.parametrize("status, kind, body, says", [
+    (200, "application/json", b"{", "with no JSON"),
+    (200, "application/json", b"[" * 100_000 + b"]" * 100_000, "with no JSON"),  # past the parser's stack
+    (200, "application/json", b'"ok"', "JSON that is neither an object nor a list"),
+    (200, "text/plain", b"\xff\xfe", "text that is not UTF-8"),
+    (409, "application/json", b'["NoFreeDevice"]', '["NoFreeDevice"]'),  # an error answer of another shape
+    (409, "application/json", b'{"message": 7, "hint": ["x"], "logs": "/tmp/x"}', "HTTP 409"),
+])
+def test_a_manager_answer_the_client_cannot_read_is_a_manager_error(tmp_path, status, kind, body, says):
+    db = tmp_path / "pool.db"
+    db.with_suffix(".token").write_text("t0k\n")
+    reason = {200: "OK", 409: "Conflict"}[status]
+    answer = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+              f"Connection: close\r\n\r\n").encode() + body
+    with socket.socket(socket.AF_UNIX) as listener:  # a fake manager: one answer, whatever is asked
+        listener.bind(str(db.with_suffix(".sock")))
+        listener.listen(1)
+
+        def serve():
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        with pytest.raises(ManagerError) as caught:
+            ManagerClient(db, timeout=5).post("/v1/attach", vm="qmp:/x")
+        thread.join(5)
+    assert caught.value.status == status and says in str(caught.value)
+    if status == 200:
+        assert "the manager answered POST /v1/attach" in str(caught.value) and caught.value.hint
+
+
+def test_the_manager_answers_fuzz_target_catches_the_client_before_it_checked(tmp_path):
+    """The client's reading before it checked, put back in the fuzz target: found. The
+    target itself runs in test_fuzz.py."""
+    import dataclasses
+
+    from dxpu_vfio.fuzz import manager_answers
+    from dxpu_vfio.fuzz.readers import ReaderTarget
+    from dxpu_vfio.fuzz.runner import Run
+
+    def trusting(text):
+        head, _, body = text.partition("\n")
+        word, _, kind = head.partition(" ")
+        data = body.encode()
+        if word == "200":
+            return data if kind == "image/png" else data.decode() if kind.startswith("text/") else json.loads(data)
+        try:
+            err = json.loads(data)
+        except ValueError:
+            err = {"message": data.decode(errors="replace")}
+        raise ManagerError(err.get("message", "HTTP"), kind=err.get("error", "ManagerError"), hint=err.get("hint"),
+                           logs=err.get("logs"))
+
+    readers = tuple(dataclasses.replace(r, read=trusting) for r in manager_answers.target().readers)
+    result = Run(ReaderTarget("manager-answers", readers), seed=3, stop=400, check_every=50, out=tmp_path).execute()
+    assert result.violations > 0, [f.detail[:200] for f in result.findings]

@@ -37,12 +37,13 @@ NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:e-?[0-9]+)?")
 BAD_NUMBERS = ("nan", "NaN", "inf", "-inf", "Infinity", "1e999", "-1e999", "-1", "-0", "0", "", "1_0", "0x10",
                "\u0661\u0662", "\u00b2", "1" * 5000, "9" * 30, "1e-400", "true", "null", '"5"', "[1]", "{}", "1.5")
 KINDS = ("value", "value", "value", "number", "number", "lines", "bytes", "nested", "big")
+REFUSED = object()  # a Reader's expected value where its sample must be refused (an error answer)
 
 
 @dataclass(frozen=True)
 class Reader:
     """One reader: its sample, how to call it, what its value must keep, the error it
-    refuses with, and the value the pristine sample reads as."""
+    refuses with, and the value the pristine sample reads as (or :data:`REFUSED`)."""
 
     name: str
     sample: str
@@ -152,6 +153,11 @@ class ReaderTarget:
             value = reader.read(text)
         except reader.refusal as exc:
             value = exc
+            try:  # a refusal is printed to the user: one that cannot be is no refusal
+                str(exc)
+            except Exception as broken:  # noqa: BLE001 - what the fuzzer looks for
+                raise Violation(f"the {reader.name} reader's {type(exc).__name__} cannot be printed "
+                                f"({type(broken).__name__}: {broken!s:.200}), from {text[:300]!r}") from None
         except Exception as exc:  # noqa: BLE001 - what the fuzzer looks for
             raise Violation(f"the {reader.name} reader raised {type(exc).__name__}: {exc!s:.300} on "
                             f"{text[:300]!r}\n" + "".join(traceback.format_exception(exc))[-3000:]) from None
@@ -177,6 +183,8 @@ class ReaderTarget:
     def probe(self, deadline: float) -> None:
         for reader in self.readers:
             value = self._read(reader, reader.sample)
+            if reader.expected is REFUSED and isinstance(value, reader.refusal):
+                continue
             if value != reader.expected:
                 raise Violation(f"the {reader.name} reader read its sample as {str(value)[:400]}, not "
                                 f"{str(reader.expected)[:400]}")

@@ -7,7 +7,7 @@ from typing import Callable
 from dxpu_vfio.fuzz.box_answers import BoxAnswersTarget
 from dxpu_vfio.fuzz.display import DisplayTarget
 from dxpu_vfio.fuzz.etcd import EtcdAnswersTarget
-from dxpu_vfio.fuzz import fault_replies, guest_output
+from dxpu_vfio.fuzz import fault_replies, guest_output, manager_answers
 from dxpu_vfio.fuzz.external import ExternalServerTarget
 from dxpu_vfio.fuzz.guest_channel import GuestChannelTarget
 from dxpu_vfio.fuzz.host_link import HostLinkTarget
@@ -30,6 +30,7 @@ TARGETS: dict[str, Callable[[], Target]] = {
     "guest-channel": GuestChannelTarget,
     "guest-output": guest_output.target,
     "fault-replies": fault_replies.target,
+    "manager-answers": manager_answers.target,
 }
 
 

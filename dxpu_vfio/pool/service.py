@@ -75,6 +75,48 @@ class ManagerUnavailable(ManagerError):
     """No manager serves this pool database."""
 
 
+def manager_answer(request: str, status: int, kind: str, data: bytes, log: Path) -> object:
+    """What the manager answered ``request`` (``"POST /v1/attach"``), as the client hands
+    it on: a PNG's bytes, a text, or a JSON object or list (200); a ManagerError with the
+    manager's message, kind, hint and logs where its error answer has them as strings
+    (any other status). Anything else, from a manager of another version or something
+    else on its socket, is a ManagerError that quotes it, never a decoder's exception in
+    the CLI. Fuzzed: ``scripts/fuzz.py --target manager-answers``."""
+    def odd(problem: str) -> ManagerError:
+        return ManagerError(f"the manager answered {request} with {problem}: {data[:200]!r}", status=status,
+                            logs=[log], hint="a manager of another version: restart it (dxpu manager serve)")
+
+    if status == 200:
+        if kind == "image/png":
+            return data
+        if kind.startswith("text/"):
+            try:
+                return data.decode()
+            except UnicodeDecodeError:
+                raise odd("text that is not UTF-8") from None
+        try:
+            value = json.loads(data)
+        except (ValueError, RecursionError):  # (invalid UTF-8 is a ValueError too)
+            raise odd("no JSON") from None
+        if not isinstance(value, (dict, list)):
+            raise odd("JSON that is neither an object nor a list")
+        return value
+    try:
+        err = json.loads(data)
+    except (ValueError, RecursionError):
+        err = None
+    if not isinstance(err, dict):
+        err = {"message": data.decode(errors="replace")}
+
+    def text(key: str) -> str | None:
+        value = err.get(key)
+        return value if isinstance(value, str) and value else None
+
+    logs = err.get("logs")
+    raise ManagerError(text("message") or f"HTTP {status}", kind=text("error") or "ManagerError", status=status,
+                       hint=text("hint"), logs=[p for p in logs if isinstance(p, str)] if isinstance(logs, list) else None)
+
+
 @dataclass(frozen=True)
 class ManagerPaths:
     """Everything of one pool lives beside its database."""
@@ -341,15 +383,8 @@ class ManagerClient:
                                logs=[self.paths.log]) from exc
         finally:
             conn.close()
-        if response.status == 200:
-            kind = response.getheader("Content-Type", "")
-            return data if kind == "image/png" else data.decode() if kind.startswith("text/") else json.loads(data)
-        try:
-            err = json.loads(data)
-        except ValueError:
-            err = {"message": data.decode(errors="replace")}
-        raise ManagerError(err.get("message", f"HTTP {response.status}"), kind=err.get("error", "ManagerError"),
-                           status=response.status, hint=err.get("hint"), logs=err.get("logs"))
+        return manager_answer(f"{method} {path}", response.status, response.getheader("Content-Type", ""), data,
+                              self.paths.log)
 
     def get(self, path: str, **query: str) -> object:
         from urllib.parse import urlencode
