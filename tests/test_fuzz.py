@@ -15,7 +15,7 @@ import pytest
 from dxpu_vfio.fuzz.targets import TARGETS
 
 ROOT = Path(__file__).resolve().parent.parent
-SECONDS = 13  # per target: under two minutes in all
+SECONDS = 9  # per target: under two minutes in all
 
 
 # The targets whose messages are the answers a peer changed run a fixed number of units,
