@@ -121,7 +121,8 @@ def run(spec: Spec, args: argparse.Namespace) -> tuple[list[dict], dict]:
     assert len(taken) == len(set(taken)) == devices, "a device was allocated twice, or not at all"
     assert store.leases() == [], "a lease outlived the free phase"
     if spec.kind == "etcd" and args.etcd_endpoints:
-        store.etcd.call("/kv/deleterange", {"key": _b64(spec.prefix), "range_end": _prefix_end(spec.prefix)})
+        from dxpu_vfio.pool.etcd_client import b64, prefix_end
+        store.etcd.call("/kv/deleterange", {"key": b64(spec.prefix), "range_end": prefix_end(spec.prefix)})
     store.close()
     for phase, wall in zip(PHASES, walls):
         samples = [s for _, _, by_phase, _ in results for s in by_phase[phase]]
@@ -172,16 +173,6 @@ def box_death(spec: "Spec", ttl: float = 3.0) -> dict:
         store.close()
 
 
-def _b64(text: str) -> str:
-    from dxpu_vfio.pool.etcd_store import _b64 as b64
-    return b64(text)
-
-
-def _prefix_end(prefix: str) -> str:
-    from dxpu_vfio.pool.etcd_store import _prefix_end as end
-    return end(prefix)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", choices=["sqlite", "etcd"], default="sqlite")
@@ -202,7 +193,7 @@ def main() -> int:
         if args.store == "sqlite":
             rows, summary = run(Spec("sqlite", path), args)
         elif args.etcd_endpoints:
-            from dxpu_vfio.pool.etcd_store import endpoints_from
+            from dxpu_vfio.pool.etcd_client import endpoints_from
             rows, summary = run(Spec("etcd", path, tuple(endpoints_from(args.etcd_endpoints)), args.prefix), args)
         else:
             from dxpu_vfio.pool.etcd_cluster import EtcdCluster

@@ -16,7 +16,8 @@ import pytest
 
 from dxpu_vfio.pool.etcd_answers import EtcdAnswerError, check, check_events
 from dxpu_vfio.pool.etcd_records import BadRecord, check_record
-from dxpu_vfio.pool.etcd_store import EtcdStore, _b64, op_put, op_range
+from dxpu_vfio.pool.etcd_client import b64, op_put, op_range
+from dxpu_vfio.pool.etcd_store import EtcdStore
 
 P = "/dxpu/v1/"
 BOX = {"address": "10.0.0.2:7000", "tls_dir": None, "state": "up", "registered_at": 1.0, "last_error": None,
@@ -24,9 +25,9 @@ BOX = {"address": "10.0.0.2:7000", "tls_dir": None, "state": "up", "registered_a
 
 
 def kv(key: str, value: object = None, **fields: object) -> dict:
-    out = {"key": _b64(key), "mod_revision": "7", "create_revision": "5", **fields}
+    out = {"key": b64(key), "mod_revision": "7", "create_revision": "5", **fields}
     if value is not None:
-        out["value"] = _b64(json.dumps(value))
+        out["value"] = b64(json.dumps(value))
     return out
 
 
@@ -34,7 +35,7 @@ def answer(**fields: object) -> bytes:
     return json.dumps({"header": {"revision": "9"}, **fields}).encode()
 
 
-RANGE = {"key": _b64(P + "boxes/"), "range_end": _b64(P + "boxes0")}
+RANGE = {"key": b64(P + "boxes/"), "range_end": b64(P + "boxes0")}
 
 
 def test_a_real_shaped_range_answer_is_parsed_once_with_its_records():
@@ -97,8 +98,8 @@ def test_a_record_of_another_shape_is_a_bad_record_naming_its_key(key, value, wh
 
 def test_a_value_that_is_not_json_is_a_bad_record_and_a_delete_carries_none():
     with pytest.raises(BadRecord, match="not JSON"):
-        check("/kv/range", answer(kvs=[{"key": _b64(P + "boxes/a"), "value": _b64("{oops")}]), RANGE, P)
-    events = check_events([{"type": "DELETE", "kv": {"key": _b64(P + "boxes/a")}}], P)
+        check("/kv/range", answer(kvs=[{"key": b64(P + "boxes/a"), "value": b64("{oops")}]), RANGE, P)
+    events = check_events([{"type": "DELETE", "kv": {"key": b64(P + "boxes/a")}}], P)
     assert events[0]["kv"]["record"] is None
     with pytest.raises(EtcdAnswerError, match="neither PUT nor DELETE"):
         check_events([{"type": "MOVE", "kv": kv(P + "boxes/a", BOX)}], P)
@@ -129,7 +130,7 @@ def test_a_record_changed_by_hand_is_named_and_nothing_else_is_lost(etcd, etcd_p
 
 @pytest.mark.parametrize("line, why", [
     (b'{"result":{"events":[{"type":"PUT","kv":{"key":"%s","value":"%s"}}]}}'
-     % (_b64(P + "boxes/a").encode(), _b64('{"address": 7}').encode()),
+     % (b64(P + "boxes/a").encode(), b64('{"address": 7}').encode()),
      "the pool's key /dxpu/v1/boxes/a has 'address'"),
     (b'{"result":{"events":[{"kv":1}]}}', "events[0].kv: 1 is not an object"),
 ])
@@ -140,11 +141,11 @@ def test_a_watch_gives_up_a_stream_that_is_not_etcds_and_says_why(line, why):
     import http.server
     import threading
 
-    from dxpu_vfio.pool.etcd_store import EtcdClient
+    from dxpu_vfio.pool.etcd_client import EtcdClient
     from dxpu_vfio.pool.etcd_watch import Watch
 
     good = b'{"result":{"events":[{"type":"PUT","kv":{"key":"%s","value":"%s","mod_revision":"3"}}]}}' % (
-        _b64(P + "boxes/b").encode(), _b64(json.dumps(BOX)).encode())
+        b64(P + "boxes/b").encode(), b64(json.dumps(BOX)).encode())
 
     class Stream(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -165,7 +166,7 @@ def test_a_watch_gives_up_a_stream_that_is_not_etcds_and_says_why(line, why):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     client = EtcdClient([f"http://127.0.0.1:{server.server_address[1]}"], timeout=2.0, prefix=P)
     try:
-        watch = Watch(client, _b64(P + "boxes/"), _b64(P + "boxes0"), 1, P)
+        watch = Watch(client, b64(P + "boxes/"), b64(P + "boxes0"), 1, P)
         batches = list(watch)
         assert [[e["kv"]["record"] for e in b] for b in batches] == [[BOX]]  # the good event, then the end
         assert watch.failed and why in watch.failed

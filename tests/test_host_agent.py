@@ -367,7 +367,7 @@ def test_a_watch_that_cannot_resume_because_etcd_compacted_its_history_falls_bac
                                                                            timeout=10.0)))
     detach.start()
     eventually(lambda: central.store.leases()[0].request == "detach", what="the detach request written")
-    from dxpu_vfio.pool.etcd_store import op_put
+    from dxpu_vfio.pool.etcd_client import op_put
     written = central.store.etcd.txn([], [op_put(central.store.k("unrelated"), 1)])  # a later revision to compact at
     now = int(written["header"]["revision"])
     assert agent.revision + 1 < now  # the watch would restart at a revision that compaction removes

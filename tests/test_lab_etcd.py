@@ -17,7 +17,8 @@ from dxpu_vfio.lab import hotplug, lab
 from dxpu_vfio.lab.hotplug import guest_wait_for_child, port_bdf
 from dxpu_vfio.namespaces import in_netns
 from dxpu_vfio.pool.boxes import fetch_inventory
-from dxpu_vfio.pool.etcd_store import EtcdStore, EtcdUnavailable
+from dxpu_vfio.pool.etcd_client import EtcdUnavailable
+from dxpu_vfio.pool.etcd_store import EtcdStore
 from dxpu_vfio.pool.manager import Manager, proxy_alive, stop_proxy
 from dxpu_vfio.pool.service import AgentProcess
 from dxpu_vfio.pool.states import BoxState

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from dxpu_vfio.pool.etcd_cluster import EtcdCluster, free_port, make_etcd_certs
-from dxpu_vfio.pool.etcd_store import EtcdStore, EtcdUnavailable
+from dxpu_vfio.pool.etcd_client import EtcdUnavailable
+from dxpu_vfio.pool.etcd_store import EtcdStore
 from dxpu_vfio.pool.service import ManagerClient, ManagerProcess
 from dxpu_vfio.pool.storage import NoFreeDevice
 from dxpu_vfio.procs import wait_until

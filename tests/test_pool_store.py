@@ -16,7 +16,7 @@ import pytest
 
 from dxpu_vfio.pool import store as store_mod
 from dxpu_vfio.pool.metrics import render
-from dxpu_vfio.pool.etcd_store import op_put
+from dxpu_vfio.pool.etcd_client import op_put
 from dxpu_vfio.pool.states import BoxState, LeaseState
 from dxpu_vfio.pool.storage import PoolStore
 from dxpu_vfio.pool.store import NoFreeDevice, Store, StoreError

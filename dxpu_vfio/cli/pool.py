@@ -116,7 +116,7 @@ def cmd_manager_serve(args: argparse.Namespace) -> int:
     """Until SIGTERM/SIGINT; its log (the "manager serving" line first) on stderr, JSON lines with --json."""
     from dxpu_vfio.pool.service import serve
     setup_logging(args, args.log_level)
-    from dxpu_vfio.pool.etcd_store import endpoints_from
+    from dxpu_vfio.pool.etcd_client import endpoints_from
     serve(args.db, heartbeat=args.heartbeat, dead_after=args.dead_after, metrics_address=args.metrics,
           store=args.store, etcd_endpoints=endpoints_from(args.etcd_endpoints), etcd_tls_dir=args.etcd_tls_dir,
           host=args.host)
@@ -167,7 +167,7 @@ def cmd_agent_serve(args: argparse.Namespace) -> int:
     """Until SIGTERM/SIGINT, or until the host is fenced (exit 3: it must not plug anything)."""
     import signal
     from dxpu_vfio.pool.agent import HostAgent
-    from dxpu_vfio.pool.etcd_store import endpoints_from
+    from dxpu_vfio.pool.etcd_client import endpoints_from
     from dxpu_vfio.pool.manager import default_host
     from dxpu_vfio.pool.service import ManagerPaths, open_store
     setup_logging(args, args.log_level)

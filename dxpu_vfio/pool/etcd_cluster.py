@@ -148,7 +148,7 @@ class EtcdCluster:
 
     def wait_healthy(self, timeout: float = 30.0, members: list[EtcdMember] | None = None) -> None:
         """Every running member (or those named) answers a linearizable read: the cluster has a leader."""
-        from dxpu_vfio.pool.etcd_store import EtcdClient  # the client needs requests; the cluster does not
+        from dxpu_vfio.pool.etcd_client import EtcdClient  # the client needs requests; the cluster does not
         waiting = members or [m for m in self.members if m.alive()]
         for member in waiting:
             client = EtcdClient([member.client_url], timeout=1.0, retry_for=0.0,
@@ -171,7 +171,7 @@ class EtcdCluster:
 
     def leader(self) -> int:
         """Index of the member that leads now (asked of the first running member that answers)."""
-        from dxpu_vfio.pool.etcd_store import EtcdClient
+        from dxpu_vfio.pool.etcd_client import EtcdClient
         for member in (m for m in self.members if m.alive()):
             client = EtcdClient([member.client_url], timeout=1.0, retry_for=0.0,
                                 tls_dir=str(self.tls_dir) if self.tls_dir else None)

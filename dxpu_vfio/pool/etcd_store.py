@@ -44,39 +44,24 @@ again every ``resync_interval`` s (while the watches run, every ``WATCHED_RESYNC
 times that). Listings always read etcd afresh. Lease updates and deletes
 are one transaction each (compare the revision this handle last wrote, else read it).
 
-The client speaks etcd's JSON gateway (plain HTTP(S)): calls over keep-alive
-connections of its own, one per thread (:mod:`dxpu_vfio.pool.etcd_http`: a quarter of
-the client CPU of a ``requests`` session, half of ``http.client``'s, and on a busy host
-the CPU is most of an allocation's latency), watches over
-``etcd3gw``'s ``requests`` session, which ignores the environment
-(``REQUESTS_CA_BUNDLE`` would override the pool's CA); the calls trust only the pool's CA
-too. This module adds failover over several endpoints, bounded retries while a leader is
-elected, and errors that name the endpoints.
+The client (failover, retries, transaction pieces) is :mod:`dxpu_vfio.pool.etcd_client`.
 """
 
 from __future__ import annotations
 
-import base64
 import heapq
-import json
 import logging
-import os
 import random
 import secrets
-import socket
-import ssl
 import threading
 import time
 from collections import Counter, deque
 from pathlib import Path
-from typing import Any, Iterable, Iterator
-from urllib.parse import urlparse
+from typing import Any, Iterator
 
-import requests
-from etcd3gw.client import Etcd3Client
-
-from dxpu_vfio.pool.etcd_answers import EtcdAnswerError, check
-from dxpu_vfio.pool.etcd_http import Connection
+from dxpu_vfio.pool.etcd_client import (
+    PREFIX, EtcdClient, b64, c_absent, c_mod, c_value, endpoints_from, kvs, op_delete, op_put, op_range,
+    prefix_end, ranges, unb64)
 from dxpu_vfio.pool.etcd_watch import Watch, WatchCompacted, WatchFailed
 from dxpu_vfio.pool.states import BoxState, LeaseState
 from dxpu_vfio.pool.storage import (
@@ -85,7 +70,6 @@ from dxpu_vfio.pool.storage import (
 
 log = logging.getLogger("dxpu.store")
 
-PREFIX = "/dxpu/v1/"
 SCHEMA_VERSION = 1
 ATTEMPTS = 64  # allocation tries before it reports contention
 CONTENDED_FOR = 60.0  # s after a lost race during which allocation breaks ties by chance
@@ -96,270 +80,6 @@ RESYNC_AFTER = 3  # races lost by one allocation before it reads every claim aga
 BACKOFF = 0.002  # s: after the second lost race in a row, a random pause up to this, doubling, ...
 BACKOFF_MAX = 0.032  # ... up to this
 WATCHED_RESYNC_FACTOR = 10  # a full read of allocation's view this much rarer while its watch runs
-
-
-def _b64(text: str | bytes) -> str:
-    return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
-
-
-def _unb64(text: str) -> str:
-    return base64.b64decode(text).decode()
-
-
-def _prefix_end(prefix: str) -> str:
-    raw = bytearray(prefix.encode())
-    raw[-1] += 1
-    return _b64(bytes(raw))
-
-
-def endpoints_from(value: str | Iterable[str] | None) -> list[str]:
-    """``--etcd-endpoints`` / ``$DXPU_ETCD_ENDPOINTS``: comma separated URLs (http:// assumed)."""
-    if value is None:
-        value = os.environ.get("DXPU_ETCD_ENDPOINTS", "")
-    items = value.split(",") if isinstance(value, str) else list(value)
-    return [e if "://" in e else f"http://{e}" for e in (i.strip() for i in items) if e]
-
-
-def _why(exc: BaseException) -> str:
-    """The short reason in a connection error."""
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, (socket.timeout, TimeoutError)):
-        return "timed out"
-    if isinstance(exc, socket.gaierror):
-        return "unknown host"
-    if isinstance(exc, ssl.SSLError):
-        return f"TLS: {exc.reason or exc}"
-    text = str(exc) or type(exc).__name__
-    if "No route to host" in text:
-        return "no route to host"
-    return " ".join(text.split())[-160:]
-
-
-class _Retry(Exception):
-    """This endpoint cannot answer now (down, no leader, timed out): try another."""
-
-
-class _Endpoint:
-    """One member's JSON gateway over keep-alive HTTP(S) connections, one per thread.
-
-    Not a ``requests`` session: a call costs about a third of the client CPU (measured:
-    0.5 against 1.7 ms a transaction), which on a busy host is most of an allocation's
-    latency; and not ``http.client`` either, half of whose CPU is its header parsing
-    (:mod:`dxpu_vfio.pool.etcd_http`)."""
-
-    def __init__(self, url: str, tls_dir: str | None, timeout: float, prefix: str | None = None) -> None:
-        parsed = urlparse(url)
-        self.url = url
-        self.prefix = prefix  # the pool's: records under it are checked by kind (etcd_records)
-        self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 2379
-        self.https = parsed.scheme == "https"
-        self.tls_dir = tls_dir
-        self.timeout = timeout
-        self._context: ssl.SSLContext | None = None
-        self._local = threading.local()
-        self._opened: list[Connection] = []
-        self._opened_lock = threading.Lock()
-
-    def _tls(self) -> ssl.SSLContext:
-        """Only the pool's CA (not $REQUESTS_CA_BUNDLE or the system's) and our client certificate."""
-        if self._context is None:
-            try:
-                context = ssl.create_default_context(cafile=str(Path(self.tls_dir) / "ca.pem")) if self.tls_dir \
-                    else ssl.create_default_context()
-                if self.tls_dir:
-                    context.load_cert_chain(str(Path(self.tls_dir) / "host.pem"), str(Path(self.tls_dir) / "host.key"))
-            except (OSError, ssl.SSLError) as exc:
-                raise StoreError(f"cannot use the TLS files for etcd: {exc}",
-                                 hint="--etcd-tls-dir must hold ca.pem, host.pem and host.key") from exc
-            self._context = context
-        return self._context
-
-    def _connection(self) -> Connection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = Connection(self.host, self.port, self.timeout, self._tls() if self.https else None)
-            self._local.conn = conn
-            with self._opened_lock:
-                self._opened.append(conn)
-        return conn
-
-    def post(self, path: str, request: dict, body: bytes) -> dict:
-        """The answer to one POST of ``request`` (``body``: as JSON); :class:`_Retry` if
-        the member cannot answer now."""
-        for fresh in (False, True):
-            conn = self._connection()
-            reused = conn.sock is not None
-            try:
-                status, data = conn.post("/v3" + path, body)
-            except OSError as exc:  # the connection is closed: the next call opens another
-                if reused and not fresh and not isinstance(exc, (socket.timeout, TimeoutError)):
-                    continue  # the member closed an idle connection: once more on a new one
-                raise _Retry(_why(exc)) from exc
-            if status in (408, 500, 503, 504):  # no leader yet, a member shutting down
-                raise _Retry(f"HTTP {status} {data.decode(errors='replace').strip()[:100]}")
-            if status != 200:
-                raise StoreError(f"etcd refused {path}: {data.decode(errors='replace').strip()[:300]}",
-                                 hint="nothing was changed")
-            try:
-                return check(path, data, request, self.prefix)
-            except EtcdAnswerError as exc:  # not etcd, or a broken member: as if it did not answer
-                raise _Retry(f"an answer that is not etcd's to {path}: {exc}") from None
-        raise AssertionError("unreachable")
-
-    def close(self) -> None:
-        """Close every thread's connection (a later call opens a new one)."""
-        with self._opened_lock:
-            for conn in self._opened:
-                conn.close()
-
-
-class EtcdUnavailable(StoreError):
-    """No etcd endpoint answered within the retry time; nothing was changed by this call."""
-
-
-class EtcdClient:
-    """etcd's v3 JSON API over one or more endpoints: the first that answers serves,
-    and a call fails over to the next on a connection error or while there is no leader.
-
-    A call that timed out may have been applied; every write of the store is safe to
-    send twice (the allocation recognises its own claims)."""
-
-    def __init__(self, endpoints: list[str], *, tls_dir: str | None = None, timeout: float = 2.0,
-                 retry_for: float = 5.0, prefix: str | None = None) -> None:
-        if not endpoints:
-            raise StoreError("no etcd endpoints given", hint="pass --etcd-endpoints http://HOST:2379,...")
-        self.endpoints = endpoints
-        self.retry_for = retry_for
-        self._clients = [self._client(url, tls_dir, timeout) for url in endpoints]  # for watches
-        self._posts = [_Endpoint(url, tls_dir, timeout, prefix) for url in endpoints]  # calls
-        self._current = 0
-
-    @staticmethod
-    def _client(url: str, tls_dir: str | None, timeout: float) -> Etcd3Client:
-        parsed = urlparse(url)
-        session = requests.Session()
-        session.trust_env = False  # REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE would replace our CA
-        if tls_dir:
-            session.verify = str(Path(tls_dir) / "ca.pem")
-            session.cert = (str(Path(tls_dir) / "host.pem"), str(Path(tls_dir) / "host.key"))
-        return Etcd3Client(host=parsed.hostname or "127.0.0.1", port=parsed.port or 2379,
-                           protocol=parsed.scheme or "http", timeout=timeout, api_path="/v3/", session=session)
-
-    def call(self, path: str, body: dict) -> dict:
-        deadline = time.monotonic() + self.retry_for
-        errors: dict[str, str] = {}
-        data = json.dumps(body, separators=(",", ":")).encode()
-        while True:
-            for step in range(len(self._posts)):
-                index = (self._current + step) % len(self._posts)
-                try:
-                    result = self._posts[index].post(path, body, data)
-                except _Retry as exc:
-                    errors[self.endpoints[index]] = str(exc)
-                    continue
-                self._current = index
-                return result
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.1)
-        detail = "; ".join(f"{url}: {why}" for url, why in errors.items())
-        raise EtcdUnavailable(
-            f"etcd does not answer at {', '.join(self.endpoints)} ({detail})",
-            hint=f"check the members: etcdctl --endpoints={','.join(self.endpoints)} endpoint health"
-                 + ("" if "timed out" in errors.values() else "; nothing was changed"))
-
-    @property
-    def current(self) -> Etcd3Client:
-        """The endpoint that answered last."""
-        return self._clients[self._current]
-
-    def watch_clients(self) -> list:
-        """The endpoints' streaming clients, the one that answered last first (a watch
-        tries them in this order: :class:`~dxpu_vfio.pool.etcd_watch.Watch`)."""
-        n = len(self._clients)
-        return [self._clients[(self._current + step) % n] for step in range(n)]
-
-    def healthy(self) -> bool:
-        """One linearizable read succeeds (there is a leader and a quorum)."""
-        try:
-            self.call("/kv/range", {"key": _b64(PREFIX + "schema")})
-            return True
-        except StoreError:
-            return False
-
-    def range(self, key: str, *, prefix: bool = False, revision: int = 0, limit: int = 0,
-              start: str | None = None, keys_only: bool = False, serializable: bool = False) -> dict:
-        """``serializable``: the answering member's copy, maybe behind the leader (no quorum round)."""
-        body: dict[str, Any] = {"key": _b64(start or key)}
-        if prefix:
-            body["range_end"] = _prefix_end(key)
-        if revision:
-            body["revision"] = revision
-        if limit:
-            body["limit"] = limit
-        if keys_only:
-            body["keys_only"] = True
-        if serializable:
-            body["serializable"] = True
-        return self.call("/kv/range", body)
-
-    def txn(self, compare: list[dict], success: list[dict], failure: list[dict] | None = None) -> dict:
-        return self.call("/kv/txn", {"compare": compare, "success": success, "failure": failure or []})
-
-    def close(self) -> None:
-        for client in self._clients:
-            client.session.close()
-        for endpoint in self._posts:
-            endpoint.close()
-
-
-# --- transaction pieces ------------------------------------------------------------
-def c_mod(key: str, revision: int) -> dict:
-    """The key was last written at ``revision`` (0: it does not exist)."""
-    return {"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": revision}
-
-
-def c_absent(key: str, prefix: bool = False) -> dict:
-    """No such key (with ``prefix``: no key under it)."""
-    cmp = {"key": _b64(key), "target": "VERSION", "result": "EQUAL", "version": 0}
-    if prefix:
-        cmp["range_end"] = _prefix_end(key)
-    return cmp
-
-
-def c_value(key: str, value: str) -> dict:
-    return {"key": _b64(key), "target": "VALUE", "result": "EQUAL", "value": _b64(json.dumps(value))}
-
-
-def op_put(key: str, value: object, lease: str | None = None) -> dict:
-    put = {"key": _b64(key), "value": _b64(json.dumps(value, separators=(",", ":")))}
-    if lease is not None:
-        put["lease"] = lease
-    return {"request_put": put}
-
-
-def op_delete(key: str) -> dict:
-    return {"request_delete_range": {"key": _b64(key)}}
-
-
-def op_range(key: str, prefix: bool = False, since: int = 0) -> dict:
-    """Read a key or prefix; with ``since``, only keys written at or after that revision."""
-    body: dict[str, Any] = {"key": _b64(key)}
-    if prefix:
-        body["range_end"] = _prefix_end(key)
-    if since:
-        body["min_mod_revision"] = since
-    return {"request_range": body}
-
-
-def kvs(response: dict, revision: str = "mod_revision") -> list[tuple[str, Any, int]]:
-    """(key, JSON value, mod_revision -- or create_revision) of a range response."""
-    return [(kv["key_bytes"].decode(), kv["record"], int(kv.get(revision, 0))) for kv in response.get("kvs", [])]
-
-
-def ranges(txn_response: dict) -> list[list[tuple[str, Any, int]]]:
-    return [kvs(r.get("response_range", {})) for r in txn_response.get("responses", [])]
 
 
 class EtcdStore:
@@ -698,7 +418,7 @@ class EtcdStore:
         try:
             for start, end in ((self.k("alive") + "/", self.k("boxes") + "0"),
                                (self.k("inventory") + "/", self.k("inventory") + "0")):
-                watches.append(Watch(self.etcd, _b64(start), _b64(end), revision, self.prefix))
+                watches.append(Watch(self.etcd, b64(start), b64(end), revision, self.prefix))
         except WatchFailed:
             for watch in watches:
                 watch.close()
@@ -826,9 +546,9 @@ class EtcdStore:
         if not span:
             return False
         prefix = self.k("claims") + "/"
-        end = _b64(prefix + order[self._cursor + PROBE] + "/") if self._cursor + PROBE < len(order) \
-            else _prefix_end(prefix)
-        found = kvs(self.etcd.call("/kv/range", {"key": _b64(prefix + span[0] + "/"), "range_end": end,
+        end = b64(prefix + order[self._cursor + PROBE] + "/") if self._cursor + PROBE < len(order) \
+            else prefix_end(prefix)
+        found = kvs(self.etcd.call("/kv/range", {"key": b64(prefix + span[0] + "/"), "range_end": end,
                                                  "serializable": True}))
         for name in span:
             self._claims[name] = {}
@@ -1114,7 +834,7 @@ class EtcdStore:
     def watch_leases(self, start_revision: int) -> "LeaseWatch":
         """The changes of lease records from ``start_revision`` on (see :class:`LeaseWatch`)."""
         prefix = self.k("leases") + "/"
-        return LeaseWatch(Watch(self.etcd, _b64(prefix), _prefix_end(prefix), start_revision, self.prefix), len(prefix))
+        return LeaseWatch(Watch(self.etcd, b64(prefix), prefix_end(prefix), start_revision, self.prefix), len(prefix))
 
     def lease_for(self, vm: str, name: str) -> Lease:
         """A VM's lease by lease id, QEMU id, device id (box/dev) or device name."""
@@ -1209,15 +929,15 @@ def _show(item: dict) -> str:
     """A compare or an operation of a transaction, as text (keys and values decoded)."""
     if "request_put" in item:
         put = item["request_put"]
-        return f"put {_unb64(put['key'])} = {_unb64(put['value'])}"
+        return f"put {unb64(put['key'])} = {unb64(put['value'])}"
     if "request_delete_range" in item:
-        return f"delete {_unb64(item['request_delete_range']['key'])}"
-    key = _unb64(item["key"]) + ("*" if "range_end" in item else "")
+        return f"delete {unb64(item['request_delete_range']['key'])}"
+    key = unb64(item["key"]) + ("*" if "range_end" in item else "")
     if item["target"] == "MOD":
         return f"mod_revision({key}) == {item['mod_revision']}"
     if item["target"] == "VERSION":
         return f"absent({key})" if item["version"] == 0 else f"version({key}) == {item['version']}"
-    return f"value({key}) == {_unb64(item['value'])}"
+    return f"value({key}) == {unb64(item['value'])}"
 
 
 def show_lease_delete(prefix: str, lease: Lease) -> dict:
