@@ -1,4 +1,4 @@
-"""Fuzzing the etcd store's client (:mod:`dxpu_vfio.pool.etcd_store`,
+"""Fuzzing the etcd store's client (:mod:`dxpu_vfio.pool.etcd_store`, :mod:`~dxpu_vfio.pool.etcd_client`,
 :mod:`dxpu_vfio.pool.etcd_http`, :mod:`dxpu_vfio.pool.etcd_watch`) as a wrong or broken
 etcd endpoint reaches it: ``dxpu manager serve --store etcd`` whose endpoint is the
 fuzzer, a man in the middle in front of a real etcd member.
