@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -136,6 +137,36 @@ def test_a_slow_request_is_cut_at_the_deadline(manager):
 
 # --- what the client makes of a manager's answers (a manager of another version, or
 # something else on its socket): a ManagerError that quotes it, never a decoder's error ---
+@contextlib.contextmanager
+def fake_manager(db, answer: bytes, count: int = 1):
+    """A fake manager on ``db``'s socket: reads each of ``count`` whole requests (head and
+    Content-Length body, so the client's send never meets a closed socket) and sends
+    ``answer`` to each."""
+    db.with_suffix(".token").write_text("t0k\n")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(db.with_suffix(".sock")))
+        listener.listen(4)
+        listener.settimeout(30)
+
+        def serve():
+            for _ in range(count):
+                conn, _ = listener.accept()
+                with conn:
+                    data = b""
+                    while b"\r\n\r\n" not in data:
+                        data += conn.recv(65536)
+                    head, _, body = data.partition(b"\r\n\r\n")
+                    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                                   if line.lower().startswith(b"content-length:")), 0)
+                    while len(body) < length:
+                        body += conn.recv(65536)
+                    conn.sendall(answer)
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        yield
+        thread.join(10)
+
+
 @pytest.mark.parametrize("status, kind, body, says", [
     (200, "application/json", b"{", "with no JSON"),
     (200, "application/json", b"[" * 100_000 + b"]" * 100_000, "with no JSON"),  # past the parser's stack
@@ -146,24 +177,11 @@ def test_a_slow_request_is_cut_at_the_deadline(manager):
 ])
 def test_a_manager_answer_the_client_cannot_read_is_a_manager_error(tmp_path, status, kind, body, says):
     db = tmp_path / "pool.db"
-    db.with_suffix(".token").write_text("t0k\n")
     reason = {200: "OK", 409: "Conflict"}[status]
     answer = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
               f"Connection: close\r\n\r\n").encode() + body
-    with socket.socket(socket.AF_UNIX) as listener:  # a fake manager: one answer, whatever is asked
-        listener.bind(str(db.with_suffix(".sock")))
-        listener.listen(1)
-
-        def serve():
-            conn, _ = listener.accept()
-            with conn:
-                conn.recv(65536)
-                conn.sendall(answer)
-        thread = threading.Thread(target=serve, daemon=True)
-        thread.start()
-        with pytest.raises(ManagerError) as caught:
-            ManagerClient(db, timeout=5).post("/v1/attach", vm="qmp:/x")
-        thread.join(5)
+    with fake_manager(db, answer), pytest.raises(ManagerError) as caught:
+        ManagerClient(db, timeout=5).post("/v1/attach", vm="qmp:/x")
     assert caught.value.status == status and says in str(caught.value)
     if status == 200:
         assert "the manager answered POST /v1/attach" in str(caught.value) and caught.value.hint
@@ -194,3 +212,30 @@ def test_the_manager_answers_fuzz_target_catches_the_client_before_it_checked(tm
     readers = tuple(dataclasses.replace(r, read=trusting) for r in manager_answers.target().readers)
     result = Run(ReaderTarget("manager-answers", readers), seed=3, stop=400, check_every=50, out=tmp_path).execute()
     assert result.violations > 0, [f.detail[:200] for f in result.findings]
+
+
+@pytest.mark.parametrize("words, answer, says", [
+    (("ls",), {"boxes": []}, "lacks what dxpu ls prints (KeyError: 'devices')"),
+    (("host", "ls"), [{"name": "h1"}], "lacks what dxpu host ls prints (KeyError: 'alive')"),
+    (("detach", "qmp:/x", "--all"), {"detached": 1}, "lacks what dxpu detach prints"),
+    (("screenshot", "--pool", "box1/fb0", "shot.png"), {"png": "no"}, "with no PNG"),
+])
+def test_dxpu_says_what_a_manager_of_another_version_left_out_and_json_prints_it(tmp_path, words, answer, says):
+    """The real ``dxpu`` against a fake manager whose 200 answers lack the fields the text
+    is made of: exit 1 with an error naming what was missing and how to see the answer
+    (``--json``), no traceback; with ``--json`` the answer as it came."""
+    import subprocess
+    import sys
+
+    db = tmp_path / "pool.db"
+    body = json.dumps(answer).encode()
+    reply = (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+             f"Connection: close\r\n\r\n").encode() + body
+    with fake_manager(db, reply, count=2):
+        run = [sys.executable, "-m", "dxpu_vfio.cli", *words, "--db", str(db)]
+        text = subprocess.run(run, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        as_json = subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert text.returncode == 1 and says in text.stderr and "Traceback" not in text.stderr, text.stderr
+    assert "manager of another version" in text.stderr
+    if words[0] != "screenshot":
+        assert as_json.returncode == 0 and json.loads(as_json.stdout) == answer, as_json.stderr

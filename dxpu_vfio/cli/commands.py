@@ -16,7 +16,7 @@ def command(sub: Subparsers, name: str, func: Command, help: str, *,
     """Add the leaf command ``name`` running ``func(args) -> exit status``; returns its parser."""
     parser = sub.add_parser(name, help=help, description=description or help, **kw)
     parser.add_argument("--json", action="store_true", help="machine-readable output (JSON on stdout)")
-    parser.set_defaults(func=func)
+    parser.set_defaults(func=func, command_name=parser.prog)  # e.g. "dxpu box add", for messages
     return parser
 
 

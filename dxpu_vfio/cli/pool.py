@@ -2,22 +2,38 @@
 
 Every command but ``manager serve`` is a client of the running manager's API (so two
 admins at once are serialised by the one process that owns the pool). ``--json``
-prints what the API returned.
+prints what the API returned; the text is made from the fields the manager of the same
+version writes, and an answer without them (a manager of another version) is an error
+that says so (:func:`_emit`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from typing import Any, Callable
 
 from dxpu_vfio.cli.commands import Subparsers, command, group
 from dxpu_vfio.cli.output import emit, setup_logging, size, table
 from dxpu_vfio.errors import DxpuError
-from dxpu_vfio.pool.service import ManagerClient
+from dxpu_vfio.pool.service import ManagerClient, ManagerError
 
 
 def _client(args: argparse.Namespace) -> ManagerClient:
     return ManagerClient(args.db)
+
+
+def _emit(args: argparse.Namespace, data: object, text: Callable[[Any], str]) -> None:
+    """:func:`emit` of a manager's answer: as it came with ``--json``; as text only if it
+    has what the text is made of, else a ManagerError that says what was missing and how
+    to see the answer anyway."""
+    try:
+        emit(args, data, text)
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
+        raise ManagerError(f"the manager's answer lacks what {args.command_name} prints "
+                           f"({type(exc).__name__}: {exc!s:.100}): {str(data)[:200]}",
+                           hint="a manager of another version: restart it (dxpu manager serve); "
+                                "--json prints its answer as it came") from exc
 
 
 def _sized(devices: list[dict]) -> list[dict]:
@@ -56,7 +72,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
     result = _client(args).post("/v1/attach", vm=args.vm, **{"class": args.device_class}, count=args.count,
                                 box=args.box, device=args.device, policy=args.policy, host=args.host,
                                 dry_run=args.dry_run or None)
-    emit(args, result, _plan_text if args.dry_run else lambda r: f"attached to {args.vm}:\n{_devices_text(r)}")
+    _emit(args, result, _plan_text if args.dry_run else lambda r: f"attached to {args.vm}:\n{_devices_text(r)}")
     return 0
 
 
@@ -67,9 +83,9 @@ def cmd_detach(args: argparse.Namespace) -> int:
     result = _client(args).post("/v1/detach", vm=args.vm, device=args.device, all=args.all or None, host=args.host,
                                 dry_run=args.dry_run or None)
     if args.dry_run:
-        emit(args, result, _plan_text)
+        _emit(args, result, _plan_text)
         return 0
-    emit(args, result, lambda r: "\n".join(
+    _emit(args, result, lambda r: "\n".join(
         f"detached {x['device']} (lease {x['lease']}) from {args.vm}" if x["why"] == "detached" else
         f"released {x['device']} (lease {x['lease']}): {x['why']}" for x in r) or f"{args.vm} held no devices")
     return 0
@@ -82,7 +98,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                          for d in _sized(r["devices"])], ["id", "class", "vendor", "model", "capacity", "state", "vm"])
         leases = table(r["leases"], ["lease", "device", "vm", "state", "port", "proxy_pid"])
         return f"boxes:\n{boxes}\ndevices:\n{devices}\nleases:\n{leases}"
-    emit(args, _client(args).get("/v1/ls"), text)
+    _emit(args, _client(args).get("/v1/ls"), text)
     return 0
 
 
@@ -93,13 +109,13 @@ def cmd_status(args: argparse.Namespace) -> int:
                  + ("" if d["proxy_alive"] else " (proxy dead)") + ("" if d.get("link_up") else " (link down)")}
                 for d in r["devices"]]
         return head + "\n" + _devices_text(rows)
-    emit(args, _client(args).get("/v1/status", vm=args.vm), text)
+    _emit(args, _client(args).get("/v1/status", vm=args.vm), text)
     return 0
 
 
 def cmd_box_add(args: argparse.Namespace) -> int:
     result = _client(args).post("/v1/boxes", name=args.name, address=args.address, tls_dir=args.tls_dir)
-    emit(args, result, lambda r: f"box {r['box']} at {r['address']} registered with "
+    _emit(args, result, lambda r: f"box {r['box']} at {r['address']} registered with "
                                  f"{len(r['devices'])} device(s); certificate sha256 "
                                  f"{(r['certificate_sha256'] or 'none (plaintext)')[:16]}...:\n"
                                  + table(_sized(r["devices"]), ["id", "class", "vendor", "model", "capacity"]))
@@ -108,7 +124,7 @@ def cmd_box_add(args: argparse.Namespace) -> int:
 
 def cmd_box_rm(args: argparse.Namespace) -> int:
     result = _client(args).post("/v1/boxes/remove", name=args.name)
-    emit(args, result, lambda r: f"box {r['removed']} removed from the pool")
+    _emit(args, result, lambda r: f"box {r['removed']} removed from the pool")
     return 0
 
 
@@ -124,13 +140,13 @@ def cmd_manager_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_manager_metrics(args: argparse.Namespace) -> int:
-    emit(args, {"metrics": _client(args).get("/metrics")}, lambda r: r["metrics"].rstrip("\n"))
+    _emit(args, {"metrics": _client(args).get("/metrics")}, lambda r: r["metrics"].rstrip("\n"))
     return 0
 
 
 def cmd_manager_reconcile(args: argparse.Namespace) -> int:
     result = _client(args).post("/v1/reconcile", dry_run=args.dry_run or None)
-    emit(args, result, lambda r: ("dry run (nothing done):\n" if args.dry_run else "") + ("\n".join(
+    _emit(args, result, lambda r: ("dry run (nothing done):\n" if args.dry_run else "") + ("\n".join(
         f"{a['action']}: {a.get('device') or a.get('qdev_id')} in {a['vm']} ({a['why']})"
         + "".join(f"\n  {i}. {_step_text(step)}" for i, step in enumerate(a.get("plan", []), 1))
         for a in r) or "nothing to reconcile"))
@@ -141,7 +157,7 @@ def cmd_host_ls(args: argparse.Namespace) -> int:
     def text(r: list) -> str:
         return table([{**h, "agent": "alive" if h["alive"] else "none", "state": "fenced" if h["fenced"] else "-"}
                       for h in r], ["name", "agent", "state", "leases", "holder", "agent_pid"])
-    emit(args, _client(args).get("/v1/hosts"), text)
+    _emit(args, _client(args).get("/v1/hosts"), text)
     return 0
 
 
@@ -153,13 +169,13 @@ def cmd_host_fence(args: argparse.Namespace) -> int:
         lines += [f"  took {x['device']} (lease {x['lease']}, VM {x['vm']}, fence {x['fence']}): token {x['token']}"
                   for x in r["leases"]] or ["  it held no lease"]
         return "\n".join(lines)
-    emit(args, result, text)
+    _emit(args, result, text)
     return 0
 
 
 def cmd_host_unfence(args: argparse.Namespace) -> int:
     result = _client(args).post("/v1/hosts/unfence", host=args.host)
-    emit(args, result, lambda r: f"host {r['host']} is no longer fenced")
+    _emit(args, result, lambda r: f"host {r['host']} is no longer fenced")
     return 0
 
 
