@@ -12,8 +12,9 @@ else it raises, a value that breaks the contract, or a reading slower than
 :data:`SLOW_S` is a finding. The probe gives every reader its sample unchanged and
 checks the value, so a reader that refuses everything is a finding too. The readers run
 in the fuzzer's process (they are a library), so the memory the runner watches is the
-fuzzer's. Targets: ``guest-output`` (:mod:`dxpu_vfio.fuzz.guest_output`) and
-``fault-replies`` (:mod:`dxpu_vfio.fuzz.fault_replies`).
+fuzzer's. Targets: ``guest-output`` (:mod:`dxpu_vfio.fuzz.guest_output`),
+``fault-replies`` (:mod:`dxpu_vfio.fuzz.fault_replies`) and ``manager-answers``
+(:mod:`dxpu_vfio.fuzz.manager_answers`).
 """
 
 from __future__ import annotations
