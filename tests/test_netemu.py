@@ -60,8 +60,13 @@ def test_delay_is_held_as_asked_and_seen_by_tcp(net):
     base = ping_rtt_us(net)
     b = lab.set_link(net, "box1", Impairment(delay_us=300))
     assert b.delay_mode in ("emulator", "netem")
-    rtt = ping_rtt_us(net)
-    assert 600 * 0.9 <= rtt - base <= 600 + 400, (base, rtt)  # the round trip crosses the delay twice
+    rtts: list[float] = []
+    for _ in range(3):  # the least of up to three medians: a busy moment of this shared machine only adds
+        rtts.append(ping_rtt_us(net))  # (a CI run saw 1272 us over the base; the emulator's own p50 was right)
+        if min(rtts) - base <= 600 + 400:
+            break
+    rtt = min(rtts)  # a delay not held shows here all the same: waiting cannot make a round trip shorter
+    assert 600 * 0.9 <= rtt - base <= 600 + 400, (base, rtts)  # the round trip crosses the delay twice
     if b.delay_mode == "emulator":
         report = lab.link_report(net, "box1")
         for d in ("up", "down"):
