@@ -53,19 +53,24 @@ def test_units_and_netem_arguments():
 
 def ping_rtt_us(state: lab.LabState, round_trips: int = 400) -> float:
     """Median TCP round trip host -> box1 -> host (the floor server in the box)."""
-    return floors.measure_lab(state, "box1", round_trips=round_trips, bulk_bytes=1 << 20)["tcp"]["ping_pong"]["median_us"]
+    return floors.measure_lab(state, "box1", round_trips=round_trips, bulk_bytes=1 << 20,
+                              kinds=("tcp",))["tcp"]["ping_pong"]["median_us"]
 
 
 def test_delay_is_held_as_asked_and_seen_by_tcp(net):
-    base = ping_rtt_us(net)
+    # Each round trip is the least of a few medians: a busy moment of this shared machine
+    # only adds (CI runs saw a base of 189 us where 25 is usual, and a delayed round trip
+    # 1272 us over the base for 600 asked, the emulator's own p50 right both times). A
+    # delay not held shows all the same: waiting cannot make a round trip shorter.
+    base = min(ping_rtt_us(net) for _ in range(3))
     b = lab.set_link(net, "box1", Impairment(delay_us=300))
     assert b.delay_mode in ("emulator", "netem")
     rtts: list[float] = []
-    for _ in range(3):  # the least of up to three medians: a busy moment of this shared machine only adds
-        rtts.append(ping_rtt_us(net))  # (a CI run saw 1272 us over the base; the emulator's own p50 was right)
-        if min(rtts) - base <= 600 + 400:
+    for _ in range(3):
+        rtts.append(ping_rtt_us(net))
+        if 600 * 0.9 <= min(rtts) - base <= 600 + 400:
             break
-    rtt = min(rtts)  # a delay not held shows here all the same: waiting cannot make a round trip shorter
+    rtt = min(rtts)
     assert 600 * 0.9 <= rtt - base <= 600 + 400, (base, rtts)  # the round trip crosses the delay twice
     if b.delay_mode == "emulator":
         report = lab.link_report(net, "box1")
