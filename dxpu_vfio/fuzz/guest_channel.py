@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import random
 import socket
 import threading
@@ -37,6 +36,7 @@ from dxpu_vfio.errors import VmError
 from dxpu_vfio.fuzz.listener import Listener
 from dxpu_vfio.fuzz.mutate import json_value, mutate_bytes, mutate_json, nested
 from dxpu_vfio.fuzz.peer import Hang, Violation
+from dxpu_vfio.fuzz.runner import InProcessTarget
 from dxpu_vfio.vms import guest_exec
 from dxpu_vfio.vms.guest_exec import AgentChannel, CommandResult, SerialChannel
 
@@ -209,13 +209,12 @@ class FakeGuest:
         self.path.unlink(missing_ok=True)
 
 
-class GuestChannelTarget:
+class GuestChannelTarget(InProcessTarget):
     """Both channels, each connected to its fake guest, in this process."""
 
     name = "guest-channel"
 
     def __init__(self) -> None:
-        self.log_path = Path("/nonexistent")  # no server log: what goes wrong is raised here
         self.plan = _Plan()
         self.guests: dict[str, FakeGuest] = {}
         self.channels: dict[str, SerialChannel | AgentChannel] = {}
@@ -232,14 +231,8 @@ class GuestChannelTarget:
             guest.close()
         self.guests.clear()
 
-    def pid(self) -> int | None:
-        return os.getpid()
-
     def alive(self) -> bool:
         return bool(self.guests)
-
-    def take_drops(self) -> list[str]:
-        return []
 
     def _channel(self, name: str) -> SerialChannel | AgentChannel:
         if name not in self.channels:

@@ -20,7 +20,6 @@ fuzzer's. Targets: ``guest-output`` (:mod:`dxpu_vfio.fuzz.guest_output`),
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import time
@@ -31,6 +30,7 @@ from typing import Callable
 
 from dxpu_vfio.fuzz.mutate import json_value, mutate_bytes, nested
 from dxpu_vfio.fuzz.peer import Hang, Violation
+from dxpu_vfio.fuzz.runner import InProcessTarget
 
 SLOW_S = 2.0  # one reading of at most a few hundred KiB: a reader slower than this is quadratic somewhere
 BIG = 256 << 10  # how far a unit repeats an output
@@ -122,12 +122,11 @@ def mutate(rng: random.Random, kind: str, sample: str) -> str:
     return mutate_bytes(rng, sample.encode(), 1 << 16).decode(errors="replace")
 
 
-class ReaderTarget:
+class ReaderTarget(InProcessTarget):
     """``readers``, in this process, under the target name ``name``."""
 
     def __init__(self, name: str, readers: tuple[Reader, ...]) -> None:
         self.name, self.readers = name, readers
-        self.log_path = Path("/nonexistent")  # no server log: what goes wrong is raised here
         self.started = False
 
     def start(self, workdir: Path) -> None:
@@ -136,14 +135,8 @@ class ReaderTarget:
     def stop(self) -> None:
         self.started = False
 
-    def pid(self) -> int | None:
-        return os.getpid()
-
     def alive(self) -> bool:
         return self.started
-
-    def take_drops(self) -> list[str]:
-        return []
 
     @staticmethod
     def _read(reader: Reader, text: str) -> object:

@@ -53,6 +53,21 @@ class Target(Protocol):
         """Sessions the target ended since the last call although the framing was intact."""
 
 
+class InProcessTarget:
+    """The base of a target that is a library run in the fuzzer's own process (the guest
+    command channels, the pure readers): it has no server log, as what goes wrong is raised
+    where the fuzzer calls it; the memory the runner watches is the fuzzer's; no session
+    of it can be dropped."""
+
+    log_path = Path("/nonexistent")
+
+    def pid(self) -> int | None:
+        return os.getpid()
+
+    def take_drops(self) -> list[str]:
+        return []
+
+
 @dataclass
 class Finding:
     kind: str  # crash, hang, traceback, violation, rss, drop
