@@ -112,16 +112,18 @@ def test_an_external_server_that_needs_fd_mapped_memory_is_refused_at_attach(tmp
 
 EXITS_ON_WINDOWS_WITHOUT_FD = textwrap.dedent("""
     import os, sys, time
-    from dxpu_vfio.vfio_user import server as s
+    from dxpu_vfio.vfio_user import protocol as p
+    from dxpu_vfio.vfio_user.handlers import HANDLERS
+    from dxpu_vfio.vfio_user.server import VfioUserServer
     from qemu_device.models import create_model
 
     def dma_map(session, msg):
         if not msg.fds:
             os._exit(3)  # like a server that asserts its guest memory is mapped
-        return s.HANDLERS[s.p.Command.DMA_MAP](session, msg)
+        return HANDLERS[p.Command.DMA_MAP](session, msg)
 
-    server = s.VfioUserServer(create_model("testdev"), sys.argv[1], name="exits")
-    server.handlers[s.p.Command.DMA_MAP] = dma_map
+    server = VfioUserServer(create_model("testdev"), sys.argv[1], name="exits")
+    server.handlers[p.Command.DMA_MAP] = dma_map
     server.start()
     print("serving", flush=True)
     time.sleep(600)

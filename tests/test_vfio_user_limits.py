@@ -12,7 +12,9 @@ import pytest
 
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import ClientError, VfioUserClient
-from dxpu_vfio.vfio_user.server import MAX_DMA_MAPS, MAX_DMA_WINDOW, VfioUserServer
+from dxpu_vfio.vfio_user.handlers import MAX_DMA_WINDOW
+from dxpu_vfio.vfio_user.server import VfioUserServer
+from dxpu_vfio.vfio_user.session import MAX_DMA_MAPS
 from qemu_device.testdev import TestDevice
 
 BAR0 = 0

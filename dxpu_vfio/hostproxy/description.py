@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dxpu_vfio.link.protocol import DeviceDescription
 from dxpu_vfio.vfio_user import protocol as vp
-from dxpu_vfio.vfio_user.server import IRQ_INDEX
+from dxpu_vfio.vfio_user.device_api import IRQ_INDEX
 
 # the most vectors (or lines) each interrupt index may have: PCI's and vfio-user's own bounds
 MAX_VECTORS = {"intx": 1, "msi": 32, "msix": 2048, "err": 1, "req": 1}
