@@ -17,7 +17,7 @@ from dxpu_vfio.lab import accel as guest_accel
 from dxpu_vfio.lab import hotplug
 from dxpu_vfio.lab.accel_workloads import WORKLOADS
 from dxpu_vfio.procs import wait_until
-from dxpu_vfio.testing import Serve, serve_topology
+from dxpu_vfio.testing.served import Serve, serve_topology
 
 BOX, DEVICE = "gpubox", "acc0"
 MiB = 1 << 20

@@ -19,7 +19,7 @@ import pytest
 from dxpu_vfio.lab import hotplug
 from dxpu_vfio.lab import kms as guest_kms
 from dxpu_vfio.lab.display_probe import DisplayProbe, host_shadow, png_pixels
-from dxpu_vfio.testing import Serve
+from dxpu_vfio.testing.served import Serve
 
 BOX, DEVICE = "gpubox", "fbm"
 

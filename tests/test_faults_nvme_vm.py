@@ -11,7 +11,7 @@ import pytest
 
 from dxpu_vfio.lab import fault_results, hotplug
 from dxpu_vfio.lab.guest_devices import nvme_disk
-from dxpu_vfio.testing import Serve, serve_topology
+from dxpu_vfio.testing.served import Serve, serve_topology
 
 pytestmark = pytest.mark.vm
 
@@ -28,7 +28,7 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def _factory(tiny_image):
-    from dxpu_vfio.testing import VmFactory
+    from dxpu_vfio.testing.vms import VmFactory
     factory = VmFactory("nvme-faults")
     factory.booted("tiny", name="nflt", cmdline=f"{tiny_image.cmdline} nvme_core.io_timeout={IO_TIMEOUT}")
     yield factory
@@ -37,7 +37,7 @@ def _factory(tiny_image):
 
 @pytest.fixture
 def vm(request, _factory):
-    from dxpu_vfio.testing import shared_vm
+    from dxpu_vfio.testing.vms import shared_vm
     return shared_vm(request, _factory)
 
 

@@ -12,7 +12,7 @@ import pytest
 from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.lab import fault_results, hotplug
 from dxpu_vfio.lab.hotplug import AttachmentState
-from dxpu_vfio.testing import Serve, serve_topology
+from dxpu_vfio.testing.served import Serve, serve_topology
 
 pytestmark = pytest.mark.vm
 
@@ -21,7 +21,7 @@ BOX, DEV = "fbox", "td0"
 
 @pytest.fixture(scope="module")
 def _factory(tiny_image):
-    from dxpu_vfio.testing import VmFactory
+    from dxpu_vfio.testing.vms import VmFactory
     factory = VmFactory("faults")
     vm = factory.booted("tiny", name="flt")
     vm.run("echo 8 > /proc/sys/vm/nr_hugepages")
@@ -31,7 +31,7 @@ def _factory(tiny_image):
 
 @pytest.fixture
 def vm(request, _factory):
-    from dxpu_vfio.testing import shared_vm
+    from dxpu_vfio.testing.vms import shared_vm
     return shared_vm(request, _factory)
 
 

@@ -13,9 +13,10 @@ from dxpu_vfio.link.transport import make_certs
 from dxpu_vfio.pool.agent import HostAgent
 from dxpu_vfio.pool.manager import Manager, proxy_alive, stop_proxy
 from dxpu_vfio.pool.store import Store
+from dxpu_vfio.procs import wait_until
 from dxpu_vfio.remoteproxy.config import BoxConfig, BoxDevice
 from dxpu_vfio.remoteproxy.proxy import RemoteProxy
-from dxpu_vfio.testing import eventually, wait_until
+from dxpu_vfio.testing import eventually
 from dxpu_vfio.vmm.errors import VmGone
 
 pytestmark = pytest.mark.vm

@@ -15,7 +15,9 @@ import pytest
 from dxpu_vfio.errors import VmError
 from dxpu_vfio.hostproxy.process import HostProxyError, HostProxyProcess
 from dxpu_vfio.lab import hotplug, lab
-from dxpu_vfio.testing import GuestLoop, Serve, eventually
+from dxpu_vfio.testing import eventually
+from dxpu_vfio.testing.served import Serve
+from dxpu_vfio.testing.vms import GuestLoop
 from dxpu_vfio.vmm.rootports import used_root_ports
 
 pytestmark = pytest.mark.vm
@@ -36,7 +38,7 @@ def device(served_devices):
 @pytest.fixture(scope="module")
 def shared_vm(tiny_image, served):
     """One tiny guest for the plug tests of this module; each test unplugs what it plugs."""
-    from dxpu_vfio.testing import VmFactory
+    from dxpu_vfio.testing.vms import VmFactory
     factory = VmFactory("hotplug")
     vm = factory.booted("tiny", name="hp", edu=True)
     vm.run("echo 8 > /proc/sys/vm/nr_hugepages")
@@ -46,7 +48,7 @@ def shared_vm(tiny_image, served):
 
 @pytest.fixture
 def vm(request, shared_vm):
-    from dxpu_vfio.testing import shared_vm as first_vm
+    from dxpu_vfio.testing.vms import shared_vm as first_vm
     return first_vm(request, shared_vm)
 
 

@@ -11,7 +11,8 @@ from test_pool import pool, pool_lab  # noqa: F401 - the pool manager fixtures (
 
 from dxpu_vfio.hostproxy.process import HostProxyProcess
 from dxpu_vfio.lab.hotplug import guest_wait_for_child
-from dxpu_vfio.testing import LibvirtVm, register
+from dxpu_vfio.testing.libvirt_vms import LibvirtVm
+from dxpu_vfio.testing.reports import register
 from dxpu_vfio.vmm.errors import DomainNotRunning, LibvirtUnavailable, UnknownVm
 from dxpu_vfio.vmm.libvirt_target import LibvirtTarget, dac_ids, grant_socket, prepare_socket_dir
 from dxpu_vfio.vmm.naming import open_target

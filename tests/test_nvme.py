@@ -9,7 +9,8 @@ import pytest
 
 from dxpu_vfio.lab import hotplug, lab
 from dxpu_vfio.lab.guest_devices import nvme_disk
-from dxpu_vfio.testing import GuestLoop, Serve
+from dxpu_vfio.testing.served import Serve
+from dxpu_vfio.testing.vms import GuestLoop
 
 pytestmark = pytest.mark.vm
 MiB = 1 << 20

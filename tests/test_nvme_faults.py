@@ -21,7 +21,8 @@ from dxpu_vfio.lab import fault_results, hotplug, lab
 from dxpu_vfio.lab.guest_devices import nvme_disk
 from dxpu_vfio.lab.impairment import Impairment
 from dxpu_vfio.remoteproxy.ports import DMA_TIMEOUT
-from dxpu_vfio.testing import Serve, VmFactory, shared_vm
+from dxpu_vfio.testing.served import Serve
+from dxpu_vfio.testing.vms import VmFactory, shared_vm
 
 pytestmark = pytest.mark.vm
 MiB = 1 << 20

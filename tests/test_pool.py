@@ -25,7 +25,7 @@ from dxpu_vfio.paths import run_dir
 from dxpu_vfio.pool.manager import Manager, stop_proxy
 from dxpu_vfio.pool.service import ManagerClient, ManagerError, ManagerProcess
 from dxpu_vfio.pool.store import Lease, Store
-from dxpu_vfio.testing import wait_until
+from dxpu_vfio.procs import wait_until
 
 pytestmark = pytest.mark.vm
 MiB = 1 << 20

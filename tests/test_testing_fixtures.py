@@ -16,7 +16,8 @@ import pytest
 from pyroute2 import netns
 
 from dxpu_vfio.lab import lab
-from dxpu_vfio.testing import Serve, eventually, serve_topology
+from dxpu_vfio.testing import eventually
+from dxpu_vfio.testing.served import Serve, serve_topology
 
 ONE_BOX = lab.Topology("fix", [lab.BoxSpec("box1", [{"id": "td0", "model": "testdev"}])])
 
