@@ -239,3 +239,25 @@ def test_dxpu_says_what_a_manager_of_another_version_left_out_and_json_prints_it
     assert "manager of another version" in text.stderr
     if words[0] != "screenshot":
         assert as_json.returncode == 0 and json.loads(as_json.stdout) == answer, as_json.stderr
+
+
+@pytest.mark.parametrize("kind, body, quoted", [
+    ("image/png", b"<html>not an image</html>", "<html>not an image"),  # labelled PNG, something else
+    ("application/json", b'{"png": "no"}', "{'png': 'no'}"),
+])
+def test_a_screenshot_that_is_no_png_is_refused_before_anything_is_written(tmp_path, kind, body, quoted):
+    """``dxpu screenshot --pool`` writes what the manager sent to a .png file: an answer
+    without PNG's signature (however it was labelled) is a ManagerError quoting it, so
+    nothing is written; a PNG is handed on as it came."""
+    db = tmp_path / "pool.db"
+    reply = (f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+             f"Connection: close\r\n\r\n").encode() + body
+    with fake_manager(db, reply):
+        with pytest.raises(ManagerError, match="with no PNG") as exc:
+            ManagerClient(db).screenshot("box1/fb0")
+    assert "another version" in exc.value.hint and quoted in str(exc.value)
+    png = b"\x89PNG\r\n\x1a\n" + b"\0" * 32
+    reply = (f"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: {len(png)}\r\n"
+             f"Connection: close\r\n\r\n").encode() + png
+    with fake_manager(tmp_path / "pool2.db", reply):
+        assert ManagerClient(tmp_path / "pool2.db").screenshot("box1/fb0") == png

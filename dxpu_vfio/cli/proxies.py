@@ -32,12 +32,8 @@ def cmd_screenshot(args: argparse.Namespace) -> int:
     from dxpu_vfio.daemon import screenshot_error_path, screenshot_path
     from dxpu_vfio.procs import RequestRefused, request_file
     if args.pool:  # a pooled display, by lease or BOX/DEVICE: the manager asks its box
-        from dxpu_vfio.pool.service import ManagerClient, ManagerError
-        png = ManagerClient(args.db).get("/v1/screenshot", device=args.device)
-        if not isinstance(png, bytes):  # a manager of another version
-            raise ManagerError(f"the manager answered the screenshot of {args.device} with no PNG: {str(png)[:200]}",
-                               hint="a manager of another version: restart it (dxpu manager serve)")
-        return _wrote(args, png)
+        from dxpu_vfio.pool.service import ManagerClient
+        return _wrote(args, ManagerClient(args.db).screenshot(args.device))
     box, _, dev = args.device.partition("/")
     found = False
     for entry in registry.entries():

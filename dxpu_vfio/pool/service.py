@@ -340,6 +340,9 @@ def serve(db: Path | None = None, *, heartbeat: float = 1.0, dead_after: float =
 
 
 # --- client ----------------------------------------------------------------------
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
 class _UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: Path, timeout: float) -> None:
         super().__init__("localhost", timeout=timeout)
@@ -392,6 +395,18 @@ class ManagerClient:
 
     def post(self, path: str, **body: object) -> object:
         return self.request("POST", path, {k: v for k, v in body.items() if v is not None})
+
+    def screenshot(self, device: str) -> bytes:
+        """A pooled display's scanout as PNG (the manager asks the device's box): bytes
+        that are a PNG, or a ManagerError quoting what came instead (a manager of another
+        version), never something a caller would write to a .png file."""
+        answer = self.get("/v1/screenshot", device=device)
+        if not isinstance(answer, bytes) or not answer.startswith(PNG_SIGNATURE):
+            shown = answer[:40] if isinstance(answer, bytes) else str(answer)[:200]
+            raise ManagerError(f"the manager answered the screenshot of {device} with no PNG: {shown!r}",
+                               hint="a manager of another version: restart it (dxpu manager serve)",
+                               logs=[self.paths.log])
+        return answer
 
 
 class ManagerProcess(ChildProcess):
