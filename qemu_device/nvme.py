@@ -7,6 +7,9 @@ Get Log Page (error, SMART, firmware slot), Asynchronous Event Request (held), A
 Doorbell Buffer Config (shadow doorbells, where DMA reads are local);
 I/O commands Read, Write, Flush, Write Zeroes and Dataset Management; PRP entries and
 PRP lists; phase tags; one interrupt vector per completion queue (MSI; INTx works too).
+The specification's names (registers, opcodes, statuses) are in :mod:`.nvme_spec`; what
+the controller reports about itself (Identify data, log pages) is built by
+:mod:`.nvme_identity`.
 
 Namespaces are files (sparse: only what is written costs disk); a completed Flush has
 fsynced them. A write the file does not take whole is a Write Fault, deallocation punches
@@ -45,19 +48,20 @@ from .backing import punch_hole, write_all, zero_range
 from .bars import BarSpec
 from .device import BegunFetch, IrqConfig, PciFunction
 from .header import PciIdentity
+from .nvme_identity import LBA_SHIFT, MDTS, PAGE, identify, log_page
+from .nvme_spec import (ACQ, AQA, ASQ, CAP, CC, CC_EN, CSTS, CSTS_CFS, CSTS_RDY, CSTS_SHST, CSTS_SHST_DONE,
+                        CSTS_SHST_OCCURRING, DNR, DOORBELLS, INTMC, INTMS, OACS_DBBUF, VS, AdminOpcode,
+                        CommandError, Feature, IoOpcode, Status)
 from .ports import DmaError, Ring
 from .worker import DeviceWorker, WorkerPool
 
 log = logging.getLogger(__name__)
 
-PAGE = 4096
 PAGE_MASK = PAGE - 1
 READ_FIELDS = struct.Struct("<I16xQQQI")  # from an entry's NSID: NSID, PRP1, PRP2, SLBA, CDW12
 TRANSFER_FIELDS = struct.Struct("<QQ8xI")  # from its PRP1: PRP1, PRP2, CDW12
-LBA_SHIFT = 9  # 512-byte blocks
 MAX_QUEUES = 8  # I/O queue pairs
 MQES = 1023  # max queue entries - 1
-MDTS = 5  # max transfer 2^5 pages = 128 KiB
 PRP2_OFFSET = 32  # in a submission queue entry
 PRP_LIST_PUSH = 8 << MDTS  # the most of a PRP list a transfer of MDTS reads (one entry a page, one more unaligned)
 IO_WORKERS = 0  # I/O commands on the worker itself, in order; N > 0: a pool of N threads
@@ -68,118 +72,11 @@ PREFETCH_BYTES = 4 << 20  # the most write data one batch reads ahead (16 comman
 # docs/devices/nvme.md, "Doorbells and interrupts").
 HOLD_BYTES = 64 << 10
 DELETE_WAIT = 10.0  # s Delete SQ waits for the queue's commands in flight before dropping them
-DOORBELLS = 0x1000
 MSIX_TABLE, MSIX_PBA = 0x3000, 0x3800
-
-# registers
-CAP, VS, INTMS, INTMC, CC, CSTS, AQA, ASQ, ACQ = 0x00, 0x08, 0x0C, 0x10, 0x14, 0x1C, 0x24, 0x28, 0x30
-CC_EN, CSTS_RDY, CSTS_CFS = 1, 1, 2
-CSTS_SHST_OCCURRING, CSTS_SHST_DONE, CSTS_SHST = 1 << 2, 2 << 2, 3 << 2
-ABORT_LIMIT = 3  # Identify's ACL: Aborts outstanding at once, minus one (Linux sends up to ACL + 1)
-OACS_DBBUF = 1 << 8  # Identify's OACS: Doorbell Buffer Config
-
-
-class AdminOpcode(enum.IntEnum):
-    """Admin commands (submission queue 0) that the Linux driver and nvme-cli send."""
-
-    DELETE_SQ = 0x00
-    CREATE_SQ = 0x01
-    GET_LOG_PAGE = 0x02
-    DELETE_CQ = 0x04
-    CREATE_CQ = 0x05
-    IDENTIFY = 0x06
-    ABORT = 0x08
-    SET_FEATURES = 0x09
-    GET_FEATURES = 0x0A
-    ASYNC_EVENT_REQUEST = 0x0C
-    KEEP_ALIVE = 0x18
-    DOORBELL_BUFFER_CONFIG = 0x7C  # offered only where DMA reads are local (OACS bit 8)
-
-
-class IoOpcode(enum.IntEnum):
-    """NVM command set I/O commands."""
-
-    FLUSH = 0x00
-    WRITE = 0x01
-    READ = 0x02
-    WRITE_ZEROES = 0x08
-    DATASET_MANAGEMENT = 0x09
-
-
-class IdentifyCns(enum.IntEnum):
-    """Identify's CDW10.CNS: which data structure is asked for."""
-
-    NAMESPACE = 0x00
-    CONTROLLER = 0x01
-    ACTIVE_NAMESPACES = 0x02  # ids above CDW1.NSID
-    NAMESPACE_DESCRIPTORS = 0x03
-    CS_CONTROLLER = 0x06  # I/O command set specific controller (CDW11.CSI); Linux asks for NVM's
-
-
-class LogPage(enum.IntEnum):
-    """Get Log Page's CDW10.LID."""
-
-    ERROR = 0x01
-    SMART = 0x02
-    FIRMWARE_SLOT = 0x03
-    COMMAND_EFFECTS = 0x05  # which commands are supported and what they change (Identify's LPA bit 1)
-
-
-class Feature(enum.IntEnum):
-    """Get/Set Features' CDW10.FID."""
-
-    ARBITRATION = 0x01
-    POWER_MANAGEMENT = 0x02
-    TEMPERATURE_THRESHOLD = 0x04
-    ERROR_RECOVERY = 0x05
-    VOLATILE_WRITE_CACHE = 0x06
-    NUMBER_OF_QUEUES = 0x07
-    INTERRUPT_COALESCING = 0x08
-    WRITE_ATOMICITY = 0x0A
-    ASYNC_EVENT_CONFIG = 0x0B
-    TIMESTAMP = 0x0E
-    KEEP_ALIVE_TIMER = 0x0F
-    HOST_THERMAL_MANAGEMENT = 0x10
-
 
 # Set Features stores these and Get Features returns what was set (0 before); they change
 # nothing here. Number of Queues is answered, not stored; any other FID is refused.
 STORED_FEATURES = frozenset(Feature) - {Feature.NUMBER_OF_QUEUES}
-
-
-class StatusType(enum.IntEnum):
-    """Status Code Type (SCT), bits 10:8 of a completion's status field."""
-
-    GENERIC = 0
-    COMMAND_SPECIFIC = 1
-    MEDIA = 2  # media and data integrity errors
-
-
-_GENERIC, _SPECIFIC, _MEDIA = StatusType.GENERIC << 8, StatusType.COMMAND_SPECIFIC << 8, StatusType.MEDIA << 8
-DNR = 1 << 14  # a completion's Do Not Retry bit (status field without the phase bit)
-
-
-class Status(enum.IntEnum):
-    """A completion's status field without the phase bit: ``SCT << 8 | SC``."""
-
-    SUCCESS = _GENERIC | 0x00
-    INVALID_OPCODE = _GENERIC | 0x01
-    INVALID_FIELD = _GENERIC | 0x02
-    DATA_TRANSFER_ERROR = _GENERIC | 0x04
-    INTERNAL_ERROR = _GENERIC | 0x06
-    ABORT_REQUESTED = _GENERIC | 0x07  # an Abort command took it before it started
-    ABORTED_SQ_DELETION = _GENERIC | 0x08  # its SQ was deleted before it started
-    INVALID_NAMESPACE = _GENERIC | 0x0B
-    INVALID_PRP_OFFSET = _GENERIC | 0x13
-    LBA_OUT_OF_RANGE = _GENERIC | 0x80  # NVM command set
-    INVALID_CQ = _SPECIFIC | 0x00
-    INVALID_QID = _SPECIFIC | 0x01
-    INVALID_QUEUE_SIZE = _SPECIFIC | 0x02
-    INVALID_VECTOR = _SPECIFIC | 0x08
-    INVALID_LOG_PAGE = _SPECIFIC | 0x09
-    INVALID_QUEUE_DELETION = _SPECIFIC | 0x0C  # a CQ that SQs still post to
-    WRITE_FAULT = _MEDIA | 0x80  # the backing file did not take the data (full, I/O error)
-    UNRECOVERED_READ_ERROR = _MEDIA | 0x81
 
 
 # An admin command answered with these asked for something not served (counted, logged).
@@ -193,12 +90,6 @@ class Deferred(enum.Enum):
     """An admin command's result when its completion is posted later, not now."""
 
     HELD = enum.auto()  # an Asynchronous Event Request: completes when there is an event
-
-
-class CommandError(Exception):
-    def __init__(self, status: Status) -> None:
-        super().__init__(f"status {status.name} ({status:#x})")
-        self.status = status
 
 
 @dataclass(frozen=True)
@@ -1013,48 +904,7 @@ class NvmeController(PciFunction):
         return 0 if self._take_back(job, Status.ABORT_REQUESTED) else 1
 
     def _identify(self, cns: int, nsid: int, csi: int = 0) -> bytes:
-        out = bytearray(PAGE)
-        if cns == IdentifyCns.CONTROLLER:
-            struct.pack_into("<HH", out, 0, 0x1B36, 0x1B36)
-            out[4:24] = self.serial.ljust(20).encode()[:20]
-            out[24:64] = b"dxpu-vfio pooled NVMe".ljust(40)
-            out[64:72] = b"1.0".ljust(8)
-            out[72], out[77] = 6, MDTS
-            struct.pack_into("<HI", out, 78, 1, 0x00010400)  # CNTLID, VER
-            struct.pack_into("<H", out, 256, self._identify_oacs())  # OACS
-            out[258], out[259] = ABORT_LIMIT, 3  # ACL, AERL
-            out[260] = 0x02  # FRMW: one slot
-            out[261] = 0x02 | 0x04  # LPA: the Commands Supported and Effects log; extended data (NUMDU, LPO)
-            out[512], out[513] = 0x66, 0x44  # SQES, CQES
-            struct.pack_into("<I", out, 516, len(self.namespaces))  # NN
-            struct.pack_into("<H", out, 520, (1 << 2) | (1 << 3))  # ONCS: DSM, Write Zeroes
-            out[525] = 1  # VWC: a volatile write cache, so the host flushes
-            nqn = f"nqn.2026-11.io.dxpu:nvme:{self.serial}".encode()
-            out[768:768 + len(nqn)] = nqn
-        elif cns == IdentifyCns.NAMESPACE:
-            ns = self.namespaces.get(nsid)
-            if ns is None:
-                raise CommandError(Status.INVALID_NAMESPACE)
-            struct.pack_into("<QQQ", out, 0, ns.blocks, ns.blocks, ns.blocks)
-            out[26] = 0  # FLBAS: format 0
-            out[33] = 0x01 | 0x08  # DLFEAT: deallocated blocks read zero; Write Zeroes' DEAC bit works
-            struct.pack_into("<HBB", out, 128, 0, LBA_SHIFT, 0)  # LBAF0: 512 B, no metadata
-            out[104:120] = ns.uuid  # NGUID
-        elif cns == IdentifyCns.ACTIVE_NAMESPACES:
-            ids = [n for n in sorted(self.namespaces) if n > nsid][:1024]
-            struct.pack_into(f"<{len(ids)}I", out, 0, *ids)
-        elif cns == IdentifyCns.CS_CONTROLLER:
-            if csi != 0:  # only the NVM command set; its limits (VSL, WZSL, DMRL ...) all 0: none beyond MDTS
-                raise CommandError(Status.INVALID_FIELD)
-        elif cns == IdentifyCns.NAMESPACE_DESCRIPTORS:
-            ns = self.namespaces.get(nsid)
-            if ns is None:
-                raise CommandError(Status.INVALID_NAMESPACE)
-            out[0:4] = bytes([3, 16, 0, 0])  # NIDT uuid, NIDL 16
-            out[4:20] = ns.uuid
-        else:
-            raise CommandError(Status.INVALID_FIELD)
-        return bytes(out)
+        return identify(cns, nsid, csi, serial=self.serial, oacs=self._identify_oacs(), namespaces=self.namespaces)
 
     def _set_feature(self, fid: int, value: int) -> int:
         if fid == Feature.NUMBER_OF_QUEUES:  # we grant what we have
@@ -1065,38 +915,8 @@ class NvmeController(PciFunction):
         raise CommandError(Status.INVALID_FIELD)
 
     def _log_page(self, cdw10: int, cdw11: int, offset: int = 0) -> bytes:
-        lid = cdw10 & 0xFF
-        length = ((((cdw11 & 0xFFFF) << 16) | (cdw10 >> 16)) + 1) * 4
-        if offset & 3:
-            raise CommandError(Status.INVALID_FIELD)
-        if lid == LogPage.ERROR:  # no errors
-            page = bytes(64)
-        elif lid == LogPage.SMART:  # SMART / health
-            smart = bytearray(512)
-            struct.pack_into("<H", smart, 1, 300)  # composite temperature, K
-            smart[3], smart[4] = 100, 10  # available spare %, threshold
-            read_units = self.stats_counters["bytes_read"] // 512000
-            write_units = self.stats_counters["bytes_written"] // 512000
-            struct.pack_into("<QQ", smart, 32, read_units, write_units)
-            page = bytes(smart)
-        elif lid == LogPage.FIRMWARE_SLOT:
-            fw = bytearray(512)
-            fw[0] = 1
-            fw[8:16] = b"1.0".ljust(8)
-            page = bytes(fw)
-        elif lid == LogPage.COMMAND_EFFECTS:  # CSUPP for what is served; LBCC for what changes blocks
-            effects = bytearray(4096)
-            for op in AdminOpcode:
-                struct.pack_into("<I", effects, op * 4, 1)
-            for op in IoOpcode:
-                changes = op in (IoOpcode.WRITE, IoOpcode.WRITE_ZEROES, IoOpcode.DATASET_MANAGEMENT)
-                struct.pack_into("<I", effects, 1024 + op * 4, 1 | (2 if changes else 0))
-            page = bytes(effects)
-        else:
-            raise CommandError(Status.INVALID_LOG_PAGE)
-        if offset >= len(page):
-            raise CommandError(Status.INVALID_FIELD)
-        return page[offset:offset + length].ljust(min(length, PAGE), b"\0")
+        return log_page(cdw10, cdw11, offset, bytes_read=self.stats_counters["bytes_read"],
+                        bytes_written=self.stats_counters["bytes_written"])
 
     def _create_cq(self, cdw10: int, cdw11: int, base: int) -> None:
         qid, size = cdw10 & 0xFFFF, (cdw10 >> 16) + 1

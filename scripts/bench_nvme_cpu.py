@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dxpu_vfio.bench import table, write_json  # noqa: E402
 from dxpu_vfio.vfio_user.dma import DmaTable  # noqa: E402
 from dxpu_vfio.vfio_user.protocol import DMA_FLAG_READ, DMA_FLAG_WRITE  # noqa: E402
-from qemu_device import nvme  # noqa: E402
+from qemu_device import nvme, nvme_identity, nvme_spec  # noqa: E402
 from qemu_device.capabilities import CAP_ID_MSI  # noqa: E402
 from qemu_device.ports import NullIrqPort  # noqa: E402
 
@@ -59,11 +59,11 @@ class Bench:
         self.tails = {0: 0, 1: 0}
         self.heads = {0: 0, 1: 0}
         self.cid = 0
-        self._w(nvme.AQA, (ENTRIES - 1) << 16 | (ENTRIES - 1))
-        for reg, addr in ((nvme.ASQ, ASQ), (nvme.ACQ, ACQ)):
+        self._w(nvme_spec.AQA, (ENTRIES - 1) << 16 | (ENTRIES - 1))
+        for reg, addr in ((nvme_spec.ASQ, ASQ), (nvme_spec.ACQ, ACQ)):
             self._w(reg, addr & 0xFFFFFFFF)
             self._w(reg + 4, addr >> 32)
-        self._w(nvme.CC, (4 << 20) | (6 << 16) | 1)
+        self._w(nvme_spec.CC, (4 << 20) | (6 << 16) | 1)
         self.run(0, [(0x05, IOCQ, 0, ((ENTRIES - 1) << 16) | 1, 0b11, 0)])  # I/O CQ 1: contiguous, MSI vector 0
         self.run(0, [(0x01, IOSQ, 0, ((ENTRIES - 1) << 16) | 1, 1 | (1 << 16), 0)])  # I/O SQ 1 on CQ 1
 
@@ -89,12 +89,12 @@ class Bench:
             if status:
                 raise RuntimeError(f"command failed with status {status:#x}")
             self.heads[qid] = (self.heads[qid] + 1) % ENTRIES
-        self._w(nvme.DOORBELLS + 8 * qid + 4, self.heads[qid])
+        self._w(nvme_spec.DOORBELLS + 8 * qid + 4, self.heads[qid])
         return took
 
     def reads(self, size: int, count: int, rng: random.Random) -> list[tuple[int, int, int, int, int, int]]:
         """``count`` Reads of ``size`` bytes, each into scattered pages (PRP lists as needed)."""
-        pages, blocks = size // 4096, size >> nvme.LBA_SHIFT
+        pages, blocks = size // 4096, size >> nvme_identity.LBA_SHIFT
         out = []
         for i in range(count):
             frames = [BASE + f * 4096 for f in rng.sample(DATA_PAGES, pages)]
@@ -104,7 +104,7 @@ class Bench:
             elif pages > 2:
                 prp2 = LISTS + i * 4096
                 struct.pack_into(f"<{pages - 1}Q", self.ram, prp2 - BASE, *frames[1:])
-            lba = rng.randrange(0, (8 << 20 >> nvme.LBA_SHIFT) - blocks) & ~7
+            lba = rng.randrange(0, (8 << 20 >> nvme_identity.LBA_SHIFT) - blocks) & ~7
             out.append((0x02, frames[0], prp2, lba, 0, blocks - 1))
         return out
 

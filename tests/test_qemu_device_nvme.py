@@ -11,7 +11,7 @@ import time
 import pytest
 from fakes import RAM_BASE, FakeGuestRam, PostedBlocks, RecordingIrqPort
 
-from qemu_device import nvme
+from qemu_device import nvme, nvme_identity, nvme_spec
 from qemu_device.capabilities import CAP_ID_MSI
 from qemu_device.device import REGION_CONFIG
 
@@ -70,12 +70,12 @@ class Driver:
         return int.from_bytes(self.dev.region_read(BAR0, off, 4), "little")
 
     def enable(self) -> None:
-        self.w32(nvme.AQA, (31 << 16) | 31)
-        for reg, addr in ((nvme.ASQ, ASQ), (nvme.ACQ, ACQ)):
+        self.w32(nvme_spec.AQA, (31 << 16) | 31)
+        for reg, addr in ((nvme_spec.ASQ, ASQ), (nvme_spec.ACQ, ACQ)):
             self.w32(reg, addr & 0xFFFFFFFF)
             self.w32(reg + 4, addr >> 32)
-        self.w32(nvme.CC, (4 << 20) | (6 << 16) | 1)
-        assert self.r32(nvme.CSTS) & 1
+        self.w32(nvme_spec.CC, (4 << 20) | (6 << 16) | 1)
+        assert self.r32(nvme_spec.CSTS) & 1
 
     def post(self, qid: int, opcode: int, *, nsid=0, prp1=0, prp2=0, cdw=(0,) * 6) -> int:
         """Put a command in submission queue ``qid`` without ringing; returns its CID."""
@@ -87,7 +87,7 @@ class Driver:
         return self.cid
 
     def ring(self, qid: int) -> None:
-        self.w32(nvme.DOORBELLS + 8 * qid, self.tails[qid])
+        self.w32(nvme_spec.DOORBELLS + 8 * qid, self.tails[qid])
 
     def reap(self, qid: int, count: int = 1, timeout: float = 5) -> list[tuple[int, int, int, int]]:
         """The next ``count`` completions of CQ ``qid`` as (cid, status, result, sq head)."""
@@ -104,7 +104,7 @@ class Driver:
             self.cq_heads[qid] = (self.cq_heads[qid] + 1) % 32
             if self.cq_heads[qid] == 0:
                 self.phases[qid] ^= 1
-            self.w32(nvme.DOORBELLS + 8 * qid + 4, self.cq_heads[qid])
+            self.w32(nvme_spec.DOORBELLS + 8 * qid + 4, self.cq_heads[qid])
         return out
 
     def nothing_completes(self, qid: int, seconds: float = 0.3) -> bool:
@@ -165,7 +165,7 @@ def test_identify_controller_and_namespaces(ctrl):
     assert struct.unpack_from("<3I", drv.ram.ram, BUF - RAM_BASE) == (1, 2, 0)
     assert drv.submit(0, 0x06, nsid=2, prp1=BUF, cdw=(0, 0, 0, 0, 0, 0))[0] == 0
     assert struct.unpack_from("<Q", drv.ram.ram, BUF - RAM_BASE)[0] == (1 << 20) // 512
-    assert drv.submit(0, 0x06, nsid=9, prp1=BUF, cdw=(0, 0, 0, 0, 0, 0))[0] == nvme.Status.INVALID_NAMESPACE
+    assert drv.submit(0, 0x06, nsid=9, prp1=BUF, cdw=(0, 0, 0, 0, 0, 0))[0] == nvme_spec.Status.INVALID_NAMESPACE
 
 
 def test_io_through_a_prp_list_round_trips_to_the_file(ctrl, tmp_path):
@@ -274,7 +274,7 @@ def test_the_write_data_of_a_batch_is_read_in_one_scatter_list(tmp_path):
     ram.batches.clear()
     drv.ring(1)
     done = {cid: status for cid, status, _, _ in drv.reap(1, 5)}
-    assert status_of(done.pop(bad)) == nvme.Status.INVALID_PRP_OFFSET
+    assert status_of(done.pop(bad)) == nvme_spec.Status.INVALID_PRP_OFFSET
     assert list(done.values()) == [0, 0, 0, 0]
     # the SQ fetch its doorbell began, the lists, then all the data at once
     assert ram.batches == [[(sq_base(1), 5 * 64)], [(a, 24) for a in lists], wanted]
@@ -285,16 +285,16 @@ def test_the_write_data_of_a_batch_is_read_in_one_scatter_list(tmp_path):
 
 def test_errors_have_the_right_status(ctrl):
     drv, _ = ctrl
-    assert drv.submit(0, 0x7F)[0] == nvme.Status.INVALID_OPCODE
-    assert drv.submit(0, 0x01, prp1=IOSQ, cdw=((31 << 16) | 1, 1 | (5 << 16), 0, 0, 0, 0))[0] == nvme.Status.INVALID_CQ
-    assert drv.submit(0, 0x05, prp1=IOCQ, cdw=((9999 << 16) | 1, 1, 0, 0, 0, 0))[0] == nvme.Status.INVALID_QUEUE_SIZE
-    assert drv.submit(0, 0x02, prp1=BUF, cdw=(0x7F | (127 << 16), 0, 0, 0, 0, 0))[0] == nvme.Status.INVALID_LOG_PAGE
+    assert drv.submit(0, 0x7F)[0] == nvme_spec.Status.INVALID_OPCODE
+    assert drv.submit(0, 0x01, prp1=IOSQ, cdw=((31 << 16) | 1, 1 | (5 << 16), 0, 0, 0, 0))[0] == nvme_spec.Status.INVALID_CQ
+    assert drv.submit(0, 0x05, prp1=IOCQ, cdw=((9999 << 16) | 1, 1, 0, 0, 0, 0))[0] == nvme_spec.Status.INVALID_QUEUE_SIZE
+    assert drv.submit(0, 0x02, prp1=BUF, cdw=(0x7F | (127 << 16), 0, 0, 0, 0, 0))[0] == nvme_spec.Status.INVALID_LOG_PAGE
     assert drv.submit(0, 0x05, prp1=IOCQ, cdw=((31 << 16) | 1, 0b11 | (1 << 16), 0, 0, 0, 0))[0] == 0
     assert drv.submit(0, 0x01, prp1=IOSQ, cdw=((31 << 16) | 1, 1 | (1 << 16), 0, 0, 0, 0))[0] == 0
     blocks = (1 << 20) // 512
-    assert drv.submit(1, 0x02, nsid=1, prp1=BUF, cdw=(blocks - 1, 0, 1, 0, 0, 0))[0] == nvme.Status.LBA_OUT_OF_RANGE
-    assert drv.submit(1, 0x02, nsid=1, prp1=0x1000, cdw=(0, 0, 0, 0, 0, 0))[0] == nvme.Status.DATA_TRANSFER_ERROR
-    assert drv.submit(0, 0x04, cdw=(1, 0, 0, 0, 0, 0))[0] == nvme.Status.INVALID_QUEUE_DELETION  # CQ still used by SQ 1
+    assert drv.submit(1, 0x02, nsid=1, prp1=BUF, cdw=(blocks - 1, 0, 1, 0, 0, 0))[0] == nvme_spec.Status.LBA_OUT_OF_RANGE
+    assert drv.submit(1, 0x02, nsid=1, prp1=0x1000, cdw=(0, 0, 0, 0, 0, 0))[0] == nvme_spec.Status.DATA_TRANSFER_ERROR
+    assert drv.submit(0, 0x04, cdw=(1, 0, 0, 0, 0, 0))[0] == nvme_spec.Status.INVALID_QUEUE_DELETION  # CQ still used by SQ 1
 
 
 def test_features_logs_and_held_async_event(ctrl):
@@ -305,16 +305,16 @@ def test_features_logs_and_held_async_event(ctrl):
     off = ASQ - RAM_BASE + drv.tails[0] * 64
     drv.ram.ram[off:off + 64] = struct.pack("<BBHIQQQQ6I", 0x0C, 0, drv.cid, 0, 0, 0, 0, 0, *(0,) * 6)
     drv.tails[0] += 1
-    drv.w32(nvme.DOORBELLS, drv.tails[0])
+    drv.w32(nvme_spec.DOORBELLS, drv.tails[0])
     assert drv.submit(0, 0x18) == (0, 0)  # the AER before it is held, later commands complete
 
 
 def test_disable_and_shutdown(ctrl):
     drv, _ = ctrl
-    drv.w32(nvme.CC, drv.r32(nvme.CC) | (1 << 14))
-    assert drv.r32(nvme.CSTS) & nvme.CSTS_SHST_DONE
-    drv.w32(nvme.CC, 0)
-    assert drv.r32(nvme.CSTS) & 1 == 0
+    drv.w32(nvme_spec.CC, drv.r32(nvme_spec.CC) | (1 << 14))
+    assert drv.r32(nvme_spec.CSTS) & nvme_spec.CSTS_SHST_DONE
+    drv.w32(nvme_spec.CC, 0)
+    assert drv.r32(nvme_spec.CSTS) & 1 == 0
 
 
 def test_msix_option_places_table_and_pba_above_the_doorbells(tmp_path):
@@ -419,13 +419,13 @@ def test_reset_with_commands_in_flight_writes_no_completion_after_it(ctrl):
     drv.ring(1)
     assert reached.wait(5)
     drv.reap(1, 1)  # the other one completed
-    drv.w32(nvme.CC, 0)  # reset with the first in flight
-    assert drv.r32(nvme.CSTS) & nvme.CSTS_RDY, "RDY fell while a command could still write"
+    drv.w32(nvme_spec.CC, 0)  # reset with the first in flight
+    assert drv.r32(nvme_spec.CSTS) & nvme_spec.CSTS_RDY, "RDY fell while a command could still write"
     writes = drv.ram.cq_writes(1)
     irq.take()
     release.set()
     deadline = time.monotonic() + 5
-    while drv.r32(nvme.CSTS) & nvme.CSTS_RDY:
+    while drv.r32(nvme_spec.CSTS) & nvme_spec.CSTS_RDY:
         assert time.monotonic() < deadline, "RDY stayed up after the command ended"
         time.sleep(0.001)
     assert drv.ram.cq_writes(1) == writes, "a completion was written into a queue of before the reset"
@@ -435,12 +435,12 @@ def test_reset_with_commands_in_flight_writes_no_completion_after_it(ctrl):
 def test_shutdown_with_commands_in_flight_is_done_after_them(ctrl):
     drv, _ = ctrl
     read, release = held_read(drv)
-    drv.w32(nvme.CC, drv.r32(nvme.CC) | (1 << 14))
-    assert drv.r32(nvme.CSTS) & nvme.CSTS_SHST == nvme.CSTS_SHST_OCCURRING
+    drv.w32(nvme_spec.CC, drv.r32(nvme_spec.CC) | (1 << 14))
+    assert drv.r32(nvme_spec.CSTS) & nvme_spec.CSTS_SHST == nvme_spec.CSTS_SHST_OCCURRING
     release.set()
     assert drv.reap(1)[0][:2] == (read, 0)
     deadline = time.monotonic() + 5
-    while drv.r32(nvme.CSTS) & nvme.CSTS_SHST != nvme.CSTS_SHST_DONE:
+    while drv.r32(nvme_spec.CSTS) & nvme_spec.CSTS_SHST != nvme_spec.CSTS_SHST_DONE:
         assert time.monotonic() < deadline, "shutdown never reported done"
         time.sleep(0.001)
 
@@ -493,7 +493,7 @@ def test_a_reads_data_and_its_completion_entry_are_one_dma_write_on_the_worker(t
     drv.ring(1)
     got = drv.reap(1, 3)
     assert [cid for cid, *_ in got] == cids
-    assert [status for _, status, *_ in got] == [0, 0, nvme.Status.DATA_TRANSFER_ERROR]
+    assert [status for _, status, *_ in got] == [0, 0, nvme_spec.Status.DATA_TRANSFER_ERROR]
     cq = cq_base(1)
     assert batches == [[(a, 4096), (cq, 16)], [(b, 4096), (cq + 16, 16)], [(bad, 4096), (cq + 32, 16)]]
     assert drv.ram.calls[-1] == ("write", cq + 32, 16), "the refused Read's entry was not written alone"
@@ -535,10 +535,10 @@ def test_a_disable_waits_for_a_completion_entry_still_being_written(tmp_path):
     drv.read(1, bufs(1)[0])
     drv.ring(1)
     assert reached.wait(5)
-    drv.w32(nvme.CC, 0)
-    assert drv.r32(nvme.CSTS) & 1, "RDY fell while a completion entry was being written"
+    drv.w32(nvme_spec.CC, 0)
+    assert drv.r32(nvme_spec.CSTS) & 1, "RDY fell while a completion entry was being written"
     release.set()
-    wait_for(lambda: not drv.r32(nvme.CSTS) & 1)
+    wait_for(lambda: not drv.r32(nvme_spec.CSTS) & 1)
     assert drv.dev.close()
 
 
@@ -663,9 +663,9 @@ def test_shadow_doorbells_take_entries_without_mmio_and_publish_the_event_index(
     drv, _ = enabled_controller(tmp_path, io_workers=0)
     drv.io_queues(1)
     assert drv.submit(0, 0x06, prp1=BUF, cdw=(1, 0, 0, 0, 0, 0)) == (0, 0)
-    assert struct.unpack_from("<H", drv.ram.ram, BUF - RAM_BASE + 256)[0] & nvme.OACS_DBBUF
+    assert struct.unpack_from("<H", drv.ram.ram, BUF - RAM_BASE + 256)[0] & nvme_spec.OACS_DBBUF
     struct.pack_into("<I", drv.ram.ram, SHADOW - RAM_BASE + 8, 0xDEAD)  # config sets it to the doorbell's value
-    assert drv.submit(0, nvme.AdminOpcode.DOORBELL_BUFFER_CONFIG, prp1=SHADOW, prp2=EVENT_INDEX) == (0, 0)
+    assert drv.submit(0, nvme_spec.AdminOpcode.DOORBELL_BUFFER_CONFIG, prp1=SHADOW, prp2=EVENT_INDEX) == (0, 0)
     assert shadow_value(drv, SHADOW, 1) == 0 and shadow_value(drv, SHADOW, 1, cq=True) == 0
     a, b, c, d = bufs(4)
     first = drv.read(1, a)
@@ -682,7 +682,7 @@ def test_shadow_doorbells_take_entries_without_mmio_and_publish_the_event_index(
     assert [cid for cid, *_ in drv.reap(1, 3)] == [held, *later]
     wait_for(lambda: shadow_value(drv, EVENT_INDEX, 1) == 4)
     assert drv.dev.stats()["shadow_tails"] >= 3
-    drv.w32(nvme.DOORBELLS + 8, 2)  # a stale MMIO value: only a kick, the shadow says 4
+    drv.w32(nvme_spec.DOORBELLS + 8, 2)  # a stale MMIO value: only a kick, the shadow says 4
     assert drv.nothing_completes(1), "a stale doorbell value ran old entries again"
     assert drv.dev.close()
 
@@ -690,10 +690,10 @@ def test_shadow_doorbells_take_entries_without_mmio_and_publish_the_event_index(
 def test_doorbell_buffer_config_checks_its_pages_and_ends_with_a_reset(ctrl):
     drv, _ = ctrl
     drv.io_queues(1)
-    assert status_of(drv.submit(0, 0x7C, prp1=SHADOW + 8, prp2=EVENT_INDEX)[0]) == nvme.Status.INVALID_FIELD
+    assert status_of(drv.submit(0, 0x7C, prp1=SHADOW + 8, prp2=EVENT_INDEX)[0]) == nvme_spec.Status.INVALID_FIELD
     assert drv.dev.dbbuf is None
     assert drv.submit(0, 0x7C, prp1=SHADOW, prp2=EVENT_INDEX) == (0, 0)
-    drv.w32(nvme.CC, 0)  # a reset: the controller forgets the buffers, MMIO doorbells count again
+    drv.w32(nvme_spec.CC, 0)  # a reset: the controller forgets the buffers, MMIO doorbells count again
     wait_not_ready(drv)
     assert drv.dev.dbbuf is None
     recover_like_linux(drv)
@@ -705,8 +705,8 @@ def test_a_controller_on_a_gpu_box_offers_no_shadow_doorbells(tmp_path):
     its host reads the shadows for it (below), a box's controller does not offer them."""
     dev, ram, drv = on_a_box(tmp_path)
     assert drv.submit(0, 0x06, prp1=BUF, cdw=(1, 0, 0, 0, 0, 0)) == (0, 0)
-    assert not struct.unpack_from("<H", ram.ram, BUF - RAM_BASE + 256)[0] & nvme.OACS_DBBUF
-    assert status_of(drv.submit(0, 0x7C, prp1=SHADOW, prp2=EVENT_INDEX)[0]) == nvme.Status.INVALID_OPCODE
+    assert not struct.unpack_from("<H", ram.ram, BUF - RAM_BASE + 256)[0] & nvme_spec.OACS_DBBUF
+    assert status_of(drv.submit(0, 0x7C, prp1=SHADOW, prp2=EVENT_INDEX)[0]) == nvme_spec.Status.INVALID_OPCODE
     assert dev.close()
 
 
@@ -734,10 +734,10 @@ def test_on_a_box_whose_host_reads_the_shadows_the_controller_offers_them_and_ne
     drv.io_queues(1)
     assert ram.watches[1].shadow == 0
     assert drv.submit(0, 0x06, prp1=BUF, cdw=(1, 0, 0, 0, 0, 0)) == (0, 0)
-    assert struct.unpack_from("<H", ram.ram, BUF - RAM_BASE + 256)[0] & nvme.OACS_DBBUF
-    assert drv.submit(0, nvme.AdminOpcode.DOORBELL_BUFFER_CONFIG, prp1=SHADOW, prp2=EVENT_INDEX) == (0, 0)
+    assert struct.unpack_from("<H", ram.ram, BUF - RAM_BASE + 256)[0] & nvme_spec.OACS_DBBUF
+    assert drv.submit(0, nvme_spec.AdminOpcode.DOORBELL_BUFFER_CONFIG, prp1=SHADOW, prp2=EVENT_INDEX) == (0, 0)
     watch = ram.watches[1]
-    assert (watch.shadow, watch.event_index, watch.doorbell) == (SHADOW + 8, EVENT_INDEX + 8, nvme.DOORBELLS + 8)
+    assert (watch.shadow, watch.event_index, watch.doorbell) == (SHADOW + 8, EVENT_INDEX + 8, nvme_spec.DOORBELLS + 8)
     a, b, c = bufs(3)
     first = drv.read(1, a)
     assert shadow_ring(drv, 1)
@@ -753,13 +753,13 @@ def test_on_a_box_whose_host_reads_the_shadows_the_controller_offers_them_and_ne
     assert drv.reap(1)[0][0] == held
     wait_for(lambda: shadow_value(drv, EVENT_INDEX, 1) == 2)  # idle again at 2: the host reads the shadow now
     assert drv.nothing_completes(1), "the box cannot know of the entry: the host reads the shadow"
-    drv.w32(nvme.DOORBELLS + 8, 3)  # what the host sends after reading it
+    drv.w32(nvme_spec.DOORBELLS + 8, 3)  # what the host sends after reading it
     assert drv.reap(1)[0][0] == later
     wait_for(lambda: shadow_value(drv, EVENT_INDEX, 1) == 3)
     last = drv.read(1, a, lba=24)
     with dev.lock:  # the worker waits: announced, not taken yet
-        drv.w32(nvme.DOORBELLS + 8, 4)
-        drv.w32(nvme.DOORBELLS + 8, 3)  # a register write that came late: behind the tail, stale
+        drv.w32(nvme_spec.DOORBELLS + 8, 4)
+        drv.w32(nvme_spec.DOORBELLS + 8, 3)  # a register write that came late: behind the tail, stale
     assert drv.reap(1)[0][0] == last, "a stale doorbell value took an announced entry back"
     shadows = range(SHADOW, SHADOW + 4096)
     assert not [c for c in ram.calls if c[0] == "read" and c[1] in shadows], "a shadow was read over the network"
@@ -769,13 +769,13 @@ def test_on_a_box_whose_host_reads_the_shadows_the_controller_offers_them_and_ne
 
 # --- a hostile guest's PRPs, a full or sparse backing file (issue 18) --------------------------
 
-PAGE = nvme.PAGE
+PAGE = nvme_identity.PAGE
 DATA = RAM_BASE + (1 << 20)  # room for 128 KiB transfers clear of the queues and the PRP list
 
 
-def status_of(status: int) -> nvme.Status:
+def status_of(status: int) -> nvme_spec.Status:
     """A completion's status without the DNR bit."""
-    return nvme.Status(status & ~nvme.DNR)
+    return nvme_spec.Status(status & ~nvme_spec.DNR)
 
 
 def put(drv: Driver, addr: int, data: bytes) -> None:
@@ -810,7 +810,7 @@ def test_invalid_prps_complete_with_invalid_prp_offset(ctrl, prp1, prp2, entries
     for addr, value in entries.items():
         put(drv, addr, struct.pack("<Q", value))
     status, _ = drv.submit(1, 0x02, nsid=1, prp1=prp1, prp2=prp2, cdw=(0, 0, 4 * PAGE // 512 - 1, 0, 0, 0))
-    assert status_of(status) == nvme.Status.INVALID_PRP_OFFSET and status & nvme.DNR
+    assert status_of(status) == nvme_spec.Status.INVALID_PRP_OFFSET and status & nvme_spec.DNR
     assert rw_through_list(drv, 0x02, 0, 4 * PAGE) == 0  # the next command is served
 
 
@@ -835,11 +835,11 @@ def test_a_batch_on_the_worker_completes_each_command_in_order_and_ends_them_all
         got = drv.reap(1, len(posted))
         assert [cid for cid, *_ in got] == posted
         assert [status_of(status) for _, status, _, _ in got] == [
-            nvme.Status.SUCCESS, nvme.Status.INVALID_NAMESPACE, nvme.Status.LBA_OUT_OF_RANGE,
-            nvme.Status.SUCCESS, nvme.Status.SUCCESS, nvme.Status.SUCCESS]
+            nvme_spec.Status.SUCCESS, nvme_spec.Status.INVALID_NAMESPACE, nvme_spec.Status.LBA_OUT_OF_RANGE,
+            nvme_spec.Status.SUCCESS, nvme_spec.Status.SUCCESS, nvme_spec.Status.SUCCESS]
         assert bytes(drv.ram.ram[DATA + 2 * PAGE - RAM_BASE:DATA + 3 * PAGE - RAM_BASE]) == data
-        drv.w32(nvme.CC, 0)
-        assert not drv.r32(nvme.CSTS) & nvme.CSTS_RDY, "a command of the batch is still counted in flight"
+        drv.w32(nvme_spec.CC, 0)
+        assert not drv.r32(nvme_spec.CSTS) & nvme_spec.CSTS_RDY, "a command of the batch is still counted in flight"
     finally:
         drv.dev.close()
 
@@ -869,16 +869,16 @@ def test_prp_list_in_unmapped_memory_is_a_data_transfer_error(ctrl):
     drv, _ = ctrl
     drv.io_queues(1)
     status, _ = drv.submit(1, 0x02, nsid=1, prp1=BUF, prp2=0x2000, cdw=(0, 0, 4 * PAGE // 512 - 1, 0, 0, 0))
-    assert status == nvme.Status.DATA_TRANSFER_ERROR
-    assert drv.dev.stats()["commands"] >= 1 and not drv.dev.csts & nvme.CSTS_CFS
+    assert status == nvme_spec.Status.DATA_TRANSFER_ERROR
+    assert drv.dev.stats()["commands"] >= 1 and not drv.dev.csts & nvme_spec.CSTS_CFS
 
 
 def test_transfers_over_mdts_are_refused(ctrl):
     drv, _ = ctrl
     drv.io_queues(1)
-    too_long = (PAGE << nvme.MDTS) // 512 + 8
+    too_long = (PAGE << nvme_identity.MDTS) // 512 + 8
     assert drv.submit(1, 0x02, nsid=1, prp1=BUF, prp2=PRPLIST, cdw=(0, 0, too_long - 1, 0, 0, 0))[0] == \
-        nvme.Status.INVALID_FIELD
+        nvme_spec.Status.INVALID_FIELD
 
 
 @pytest.fixture
@@ -908,7 +908,7 @@ def test_a_write_the_full_disk_takes_only_in_part_is_a_write_fault(tmp_path, sma
         assert rw_through_list(drv, 0x01, 0, chunk) == 0
         for lba in (chunk // 512, 2 * chunk // 512):
             status = rw_through_list(drv, 0x01, lba, chunk)
-            assert status_of(status) == nvme.Status.WRITE_FAULT and status & nvme.DNR
+            assert status_of(status) == nvme_spec.Status.WRITE_FAULT and status & nvme_spec.DNR
         with open(path, "rb") as f:
             on_disk = f.read()
         assert on_disk[:chunk] == data  # what did complete is there, whole
@@ -969,7 +969,7 @@ def test_deallocate_out_of_range_changes_nothing(ctrl, tmp_path):
     data = os.urandom(4 * PAGE)
     put(drv, DATA, data)
     assert rw_through_list(drv, 0x01, 0, 4 * PAGE) == 0
-    assert dsm_deallocate(drv, [(0, 32), ((1 << 20) // 512 - 1, 2)]) == nvme.Status.LBA_OUT_OF_RANGE
+    assert dsm_deallocate(drv, [(0, 32), ((1 << 20) // 512 - 1, 2)]) == nvme_spec.Status.LBA_OUT_OF_RANGE
     assert rw_through_list(drv, 0x02, 0, 4 * PAGE) == 0 and get(drv, DATA, 4 * PAGE) == data
 
 
@@ -1023,7 +1023,7 @@ def abort(drv: Driver, sqid: int, cid: int) -> tuple[int, int]:
 
 def wait_not_ready(drv: Driver, timeout: float = 5) -> None:
     deadline = time.monotonic() + timeout
-    while drv.r32(nvme.CSTS) & nvme.CSTS_RDY:
+    while drv.r32(nvme_spec.CSTS) & nvme_spec.CSTS_RDY:
         assert time.monotonic() < deadline, "CSTS.RDY stayed up"
         time.sleep(0.001)
 
@@ -1053,7 +1053,7 @@ def test_abort_takes_back_a_command_not_started_and_leaves_a_running_one(tmp_pat
         assert reached.wait(5)
         assert abort(drv, 1, waiting) == (0, 0), "the command not started was not aborted"
         [(cid, status, _, _)] = drv.reap(1)
-        assert (cid, status) == (waiting, nvme.Status.ABORT_REQUESTED)
+        assert (cid, status) == (waiting, nvme_spec.Status.ABORT_REQUESTED)
         assert abort(drv, 1, running) == (0, 1), "a running command cannot be aborted here"
         assert abort(drv, 1, 999) == (0, 1)  # a CID not outstanding
         assert drv.nothing_completes(1, 0.2)
@@ -1077,8 +1077,8 @@ def test_disable_during_the_fetch_of_entries_drops_rdy_only_after_it(ctrl):
     drv.read(1, BUF)
     drv.ring(1)
     assert reached.wait(5)
-    drv.w32(nvme.CC, 0)
-    assert drv.r32(nvme.CSTS) & nvme.CSTS_RDY, "RDY fell while the controller was reading the SQ"
+    drv.w32(nvme_spec.CC, 0)
+    assert drv.r32(nvme_spec.CSTS) & nvme_spec.CSTS_RDY, "RDY fell while the controller was reading the SQ"
     release.set()
     wait_not_ready(drv)
     seen = len(drv.ram.calls)
@@ -1097,8 +1097,8 @@ def test_disable_drops_commands_not_started_and_waits_for_the_running_one(tmp_pa
         drv.read(1, b, lba=8)
         drv.ring(1)
         assert reached.wait(5)
-        drv.w32(nvme.CC, 0)
-        assert drv.r32(nvme.CSTS) & nvme.CSTS_RDY
+        drv.w32(nvme_spec.CC, 0)
+        assert drv.r32(nvme_spec.CSTS) & nvme_spec.CSTS_RDY
         writes, _ = drv.ram.cq_writes(1), irq.take()
         release.set()
         wait_not_ready(drv)
@@ -1123,7 +1123,7 @@ def test_delete_sq_completes_commands_not_started_as_aborted(tmp_path):
         delete = drv.post(0, 0x00, cdw=(1, 0, 0, 0, 0, 0))
         drv.ring(0)
         [(cid, status, _, _)] = drv.reap(1)
-        assert (cid, status) == (waiting, nvme.Status.ABORTED_SQ_DELETION)
+        assert (cid, status) == (waiting, nvme_spec.Status.ABORTED_SQ_DELETION)
         assert drv.nothing_completes(0, 0.2), "Delete SQ did not wait for the running command"
         release.set()
         assert drv.reap(1)[0][:2] == (running, 0)
@@ -1140,7 +1140,7 @@ def recover_like_linux(drv: Driver) -> None:
     drv.enable()
     assert drv.submit(0, 0x06, prp1=BUF, cdw=(1, 0, 0, 0, 0, 0)) == (0, 0)  # Identify Controller
     ident = get(drv, BUF, PAGE)
-    assert ident[261] & 0x02 and ident[258] == nvme.ABORT_LIMIT  # LPA: effects log; ACL
+    assert ident[261] & 0x02 and ident[258] == nvme_identity.ABORT_LIMIT  # LPA: effects log; ACL
     assert drv.submit(0, 0x02, prp1=BUF, cdw=(5 | (1023 << 16), 0, 0, 0, 0, 0))[0] == 0  # effects log
     assert struct.unpack_from("<I", drv.ram.ram, BUF - RAM_BASE + 1024 + 4)[0] == 0b11  # Write: CSUPP, LBCC
     assert drv.submit(0, 0x06, prp1=BUF, cdw=(6, 0, 0, 0, 0, 0))[0] == 0  # Identify NVM CS controller
@@ -1169,7 +1169,7 @@ def test_reset_with_io_in_flight_then_recovery_as_linux_does_it(ctrl):
     assert drv.reap(1)[0][:2] == (write, 0)
     assert drv.reap(0)[0][:2] == (delete_sq, 0)
     assert drv.submit(0, 0x04, cdw=(1, 0, 0, 0, 0, 0)) == (0, 0)  # Delete CQ
-    drv.w32(nvme.CC, drv.r32(nvme.CC) & ~1)
+    drv.w32(nvme_spec.CC, drv.r32(nvme_spec.CC) & ~1)
     wait_not_ready(drv)
     refused = drv.dev.stats()["admin_refused"]
     recover_like_linux(drv)
@@ -1186,11 +1186,11 @@ def test_shutdown_then_disable_then_enable_again(ctrl):
     then enables: the controller comes back with working queues."""
     drv, _ = ctrl
     drv.io_queues(1)
-    drv.w32(nvme.CC, drv.r32(nvme.CC) | (1 << 14))
-    assert drv.r32(nvme.CSTS) & nvme.CSTS_SHST == nvme.CSTS_SHST_DONE
-    drv.w32(nvme.CC, drv.r32(nvme.CC) & ~(1 | 3 << 14))
+    drv.w32(nvme_spec.CC, drv.r32(nvme_spec.CC) | (1 << 14))
+    assert drv.r32(nvme_spec.CSTS) & nvme_spec.CSTS_SHST == nvme_spec.CSTS_SHST_DONE
+    drv.w32(nvme_spec.CC, drv.r32(nvme_spec.CC) & ~(1 | 3 << 14))
     wait_not_ready(drv)
-    assert drv.r32(nvme.CSTS) == 0
+    assert drv.r32(nvme_spec.CSTS) == 0
     recover_like_linux(drv)
     assert drv.submit(1, 0x02, nsid=1, prp1=BUF, cdw=(0, 0, 7, 0, 0, 0)) == (0, 0)
 
@@ -1206,7 +1206,7 @@ def test_repeated_resets_with_io_in_flight_leak_no_threads(tmp_path):
             for i in range(6):
                 drv.read(1, BUF + 0x1000 * i, lba=8 * i)
             drv.ring(1)
-            drv.w32(nvme.CC, 0)
+            drv.w32(nvme_spec.CC, 0)
             wait_not_ready(drv)
             counts.append(len([t for t in threading.enumerate() if t.name.startswith("nvme")]))
             fresh_queues(drv)
@@ -1222,8 +1222,8 @@ def test_log_page_offset_and_unknown_cs_identify(ctrl):
     drv, _ = ctrl
     assert drv.submit(0, 0x02, prp1=BUF, cdw=(5 | (255 << 16), 0, 1024, 0, 0, 0))[0] == 0  # from byte 1024
     assert struct.unpack_from("<I", drv.ram.ram, BUF - RAM_BASE + 4)[0] == 0b11  # the I/O Write entry
-    assert drv.submit(0, 0x02, prp1=BUF, cdw=(2 | (1 << 16), 0, 4096, 0, 0, 0))[0] == nvme.Status.INVALID_FIELD
-    assert drv.submit(0, 0x06, prp1=BUF, cdw=(6, 2 << 24, 0, 0, 0, 0))[0] == nvme.Status.INVALID_FIELD  # ZNS
+    assert drv.submit(0, 0x02, prp1=BUF, cdw=(2 | (1 << 16), 0, 4096, 0, 0, 0))[0] == nvme_spec.Status.INVALID_FIELD
+    assert drv.submit(0, 0x06, prp1=BUF, cdw=(6, 2 << 24, 0, 0, 0, 0))[0] == nvme_spec.Status.INVALID_FIELD  # ZNS
 
 
 class GatheringRam(PostedBlocks, CountingRam):
