@@ -23,12 +23,32 @@ ANSWERS = {"arm": {"fault": FAULT},
            "note": {"noted": "freeze"}}
 
 
+def _armed_ids(answer) -> list:
+    return [answer["fault"]["id"]]
+
+
+def _cleared_ids(answer) -> list:
+    return [fault["id"] for fault in answer["cleared"]]
+
+
+def _mapping(answer) -> list:
+    answer.items()  # list and note hand the answer on as a mapping
+    return []
+
+
+# What :class:`~dxpu_vfio.lab.faults.Faults` reads of each answer (the ids of the faults
+# it armed or cleared, the listing as a mapping): written from the callers' side, not
+# from the reader's checks, so that a check the reader lost is a finding.
+CALLERS = {"arm": _armed_ids, "clear": _cleared_ids, "list": _mapping, "note": _mapping}
+
+
 def _keeps(op: str, value: object) -> str | None:
-    if not isinstance(value, dict):
-        return "not an object"
-    faults = [value.get("fault")] if op == "arm" else value.get("cleared") if op == "clear" else []
-    if not isinstance(faults, list) or not all(isinstance(f, dict) and type(f.get("id")) is int for f in faults):
-        return f"faults without integer ids: {str(value)[:200]}"
+    try:
+        ids = CALLERS[op](value)
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        return f"what Faults reads of it fails ({type(exc).__name__}: {exc!s:.80}): {str(value)[:200]}"
+    if not all(type(i) is int for i in ids):
+        return f"fault ids that are not integers: {ids!r:.200}"
     return None
 
 
