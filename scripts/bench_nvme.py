@@ -43,7 +43,7 @@ VM is ended with the devices in it.
 ``--guest-cpus 1`` boots the guest with one vCPU instead of two. On this 2-core machine a
 2-vCPU guest, the host proxy and the box (which in DxPU is another machine) share two
 cores; a remote read then costs the guest ~90 µs more CPU than a local one (its vCPUs
-preempted by the proxies' threads), and with one vCPU it does not (docs/benchmarks.md,
+preempted by the proxies' threads), and with one vCPU it does not (docs/benchmarks-history.md,
 NVMe, 2026-12-05 fifth session).
 
 ``--plaintext`` serves the box without TLS and measures plain TCP's floors and CPU per

@@ -5,7 +5,7 @@ server's connection to QEMU (a UNIX socket; descriptors travel with messages).
 
 Why: a register read crosses the Python layers of a stream (ssl.SSLSocket, the stream's
 locks and polls, the buffer, the header) four times, and on these machines each costs
-microseconds (docs/benchmarks.md, "Native stream"). The C stream sends a framed message
+microseconds (docs/benchmarks-history.md, "The native stream and forwarder (C)"). The C stream sends a framed message
 in one call and returns the next whole message in one call, the GIL released while it
 waits. What messages mean stays in Python.
 

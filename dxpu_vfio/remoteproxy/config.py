@@ -82,7 +82,7 @@ class PoolConfig:
 
 
 # A guest's read loop on a box over this lab's veth: 95-110 µs from one read's answer to the
-# next read without the spin, 20-40 µs with it (docs/benchmarks.md, Remote, tenth session):
+# next read without the spin, 20-40 µs with it (docs/benchmarks-history.md, Remote, tenth session):
 # the spin must cover the gap it shortens, or it never starts.
 DEFAULT_READ_SPIN_US = 150.0
 
