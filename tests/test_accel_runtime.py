@@ -24,6 +24,7 @@ from dxpu_vfio.link.transport import TlsFiles, make_certs
 from dxpu_vfio.paths import VM_IMAGES_DIR
 from dxpu_vfio.procs import wait_until
 from dxpu_vfio.remoteproxy.process import RemoteProxyProcess
+from dxpu_vfio.testing import needs_root
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import VfioUserClient
 from dxpu_vfio.vfio_user.server import VfioUserServer
@@ -454,8 +455,7 @@ def test_box_inventory_says_accel_and_the_pool_allocates_it_by_class(box, certs,
 
 
 def test_pagemap_memory_gives_physical_segments():
-    if os.geteuid() != 0:
-        pytest.skip("pagemap PFNs need root")
+    needs_root("reading physical frame numbers from /proc/self/pagemap")
     memory = rt.PagemapMemory(huge=False)
     buf = memory.alloc(5 * 4096 + 1)
     assert sum(n for _, n in buf.segments) == 6 * 4096 and all(a % 4096 == 0 and a for a, _ in buf.segments)

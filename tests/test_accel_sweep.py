@@ -5,14 +5,17 @@ that the numbers mean what they say (the added delay shows in the round trip, th
 counted round trips are the launch's and the copy's)."""
 
 import json
-import os
 
 import pytest
 
 from dxpu_vfio.errors import DxpuError
 from dxpu_vfio.lab.sweep import run_sweep
+from dxpu_vfio.testing import needs_root
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the lab's namespaces need root")
+
+@pytest.fixture(autouse=True)
+def _root():
+    needs_root("the lab's network namespaces")
 
 
 def test_short_accel_sweep_counts_fits_and_predicts(tmp_path):

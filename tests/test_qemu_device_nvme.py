@@ -11,6 +11,7 @@ import time
 import pytest
 from fakes import RAM_BASE, FakeGuestRam, PostedBlocks, RecordingIrqPort
 
+from dxpu_vfio.testing import needs_root
 from qemu_device import nvme, nvme_identity, nvme_spec
 from qemu_device.capabilities import CAP_ID_MSI
 from qemu_device.device import REGION_CONFIG
@@ -884,8 +885,7 @@ def test_transfers_over_mdts_are_refused(ctrl):
 @pytest.fixture
 def small_disk(tmp_path):
     """A file system of 200 KiB (tmpfs), unmounted after the test."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
+    needs_root("mounting a small tmpfs")
     mnt = tmp_path / "small"
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k,mode=0700", "dxpu-test-small", str(mnt)], check=True)

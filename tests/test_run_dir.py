@@ -9,6 +9,7 @@ import pytest
 
 from dxpu_vfio import registry
 from dxpu_vfio.paths import UnsafeRunDir, run_dir
+from dxpu_vfio.testing import needs_root
 
 
 @pytest.fixture
@@ -32,8 +33,7 @@ def test_a_run_directory_open_to_others_is_refused(run_path):
 
 
 def test_a_run_directory_of_another_user_is_refused(run_path):
-    if os.getuid() != 0:
-        pytest.skip("needs root to give the directory away")
+    needs_root("giving the directory to another user")
     run_path.mkdir(mode=0o700)
     os.chown(run_path, 65534, 65534)
     with pytest.raises(UnsafeRunDir, match="belongs to uid 65534") as exc:

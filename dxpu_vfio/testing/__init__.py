@@ -20,6 +20,10 @@ Every wait is bounded; a test that needs something absent fails naming it.
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from dxpu_vfio.procs import wait_until
 
 pytest_plugins = ["dxpu_vfio.testing.reports", "dxpu_vfio.testing.vms", "dxpu_vfio.testing.labs",
@@ -29,3 +33,10 @@ pytest_plugins = ["dxpu_vfio.testing.reports", "dxpu_vfio.testing.vms", "dxpu_vf
 def eventually(predicate, timeout: float = 5.0, what: str = "condition", interval: float = 0.02) -> None:
     """Like :func:`~dxpu_vfio.procs.wait_until`, failing the test with ``what`` on timeout."""
     assert wait_until(predicate, timeout, interval), f"{what} did not happen within {timeout} s"
+
+
+def needs_root(what: str) -> None:
+    """Fail (not skip) a test that needs root where it runs as another user: a test that
+    needs something absent fails naming it (the suite runs as root: scripts/test.sh)."""
+    if os.geteuid() != 0:
+        pytest.fail(f"{what} needs root: run the tests as root (scripts/test.sh)", pytrace=False)
