@@ -3,7 +3,7 @@
 QEMU's ``vfio-user-pci`` connects (inside ``device_add``), negotiates, maps guest
 memory, and then sends config and region accesses; the device (:mod:`.device_api`)
 answers through this endpoint and reaches guest memory and interrupts through the ports
-the endpoint gives it (:class:`DmaTable`, :class:`EventfdIrqs`).
+the endpoint gives it (:class:`~.dma.DmaTable`, :class:`~.irq.EventfdIrqs`).
 
 The parts, in the order a message meets them: this module listens and accepts (one
 client per device, like one slot per card; a second is refused); a :class:`~.session.Session`
