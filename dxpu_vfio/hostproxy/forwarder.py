@@ -111,6 +111,7 @@ class RemoteFunction:
         self.rings: dict[int, RingWatch] = {}  # rings the box watches (RING_WATCH), by slot
         self._forwarded: dict[str, int] = {}  # counters of forwarders that ended
         self.attach_error: str | None = None  # why QEMU cannot have this device (the box refused its windows)
+        self.vmm_masks_msix = False  # set by the session; the box's model is told so itself (remoteproxy/proxy.py)
         # --- host-mapped BARs (hostproxy/shadow.py): the shadows QEMU maps, written back to the box
         self.shadows: dict[int, ShadowBar] = {
             index: ShadowBar(index, description.regions[index][1], self._post_shadow, self.lock,

@@ -46,6 +46,7 @@ class VfioDevice(Protocol):
     native_forward: NativeForward | None
     wants_dma_windows: bool  # dma_mapped/dma_unmapped are called
     attach_error: str | None  # set: GET_INFO fails with it (QEMU ignores a refused DMA_MAP)
+    vmm_masks_msix: bool  # set by the session: QEMU keeps the MSI-X table and masks vectors itself
 
     def regions(self) -> list: ...
     def bar_memory(self, index: int): ...
