@@ -152,7 +152,7 @@ def test_a_handle_learns_box_changes_from_its_watch(etcd, etcd_prefix):
     def a_down() -> bool:  # what the watch delivered, applied as the next allocation applies it
         with mine._lock:
             mine._drain()
-            return not mine._lends("a")
+            return not mine._view.lends("a")
     assert wait_until(a_down, 5.0), "the watch told nothing"
     assert [lease.device for lease in mine.allocate("vm0")] == ["b/d0"] and mine.conflicts == 0
     mine.close()
@@ -171,7 +171,7 @@ def test_a_handle_learns_other_allocations_from_a_lost_race_and_leaves_that_box(
     assert taken == ["a/d1", "a/d2"]
     [lease] = mine.allocate("vm0")  # pack: a/d1 in its view, taken: one lost race
     assert mine.conflicts == 1 and lease.box == "b", "it raced the other allocator for its box"
-    assert mine._claims["a"].keys() == {"d0", "d1", "d2"}, "the lost race told it a's claims"
+    assert mine._view.claims["a"].keys() == {"d0", "d1", "d2"}, "the lost race told it a's claims"
     rest = [lease.device for _ in range(4) for lease in mine.allocate("vm0")]
     assert sorted(rest) == sorted({"a/d3", "b/d0", "b/d1", "b/d2", "b/d3"} - {lease.device})
     assert mine.conflicts == 1

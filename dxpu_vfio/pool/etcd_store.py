@@ -44,12 +44,12 @@ again every ``resync_interval`` s (while the watches run, every ``WATCHED_RESYNC
 times that). Listings always read etcd afresh. Lease updates and deletes
 are one transaction each (compare the revision this handle last wrote, else read it).
 
-The client (failover, retries, transaction pieces) is :mod:`dxpu_vfio.pool.etcd_client`.
+The client (failover, retries, transaction pieces) is :mod:`dxpu_vfio.pool.etcd_client`;
+allocation's view of the boxes and its choice of devices, :mod:`dxpu_vfio.pool.etcd_view`.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import random
 import secrets
@@ -62,6 +62,7 @@ from typing import Any, Iterator
 from dxpu_vfio.pool.etcd_client import (
     PREFIX, EtcdClient, b64, c_absent, c_mod, c_value, endpoints_from, kvs, op_delete, op_put, op_range,
     prefix_end, ranges, unb64)
+from dxpu_vfio.pool.etcd_view import AllocationView, box_state
 from dxpu_vfio.pool.etcd_watch import Watch, WatchCompacted, WatchFailed
 from dxpu_vfio.pool.states import BoxState, LeaseState
 from dxpu_vfio.pool.storage import (
@@ -73,8 +74,6 @@ log = logging.getLogger("dxpu.store")
 SCHEMA_VERSION = 1
 ATTEMPTS = 64  # allocation tries before it reports contention
 CONTENDED_FOR = 60.0  # s after a lost race during which allocation breaks ties by chance
-AVOID_FOR = 30.0  # s a box where this handle lost a race comes last in its choice (another allocator fills it)
-PROBE = 16  # boxes whose claims are read where the walk lands after a lost race (docs: _choose)
 PROBES = 4  # landings tried (a read each) before the walk goes on from the last
 RESYNC_AFTER = 3  # races lost by one allocation before it reads every claim again
 BACKOFF = 0.002  # s: after the second lost race in a row, a random pause up to this, doubling, ...
@@ -99,25 +98,12 @@ class EtcdStore:
         self.resync_interval = resync_interval
         self.etcd = EtcdClient(self.endpoints, tls_dir=tls_dir, timeout=timeout, retry_for=retry_for, prefix=prefix)
         self._lock = threading.RLock()
-        # allocation's view: box -> (record, mod_revision), box -> (inventory, mod_revision),
-        # box -> {device name: lease id}
-        self._boxes: dict[str, tuple[dict, int]] = {}
-        self._inventory: dict[str, tuple[list[dict], int]] = {}
-        self._claims: dict[str, dict[str, str]] = {}
-        self._alive: dict[str, int] = {}  # announcing box -> mod_revision of its alive key
-        self._open: dict[int, set[str]] = {}  # lent -> the up boxes lending that many that are not full
-        self._level: dict[str, int] = {}  # box -> its key in _open
-        self._seen = 0  # revision of the last full read of the view
+        self._view = AllocationView(prefix)  # what allocation chooses from (etcd_view.py)
         self._watches: list[Watch] = []  # boxes/ with alive/, and inventory/ (not claims/: see _start_watches)
         self._pending: deque[list[dict]] = deque()  # watch events not yet applied to the view
         self._synced_at = -1e9
         self._mine: dict[str, tuple[dict, int]] = {}  # leases this handle wrote: record, mod_revision
         self._contended_until = 0.0
-        self._avoid: dict[str, float] = {}  # box -> until when it comes last (a race for it was lost)
-        self._order: list[str] = []  # box names in key order (the walk's order); [] = to be rebuilt
-        self._position: dict[str, int] = {}
-        self._cursor = 0  # where the walk over equally good boxes goes on (index in _order)
-        self._probe = False  # read the claims where the walk lands before choosing there
         self.conflicts = 0  # allocation transactions that lost a race (the benchmark reports them)
         self._init_schema()
 
@@ -261,7 +247,7 @@ class EtcdStore:
 
     @staticmethod
     def _box_dict(name: str, record: dict, seen: float | None, lent: int, alive: bool = False) -> dict:
-        state, error = _box_state(record, alive)
+        state, error = box_state(record, alive)
         return {"name": name, "address": record["address"], "tls_dir": record["tls_dir"],
                 "state": state, "registered_at": record["registered_at"],
                 "last_seen": seen if seen is not None else record["registered_at"],
@@ -324,7 +310,7 @@ class EtcdStore:
         for box, inventory in inventories.items():
             if box not in boxes:
                 continue
-            state, _ = _box_state(boxes[box], box in alive)
+            state, _ = box_state(boxes[box], box in alive)
             for d in inventory:
                 device_id = f"{box}/{d['name']}"
                 lease = claims.get(device_id)
@@ -344,62 +330,39 @@ class EtcdStore:
             raise no_such_device(device_id)
         return {"id": device_id, "box": box, **found[0], "leased": int(bool(claim)),
                 "address": boxes[0][1]["address"], "tls_dir": boxes[0][1]["tls_dir"],
-                "cert_sha256": boxes[0][1].get("cert_sha256"), "box_state": _box_state(boxes[0][1], bool(alive))[0]}
+                "cert_sha256": boxes[0][1].get("cert_sha256"), "box_state": box_state(boxes[0][1], bool(alive))[0]}
 
     # --- allocation -------------------------------------------------------------------
     def _resync(self, settle: bool = False) -> None:
         """Read allocation's whole view again: serializable (the answering member's copy;
         the transactions compare), or with ``settle`` (before answering "no free device")
         linearizable."""
-        (boxes, inventories, claims, alive), self._seen = self._snapshot(
+        (boxes, inventories, claims, alive), revision = self._snapshot(
             *(self.k(p) + "/" for p in ("boxes", "inventory", "claims", "alive")), serializable=not settle)
-        self._boxes = {k.rsplit("/", 1)[1]: (v, rev) for k, v, rev in boxes}
-        self._order = []
-        self._alive = {k.rsplit("/", 1)[1]: rev for k, _, rev in alive}
-        self._inventory = {k.rsplit("/", 1)[1]: (v, rev) for k, v, rev in inventories}
-        self._set_claims((key, lease_id) for key, lease_id, _ in claims)
+        self._view.load(boxes, inventories, claims, alive, revision)
         self._synced_at = time.monotonic()
-        self._probe = False  # the whole view is fresh
         if not self._watches:
-            self._start_watches(self._seen + 1)
+            self._start_watches(revision + 1)
 
     def _refresh_claims(self) -> None:
         """Read every claim again, keys only (their lease ids become None): a tenth of a
         full read, whose inventories are most of its bytes; boxes and inventories are
         watched."""
         (claims,), _ = self._snapshot(self.k("claims") + "/", keys_only=True, serializable=True)
-        self._set_claims((key, None) for key, _, _ in claims)
-        self._probe = False
+        self._view.set_claims((key, None) for key, _, _ in claims)
+        self._view.probe = False
 
-    def _set_claims(self, claims) -> None:
-        """The view's claims are these (claim key, lease id or None), and every box is
-        indexed again by what is free in it."""
-        self._claims = {}
-        cut = len(self.k("claims")) + 1
-        for key, lease_id in claims:
-            box, name = key[cut:].split("/", 1)
-            self._claims.setdefault(box, {})[name] = lease_id
-        self._open, self._level = {}, {}
-        for name in self._boxes:
-            self._index(name)
-
-    def _index(self, name: str) -> None:
-        """Re-file one box in ``_open`` after its record, inventory or claims changed."""
-        old = self._level.pop(name, None)
-        if old is not None:
-            self._open[old].discard(name)
-            if not self._open[old]:
-                del self._open[old]
-        record, inventory = self._boxes.get(name), self._inventory.get(name)
-        lent = len(self._claims.get(name, ()))
-        if record and inventory and self._lends(name) and lent < len(inventory[0]):
-            self._open.setdefault(lent, set()).add(name)
-            self._level[name] = lent
-
-    def _lends(self, name: str) -> bool:
-        """Up in allocation's view: record up and, if it announces itself, alive."""
-        record = self._boxes.get(name)
-        return record is not None and _box_state(record[0], name in self._alive)[0] == BoxState.UP
+    def _probe_claims(self) -> bool:
+        """Read the claims of the boxes where the walk landed (one serializable range:
+        stale is fine, the transaction compares), so the walk does not lose a race for
+        each of them that others filled meanwhile. True if one has a free device."""
+        span, start, end = self._view.probe_span()
+        if not span:
+            return False
+        found = kvs(self.etcd.call("/kv/range", {
+            "key": b64(start), "range_end": b64(end) if end else prefix_end(self._view.claims_prefix),
+            "serializable": True}))
+        return self._view.probed(span, found)
 
     # --- the watch that keeps allocation's view fresh ------------------------------------
     def _start_watches(self, revision: int) -> None:
@@ -443,183 +406,18 @@ class EtcdStore:
                     self._stop_watches()
                     self._synced_at = -1e9  # the next allocation reads everything and watches again
 
-    def _apply(self, event: dict) -> None:
-        kv = event["kv"]
-        key, revision = kv["key_bytes"].decode(), int(kv.get("mod_revision", 0))
-        deleted = event.get("type") == "DELETE"
-        value = None if deleted else kv["record"]
-        kind, _, rest = key[len(self.prefix):].partition("/")
-        if kind == "claims":
-            box, _, name = rest.partition("/")
-            if deleted:
-                self._claims.get(box, {}).pop(name, None)
-            else:
-                self._claims.setdefault(box, {})[name] = value
-            self._index(box)
-            return
-        if kind == "alive":
-            if deleted:
-                self._alive.pop(rest, None)
-            elif revision >= self._alive.get(rest, 0):
-                self._alive[rest] = revision
-            self._index(rest)
-            return
-        cache = self._boxes if kind == "boxes" else self._inventory if kind == "inventory" else None
-        if cache is None or revision < cache.get(rest, (None, 0))[1]:
-            return  # older than what a transaction of ours already told us
-        if kind == "boxes" and deleted != (rest not in cache):
-            self._order = []  # a box came or went
-        if deleted:
-            cache.pop(rest, None)
-        else:
-            cache[rest] = (value, revision)
-        self._index(rest)
-
     def _drain(self) -> None:
         """Apply the watch's events that came since the last call (under the view's lock);
         those a full read already covered are skipped."""
         while self._pending:
             for event in self._pending.popleft():
-                if int(event["kv"].get("mod_revision", 0)) > self._seen:
-                    self._apply(event)
+                if int(event["kv"].get("mod_revision", 0)) > self._view.seen:
+                    self._view.apply(event)
 
     def _stop_watches(self) -> None:
         watches, self._watches = self._watches, []
         for watch in watches:
             watch.close()
-
-    def _learn_box(self, name: str, found: list[list[tuple[str, Any, int]]]) -> None:
-        """What a failed allocation's failure branch read about one box: record, inventory,
-        claims, alive key."""
-        [boxes, inventories, claims, alive] = found
-        if alive:
-            self._alive[name] = alive[0][2]
-        else:
-            self._alive.pop(name, None)
-        if bool(boxes) != (name in self._boxes):
-            self._order = []  # a box came or went
-        for cache, items in ((self._boxes, boxes), (self._inventory, inventories)):
-            if items:
-                cache[name] = (items[0][1], items[0][2])
-            else:
-                cache.pop(name, None)
-        self._claims[name] = {key.rsplit("/", 1)[1]: lease_id for key, lease_id, _ in claims}
-        self._index(name)
-
-    def _walk_order(self) -> list[str]:
-        """Box names in the order of their claim keys (``name/`` sorts as the keys do)."""
-        if len(self._order) != len(self._boxes):
-            self._order = sorted(self._boxes, key=lambda name: name + "/")
-            self._position = {name: i for i, name in enumerate(self._order)}
-            self._cursor %= max(1, len(self._order))
-        return self._order
-
-    def _walk(self, names: set[str], avoid: set[str], later: list[str]) -> Iterator[str]:
-        """``names`` in walk order from the cursor (the avoided ones into ``later``)."""
-        order = self._walk_order()
-        n, cursor = len(order), self._cursor
-        if len(names) <= 32:
-            ranked = sorted(names, key=lambda name: (self._position.get(name, 0) - cursor) % n)
-        else:
-            ranked = (order[(cursor + step) % n] for step in range(n))
-        for name in ranked:
-            if name not in names:
-                continue
-            if name in avoid:
-                later.append(name)
-            else:
-                yield name
-
-    def _jump(self) -> None:
-        """After a lost race: walk on from a random box, and read its claims first."""
-        order = self._walk_order()
-        self._cursor = random.randrange(len(order)) if order else 0
-        self._probe = True
-
-    def _probe_claims(self) -> bool:
-        """Read the claims of the :data:`PROBE` boxes from the cursor on (one serializable
-        range: stale is fine, the transaction compares), so the walk does not lose a
-        race for each of them that others filled meanwhile. True if one has a free device."""
-        self._probe = False
-        order = self._walk_order()
-        span = order[self._cursor:self._cursor + PROBE]
-        if not span:
-            return False
-        prefix = self.k("claims") + "/"
-        end = b64(prefix + order[self._cursor + PROBE] + "/") if self._cursor + PROBE < len(order) \
-            else prefix_end(prefix)
-        found = kvs(self.etcd.call("/kv/range", {"key": b64(prefix + span[0] + "/"), "range_end": end,
-                                                 "serializable": True}))
-        for name in span:
-            self._claims[name] = {}
-        for key, lease_id, _ in found:
-            name, _, device = key[len(prefix):].partition("/")
-            self._claims.setdefault(name, {})[device] = lease_id
-        for name in span:
-            self._index(name)
-        return any(name in self._level for name in span)
-
-    def _choose(self, count: int, device_class: str | None, box: str | None, device: str | None,
-                policy: str, shuffle: bool) -> tuple[list[str], int]:
-        """The devices SQLite's allocator would take from this view (box by policy, ties
-        by name, then the box's first free device by name). With ``shuffle`` (other
-        allocators race us) ties between boxes go in key order from the cursor (which
-        jumps to a random box at each lost race, :meth:`_jump`), a box where a race was
-        lost in the last :data:`AVOID_FOR` s comes after every other (another allocator
-        is filling it), and the device is a random free one of the box: the policy still
-        decides the box, and concurrent allocators each fill their own. And, if fewer
-        than ``count`` match, how many do."""
-        chosen: dict[str, set[str]] = {}
-        now = time.monotonic()
-        avoid = {name for name, until in self._avoid.items() if until > now} if shuffle else set()
-
-        def free_in(name: str) -> list[str]:
-            claimed, mine = self._claims.get(name, {}), chosen.get(name, ())
-            return sorted(d["name"] for d in self._inventory[name][0] if d["name"] not in claimed
-                          and d["name"] not in mine and (not device_class or d["class"] == device_class)
-                          and (device is None or device in (d["name"], f"{name}/{d['name']}")))
-
-        def up() -> list[str]:
-            return [name for name in self._boxes
-                    if self._lends(name) and (box is None or name == box) and name in self._inventory]
-
-        sign = -1 if policy == "pack" else 1
-
-        def in_order() -> Iterator[str]:
-            """Non-full up boxes, the policy's choice first."""
-            if box is None and not chosen:  # the index: no pass over every box
-                later: list[str] = []
-                for level in sorted(self._open, reverse=policy == "pack"):
-                    if not shuffle:
-                        yield from sorted(self._open[level])
-                        continue
-                    yield from self._walk(self._open[level], avoid, later)
-                yield from later
-                return
-            heap = []
-            for name in up():
-                lent = len(self._claims.get(name, ())) + len(chosen.get(name, ()))
-                if lent < len(self._inventory[name][0]):  # a full box needs no look at its devices
-                    heap.append((name in avoid, sign * lent, random.random() if shuffle else 0.0, name))
-            heapq.heapify(heap)
-            while heap:
-                yield heapq.heappop(heap)[3]
-
-        picks: list[str] = []
-        for _ in range(count):
-            for name in in_order():
-                free = free_in(name)
-                if free:
-                    pick = random.choice(free) if shuffle else free[0]
-                    break
-            else:
-                chosen.clear()
-                return picks, sum(len(free_in(name)) for name in up())
-            chosen.setdefault(name, set()).add(pick)
-            picks.append(f"{name}/{pick}")
-            if shuffle and name in self._position:
-                self._cursor = self._position[name]  # the walk goes on from here
-        return picks, len(picks)
 
     def allocate(self, vm: str, *, device_class: str | None = None, count: int = 1, box: str | None = None,
                  device: str | None = None, policy: str = "pack", owner_pid: int | None = None,
@@ -645,20 +443,20 @@ class EtcdStore:
             conflicts = 0
             for _ in range(ATTEMPTS):
                 self._drain()
-                if box is not None and box not in self._boxes:
+                if box is not None and box not in self._view.boxes:
                     if not fresh:
                         self._resync(settle=True)
                         fresh = True
                         continue
-                    raise no_such_box(box, sorted(self._boxes))
+                    raise no_such_box(box, sorted(self._view.boxes))
                 contended = conflicts > 0 or time.monotonic() < self._contended_until
-                if contended and self._probe and box is None:
+                if contended and self._view.probe and box is None:
                     for _ in range(PROBES):
                         if self._probe_claims():
                             break
-                        self._jump()
-                    self._probe = False
-                picks, free = self._choose(count, device_class, box, device, policy, shuffle=contended)
+                        self._view.jump()
+                    self._view.probe = False
+                picks, free = self._view.choose(count, device_class, box, device, policy, shuffle=contended)
                 if len(picks) < count:
                     if not fresh:  # others may have freed devices or added boxes since the last read
                         self._resync(settle=True)
@@ -670,15 +468,8 @@ class EtcdStore:
                     return leases
                 conflicts += 1
                 self.conflicts += 1
-                now = time.monotonic()
-                self._contended_until = now + CONTENDED_FOR
-                if len(self._avoid) > 256:
-                    self._avoid = {name: until for name, until in self._avoid.items() if until > now}
-                for pick in picks:
-                    name, dev = pick.split("/", 1)
-                    if dev in self._claims.get(name, {}):  # another's now: it is filling that box
-                        self._avoid[name] = now + AVOID_FOR
-                self._jump()  # and its neighbours are likely its too: walk on elsewhere
+                self._contended_until = time.monotonic() + CONTENDED_FOR
+                self._view.lost_race(picks)  # boxes another is filling come last; walk on elsewhere
                 if conflicts == RESYNC_AFTER:  # the claims are stale all over (a nearly full pool)
                     self._refresh_claims()
                     continue
@@ -700,9 +491,9 @@ class EtcdStore:
         with self._lock:
             self._resync(settle=True)
             self._drain()
-            if box is not None and box not in self._boxes:
-                raise no_such_box(box, sorted(self._boxes))
-            picks, free = self._choose(count, device_class, box, device, policy, shuffle=False)
+            if box is not None and box not in self._view.boxes:
+                raise no_such_box(box, sorted(self._view.boxes))
+            picks, free = self._view.choose(count, device_class, box, device, policy, shuffle=False)
             if len(picks) < count:
                 raise no_free_device(count, free, device_class, box, device)
             leases, compare, success, _, _ = self._allocation_txn(vm, picks, owner_pid, host, None)
@@ -723,9 +514,10 @@ class EtcdStore:
             compare.append(c_absent(self.k("fenced", host)))
         for name in boxes:
             box_key, _, inv_key, claims = self._box_keys(name)
-            compare += [c_mod(box_key, self._boxes[name][1]), c_mod(inv_key, self._inventory[name][1])]
-            if self._boxes[name][0].get("generation") is not None:  # announces itself: still alive
-                compare.append(c_mod(self.k("alive", name), self._alive[name]))
+            view = self._view
+            compare += [c_mod(box_key, view.boxes[name][1]), c_mod(inv_key, view.inventory[name][1])]
+            if view.boxes[name][0].get("generation") is not None:  # announces itself: still alive
+                compare.append(c_mod(self.k("alive", name), view.alive[name]))
             failure += [op_range(box_key), op_range(inv_key), op_range(claims, prefix=True),
                         op_range(self.k("alive", name))]
         for lease in leases:
@@ -743,8 +535,8 @@ class EtcdStore:
         if not result.get("succeeded"):
             found = ranges(result)
             for i, name in enumerate(boxes):
-                self._learn_box(name, found[4 * i:4 * i + 4])
-            if not all(self._claims.get(lease.box, {}).get(lease.device.split("/", 1)[1]) == lease.id
+                self._view.learn_box(name, found[4 * i:4 * i + 4])
+            if not all(self._view.claims.get(lease.box, {}).get(lease.device.split("/", 1)[1]) == lease.id
                        for lease in leases):
                 if host is not None and self._read((self.k("fenced", host), False))[0]:
                     raise host_fenced(host)
@@ -754,8 +546,7 @@ class EtcdStore:
             revision = found_lease[0][2] if found_lease else revision
         for lease in leases:
             lease.fence = revision
-            self._claims.setdefault(lease.box, {})[lease.device.split("/", 1)[1]] = lease.id
-            self._index(lease.box)
+            self._view.claimed(lease.box, lease.device.split("/", 1)[1], lease.id)
             self._mine[lease.id] = (_lease_record(lease), revision)
         return leases
 
@@ -805,10 +596,7 @@ class EtcdStore:
                 if result.get("succeeded"):
                     self._mine.pop(lease_id, None)
                     box, name = record["device"].split("/", 1)
-                    claims = self._claims.get(box, {})
-                    if name in claims and claims[name] in (lease_id, None):  # None: read keys only
-                        del claims[name]
-                        self._index(box)
+                    self._view.released(box, name, lease_id)
                     return
                 self._mine.pop(lease_id, None)
         raise StoreError(f"lease {lease_id} changed under every delete attempt", hint="try again")
@@ -915,14 +703,6 @@ class LeaseWatch:
 
     def close(self) -> None:
         self.watch.close()
-
-
-def _box_state(record: dict, alive: bool) -> tuple[BoxState, str | None]:
-    """A box's state and last error: its record's, except that a box announcing itself
-    (it has a ``generation``) whose alive key is gone is down."""
-    if record.get("generation") is not None and not alive and record["state"] == BoxState.UP:
-        return BoxState.DOWN, "its box lease expired: the remote proxy stopped announcing it (dead or cut off)"
-    return BoxState(record["state"]), record["last_error"]
 
 
 def _show(item: dict) -> str:
