@@ -9,7 +9,7 @@ I/O commands Read, Write, Flush, Write Zeroes and Dataset Management; PRP entrie
 PRP lists; phase tags; one interrupt vector per completion queue (MSI; INTx works too).
 The specification's names (registers, opcodes, statuses) are in :mod:`.nvme_spec`; what
 the controller reports about itself (Identify data, log pages) is built by
-:mod:`.nvme_identity`.
+:mod:`.nvme_identity`; a command's PRPs are walked by :mod:`.nvme_prp`.
 
 Namespaces are files (sparse: only what is written costs disk); a completed Flush has
 fsynced them. A write the file does not take whole is a Write Fault, deallocation punches
@@ -35,7 +35,6 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-import operator
 import os
 import struct
 import tempfile
@@ -44,6 +43,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from . import nvme_prp as prp
 from .backing import punch_hole, write_all, zero_range
 from .bars import BarSpec
 from .device import BegunFetch, IrqConfig, PciFunction
@@ -57,9 +57,7 @@ from .worker import DeviceWorker, WorkerPool
 
 log = logging.getLogger(__name__)
 
-PAGE_MASK = PAGE - 1
 READ_FIELDS = struct.Struct("<I16xQQQI")  # from an entry's NSID: NSID, PRP1, PRP2, SLBA, CDW12
-TRANSFER_FIELDS = struct.Struct("<QQ8xI")  # from its PRP1: PRP1, PRP2, CDW12
 MAX_QUEUES = 8  # I/O queue pairs
 MQES = 1023  # max queue entries - 1
 PRP2_OFFSET = 32  # in a submission queue entry
@@ -433,7 +431,7 @@ class NvmeController(PciFunction):
     @classmethod
     def _data_bytes(cls, job: IoJob) -> int:
         """The bytes a Read or Write moves through guest memory (0 for other commands)."""
-        return cls._transfer(job.sqe)[2] if job.sqe[0] in (IoOpcode.READ, IoOpcode.WRITE) else 0
+        return prp.transfer(job.sqe)[2] if job.sqe[0] in (IoOpcode.READ, IoOpcode.WRITE) else 0
 
     def _runs(self, jobs: list[IoJob]) -> Iterator[list[IoJob]]:
         """A batch's jobs in order, cut before each that :meth:`_may_wait_on_network`."""
@@ -460,7 +458,7 @@ class NvmeController(PciFunction):
             return False
         if opcode != IoOpcode.READ:
             return True
-        page = self._prp_list_page(job.sqe)
+        page = prp.first_list_page(job.sqe)
         if page is None:
             return False  # PRP1 and PRP2 are the pages (or the PRPs are refused unread)
         first, continues = page
@@ -553,31 +551,11 @@ class NvmeController(PciFunction):
         sq.in_flight += 1
         self._in_flight += 1
 
-    @staticmethod
-    def _transfer(sqe: memoryview) -> tuple[int, int, int]:
-        """A Read's or Write's (PRP1, PRP2, length in bytes), unchecked."""
-        prp1, prp2, cdw12 = TRANSFER_FIELDS.unpack_from(sqe, 24)
-        return prp1, prp2, ((cdw12 & 0xFFFF) + 1) << LBA_SHIFT
-
-    @classmethod
-    def _prp_list_page(cls, sqe: memoryview) -> tuple[tuple[int, int], bool] | None:
-        """The first PRP list page a Read or Write reads, as (address, length) (what
-        :meth:`_segments` reads first), and whether its list goes on in another page; None
-        for a command without a list, or one :meth:`_segments` refuses before reading."""
-        if sqe[0] not in (IoOpcode.READ, IoOpcode.WRITE):
-            return None
-        prp1, prp2, length = cls._transfer(sqe)
-        left = length - min(length, PAGE - (prp1 % PAGE))
-        if left <= PAGE or prp2 & 7 or length > (PAGE << MDTS):
-            return None
-        needed, room = (left + PAGE - 1) // PAGE, (PAGE - prp2 % PAGE) // 8
-        return (prp2, min(room, needed) * 8), needed > room
-
     def _prefetch_prp_lists(self, sqes: list[memoryview]) -> dict[tuple[int, int], bytes]:
         """The first PRP list page of every read and write in a batch, fetched together:
         on a remote device one round trip for the batch instead of one per command. Only
-        what :meth:`_segments` would read first, keyed by (address, length); it checks them."""
-        wanted = [first for first, _ in filter(None, map(self._prp_list_page, sqes))]
+        what :func:`.nvme_prp.segments` would read first, keyed by (address, length); it checks them."""
+        wanted = [first for first, _ in filter(None, map(prp.first_list_page, sqes))]
         if not wanted:
             return {}
         try:
@@ -597,11 +575,11 @@ class NvmeController(PciFunction):
         for i, sqe in enumerate(sqes):
             if sqe[0] != IoOpcode.WRITE:
                 continue
-            prp1, prp2, length = self._transfer(sqe)
+            prp1, prp2, length = prp.transfer(sqe)
             if length > (PAGE << MDTS) or total + length > PREFETCH_BYTES:
                 continue
             try:
-                chosen[i] = self._segments(prp1, prp2, length, lists)
+                chosen[i] = prp.segments(prp1, prp2, length, self.dma_read, lists)
             except (CommandError, DmaError):
                 continue
             total += length
@@ -995,7 +973,7 @@ class NvmeController(PciFunction):
                     if fetched is not None and fetched.pieces is not None:  # read with the rest of its batch
                         write_all(ns.fd, fetched.pieces, offset)  # from the DMA buffers, not joined first
                     else:  # locally: pwritev from guest memory
-                        segments = fetched.segments if fetched else self._segments(prp1, prp2, length, lists)
+                        segments = fetched.segments if fetched else prp.segments(prp1, prp2, length, self.dma_read, lists)
                         self.dma_read_into_file(segments, ns.fd, offset)
                 self._count("bytes_written", length)
             else:  # IoOpcode.WRITE_ZEROES; DEAC (CDW12 bit 25): deallocate, as Identify's DLFEAT says
@@ -1021,7 +999,7 @@ class NvmeController(PciFunction):
         nsid, prp1, prp2, slba, cdw12 = READ_FIELDS.unpack_from(sqe, 4)
         ns = self._namespace(nsid)
         offset, length = self._extent(ns, slba, cdw12, transfer=True)
-        return ReadData(self._segments(prp1, prp2, length, lists), ns.fd, offset, length)
+        return ReadData(prp.segments(prp1, prp2, length, self.dma_read, lists), ns.fd, offset, length)
 
     def _namespace(self, nsid: int) -> Namespace:
         """The namespace an I/O command names, or Invalid Namespace."""
@@ -1044,71 +1022,11 @@ class NvmeController(PciFunction):
         return slba << LBA_SHIFT, length
 
     # --- PRPs --------------------------------------------------------------------------------------
-    def _segments(self, prp1: int, prp2: int, length: int,
-                  lists: dict[tuple[int, int], bytes] | None = None) -> list[tuple[int, int]]:
-        """(guest address, length) pieces of a PRP transfer, adjacent pages merged.
-
-        The guest programs PRPs, so they are checked, and a walk through PRP lists is
-        bounded by the transfer: PRP1 dword aligned, PRP2 a page (one more page) or a
-        qword-aligned list pointer, every list entry (and the pointer to a next list in
-        a page's last entry) page aligned, else Invalid PRP Offset. Every list page then
-        yields an entry, so a list that points back at itself still ends."""
-        if prp1 & 3:
-            raise CommandError(Status.INVALID_PRP_OFFSET)
-        first = min(length, PAGE - (prp1 % PAGE))
-        pages = [(prp1, first)]
-        left = length - first
-        if 0 < left <= PAGE:
-            if prp2 % PAGE:
-                raise CommandError(Status.INVALID_PRP_OFFSET)
-            pages.append((prp2, left))
-        elif left > 0:
-            if prp2 & 7:
-                raise CommandError(Status.INVALID_PRP_OFFSET)
-            needed = (left + PAGE - 1) // PAGE
-            entries: list[int] = []
-            list_addr = prp2
-            for _ in range(needed + 1):  # the first page may hold only the pointer to the next
-                room = (PAGE - list_addr % PAGE) // 8
-                want = needed - len(entries)
-                key = (list_addr, min(room, want) * 8)
-                raw = lists.pop(key, None) if lists and not entries else None  # prefetched: the first page only
-                chunk = struct.unpack(f"<{min(room, want)}Q", raw if raw is not None else self.dma_read(*key))
-                if want > room:  # the page's last entry points to the next list page
-                    entries.extend(chunk[:-1])
-                    list_addr = chunk[-1]
-                    if list_addr % PAGE:
-                        raise CommandError(Status.INVALID_PRP_OFFSET)
-                else:
-                    entries.extend(chunk)
-                    break
-            if len(entries) != needed:
-                raise CommandError(Status.INVALID_PRP_OFFSET)
-            if any(map(PAGE_MASK.__and__, entries)):
-                raise CommandError(Status.INVALID_PRP_OFFSET)
-            pages.extend(zip(entries, itertools.repeat(PAGE)))  # whole pages but the last:
-            pages[-1] = (pages[-1][0], left - (needed - 1) * PAGE)  # left covers them all
-            # no two pages adjacent (a guest's mostly are not): nothing to merge. Checked by
-            # builtins: this walk is per command, and 32 pages in a Python loop were a tenth
-            # of a box's Python per 128 KiB Read
-            if prp1 + first != entries[0] and PAGE not in map(operator.sub, entries[1:], entries):
-                return pages
-        merged: list[tuple[int, int]] = [pages[0]]
-        start, size = pages[0]
-        for addr, n in pages[1:]:  # adjacent pages merged, in one pass
-            if start + size == addr:
-                size += n
-                merged[-1] = (start, size)
-            else:
-                start, size = addr, n
-                merged.append((start, size))
-        return merged
-
     def _read_prp(self, prp1: int, prp2: int, length: int) -> bytes:
-        return b"".join(self.dma_read_many(self._segments(prp1, prp2, length)))
+        return b"".join(self.dma_read_many(prp.segments(prp1, prp2, length, self.dma_read)))
 
     def _write_prp(self, prp1: int, prp2: int, data: bytes) -> None:
-        self._write_segments(self._segments(prp1, prp2, len(data)), data)
+        self._write_segments(prp.segments(prp1, prp2, len(data), self.dma_read), data)
 
     def _write_segments(self, segments: list[tuple[int, int]], data: bytes) -> None:
         view, pieces, pos = memoryview(data), [], 0

@@ -12,7 +12,7 @@ import pytest
 from fakes import RAM_BASE, FakeGuestRam, PostedBlocks, RecordingIrqPort
 
 from dxpu_vfio.testing import needs_root
-from qemu_device import nvme, nvme_identity, nvme_spec
+from qemu_device import nvme, nvme_identity, nvme_prp, nvme_spec
 from qemu_device.capabilities import CAP_ID_MSI
 from qemu_device.device import REGION_CONFIG
 
@@ -850,20 +850,20 @@ def test_a_batch_on_the_worker_completes_each_command_in_order_and_ends_them_all
     ([1, 2, 3, 4], [(0x200, 0xE00 + 3.25 * PAGE)]),                    # PRP1's page and the list adjacent
     ([8, 2, 3, 6], [(0x200, 0xE00), (8, 1), (2, 2), (6, 0.25)]),         # adjacent pages in the list merged
 ], ids=["scattered", "contiguous", "partly-adjacent"])
-def test_prp_segments_merge_adjacent_pages_only(tmp_path, frames, expected):
+def test_prp_segments_merge_adjacent_pages_only(frames, expected):
     """A transfer's (address, length) pieces: the guest's pages as it listed them, adjacent
     ones merged, the first from PRP1's offset and the last only as long as the transfer
     (a Read's pieces become the ranges of one DMA_WRITEV, so each extra piece is a range).
-    ``expected``: PRP1's piece in bytes, then (page frame, length in pages)."""
-    dev = nvme.NvmeController(namespaces=[{"size": 1 << 20, "path": str(tmp_path / "ns")}])
-    try:
-        pages = [f * PAGE for f in frames]
-        length = 0xE00 + 3 * PAGE + 0x400  # PRP1 from 0x200 to its page's end, then 3 pages and a quarter
-        lists = {(0x7000, 8 * len(pages)): struct.pack(f"<{len(pages)}Q", *pages)}
-        want = [expected[0]] + [(frame * PAGE, int(n * PAGE)) for frame, n in expected[1:]]
-        assert dev._segments(0x200, 0x7000, length, lists) == [(a, int(n)) for a, n in want]
-    finally:
-        dev.close()
+    ``expected``: PRP1's piece in bytes, then (page frame, length in pages). The list page
+    was prefetched with its batch: the walk reads nothing more."""
+    pages = [f * PAGE for f in frames]
+    length = 0xE00 + 3 * PAGE + 0x400  # PRP1 from 0x200 to its page's end, then 3 pages and a quarter
+    lists = {(0x7000, 8 * len(pages)): struct.pack(f"<{len(pages)}Q", *pages)}
+    want = [expected[0]] + [(frame * PAGE, int(n * PAGE)) for frame, n in expected[1:]]
+
+    def read(address: int, size: int) -> bytes:
+        raise AssertionError(f"read {size} bytes at {address:#x}: the list page was prefetched")
+    assert nvme_prp.segments(0x200, 0x7000, length, read, lists) == [(a, int(n)) for a, n in want]
 
 
 def test_prp_list_in_unmapped_memory_is_a_data_transfer_error(ctrl):
