@@ -866,6 +866,53 @@ def test_prp_segments_merge_adjacent_pages_only(frames, expected):
     assert nvme_prp.segments(0x200, 0x7000, length, read, lists) == [(a, int(n)) for a, n in want]
 
 
+
+def test_any_prps_a_guest_writes_walk_to_the_transfer_or_to_invalid_prp_offset():
+    """PRPs are the guest's: random PRP1, PRP2, lengths and list pages (pointers that are
+    unaligned, point back at their own page or run on through chained pages) either walk
+    to segments that cover exactly the transfer -- the first from PRP1, every other on a
+    page boundary, no two adjacent left unmerged -- or end in Invalid PRP Offset; never
+    another exception, and never more list reads than the transfer has pages (+1 per
+    chained page)."""
+    import random
+    rng = random.Random(11)
+    memory: dict[int, bytes] = {}
+
+    def read(address: int, size: int) -> bytes:
+        reads.append(size)
+        page = memory.get(address & ~(PAGE - 1), bytes(PAGE))
+        start = address % PAGE
+        return page[start:start + size].ljust(size, b"\0")
+
+    def pointer() -> int:  # mostly page aligned, often adjacent to another
+        base = rng.randrange(1, 16) * PAGE
+        return base if rng.random() < 0.97 else base + rng.choice((8 * rng.randrange(512), rng.randrange(PAGE)))
+
+    walked = refused = 0
+    for _ in range(3000):
+        memory.clear()
+        for _ in range(rng.randrange(4)):  # list pages: entries, a pointer onwards, junk
+            page = [pointer() if rng.random() < 0.995 else rng.randrange(1 << 64) for _ in range(512)]
+            memory[rng.randrange(1, 16) * PAGE] = struct.pack("<512Q", *page)
+        prp1 = pointer() + rng.choice((0, 4 * rng.randrange(1024), rng.randrange(PAGE)))
+        prp2 = pointer() + rng.choice((0, 0, 8 * rng.randrange(512)))
+        length = rng.choice((rng.randrange(1, 2 * PAGE), rng.randrange(1, PAGE << nvme_identity.MDTS),
+                             PAGE << nvme_identity.MDTS))
+        reads: list[int] = []
+        try:
+            got = nvme_prp.segments(prp1, prp2, length, read)
+        except nvme_spec.CommandError as exc:
+            assert exc.status == nvme_spec.Status.INVALID_PRP_OFFSET, exc
+            refused += 1
+            continue
+        walked += 1
+        assert sum(n for _, n in got) == length and got[0][0] == prp1
+        assert all(a % PAGE == 0 for a, _ in got[1:]), got
+        assert all(a + n != b for (a, n), (b, _) in zip(got, got[1:])), "adjacent pieces left unmerged"
+        pages = (length + PAGE - 1) // PAGE + 1
+        assert sum(reads) <= 8 * 2 * pages, (reads, length)
+    assert walked > 300 and refused > 300, (walked, refused)
+
 def test_prp_list_in_unmapped_memory_is_a_data_transfer_error(ctrl):
     drv, _ = ctrl
     drv.io_queues(1)
