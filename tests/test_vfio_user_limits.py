@@ -5,6 +5,7 @@ being served (or the next one is), and every malformed message gets an error rep
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import time
 
@@ -12,6 +13,7 @@ import pytest
 
 from dxpu_vfio.vfio_user import protocol as p
 from dxpu_vfio.vfio_user.client import ClientError, VfioUserClient
+from dxpu_vfio.vfio_user.connection import ConnectionClosed
 from dxpu_vfio.vfio_user.handlers import MAX_DMA_WINDOW
 from dxpu_vfio.vfio_user.server import VfioUserServer
 from dxpu_vfio.vfio_user.session import MAX_DMA_MAPS
@@ -217,3 +219,32 @@ def test_descriptors_sent_behind_unread_bytes_reach_their_own_message(tmp_path, 
         os.close(efd)
         c.close()
         srv.stop()
+
+
+def test_more_descriptors_than_a_read_takes_end_the_session_which_says_why(stream, server, caplog):
+    """A message with more descriptors than ``max_msg_fds``: the kernel truncates them, so
+    the rest of the stream's descriptors can no longer be matched to their messages and
+    the session ends (docs/limits.md). The server's log says why, on both streams, every
+    descriptor is closed, and the next client is served."""
+    client = VfioUserClient(server.socket_path, timeout=3.0)
+    client.negotiate()
+    extra = [os.eventfd(0) for _ in range(p.MAX_MSG_FDS + 1)]
+    before = open_fds()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dxpu.vfio_user.server"):
+            with pytest.raises((ClientError, ConnectionClosed)):
+                client.request(p.Command.DEVICE_SET_IRQS,
+                               p.SetIrqs(p.IRQ_DATA_EVENTFD | p.IRQ_ACTION_TRIGGER, p.IRQ_MSI, 0, 17).pack(), fds=extra)
+            assert server.wait_idle(5), "the session did not end"
+    finally:
+        for fd in extra:
+            os.close(fd)
+        client.close()
+    assert f"more than {p.MAX_MSG_FDS} descriptors in one message" in caplog.text, caplog.text
+    assert open_fds() <= before - len(extra), "the server kept descriptors of the ended session"
+    again = VfioUserClient(server.socket_path, timeout=3.0)
+    again.negotiate()
+    try:
+        still_served(again)
+    finally:
+        again.close()

@@ -263,7 +263,7 @@ static void close_fds(const int *fds, int count)
  * without descriptors in front of a message that carries some into one read, and ends the
  * read with that message's bytes: its descriptors belong to the message holding the last
  * byte, not to the first one in the read. IO_ERRNO: see errno
- * (EAGAIN, EINTR, ...); IO_ERROR (errbuf): too many descriptors. */
+ * (EAGAIN, EINTR, ...); IO_ERROR (errbuf): too many descriptors, or more messages with them read ahead than FDQ_LEN. */
 static ssize_t recv_with_fds(Stream *s, unsigned char *buf, size_t len, char *errbuf, size_t errlen)
 {
     union {
@@ -291,7 +291,13 @@ static ssize_t recv_with_fds(Stream *s, unsigned char *buf, size_t len, char *er
     }
     if (mh.msg_flags & MSG_CTRUNC || (batch.count && (n == 0 || s->fdq_len == FDQ_LEN))) {
         close_fds(batch.fds, batch.count);
-        snprintf(errbuf, errlen, "more than %d descriptors in one message", MAX_FDS);
+        if (mh.msg_flags & MSG_CTRUNC)
+            snprintf(errbuf, errlen, "more than %d descriptors in one message", MAX_FDS);
+        else if (n == 0)
+            snprintf(errbuf, errlen, "descriptors without a message");
+        else /* a sender waiting for room reads ahead (drain_some): a peer that never reads fills it */
+            snprintf(errbuf, errlen, "more than %d messages with descriptors read ahead of the one being "
+                     "handled: the peer sends without reading the replies", FDQ_LEN);
         return IO_ERROR;
     }
     if (batch.count)

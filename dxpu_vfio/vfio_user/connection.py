@@ -30,6 +30,9 @@ _ANC_SPACE = socket.CMSG_SPACE(MAX_MSG_FDS * 4)
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)  # an IntFlag: "&" on the enum costs microseconds per read
 
 
+PEER_CLOSED = "peer closed the connection"  # the reason of an orderly close (the C stream says the same)
+
+
 class ConnectionClosed(Exception):
     """The peer closed the socket (or it failed)."""
 
@@ -118,7 +121,7 @@ class Connection:
         if not n:
             for fd in fds:
                 os.close(fd)
-            raise ConnectionClosed("peer closed the connection")
+            raise ConnectionClosed(PEER_CLOSED)
         if fds:
             self._fds.append((self._end + n - 1, fds))  # the position of the read's last byte
         self._end += n

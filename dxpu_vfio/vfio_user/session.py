@@ -39,7 +39,7 @@ from typing import Protocol
 
 from dxpu_vfio.native import stream as native
 from dxpu_vfio.vfio_user import protocol as p
-from dxpu_vfio.vfio_user.connection import Connection, ConnectionClosed, Message
+from dxpu_vfio.vfio_user.connection import PEER_CLOSED, Connection, ConnectionClosed, Message
 from dxpu_vfio.vfio_user.device_api import EventSource, NativeForward, VfioDevice, irq_vector_counts
 from dxpu_vfio.vfio_user.dma import DmaTable
 from dxpu_vfio.vfio_user.handlers import FDS_ALLOWED, Handler, Reply, ServerOptions, command_name
@@ -138,8 +138,9 @@ class Session:
                 if self.posted:
                     self._flush_posted(idle=False)  # a later request never passes them
                 self._handle(msg)
-        except ConnectionClosed:
-            pass
+        except ConnectionClosed as exc:
+            if str(exc) != PEER_CLOSED and not self.conn.closed:  # the stream broke: say why
+                log.warning("%s: session ended: %s", self.server.name, exc)
         finally:
             if forward is not None:
                 forward.forwarding(None)
