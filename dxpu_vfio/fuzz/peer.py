@@ -41,6 +41,7 @@ class Peer:
         self._buf = bytearray()
         self._want: dict[int, vp.Header | None] = {}
         self._outbox = bytearray()  # answers to the target's requests not sent yet (whole messages, in order)
+        self._mid_message = False  # part of a message is sent: nothing else may go until the rest has
         self.requests_seen = 0  # the target's own requests (DMA, heartbeats, interrupts)
         self.reply_payload = b""  # of the last reply :meth:`request` waited for
 
@@ -56,23 +57,30 @@ class Peer:
                 self._wait_room(deadline, len(self._outbox))
         view = memoryview(data)
         first = True
-        while view:
-            try:
-                if first and fds:
-                    n = self.sock.sendmsg([view], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-                else:
-                    n = self.sock.send(view)
-                first = False
-                view = view[n:]
-                continue
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
-                    self.closed = True
-                    raise Gone(str(exc)) from None
-                raise
-            self._wait_room(deadline, len(view))
+        self._mid_message = True  # answers made while we wait for room wait in the outbox
+        try:
+            while view:
+                try:
+                    if first and fds:
+                        n = self.sock.sendmsg([view], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                        array.array("i", fds))])
+                    else:
+                        n = self.sock.send(view)
+                    first = False
+                    view = view[n:]
+                    continue
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
+                        self.closed = True
+                        raise Gone(str(exc)) from None
+                    raise
+                self._wait_room(deadline, len(view))
+        finally:
+            self._mid_message = False
+        if self._outbox:
+            self._flush()
 
     def _wait_room(self, deadline: float, left: int) -> None:
         if time.monotonic() > deadline:
@@ -136,7 +144,7 @@ class Peer:
                 if out:
                     self._outbox += out
         del buf[:pos]
-        if self._outbox:
+        if self._outbox and not self._mid_message:  # never inside a message we are still sending
             self._flush()
 
     def request(self, data: bytes, msg_id: int, deadline: float, fds: list[int] | tuple = (),

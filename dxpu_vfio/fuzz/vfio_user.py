@@ -175,8 +175,12 @@ class VfioUserTarget(ChildTarget):
             try:
                 sock.connect(str(self.process.socket_path))
                 self.peer = Peer(sock, self._answer)
-                if not negotiate:
-                    return sent
+                if not negotiate:  # a session left without VERSION: a read (refused, EPROTO) shows the
+                    # server took it; a connection that came while the last session was still
+                    # ending is closed unanswered, and is tried again like a refused VERSION
+                    probe = p.message(PROBE_ID, CMD.REGION_READ, p.RegionAccess(p.REGION_CONFIG, 0, 4).pack())
+                    self.peer.request(probe, PROBE_ID, deadline)
+                    return sent + [probe]
                 hello = p.message(1, CMD.VERSION, p.Version(0, 0, {"max_msg_fds": p.MAX_MSG_FDS}).pack())
                 self.peer.request(hello, 1, deadline)
                 break
