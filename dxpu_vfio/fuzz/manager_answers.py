@@ -5,7 +5,7 @@ on its socket, answers, with the generic reader fuzzing of :mod:`dxpu_vfio.fuzz.
 
 A sample is one HTTP answer written as ``<status> <content type>`` on its first line and
 the body after it: attaches, a listing, an error with its hint and logs, the metrics
-text, a screenshot's PNG header. A 200 must come back as a JSON object or list, a text
+text, a screenshot's PNG header (a byte per character). A 200 must come back as a JSON object or list, a text
 or the PNG's bytes; anything else is a
 :class:`~dxpu_vfio.pool.service.ManagerError` (an error answer with its message, kind,
 hint and logs only where they are strings).
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from dxpu_vfio.fuzz.readers import REFUSED, Reader, ReaderTarget
-from dxpu_vfio.pool.service import ManagerError, manager_answer
+from dxpu_vfio.pool.service import PNG_SIGNATURE, ManagerError, manager_answer
 
 LOG = Path("/run/dxpu/pool/manager.log")
 LEASE = {"lease": "l-7f3a", "vm": "qmp:/run/vm1.qmp", "device": "box1/td0", "class": "testdev", "port": "rp1",
@@ -29,7 +29,7 @@ ANSWERS = {
     "error": ("409 application/json", {"error": "NoFreeDevice", "message": "no free testdev in the pool",
                                        "hint": "dxpu ls shows what is free", "logs": [str(LOG)]}),
     "metrics": ("200 text/plain; version=0.0.4", "dxpu_pool_devices{class=\"testdev\"} 4\n"),
-    "screenshot": ("200 image/png", "\x89PNG\r\n\x1a\n"),
+    "screenshot": ("200 image/png", PNG_SIGNATURE.decode("latin-1") + "IHDR"),
 }
 
 
@@ -38,7 +38,18 @@ def _read(text: str) -> object:
     head, _, body = text.partition("\n")
     word, _, kind = head.partition(" ")
     status = int(word) if word.isascii() and word.isdigit() and len(word) == 3 else 599
-    return manager_answer("POST /v1/attach", status, kind, body.encode("utf-8", "surrogateescape"), LOG)
+    return manager_answer("POST /v1/attach", status, kind, _body(kind, body), LOG)
+
+
+def _body(kind: str, body: str) -> bytes:
+    """The body's bytes: a PNG's a byte per character (U+0089 is its first byte) where the
+    text still allows it, anything else as UTF-8."""
+    if kind == "image/png":
+        try:
+            return body.encode("latin-1")
+        except UnicodeEncodeError:  # a character the mutations made past U+00FF
+            pass
+    return body.encode("utf-8", "surrogateescape")
 
 
 def _keeps(kind: str, value: object) -> str | None:
@@ -51,7 +62,7 @@ def _sample(head: str, body: object) -> str:
 
 
 def _expected(head: str, body: object) -> object:
-    return body.encode() if head.endswith("image/png") else body
+    return _body("image/png", body) if head.endswith("image/png") else body
 
 
 READERS = tuple(

@@ -75,6 +75,9 @@ class ManagerUnavailable(ManagerError):
     """No manager serves this pool database."""
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
 def manager_answer(request: str, status: int, kind: str, data: bytes, log: Path) -> object:
     """What the manager answered ``request`` (``"POST /v1/attach"``), as the client hands
     it on: a PNG's bytes, a text, or a JSON object or list (200); a ManagerError with the
@@ -88,6 +91,8 @@ def manager_answer(request: str, status: int, kind: str, data: bytes, log: Path)
 
     if status == 200:
         if kind == "image/png":
+            if not data.startswith(PNG_SIGNATURE):  # a caller writes these bytes to a .png file
+                raise odd("no PNG")
             return data
         if kind.startswith("text/"):
             try:
@@ -340,9 +345,6 @@ def serve(db: Path | None = None, *, heartbeat: float = 1.0, dead_after: float =
 
 
 # --- client ----------------------------------------------------------------------
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
 class _UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: Path, timeout: float) -> None:
         super().__init__("localhost", timeout=timeout)
@@ -400,10 +402,9 @@ class ManagerClient:
         """A pooled display's scanout as PNG (the manager asks the device's box): bytes
         that are a PNG, or a ManagerError quoting what came instead (a manager of another
         version), never something a caller would write to a .png file."""
-        answer = self.get("/v1/screenshot", device=device)
-        if not isinstance(answer, bytes) or not answer.startswith(PNG_SIGNATURE):
-            shown = answer[:40] if isinstance(answer, bytes) else str(answer)[:200]
-            raise ManagerError(f"the manager answered the screenshot of {device} with no PNG: {shown!r}",
+        answer = self.get("/v1/screenshot", device=device)  # image/png: checked by manager_answer
+        if not isinstance(answer, bytes):
+            raise ManagerError(f"the manager answered the screenshot of {device} with no PNG: {str(answer)[:200]}",
                                hint="a manager of another version: restart it (dxpu manager serve)",
                                logs=[self.paths.log])
         return answer
