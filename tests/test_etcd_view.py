@@ -29,13 +29,21 @@ def event(key: str, value: object, revision: int) -> dict:
     return {"kv": {**kv, "record": value}}
 
 
-def loaded(boxes: dict[str, tuple[dict, int]], claims: dict[str, str]) -> AllocationView:
+def fresh_view(state: dict[str, object], revision: int) -> AllocationView:
+    """The view a full read of ``state`` (key -> value) builds."""
     view = AllocationView(PREFIX)
-    view.load([(f"{PREFIX}boxes/{b}", rec, 1) for b, (rec, _) in boxes.items()],
-              [(f"{PREFIX}inventory/{b}", inventory(n), 1) for b, (_, n) in boxes.items()],
-              [(f"{PREFIX}claims/{device}", lease, 1) for device, lease in claims.items()],
-              [], revision=1)
+    by = {kind: [(PREFIX + k, v, revision) for k, v in state.items() if k.startswith(kind + "/")]
+          for kind in ("boxes", "inventory", "claims", "alive")}
+    view.load(by["boxes"], by["inventory"], by["claims"], by["alive"], revision)
     return view
+
+
+def loaded(boxes: dict[str, tuple[dict, int]], claims: dict[str, str]) -> AllocationView:
+    """A view read whole: boxes (record, devices in the inventory) and claims (device -> lease)."""
+    state: dict[str, object] = {f"claims/{device}": lease for device, lease in claims.items()}
+    for box, (rec, n) in boxes.items():
+        state[f"boxes/{box}"], state[f"inventory/{box}"] = rec, inventory(n)
+    return fresh_view(state, 1)
 
 
 def test_pack_takes_the_fullest_box_and_spread_the_emptiest():
@@ -62,15 +70,6 @@ def test_an_event_older_than_what_a_transaction_told_is_ignored():
                          [], []])
     view.apply(event("boxes/a", record(up=True), 7))  # a watch event from before revision 9
     assert not view.lends("a")
-
-
-def fresh_view(state: dict[str, object], revision: int) -> AllocationView:
-    """The view a full read of ``state`` (key -> value) builds."""
-    view = AllocationView(PREFIX)
-    by = {kind: [(PREFIX + k, v, revision) for k, v in state.items() if k.startswith(kind + "/")]
-          for kind in ("boxes", "inventory", "claims", "alive")}
-    view.load(by["boxes"], by["inventory"], by["claims"], by["alive"], revision)
-    return view
 
 
 def test_the_index_agrees_with_a_fresh_view_after_every_event():

@@ -59,6 +59,12 @@ def header(rng: random.Random, command: int, payload: bytes, *, no_reply: bool =
     return p.HEADER.pack(msg_id, command, p.HEADER_SIZE + len(payload), flags, error) + payload
 
 
+def config_read(msg_id: int) -> bytes:
+    """A read of the first config dword: what the fuzzer's own round trips ask (the probe,
+    the sync before descriptors, the first message of a session without VERSION)."""
+    return p.message(msg_id, CMD.REGION_READ, p.RegionAccess(p.REGION_CONFIG, 0, 4).pack())
+
+
 def framing_breaker(rng: random.Random) -> Wire:
     """A message after which the stream cannot be trusted: the session must end cleanly."""
     body = rng.randbytes(rng.choice((0, 4, 24)))
@@ -178,7 +184,7 @@ class VfioUserTarget(ChildTarget):
                 if not negotiate:  # a session left without VERSION: a read (refused, EPROTO) shows the
                     # server took it; a connection that came while the last session was still
                     # ending is closed unanswered, and is tried again like a refused VERSION
-                    probe = p.message(PROBE_ID, CMD.REGION_READ, p.RegionAccess(p.REGION_CONFIG, 0, 4).pack())
+                    probe = config_read(PROBE_ID)
                     self.peer.request(probe, PROBE_ID, deadline)
                     return sent + [probe]
                 hello = p.message(1, CMD.VERSION, p.Version(0, 0, {"max_msg_fds": p.MAX_MSG_FDS}).pack())
@@ -231,8 +237,7 @@ class VfioUserTarget(ChildTarget):
                 if self.peer is None or self.peer.closed:
                     self._session(deadline)
                 assert self.peer is not None
-                reply = self.peer.request(p.message(PROBE_ID, CMD.REGION_READ,
-                                                    p.RegionAccess(p.REGION_CONFIG, 0, 4).pack()), PROBE_ID, deadline)
+                reply = self.peer.request(config_read(PROBE_ID), PROBE_ID, deadline)
                 if reply.is_error and reply.error != 71:  # EPROTO: a session left without VERSION
                     raise Hang(f"the config read of the probe failed: errno {reply.error}")
                 return
@@ -255,7 +260,7 @@ class VfioUserTarget(ChildTarget):
                     # As QEMU does, nothing else in flight when descriptors go (the streams give a
                     # read's descriptors to the message holding its last byte, docs/limits.md
                     # "Descriptors"; test_vfio_user_limits checks the other order on its own).
-                    sync = p.message(SYNC_ID, CMD.REGION_READ, p.RegionAccess(p.REGION_CONFIG, 0, 4).pack())
+                    sync = config_read(SYNC_ID)
                     self.peer.request(sync, SYNC_ID, deadline)
                     sent.append(sync)
                 self.broken |= breaks
